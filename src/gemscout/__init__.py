@@ -1,0 +1,37 @@
+"""gemscout: resiliency for distributed PyTorch training.
+
+The public face: :func:`enable_resiliency`, its configs, the decision and trust types, and the errors.
+Everything else is reachable by module path. Importing gemscout never imports the harness or an optional framework.
+"""
+
+from gemscout.api import Session, enable_resiliency
+from gemscout.config import TrustState
+from gemscout.errors import (
+    CollectiveTimeout,
+    ConfigError,
+    GemscoutError,
+    IntegrityError,
+    RecoveryError,
+    ReplicaUnavailable,
+    RunMismatchError,
+)
+from gemscout.gemini.config import CheckpointConfig
+from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "CollectiveTimeout",
+    "ConfigError",
+    "GemscoutError",
+    "IntegrityError",
+    "RecoveryDecision",
+    "RecoveryError",
+    "RecoveryMode",
+    "ReplicaUnavailable",
+    "RunMismatchError",
+    "Session",
+    "TrustState",
+    "enable_resiliency",
+]

@@ -1,0 +1,149 @@
+"""One rank of a deterministic DDP training run, with or without gemscout, with optional fault injection.
+
+Run under :mod:`qualification.launch` (or torchrun). Writes ``<out>/rank<r>.json``: losses per step, the resume step,
+the recovery decision, and a SHA-256 over every parameter and optimizer-state byte (``state_digest``), so a driver can
+compare a recovered run against an uninterrupted one bit for bit.
+
+Faults (all real): ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank R at step S, phase P in
+``after-step`` (in the loop, right after optimizer.step), ``in-step`` (between backward and optimizer.step),
+``capture`` (inside the capture, from the caller-state callback), ``persist``, ``replicate``, ``persist_replica``
+(on GEMINI's io thread, through its phase hook), or ``random:<max_ms>`` (a timer fires a random delay after step S,
+wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from qualification.workloads import build_model, lm_loss, synthetic_batch
+
+
+def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for idx, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{idx}.{k}".encode())
+            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if torch.is_tensor(v)
+                     else repr(v).encode())
+    return h.hexdigest()
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--workload", default="tiny-causal-lm")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument("--run-id", default="qualify")
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--no-async", action="store_true")
+    ap.add_argument("--chunk-bytes", type=int, default=256 * 1024)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--kill-phase", default="after-step")
+    ap.add_argument("--sigterm-step", type=int, default=-1)
+    ap.add_argument("--kill-seed", type=int, default=0)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
+    model = build_model(args.workload, seed=args.seed)
+    # Without find_unused_parameters DDP rebuilds its gradient buckets after the first iteration of every process;
+    # with 3+ ranks a restarted process would then reduce one step in another order (see docs/gemini.md).
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    losses: dict[int, float] = {}
+    killer = args.kill_rank == rank
+    session = None
+    decision = None
+    if args.ckpt is not None:
+        import gemscout
+
+        def extra() -> dict:
+            if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return {"losses": {str(k): v for k, v in losses.items()}}
+
+        def load_extra(state: dict) -> None:
+            losses.clear()
+            losses.update({int(k): float(v) for k, v in state["losses"].items()})
+
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
+            persist_every=args.persist_every, async_copy=not args.no_async, chunk_bytes=args.chunk_bytes,
+            timeout=timedelta(seconds=60), fsync=False,
+        )
+        session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg, schedulers=[sched],
+                                             extra_state_fn=extra, load_extra_state_fn=load_extra)
+        decision = session.last_decision.to_dict() if session.last_decision else None
+        if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
+            def hook(phase: str, step: int) -> None:
+                if phase == args.kill_phase and step == args.kill_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            session.checkpointer.phase_hook = hook
+    start = session.resume_step + 1 if session else 1
+    for step in range(start, args.steps + 1):
+        x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
+        loss = lm_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if killer and step == args.kill_step and args.kill_phase == "in-step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
+        opt.step()
+        sched.step()
+        if killer and step == args.kill_step:
+            if args.kill_phase == "after-step":
+                if session is not None and session.checkpointer is not None:
+                    session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.kill_phase.startswith("random:"):
+                delay = random.Random(args.kill_seed).uniform(0, float(args.kill_phase.split(":")[1]) / 1000)
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if rank == 0 and step == args.sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler flushes and re-raises; we never get here
+    digest = state_digest(model, opt)
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)  # test-side comparison only; gemscout itself never pickles
+    result = {
+        "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
+        "decision": decision, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
+        "replicas_equal": len(set(digests)) == 1, "final_step": args.steps,
+        "stats": session.checkpointer.stats if session and session.checkpointer else {},
+        "errors": session.checkpointer.errors if session and session.checkpointer else [],
+    }
+    if session:
+        session.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""GEMINI: in-memory checkpoints, peer replication, atomic persistence, trust states and recovery."""

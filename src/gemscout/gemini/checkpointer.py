@@ -1,0 +1,396 @@
+"""The GEMINI engine of one rank: capture → persist → replicate → certify → recover.
+
+Threads: the training thread runs the hooks; ``gemini-copy`` copies into slots; ``gemini-io`` persists, replicates
+and prunes, one capture at a time and in step order on every rank, so the replication collectives of all ranks line
+up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
+thread, so the two never interleave on that group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gemscout.errors import CollectiveTimeout, IntegrityError, RecoveryError, RunMismatchError
+from gemscout.gemini import comm, store
+from gemscout.gemini.config import CheckpointConfig
+from gemscout.gemini.lifecycle import TrustLedger
+from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
+from gemscout.gemini.replication import Placement, ReplicaBuffers
+from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
+from gemscout.state import training_state
+from gemscout.state.codec import decode
+from gemscout.state.layout import parse_prefix, verify_data
+
+log = logging.getLogger("gemscout.gemini")
+
+Frame = tuple[bytes, torch.Tensor]
+
+
+class Checkpointer:
+    """GEMINI for one rank. Construct on every rank of ``group`` (collective)."""
+
+    def __init__(
+        self,
+        sources: training_state.StateSources,
+        config: CheckpointConfig,
+        *,
+        group: dist.ProcessGroup,
+        rank: int,
+        placement: Placement,
+        run_id: str,
+        topology_digest: str,
+        on_decision: Callable[[RecoveryDecision], None] | None = None,
+    ) -> None:
+        self.sources, self.config, self.group, self.rank = sources, config, group, rank
+        self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
+        self.on_decision = on_decision
+        self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
+        self.pool = SlotPool(config.slots)
+        self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
+        self.replicas: dict[int, ReplicaBuffers] = {}
+        self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
+        self.ledger.run_id = run_id
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-io")
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self.captures = 0
+        self.persisted_step = -1
+        self.persisted_replica: dict[int, int] = {}
+        self.frontier = -1
+        """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
+        self.errors: list[str] = []
+        self.stats: dict[str, float] = {"capture_stall_s": 0.0, "replicate_s": 0.0, "persist_s": 0.0}
+        self.phase_hook: Callable[[str, int], None] | None = None
+        """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
+        "persist_replica" (on the io thread) before each happens. The harness uses it to kill at a phase."""
+        store.clean_stale_temps(self.paths.root)
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, step: int) -> None:
+        """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`)."""
+        state = training_state.collect(self.sources, step)
+        identity = {"run_id": self.run_id, "topology": self.topology_digest, "owner": self.rank, "step": step}
+        future = self.capturer.capture(state, identity, self.sources.async_pointers())
+        self.stats["capture_stall_s"] = self.capturer.last_stall_s
+        self.captures += 1
+        persist_now = self.config.persist and self.captures % self.config.persist_every == 0
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._io.submit(self._pipeline, future, persist_now))
+
+    def wait_copied(self) -> None:
+        """Block until no capture reads live tensors. The optimizer pre-step hook calls this."""
+        try:
+            self.capturer.wait_copied()
+        except FutureTimeout:
+            raise CollectiveTimeout("checkpoint copy did not finish within the timeout") from None
+
+    def _pipeline(self, future: Future[Slot], persist_now: bool) -> None:
+        try:
+            slot = future.result()
+        except Exception as exc:  # the copy failed: the slot was never sealed
+            self.errors.append(f"capture failed: {exc}")
+            log.error("gemini capture failed: %s", exc)
+            return
+        try:
+            if persist_now:
+                self._persist_own(slot)
+            if self.config.replicate and self.placement.enabled:
+                self._replicate(slot, persist_now)
+            if persist_now:
+                self._advance_frontier(slot.step)
+        except Exception as exc:
+            self.errors.append(f"step {slot.step}: {exc}")
+            log.error("gemini io for step %d failed: %s", slot.step, exc)
+        finally:
+            self.pool.release(slot)
+
+    def _phase(self, phase: str, step: int) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(phase, step)
+
+    def _persist_own(self, slot: Slot) -> None:
+        self._phase("persist", slot.step)
+        t0 = time.perf_counter()
+        store.write_checkpoint(store.step_file(self.paths.own, slot.step), slot.prefix, slot.data,
+                               fsync=self.config.fsync)
+        self.persisted_step = slot.step
+        self.ledger.add_candidate(slot.step)
+        self.ledger.save()
+        self.stats["persist_s"] = time.perf_counter() - t0
+
+    def _replicate(self, slot: Slot, persist_now: bool) -> None:
+        self._phase("replicate", slot.step)
+        t0 = time.perf_counter()
+        owner = self.placement.source(self.rank)
+        buffers = self.replicas.setdefault(owner, ReplicaBuffers(keep=self.config.slots))
+        received = comm.exchange(
+            slot.frame(), self.placement.target(self.rank), owner, group=self.group,
+            chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for,
+        )
+        assert received is not None
+        step = self._verify_frame(received, owner=owner, step=None)
+        buffers.add(step, *received)
+        self.stats["replicate_s"] = time.perf_counter() - t0
+        if persist_now:
+            self._persist_replica(owner, step, received)
+
+    def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
+        self._phase("persist_replica", step)
+        folder = self.paths.replicas(owner)
+        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync)
+        self.persisted_replica[owner] = step
+
+    def _advance_frontier(self, step: int) -> None:
+        """Agree on the newest step that every rank has on disk with its replica, then prune below it.
+
+        Pruning by local progress alone is unsafe: a rank could drop the last step whose replica its peer finished
+        writing, leaving no step restorable everywhere after a node loss. The MIN all-reduce runs on the io thread,
+        in capture order on every rank, so it lines up like the replication exchange does.
+        """
+        replicated = not (self.config.replicate and self.placement.enabled) or \
+            self.persisted_replica.get(self.placement.source(self.rank), -1) == step
+        mine = step if self.persisted_step == step and replicated else self.frontier
+        t = torch.tensor([mine], dtype=torch.int64)
+        comm.wait_all([dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
+                      self.config.timeout, "frontier agreement")
+        self.frontier = max(self.frontier, int(t.item()))
+        keep = self.config.keep_generations
+        store.prune_safe(self.paths.own, self.frontier, keep)
+        for owner in self.paths.held_owners():
+            store.prune_safe(self.paths.replicas(owner), self.frontier, keep)
+        steps = store.list_steps(self.paths.own)
+        if steps:
+            self.ledger.forget_before(steps[-1])
+            self.ledger.save()
+
+    def _verify_frame(self, frame: Frame, *, owner: int, step: int | None) -> int:
+        parsed = parse_prefix(frame[0])
+        verify_data(parsed, frame[1])
+        ident = parsed.identity
+        if ident.get("owner") != owner or (step is not None and ident.get("step") != step):
+            raise IntegrityError(f"replica identity mismatch: expected owner {owner} step {step}, got {ident}")
+        self._check_identity(ident, where=f"replica of rank {owner}")
+        return int(ident["step"])
+
+    def _check_identity(self, ident: dict[str, Any], *, where: str) -> None:
+        if ident.get("run_id") != self.run_id:
+            raise RunMismatchError(
+                f"{where} belongs to run {ident.get('run_id')!r}, not {self.run_id!r}; set run_id (or "
+                "GEMSCOUT_RUN_ID) to the run you resume, or point CheckpointConfig.directory at a fresh folder"
+            )
+        if ident.get("topology") != self.topology_digest:
+            raise RunMismatchError(
+                f"{where} was written for another topology (world size, nodes or model); resume with the same "
+                "topology, or restore from the durable tier, which accepts a new world size"
+            )
+
+    # ------------------------------------------------------------------ flush / drain
+    def drain(self, timeout: timedelta | None = None) -> None:
+        """Wait for every queued persist/replicate job. Raises CollectiveTimeout past ``timeout``."""
+        deadline = time.monotonic() + (timeout or self.config.timeout).total_seconds()
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise CollectiveTimeout("checkpoint io did not drain within the timeout") from None
+
+    def flush(self, timeout: timedelta | None = None) -> int:
+        """Persist the newest recoverable state: drain, then write the newest capture and held replicas if not on
+        disk yet. Issues no collective, so it is safe in a signal handler. Returns the newest persisted own step."""
+        timeout = timeout or self.config.flush_timeout
+        try:
+            self.drain(timeout)
+        except CollectiveTimeout as exc:
+            log.warning("gemini flush: %s; writing what is sealed", exc)
+        if not self.config.persist:
+            return self.persisted_step
+        newest = self.pool.newest_ready()
+        if newest is not None and newest.step > self.persisted_step:
+            self._persist_own(newest)
+        for owner, buffers in self.replicas.items():
+            if buffers.entries and buffers.entries[0][0] > self.persisted_replica.get(owner, -1):
+                step, prefix, data = buffers.entries[0]
+                self._persist_replica(owner, step, (prefix, data))
+        return self.persisted_step
+
+    # ------------------------------------------------------------------ trust
+    def certify(self, step: int) -> list[int]:
+        """Collectively mark every candidate <= ``step`` RECOVERY_VERIFIED (all ranks must call)."""
+        self.drain()
+        ok = comm.all_agree(True, group=self.group, timeout=self.config.timeout)
+        changed = self.ledger.certify_through(step) if ok else []
+        self.ledger.save()
+        return changed
+
+    def reject_candidates(self, reason: str) -> list[int]:
+        """Collectively mark every uncertified candidate REJECTED (all ranks must call)."""
+        self.drain()
+        comm.all_agree(True, group=self.group, timeout=self.config.timeout)
+        rejected = self.ledger.reject_uncertified()
+        self.ledger.last_decision = {"rejected": rejected, "reason": reason}
+        self.ledger.save()
+        return rejected
+
+    # ------------------------------------------------------------------ recovery
+    def _proposal(self) -> tuple[dict[str, Any], dict[tuple[str, int, int], Any]]:
+        """What this rank can load and verify, and where each item lives (for the transfers)."""
+        where: dict[tuple[str, int, int], Any] = {}
+        memory = []
+        for slot in self.pool.ready_slots():
+            memory.append(slot.step)
+            where[("memory", self.rank, slot.step)] = slot.frame()
+        own = []
+        for step in store.list_steps(self.paths.own):
+            path = store.step_file(self.paths.own, step)
+            try:
+                parsed, _ = store.read_verified(path)
+                self._check_identity(parsed.identity, where=str(path))
+            except (IntegrityError, OSError) as exc:
+                log.warning("gemini: %s is unusable: %s", path, exc)
+                continue
+            own.append(step)
+            where[("local", self.rank, step)] = path
+        memory_held = {str(o): b.steps() for o, b in self.replicas.items()}
+        for o, b in self.replicas.items():
+            for s, prefix, data in b.entries:
+                where[("memory_held", o, s)] = (prefix, data)
+        held: dict[str, list[int]] = {}
+        for o in self.paths.held_owners():
+            for step in store.list_steps(self.paths.replicas(o)):
+                path = store.step_file(self.paths.replicas(o), step)
+                try:
+                    parsed, _ = store.read_verified(path)
+                    self._check_identity(parsed.identity, where=str(path))
+                    if parsed.identity.get("owner") != o:
+                        raise IntegrityError("owner mismatch")
+                except (IntegrityError, OSError) as exc:
+                    log.warning("gemini: replica %s is unusable: %s", path, exc)
+                    continue
+                held.setdefault(str(o), []).append(step)
+                where[("held", o, step)] = path
+        proposal = {"rank": self.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held}
+        proposal.update(self.ledger.summary())
+        return proposal, where
+
+    def recover(self, *, failure_kind: str = "restart", durable: Any = None, fallback: Callable[[], int] | None = None
+                ) -> RecoveryDecision:
+        """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
+
+        Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
+        """
+        self.drain()
+        excluded: set[int] = set()
+        for _ in range(self.config.max_recovery_attempts + 2):
+            proposal, where = self._proposal()
+            for s in excluded:
+                proposal["rejected"] = sorted(set(proposal["rejected"]) | {s})
+            proposals = comm.gather_json(proposal, group=self.group, timeout=self.config.timeout)
+            durable_step = durable.newest_step() if durable is not None else None
+            decision = decide(proposals, run_id=self.run_id, topology_digest=self.topology_digest,
+                              min_trust=self.config.min_trust, max_attempts=self.config.max_recovery_attempts,
+                              failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
+            if decision.mode == RecoveryMode.RESTORE:
+                assert decision.step is not None
+                frame, err = self._fetch(decision, where)
+                if not comm.all_agree(err is None, group=self.group, timeout=self.config.timeout):
+                    log.warning("gemini: step %d failed verification somewhere (%s); trying an older one",
+                                decision.step, err or "on a peer")
+                    excluded.add(decision.step)
+                    continue
+                self._deliver(decision)
+                assert frame is not None
+                self._restore_frame(frame)
+                self.ledger.attempts[decision.step] = self.ledger.attempts.get(decision.step, 0) + 1
+            else:
+                self._deliver(decision)
+                if decision.mode == RecoveryMode.STOP:
+                    self.ledger.last_decision = decision.to_dict()
+                    self.ledger.save()
+                    raise RecoveryError(f"recovery stopped: {decision.reason}")
+                if decision.mode == RecoveryMode.DURABLE:
+                    durable.load(decision.step, self.sources)
+                elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
+                    decision = _with_step(decision, fallback())
+            self.ledger.last_decision = decision.to_dict()
+            self.ledger.save()
+            return decision
+        raise RecoveryError("recovery stopped: every candidate step failed verification")
+
+    def _deliver(self, decision: RecoveryDecision) -> None:
+        log.info("gemini recovery decision: %s", decision.to_dict())
+        if self.on_decision is not None:
+            self.on_decision(decision)
+
+    def _fetch(self, decision: RecoveryDecision, where: dict[tuple[str, int, int], Any]) -> tuple[Frame | None, str | None]:
+        """Gather this rank's frame for the decided step: from memory, disk, or a peer. Returns (frame, error)."""
+        step = decision.step
+        assert step is not None
+        frame: Frame | None = None
+        err: str | None = None
+        for owner in sorted(decision.sources):
+            src = decision.sources[owner]
+            holder = int(src.split(":")[1]) if src.startswith("peer:") else owner
+            if src.startswith("peer:") and self.rank == holder:
+                comm.exchange(self._held_frame(where, owner, step), owner, None, group=self.group,
+                              chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout)
+            if self.rank == owner:
+                try:
+                    if src.startswith("peer:"):
+                        frame = comm.exchange(None, None, holder, group=self.group,
+                                              chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout)
+                    elif src == "memory":
+                        frame = where[("memory", owner, step)]
+                    else:
+                        frame = _split(store.read_raw(where[("local", owner, step)]))
+                    assert frame is not None
+                    self._verify_frame(frame, owner=owner, step=step)
+                except (IntegrityError, OSError, RunMismatchError) as exc:
+                    err = f"{src}: {exc}"
+        return frame, err
+
+    def _held_frame(self, where: dict[tuple[str, int, int], Any], owner: int, step: int) -> Frame:
+        if ("memory_held", owner, step) in where:
+            return where[("memory_held", owner, step)]
+        return _split(store.read_raw(where[("held", owner, step)]))
+
+    def _restore_frame(self, frame: Frame) -> None:
+        parsed = parse_prefix(frame[0])
+        state = decode(parsed.skeleton, parsed.layout.views(frame[1]))
+        training_state.restore(self.sources, state)
+
+    def close(self, timeout: timedelta | None = None) -> None:
+        """Drain pending work (bounded) and stop the threads."""
+        try:
+            self.drain(timeout or self.config.flush_timeout)
+        except CollectiveTimeout as exc:
+            log.warning("gemini close: %s", exc)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self.capturer.shutdown()
+
+
+def _split(raw: bytes) -> Frame:
+    parsed = parse_prefix(raw)
+    if len(raw) != parsed.data_offset + parsed.layout.data_nbytes:
+        raise IntegrityError(f"checkpoint has {len(raw)} bytes, its header says {parsed.data_offset + parsed.layout.data_nbytes}")
+    buf = bytearray(raw)
+    data = torch.frombuffer(buf, dtype=torch.uint8, offset=parsed.data_offset, count=parsed.layout.data_nbytes) \
+        if parsed.layout.data_nbytes else torch.empty(0, dtype=torch.uint8)
+    return bytes(raw[: parsed.data_offset]), data
+
+
+def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:
+    return RecoveryDecision(decision.failure_kind, decision.mode, step, decision.checkpoint_id, decision.sources,
+                            decision.topology_digest, decision.reason)
+

@@ -1,0 +1,94 @@
+"""Point-to-point and gather helpers over a dedicated gloo group; nothing here pickles.
+
+Every wait has a timeout; a missed deadline raises :class:`~gemscout.errors.CollectiveTimeout`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gemscout.errors import CollectiveTimeout
+
+
+def wait_all(works: list[Any], timeout: timedelta, what: str) -> None:
+    for w in works:
+        try:
+            w.wait(timeout)
+        except RuntimeError as exc:
+            raise CollectiveTimeout(f"{what} failed or timed out after {timeout.total_seconds():.0f}s: {exc}") from exc
+
+
+def gather_json(obj: Any, *, group: dist.ProcessGroup, timeout: timedelta) -> list[Any]:
+    """All-gather one JSON-serializable object per rank (ordered by group rank)."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    wait_all([dist.all_gather(sizes, size, group=group, async_op=True)], timeout, "size gather")
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, "state gather")
+    return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
+
+
+def all_agree(flag: bool, *, group: dist.ProcessGroup, timeout: timedelta) -> bool:
+    """True only if ``flag`` is true on every rank (a MIN all-reduce)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    wait_all([dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)], timeout, "agreement")
+    return bool(t.item())
+
+
+def exchange(
+    send: tuple[bytes, torch.Tensor] | None,
+    dst: int | None,
+    src: int | None,
+    *,
+    group: dist.ProcessGroup,
+    chunk_bytes: int,
+    timeout: timedelta,
+    recv_buffer: Any = None,
+) -> tuple[bytes, torch.Tensor] | None:
+    """Send a framed checkpoint ``(prefix, data)`` to ``dst`` while receiving one from ``src``.
+
+    Either side may be None (one-way transfer). ``dst``/``src`` are global ranks. The data moves in chunks of
+    ``chunk_bytes`` so that memory in flight stays bounded. ``recv_buffer(nbytes)`` may supply a reusable uint8
+    tensor for the incoming data. Returns what was received, unverified (the caller checks digests).
+    """
+    works = []
+    if send is not None:
+        prefix, data = send
+        works.append(dist.isend(torch.tensor([len(prefix), data.numel()], dtype=torch.int64), dst, group=group))
+    sizes = torch.zeros(2, dtype=torch.int64)
+    if src is not None:
+        works.append(dist.irecv(sizes, src, group=group))
+    wait_all(works, timeout, "replica size exchange")
+    works = []
+    rprefix = torch.zeros(int(sizes[0]), dtype=torch.uint8)
+    if send is not None:
+        works.append(dist.isend(torch.frombuffer(bytearray(send[0]), dtype=torch.uint8), dst, group=group))
+    if src is not None:
+        works.append(dist.irecv(rprefix, src, group=group))
+    wait_all(works, timeout, "replica header exchange")
+    rdata: torch.Tensor | None = None
+    if src is not None:
+        n = int(sizes[1])
+        rdata = recv_buffer(n) if recv_buffer is not None else torch.empty(n, dtype=torch.uint8)
+    send_n = send[1].numel() if send is not None else 0
+    recv_n = rdata.numel() if rdata is not None else 0
+    for off in range(0, max(send_n, recv_n), chunk_bytes):
+        works = []
+        if send is not None and off < send_n:
+            works.append(dist.isend(send[1][off : off + chunk_bytes], dst, group=group))
+        if rdata is not None and off < recv_n:
+            works.append(dist.irecv(rdata[off : off + chunk_bytes], src, group=group))
+        wait_all(works, timeout, "replica data transfer")
+    if src is None or rdata is None:
+        return None
+    return bytes(rprefix.numpy()), rdata

@@ -1,0 +1,93 @@
+"""GEMINI's configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from gemscout.config import TrustState, require, strict_fields
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+@strict_fields
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig:
+    """How GEMINI captures, replicates, persists and recovers checkpoints."""
+
+    directory: Path
+    """Root of this job's local checkpoint files (``node-<n>/rank-<r>/...``). Required."""
+    slots: int = 2
+    """In-memory slots per rank (>= 2): the newest checkpoint plus one that may still be in flight to a peer."""
+    replicate: bool = True
+    """Send every capture to a peer's memory (and the peer's disk when ``persist``)."""
+    replication_jump: int = 1
+    """Replicas go ``jump`` nodes further on the ring (same local rank); 1 .. nodes-1."""
+    ranks_per_node: int | None = None
+    """Ranks that share a node (fail together). Default: ``LOCAL_WORLD_SIZE``, else the world size."""
+    chunk_bytes: int = 16 * MiB
+    """Replication chunk size, 256 KiB .. 64 MiB."""
+    persist: bool = True
+    """Write own checkpoints and held replicas to ``directory``."""
+    persist_every: int = 1
+    """Persist every N-th capture (a SIGTERM flush persists the newest capture regardless)."""
+    keep_generations: int = 2
+    """Generations kept on disk per owner (>= 1)."""
+    fsync: bool = True
+    """fsync files and folders on publish; only turn off for throwaway runs."""
+    async_copy: bool = True
+    """Copy parameters and optimizer state on a background thread that overlaps the next forward/backward."""
+    min_trust: TrustState = TrustState.CANDIDATE
+    """Weakest trust state recovery may restore. SCOUT users set RECOVERY_VERIFIED."""
+    max_recovery_attempts: int = 3
+    """Restores of the same step before it is skipped; when every source is exhausted the decision is STOP."""
+    run_id: str | None = None
+    """Identity of the run; a checkpoint of another run is refused. Default: env GEMSCOUT_RUN_ID, torchelastic's
+    run id, the id recorded in ``directory``, or a new one broadcast from rank 0."""
+    durable_directory: Path | None = None
+    """Where durable (``torch.distributed.checkpoint``) promotions go; shared by all ranks. None disables."""
+    durable_every: int = 0
+    """Promote every N-th recovery-verified capture to the durable tier (0 = never)."""
+    timeout: timedelta = timedelta(seconds=300)
+    """Bound on every blocking call: a free slot, a transfer, an agreement."""
+    flush_timeout: timedelta = timedelta(seconds=60)
+    """Bound on flushing at SIGTERM/SIGINT and close()."""
+    handle_signals: bool = True
+    """Install SIGTERM/SIGINT handlers that flush and then chain to the previous handler."""
+
+    def __post_init__(self) -> None:
+        c = "CheckpointConfig"
+        require(isinstance(self.directory, str | Path) and str(self.directory) != "", c, "directory",
+                "give the folder for checkpoint files, e.g. directory='/local/ckpt'")
+        object.__setattr__(self, "directory", Path(self.directory))
+        if self.durable_directory is not None:
+            object.__setattr__(self, "durable_directory", Path(self.durable_directory))
+        require(isinstance(self.slots, int) and self.slots >= 2, c, "slots", f"must be an int >= 2, got {self.slots!r}")
+        require(isinstance(self.replication_jump, int) and self.replication_jump >= 1, c, "replication_jump",
+                f"must be an int >= 1, got {self.replication_jump!r}")
+        require(self.ranks_per_node is None or (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1),
+                c, "ranks_per_node", f"must be None or an int >= 1, got {self.ranks_per_node!r}")
+        require(isinstance(self.chunk_bytes, int) and 256 * KiB <= self.chunk_bytes <= 64 * MiB, c, "chunk_bytes",
+                f"must be between 262144 (256 KiB) and 67108864 (64 MiB), got {self.chunk_bytes!r}")
+        require(isinstance(self.persist_every, int) and self.persist_every >= 1, c, "persist_every",
+                f"must be an int >= 1, got {self.persist_every!r}")
+        require(isinstance(self.keep_generations, int) and self.keep_generations >= 1, c, "keep_generations",
+                f"must be an int >= 1, got {self.keep_generations!r}")
+        require(isinstance(self.max_recovery_attempts, int) and self.max_recovery_attempts >= 1, c,
+                "max_recovery_attempts", f"must be an int >= 1, got {self.max_recovery_attempts!r}")
+        require(isinstance(self.durable_every, int) and self.durable_every >= 0, c, "durable_every",
+                f"must be an int >= 0 (0 disables), got {self.durable_every!r}")
+        require(self.durable_every == 0 or self.durable_directory is not None, c, "durable_directory",
+                "is required when durable_every > 0")
+        try:
+            object.__setattr__(self, "min_trust", TrustState(self.min_trust))
+        except ValueError:
+            require(False, c, "min_trust", f"must be one of candidate, recovery_verified, durable; got {self.min_trust!r}")
+        require(self.min_trust != TrustState.REJECTED, c, "min_trust", "cannot be 'rejected'")
+        for name in ("timeout", "flush_timeout"):
+            value = getattr(self, name)
+            require(isinstance(value, timedelta) and value.total_seconds() > 0, c, name,
+                    f"must be a positive datetime.timedelta, got {value!r}")
+        require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""), c, "run_id",
+                "must be a non-empty string or None")

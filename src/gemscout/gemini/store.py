@@ -1,0 +1,169 @@
+"""Atomic, verified checkpoint files on a rank's local storage.
+
+Layout under the checkpoint directory (one folder per rank, grouped by node so a node loss is one ``rm -r``)::
+
+    node-<n>/rank-<r>/own/step-<s>.gsc                 this rank's own checkpoint of step s
+    node-<n>/rank-<r>/replicas/owner-<o>/step-<s>.gsc  the replica this rank holds for rank o
+    node-<n>/rank-<r>/status.json                      trust states, rejected steps, recovery attempts
+
+Writes go to a temp file in the same folder, are fsynced, renamed into place and the folder fsynced, so a reader sees
+either the old file or the whole new one. A file whose digests do not match is never loaded (fail closed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemscout.errors import IntegrityError
+from gemscout.state.layout import Parsed, parse_prefix, verify_data
+
+_STEP = re.compile(r"^step-(\d{9})\.gsc$")
+_TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator[Any]:
+    """Open a temp file beside ``path``; on clean exit publish it atomically, on error remove it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
+    try:
+        with open(tmp, "wb") as fh:
+            yield fh
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, doc: Any, *, fsync: bool = True) -> None:
+    with atomic_writer(path, fsync=fsync) as fh:
+        fh.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def clean_stale_temps(folder: Path) -> int:
+    """Remove temp files left by writers that are no longer alive. Returns how many were removed."""
+    removed = 0
+    if not folder.exists():
+        return 0
+    for path in folder.rglob(".tmp-*"):
+        m = _TMP.match(path.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and _alive(pid):
+            continue
+        if pid == os.getpid():
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class RankPaths:
+    """Where one rank keeps its files."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, directory: Path, *, node: int, rank: int) -> RankPaths:
+        return cls(Path(directory) / f"node-{node}" / f"rank-{rank}")
+
+    @property
+    def own(self) -> Path:
+        return self.root / "own"
+
+    def replicas(self, owner: int) -> Path:
+        return self.root / "replicas" / f"owner-{owner}"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    def held_owners(self) -> list[int]:
+        base = self.root / "replicas"
+        if not base.exists():
+            return []
+        return sorted(int(p.name.split("-", 1)[1]) for p in base.iterdir() if p.name.startswith("owner-"))
+
+
+def step_file(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:09d}.gsc"
+
+
+def list_steps(folder: Path) -> list[int]:
+    """Steps with a published file in ``folder``, newest first."""
+    if not folder.exists():
+        return []
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name))]
+    return sorted(steps, reverse=True)
+
+
+def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True) -> None:
+    """Publish ``prefix + data`` atomically at ``path``."""
+    with atomic_writer(path, fsync=fsync) as fh:
+        fh.write(prefix)
+        fh.write(memoryview(data.numpy()))
+
+
+def prune_safe(folder: Path, frontier: int, keep: int) -> None:
+    """Keep every step newer than ``frontier`` and the ``keep`` newest steps at or below it; delete the rest."""
+    safe = [s for s in list_steps(folder) if s <= frontier]
+    for step in safe[keep:]:
+        step_file(folder, step).unlink(missing_ok=True)
+
+
+def read_verified(path: Path) -> tuple[Parsed, torch.Tensor]:
+    """Read a checkpoint file and verify every digest. Returns the parsed header and its data region (uint8).
+
+    Raises IntegrityError (wrong or missing digest, truncation, bad magic) or FileNotFoundError.
+    """
+    raw = bytearray(path.read_bytes())
+    parsed = parse_prefix(memoryview(raw))
+    end = parsed.data_offset + parsed.layout.data_nbytes
+    if len(raw) < end:
+        raise IntegrityError(f"{path.name} is truncated: {len(raw)} of {end} bytes")
+    if len(raw) > end:
+        raise IntegrityError(f"{path.name} has {len(raw) - end} unexpected trailing bytes")
+    data = torch.frombuffer(raw, dtype=torch.uint8, offset=parsed.data_offset, count=parsed.layout.data_nbytes) \
+        if parsed.layout.data_nbytes else torch.empty(0, dtype=torch.uint8)
+    verify_data(parsed, data)
+    return parsed, data
+
+
+def read_raw(path: Path) -> bytes:
+    """The file's bytes, unverified: for sending to a peer, which verifies on arrival."""
+    return path.read_bytes()

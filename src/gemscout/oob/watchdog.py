@@ -1,0 +1,251 @@
+"""The out-of-band watchdog: reads every rank's progress from the store and reports stalls.
+
+It runs on its own thread (in any rank, or in a process outside the job) and needs nothing from the training threads:
+it only reads authenticated :class:`~gemscout.oob.progress.ProgressRecord` s through an
+:class:`~gemscout.oob.channel.OobChannel`. Staleness is measured on the watchdog's own monotonic clock (when did it
+last *see* a rank's counters change), so clock skew between hosts does not matter.
+
+Per poll it (1) feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.oob.stalls.StallDetector`,
+and (2) when some rank made no progress for ``stall_threshold`` (or stopped its heartbeat), names the root with
+:func:`~gemscout.oob.rootcause.locate_root`; the same verdict on ``confirmations`` consecutive polls is emitted as a
+:class:`~gemscout.oob.findings.StallFinding`, once per stall episode. Findings go to callbacks; a raising callback is
+logged and does not stop the watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from gemscout.errors import CollectiveTimeout, ConfigError
+from gemscout.oob.channel import OobChannel
+from gemscout.oob.findings import StallFinding
+from gemscout.oob.records import PROGRESS_KEY, ProgressRecord
+from gemscout.oob.rootcause import locate_root
+from gemscout.oob.stalls import StallConfig, StallDetector
+
+logger = logging.getLogger(__name__)
+
+FindingCallback = Callable[[StallFinding], None]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WatchdogConfig:
+    """When the watchdog calls a stall."""
+
+    stall_threshold: timedelta = timedelta(seconds=120)
+    """A rank whose progress counters have not changed for this long is stuck (keep it below collective timeouts)."""
+    poll_interval: timedelta = timedelta(seconds=1)
+    """Time between two reads of the store."""
+    confirmations: int = 2
+    """Consecutive polls that must give the same verdict before it is reported."""
+    heartbeat_timeout: timedelta | None = None
+    """A rank with no new heartbeat for this long (or none at all since the watchdog started) is dead;
+    ``None``: ``stall_threshold``. Must exceed the publishers' ``heartbeat_interval``."""
+
+    def __post_init__(self) -> None:
+        if self.stall_threshold <= timedelta(0):
+            raise ConfigError(f"WatchdogConfig.stall_threshold must be > 0, got {self.stall_threshold}")
+        if not timedelta(0) < self.poll_interval < self.stall_threshold:
+            raise ConfigError("WatchdogConfig.poll_interval must be > 0 and < stall_threshold")
+        if self.confirmations < 1:
+            raise ConfigError(f"WatchdogConfig.confirmations must be >= 1, got {self.confirmations}")
+        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.poll_interval:
+            raise ConfigError("WatchdogConfig.heartbeat_timeout must be > poll_interval (or None)")
+
+
+class Watchdog:
+    """Watches ranks ``0 .. world_size-1`` through ``channel`` (which may be an observer channel)."""
+
+    def __init__(
+        self,
+        channel: OobChannel,
+        *,
+        world_size: int,
+        config: WatchdogConfig | None = None,
+        stall_config: StallConfig | None = None,
+        callbacks: Iterable[FindingCallback] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if world_size < 1:
+            raise ConfigError(f"Watchdog world_size must be >= 1, got {world_size}")
+        self._channel = channel
+        self._world_size = world_size
+        self._config = config or WatchdogConfig()
+        self._detector = StallDetector(stall_config)
+        self._callbacks: list[FindingCallback] = list(callbacks)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._findings: list[StallFinding] = []
+        self._started_at: float | None = None
+        self._seen: dict[int, tuple[int, float, int, float]] = {}  # rank -> (events, changed_at, heartbeat, beat_at)
+        self._fed_round: dict[str, int] = {}
+        self._pending: tuple[str, tuple[int, ...]] | None = None
+        self._agreeing = 0
+        self._episode_reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def findings(self) -> list[StallFinding]:
+        """Every finding emitted so far, oldest first (a copy)."""
+        with self._lock:
+            return list(self._findings)
+
+    def add_callback(self, callback: FindingCallback) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def start(self) -> Watchdog:
+        """Start polling on a daemon thread (idempotent); return ``self``."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gemscout-oob-watchdog", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Stop polling. Raises :class:`CollectiveTimeout` if the thread is still running after ``timeout``."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout.total_seconds())
+            if thread.is_alive():
+                raise CollectiveTimeout(f"OOB watchdog did not stop within {timeout}")
+
+    def poll_once(self) -> list[StallFinding]:
+        """Read every rank once, update state, deliver and return new findings. Store reads never block on absence."""
+        now = self._clock()
+        if self._started_at is None:
+            self._started_at = now
+        records = self._read_records()
+        for rank, rec in records.items():
+            prev = self._seen.get(rank)
+            if prev is None:
+                self._seen[rank] = (rec.events, now, rec.heartbeat, now)
+                continue
+            events, changed_at, beat, beat_at = prev
+            self._seen[rank] = (
+                rec.events,
+                changed_at if rec.events == events else now,
+                rec.heartbeat,
+                beat_at if rec.heartbeat == beat else now,
+            )
+        new = self._check_sections(records)
+        hang = self._check_stall(records, now)
+        if hang is not None:
+            new.append(hang)
+        for finding in new:
+            self._deliver(finding)
+        return new
+
+    def _read_records(self) -> dict[int, ProgressRecord]:
+        records: dict[int, ProgressRecord] = {}
+        for rank, payload in self._channel.read_many(range(self._world_size), PROGRESS_KEY).items():
+            try:
+                record = ProgressRecord.from_payload(payload)
+                if record.rank != rank:
+                    raise ValueError(f"record names rank {record.rank}")
+            except (KeyError, TypeError, ValueError) as exc:
+                # Authentic but malformed: a version skew or a bug in a publisher, not an attack; skip that rank.
+                logger.warning("ignoring malformed progress record of rank %d: %s", rank, exc)
+                continue
+            records[rank] = record
+        return records
+
+    def _check_sections(self, records: Mapping[int, ProgressRecord]) -> list[StallFinding]:
+        participants = [r for r in range(self._world_size) if not (r in records and records[r].closed)]
+        by_section: dict[str, dict[int, dict[int, tuple[float, int]]]] = {}
+        for rank in participants:
+            rec = records.get(rank)
+            for section, entries in rec.timings.items() if rec else ():
+                by_section.setdefault(section, {})[rank] = {rd: (sec, st) for rd, sec, st in entries}
+        found: list[StallFinding] = []
+        hosts = {r: rec.host for r, rec in records.items()}
+        for section, per_rank in sorted(by_section.items()):
+            newest = {r: max(per_rank[r], default=-1) if r in per_rank else -1 for r in participants}
+            last_fed = self._fed_round.get(section, -1)
+            for rd in sorted({rd for rounds in per_rank.values() for rd in rounds if rd > last_fed}):
+                have = {r: per_rank[r][rd] for r in participants if r in per_rank and rd in per_rank[r]}
+                if len(have) < len(participants) and not all(newest[r] >= rd for r in participants):
+                    break  # some rank has not finished this round yet; compare it when it has
+                self._fed_round[section] = rd
+                finding = self._detector.observe(
+                    section,
+                    rd,
+                    {r: sec for r, (sec, _) in have.items()},
+                    step=min((st for _, st in have.values()), default=None),
+                    hosts=hosts,
+                )
+                if finding is not None:
+                    found.append(finding)
+        return found
+
+    def _check_stall(self, records: Mapping[int, ProgressRecord], now: float) -> StallFinding | None:
+        cfg = self._config
+        threshold = cfg.stall_threshold.total_seconds()
+        beat_timeout = (cfg.heartbeat_timeout or cfg.stall_threshold).total_seconds()
+        assert self._started_at is not None
+        dead, stuck = [], []
+        for rank in range(self._world_size):
+            rec = records.get(rank)
+            if rec is not None and rec.closed:
+                continue
+            seen = self._seen.get(rank)
+            if seen is None:
+                if now - self._started_at >= beat_timeout:
+                    dead.append(rank)
+                continue
+            if now - seen[3] >= beat_timeout:
+                dead.append(rank)
+            elif now - seen[1] >= threshold:
+                stuck.append(rank)
+        if not dead and not stuck:
+            self._pending, self._agreeing, self._episode_reported = None, 0, False
+            return None
+        if self._episode_reported:
+            return None
+        verdict = locate_root({r: rec for r, rec in records.items() if r not in dead}, stuck=stuck, dead=dead)
+        signature = (verdict.kind, verdict.ranks)
+        self._agreeing = self._agreeing + 1 if signature == self._pending else 1
+        self._pending = signature
+        if self._agreeing < cfg.confirmations:
+            return None
+        self._episode_reported = True
+        evidence = dict(verdict.evidence)
+        evidence["seconds_without_progress"] = {str(r): round(now - s[1], 3) for r, s in sorted(self._seen.items())}
+        evidence["stall_threshold_s"] = threshold
+        first = verdict.ranks[0] if verdict.ranks else None
+        return StallFinding(
+            kind=verdict.kind,
+            ranks=verdict.ranks,
+            step=verdict.step,
+            evidence=evidence,
+            confirmations=cfg.confirmations,
+            reason=verdict.reason,
+            host=records[first].host if first is not None and first in records else None,
+            # The job has stopped: restart from a verified state. A timed section that is merely stuck may resume.
+            recommendation="restart_from_verified" if verdict.kind == "hang" else "observe",
+        )
+
+    def _deliver(self, finding: StallFinding) -> None:
+        with self._lock:
+            self._findings.append(finding)
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(finding)
+            except Exception:
+                logger.exception("OOB watchdog callback %r raised; continuing", callback)
+
+    def _run(self) -> None:
+        interval = self._config.poll_interval.total_seconds()
+        while not self._stop.wait(interval):
+            try:
+                self.poll_once()
+            except Exception:  # a store hiccup must not end the watchdog; the next poll retries
+                logger.exception("OOB watchdog poll failed")

@@ -1,0 +1,95 @@
+"""Collect and restore everything a step's checkpoint holds.
+
+The captured object is ``{"step", "model", "optimizer", "extra", "schedulers", "rng"}``. Restore order is model,
+optimizer, schedulers, caller state, RNG last — so nothing that draws random numbers while loading can shift the
+trajectory.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module that owns the parameters under DDP-style wrappers (``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+@dataclass(slots=True)
+class StateSources:
+    """The live objects a checkpoint is taken from and restored into."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    extra_state_fn: Callable[[], Any] | None = None
+    load_extra_state_fn: Callable[[Any], None] | None = None
+    schedulers: Sequence[Any] = field(default_factory=tuple)
+
+    def async_pointers(self) -> set[int]:
+        """Storage addresses of tensors that change only inside ``optimizer.step()``: safe to copy in background."""
+        ptrs = {p.data_ptr() for p in _unwrap(self.model).parameters()}
+        for state in self.optimizer.state.values():
+            ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG stream training may draw from: torch CPU, CUDA (when initialised), Python, NumPy."""
+    np_state = np.random.get_state()
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])),
+        "cuda": None,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"].clone())
+    version, keys, gauss_next = rng["python"]
+    random.setstate((version, tuple(keys), gauss_next))
+    name, state, npos, gauss, cached_g = rng["numpy"]
+    np.random.set_state((name, np.asarray(state, dtype=np.uint32), npos, gauss, cached_g))
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.clone() for s in rng["cuda"]])
+
+
+def collect(sources: StateSources, step: int) -> dict[str, Any]:
+    """Build the state object for ``step``. Tensors are referenced, not copied; RNG tensors are fresh copies."""
+    return {
+        "step": step,
+        "model": _unwrap(sources.model).state_dict(),
+        "optimizer": sources.optimizer.state_dict(),
+        "schedulers": [s.state_dict() for s in sources.schedulers],
+        "extra": sources.extra_state_fn() if sources.extra_state_fn else None,
+        "rng": capture_rng(),
+    }
+
+
+def restore(sources: StateSources, state: dict[str, Any]) -> None:
+    """Load ``state`` into the live objects, bitwise. The caller checks identity and step beforehand."""
+    with torch.no_grad():
+        _unwrap(sources.model).load_state_dict(state["model"], strict=True)
+    sources.optimizer.load_state_dict(state["optimizer"])
+    for sched, sd in zip(sources.schedulers, state["schedulers"], strict=True):
+        sched.load_state_dict(sd)
+        # The loop steps its schedulers after optimizer.step() returns, i.e. after the capture: replay that step.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sched.step()
+    if sources.load_extra_state_fn is not None and state["extra"] is not None:
+        sources.load_extra_state_fn(state["extra"])
+    restore_rng(state["rng"])
