@@ -146,4 +146,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from gemscout.errors import GemscoutError
+
+    try:
+        main()
+    except GemscoutError as exc:  # the documented exit code, one line, no traceback
+        print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(exc.exit_code) from None

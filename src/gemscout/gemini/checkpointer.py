@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RecoveryError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.config import CheckpointConfig
+from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
 from gemscout.gemini.replication import Placement, ReplicaBuffers
@@ -72,6 +75,9 @@ class Checkpointer:
         self.phase_hook: Callable[[str, int], None] | None = None
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
         "persist_replica" (on the io thread) before each happens. The harness uses it to kill at a phase."""
+        self.durable = (DurableTier(config.durable_directory, run_id=run_id, fsync=config.fsync)
+                        if config.durable_directory is not None else None)
+        self._verified_since_promotion = 0
         store.clean_stale_temps(self.paths.root)
 
     # ------------------------------------------------------------------ capture
@@ -232,7 +238,26 @@ class Checkpointer:
         ok = comm.all_agree(True, group=self.group, timeout=self.config.timeout)
         changed = self.ledger.certify_through(step) if ok else []
         self.ledger.save()
+        self._verified_since_promotion += len(changed)
+        if changed and self.durable is not None and self.config.durable_every and \
+                self._verified_since_promotion >= self.config.durable_every:
+            self._verified_since_promotion = 0
+            if self.rank == 0:
+                with self._lock:
+                    self._pending.append(self._io.submit(self._promote, max(changed)))
         return changed
+
+    def _promote(self, step: int) -> None:
+        """Promote this rank's verified checkpoint of ``step`` to the durable tier (rank 0, on the io thread)."""
+        assert self.durable is not None
+        try:
+            parsed, data = store.read_verified(store.step_file(self.paths.own, step))
+            self.durable.promote(parsed, data)
+            self.ledger.mark(step, TrustState.DURABLE)
+            self.ledger.save()
+        except Exception as exc:
+            self.errors.append(f"durable promotion of step {step} failed: {exc}")
+            log.error("gemini: durable promotion of step %d failed: %s", step, exc)
 
     def reject_candidates(self, reason: str) -> list[int]:
         """Collectively mark every uncertified candidate REJECTED (all ranks must call)."""
@@ -252,6 +277,7 @@ class Checkpointer:
             memory.append(slot.step)
             where[("memory", self.rank, slot.step)] = slot.frame()
         own = []
+        unusable: list[str] = []
         for step in store.list_steps(self.paths.own):
             path = store.step_file(self.paths.own, step)
             try:
@@ -259,6 +285,7 @@ class Checkpointer:
                 self._check_identity(parsed.identity, where=str(path))
             except (IntegrityError, OSError) as exc:
                 log.warning("gemini: %s is unusable: %s", path, exc)
+                unusable.append(f"rank {self.rank} own step {step}: {exc}")
                 continue
             own.append(step)
             where[("local", self.rank, step)] = path
@@ -277,15 +304,16 @@ class Checkpointer:
                         raise IntegrityError("owner mismatch")
                 except (IntegrityError, OSError) as exc:
                     log.warning("gemini: replica %s is unusable: %s", path, exc)
+                    unusable.append(f"rank {self.rank} replica of rank {o} step {step}: {exc}")
                     continue
                 held.setdefault(str(o), []).append(step)
                 where[("held", o, step)] = path
-        proposal = {"rank": self.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held}
+        proposal = {"rank": self.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held,
+                    "unusable": unusable, "durable": self.durable.newest_step() if self.durable else None}
         proposal.update(self.ledger.summary())
         return proposal, where
 
-    def recover(self, *, failure_kind: str = "restart", durable: Any = None, fallback: Callable[[], int] | None = None
-                ) -> RecoveryDecision:
+    def recover(self, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None) -> RecoveryDecision:
         """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
 
         Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
@@ -297,7 +325,8 @@ class Checkpointer:
             for s in excluded:
                 proposal["rejected"] = sorted(set(proposal["rejected"]) | {s})
             proposals = comm.gather_json(proposal, group=self.group, timeout=self.config.timeout)
-            durable_step = durable.newest_step() if durable is not None else None
+            seen = [p.get("durable") for p in proposals]
+            durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
             decision = decide(proposals, run_id=self.run_id, topology_digest=self.topology_digest,
                               min_trust=self.config.min_trust, max_attempts=self.config.max_recovery_attempts,
                               failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
@@ -320,7 +349,8 @@ class Checkpointer:
                     self.ledger.save()
                     raise RecoveryError(f"recovery stopped: {decision.reason}")
                 if decision.mode == RecoveryMode.DURABLE:
-                    durable.load(decision.step, self.sources)
+                    assert self.durable is not None and decision.step is not None
+                    self.durable.load(decision.step, self.sources)
                 elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
                     decision = _with_step(decision, fallback())
             self.ledger.last_decision = decision.to_dict()

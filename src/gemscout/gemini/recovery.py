@@ -79,7 +79,7 @@ def decide(
     steps = {s for p in proposals for s in p["memory"] + p["own"]}
     steps |= {s for p in proposals for held in p["held"].values() for s in held}
     steps |= {s for p in proposals for held in p["memory_held"].values() for s in held}
-    skipped: list[str] = []
+    skipped: list[str] = [f"refused {u}" for p in proposals for u in p.get("unusable", [])]
     for step in sorted(steps, reverse=True):
         trust = _trust_of(step, proposals)
         if step in rejected or trust == TrustState.REJECTED:
@@ -98,7 +98,7 @@ def decide(
         why = "newest restorable step" + (f" ({'; '.join(skipped)})" if skipped else "")
         return RecoveryDecision(failure_kind, RecoveryMode.RESTORE, step, f"{run_id}:{step}", sources,
                                 topology_digest, why)
-    history = bool(steps or rejected)
+    history = bool(steps or rejected or any(p.get("unusable") for p in proposals))
     detail = "; ".join(skipped) if skipped else "no checkpoint found"
     if durable_step is not None:
         return RecoveryDecision(failure_kind, RecoveryMode.DURABLE, durable_step, f"{run_id}:durable:{durable_step}",

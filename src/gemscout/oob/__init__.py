@@ -4,7 +4,8 @@ Everything here talks through an authenticated :class:`OobChannel` over a torch 
 training process group, so it keeps working while training threads are blocked in a collective.
 """
 
-from gemscout.oob.channel import ChannelStats, OobChannel, OobConfig
+from gemscout.oob.channel import ChannelStats, OobChannel, OobStore
+from gemscout.oob.config import OobConfig
 from gemscout.oob.findings import StallFinding
 from gemscout.oob.health import (
     ClassifiedHealthEvent,
@@ -36,6 +37,7 @@ __all__ = [
     "NvmlHealthSource",
     "OobChannel",
     "OobConfig",
+    "OobStore",
     "ProgressConfig",
     "ProgressPublisher",
     "ProgressRecord",

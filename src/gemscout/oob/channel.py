@@ -28,8 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed import DistStoreError
 
-from gemscout.errors import ConfigError
-from gemscout.oob.secret import MIN_SECRET_BYTES, resolve_secret
+from gemscout.oob.config import OobConfig
+from gemscout.oob.secret import resolve_secret
 
 logger = logging.getLogger(__name__)
 
@@ -48,37 +48,6 @@ class OobStore(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class OobConfig:
-    """How one process talks on the out-of-band channel."""
-
-    rank: int | None
-    """This process's rank, or ``None`` for a read-only observer (a watchdog outside the job)."""
-    secret: bytes | None = None
-    """The per-job HMAC key (>= 16 bytes). ``None``: read ``GEMSCOUT_OOB_SECRET`` from the environment."""
-    insecure_dev: bool = False
-    """Allow starting without any secret, with a public key. For local experiments only; never in a real job."""
-    namespace: str = "gemscout/oob"
-    """Prefix of every key this channel writes or reads; two jobs sharing one store need two namespaces."""
-    max_message_bytes: int = 1 << 20
-    """Larger stored values are rejected unread, so a hostile writer cannot make readers parse huge blobs."""
-
-    def __post_init__(self) -> None:
-        if self.rank is not None and self.rank < 0:
-            raise ConfigError(f"OobConfig.rank must be >= 0 or None (observer), got {self.rank}")
-        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"OobConfig.secret must hold at least {MIN_SECRET_BYTES} bytes, got {len(self.secret)}; "
-                "use gemscout.oob.generate_secret()"
-            )
-        if not self.namespace or self.namespace.startswith("/") or self.namespace.endswith("/"):
-            raise ConfigError(
-                f"OobConfig.namespace must be non-empty without leading/trailing '/', got {self.namespace!r}"
-            )
-        if self.max_message_bytes < 1024:
-            raise ConfigError(f"OobConfig.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -181,7 +150,8 @@ class OobChannel:
         """``rank``'s newest authentic payload under ``key``, or ``None``.
 
         Waits up to ``timeout`` for the slot to exist (zero: look once, never block). ``None`` means absent, or
-        rejected (forged, malformed, or replayed); rejections are logged and counted, never raised.
+        rejected (forged, malformed, or replayed); rejections are logged and counted, never raised. A waiting read
+        occupies the store connection; long waits belong on their own connection (``TCPStore.clone()``).
         """
         slot = self.slot(rank, key)
         if timeout <= timedelta(0):

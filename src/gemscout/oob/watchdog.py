@@ -1,15 +1,12 @@
 """The out-of-band watchdog: reads every rank's progress from the store and reports stalls.
 
-It runs on its own thread (in any rank, or in a process outside the job) and needs nothing from the training threads:
-it only reads authenticated :class:`~gemscout.oob.progress.ProgressRecord` s through an
-:class:`~gemscout.oob.channel.OobChannel`. Staleness is measured on the watchdog's own monotonic clock (when did it
-last *see* a rank's counters change), so clock skew between hosts does not matter.
-
-Per poll it (1) feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.oob.stalls.StallDetector`,
-and (2) when some rank made no progress for ``stall_threshold`` (or stopped its heartbeat), names the root with
-:func:`~gemscout.oob.rootcause.locate_root`; the same verdict on ``confirmations`` consecutive polls is emitted as a
-:class:`~gemscout.oob.findings.StallFinding`, once per stall episode. Findings go to callbacks; a raising callback is
-logged and does not stop the watchdog.
+It runs on its own thread (in any rank, or outside the job) and needs nothing from the training threads: it only reads
+authenticated progress records through an :class:`~gemscout.oob.channel.OobChannel`. Staleness is measured on the
+watchdog's own monotonic clock (when it last *saw* a rank's counters change), so clock skew between hosts is harmless.
+Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.oob.stalls.StallDetector`, and
+when a rank made no progress for ``stall_threshold`` (or its heartbeat stopped) names the root with
+:func:`~gemscout.oob.rootcause.locate_root`; one verdict on ``confirmations`` consecutive polls becomes a
+:class:`~gemscout.oob.findings.StallFinding`, once per episode, delivered to callbacks (a raising callback is logged).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ class WatchdogConfig:
     confirmations: int = 2
     """Consecutive polls that must give the same verdict before it is reported."""
     heartbeat_timeout: timedelta | None = None
-    """A rank with no new heartbeat for this long (or none at all since the watchdog started) is dead;
-    ``None``: ``stall_threshold``. Must exceed the publishers' ``heartbeat_interval``."""
+    """No new heartbeat for this long (none at all since start included) means dead; ``None``: ``stall_threshold``."""
 
     def __post_init__(self) -> None:
         if self.stall_threshold <= timedelta(0):
@@ -82,6 +78,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._findings: list[StallFinding] = []
         self._started_at: float | None = None
+        self._records: dict[int, ProgressRecord] = {}
         self._seen: dict[int, tuple[int, float, int, float]] = {}  # rank -> (events, changed_at, heartbeat, beat_at)
         self._fed_round: dict[str, int] = {}
         self._pending: tuple[str, tuple[int, ...]] | None = None
@@ -122,7 +119,7 @@ class Watchdog:
         now = self._clock()
         if self._started_at is None:
             self._started_at = now
-        records = self._read_records()
+        records = dict(self._read_records())
         for rank, rec in records.items():
             prev = self._seen.get(rank)
             if prev is None:
@@ -144,14 +141,16 @@ class Watchdog:
         return new
 
     def _read_records(self) -> dict[int, ProgressRecord]:
-        records: dict[int, ProgressRecord] = {}
+        # Start from the last authentic records: a slot that now reads as absent or forged keeps the rank's last
+        # known position (an overwritten slot must not erase the evidence); its frozen heartbeat shows it as dead.
+        records = self._records
         for rank, payload in self._channel.read_many(range(self._world_size), PROGRESS_KEY).items():
             try:
                 record = ProgressRecord.from_payload(payload)
                 if record.rank != rank:
                     raise ValueError(f"record names rank {record.rank}")
             except (KeyError, TypeError, ValueError) as exc:
-                # Authentic but malformed: a version skew or a bug in a publisher, not an attack; skip that rank.
+                # Authentic but malformed: a version skew or a bug in a publisher, not an attack; keep its last record.
                 logger.warning("ignoring malformed progress record of rank %d: %s", rank, exc)
                 continue
             records[rank] = record

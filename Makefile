@@ -1,0 +1,37 @@
+# gemscout — two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+
+.PHONY: setup demo test test-fast bench lint types clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install gemscout with its dev tools (torch==2.13.0 CPU)
+
+demo: $(STAMP)  ## the quickstart campaign: 3 CPU ranks, SIGKILL at step 4, recover, seal, render
+	$(BIN)/qualify run quickstart --out runs/quickstart
+
+test: $(STAMP)  ## the whole test suite (unit, real gloo process groups, end-to-end CLI)
+	$(BIN)/pytest -n $(JOBS) -q tests
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/pytest -q tests/unit
+
+bench: $(STAMP)  ## GEMINI benchmarks vs memcpy, raw gloo and DCP; JSON in bench-results/
+	$(BIN)/python -m qualification.bench.gemini --out bench-results/gemini.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check src qualification tests
+
+types: $(STAMP)
+	$(BIN)/mypy src/gemscout
+
+clean:
+	rm -rf $(VENV) runs bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,253 @@
+"""The run facts the engine hands to :func:`~qualification.evidence.seal.seal_bundle`.
+
+Each is a frozen dataclass, valid from construction: a bad value raises :class:`UsageError` naming the field, so an
+inconsistent record never reaches a manifest. :func:`load_facts` reads the same facts from JSON (for the CLI's
+``seal --facts``); its keys are the manifest's camelCase names.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from qualification.errors import UsageError
+from qualification.evidence.manifest import RESERVED_NAMES, path_problem
+
+TRIGGERS = ("local", "push", "pull_request", "schedule", "workflow_dispatch", "release")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise UsageError(f"seal input: {field} {message}")
+
+
+def _aware(value: datetime, field: str) -> None:
+    _require(isinstance(value, datetime) and value.tzinfo is not None, field, "must be a timezone-aware datetime")
+
+
+def timestamp(value: datetime) -> str:
+    """RFC 3339 UTC with milliseconds and a trailing ``Z``, as in-toto requires. Truncation keeps order."""
+    return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CampaignRef:
+    """The campaign that ran."""
+
+    name: str
+    """Campaign name, as in the campaign file."""
+    tier: str
+    """Qualification tier, e.g. ``cpu``, ``gpu-frequent``, ``release``."""
+    path: Path
+    """The campaign file; its SHA-256 is recorded so the exact matrix can be identified later."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and bool(self.tier), "campaign.name/tier", "must be non-empty")
+        _require(self.path.is_file(), "campaign.path", f"{self.path} is not a file")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CommandRecord:
+    """One command the run executed, exactly as executed."""
+
+    id: str
+    """Stable id, unique within the run, e.g. ``000-cpu-matrix``."""
+    argv: tuple[str, ...]
+    """The argument vector, unexpanded by any shell."""
+    cwd: str
+    """Working directory (as the engine saw it)."""
+    started_on: datetime
+    finished_on: datetime
+    exit_code: int
+    log: str
+    """Bundle-relative POSIX path of this command's stdout+stderr log; must exist in the bundle when sealing."""
+
+    def __post_init__(self) -> None:
+        where = f"commands[{self.id!r}]"
+        _require(bool(self.id), f"{where}.id", "must be non-empty")
+        _require(len(self.argv) > 0, f"{where}.argv", "must name a program")
+        problem = path_problem(self.log)
+        _require(problem is None, f"{where}.log", f"{self.log!r} {problem}")
+        _require(self.log not in RESERVED_NAMES, f"{where}.log", f"{self.log!r} is a reserved name")
+        _aware(self.started_on, f"{where}.started_on")
+        _aware(self.finished_on, f"{where}.finished_on")
+        _require(self.started_on <= self.finished_on, f"{where}.started_on", "is after finished_on")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Summary:
+    """Cell counts; ``total`` must equal ``passed + failed + skipped``."""
+
+    total: int
+    passed: int
+    failed: int
+    skipped: int
+
+    def __post_init__(self) -> None:
+        counts = (self.total, self.passed, self.failed, self.skipped)
+        _require(all(isinstance(n, int) and n >= 0 for n in counts), "summary", "counts must be integers >= 0")
+        _require(self.total == self.passed + self.failed + self.skipped, "summary.total", "!= passed+failed+skipped")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Topology:
+    """What the run was spread over."""
+
+    hosts: int
+    world_size: int
+    backends: tuple[str, ...]
+    """Process-group backends used, e.g. ``("gloo",)``."""
+    devices: tuple[str, ...]
+    """Devices used, e.g. ``("cpu",)`` or ``("cuda:0", "cuda:1")``."""
+
+    def __post_init__(self) -> None:
+        _require(self.hosts >= 1 and self.world_size >= 1, "topology.hosts/world_size", "must be >= 1")
+        _require(len(set(self.backends)) == len(self.backends), "topology.backends", "has duplicates")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Boundaries:
+    """What this qualification shows, and what it explicitly does not (one sentence each)."""
+
+    validated: tuple[str, ...]
+    not_validated: tuple[str, ...]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SealInput:
+    """The run facts only the engine knows. Everything else is gathered while sealing."""
+
+    campaign: CampaignRef
+    commands: tuple[CommandRecord, ...]
+    summary: Summary
+    topology: Topology
+    boundaries: Boundaries
+    started_on: datetime
+    finished_on: datetime
+    trigger: str = "local"
+    """One of :data:`TRIGGERS` (CI event name, or ``local``)."""
+    runner: str = "local"
+    """Who ran it: ``local``, ``github-hosted``, ``self-hosted``, or a builder id."""
+    invocation_id: str | None = None
+    """Unique id of this run (CI run URL + attempt); a fresh UUID when None."""
+    artifact_name: str | None = None
+    """Name of the uploaded artifact; ``qualification-evidence-<commit>`` when None."""
+    run_url: str | None = None
+    """http(s) URL of the CI run that produced the bundle, or None."""
+    package_name: str = "gemscout"
+
+    def __post_init__(self) -> None:
+        _aware(self.started_on, "started_on")
+        _aware(self.finished_on, "finished_on")
+        _require(self.started_on <= self.finished_on, "started_on", "is after finished_on")
+        _require(self.trigger in TRIGGERS, "trigger", f"must be one of {', '.join(TRIGGERS)}")
+        ids = [c.id for c in self.commands]
+        _require(len(set(ids)) == len(ids), "commands", "have duplicate ids")
+        for command in self.commands:
+            inside = self.started_on <= command.started_on and command.finished_on <= self.finished_on
+            _require(inside, f"commands[{command.id!r}]", "ran outside started_on..finished_on")
+        url_ok = self.run_url is None or self.run_url.startswith(("https://", "http://"))
+        _require(url_ok, "run_url", "must be an http(s) URL or None")
+
+    @property
+    def result(self) -> str:
+        """PASSED only when cells ran, none failed, and every command exited 0; the verifier checks the same."""
+        clean = self.summary.total > 0 and self.summary.failed == 0
+        return "PASSED" if clean and all(c.exit_code == 0 for c in self.commands) else "FAILED"
+
+
+def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
+    """Read :class:`SealInput` from the JSON file at ``path`` (see docs/evidence.md for the shape).
+
+    ``campaign_file`` replaces ``campaign.path``. A campaign name or tier missing from the facts is read from the
+    campaign file's top-level ``name`` and ``tier`` keys. Raises :class:`UsageError` naming the file and the key.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read facts file {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise UsageError(f"facts file {path} is not valid JSON: {exc}") from exc
+    reader = _Reader(path)
+    campaign = reader.get(data, "campaign", dict)
+    campaign_path = campaign_file or Path(reader.get(campaign, "path", str, "campaign."))
+    name, tier = campaign.get("name"), campaign.get("tier")
+    if not (name and tier):
+        declared = _read_toml(campaign_path)
+        name, tier = name or declared.get("name"), tier or declared.get("tier")
+    summary = reader.get(data, "summary", dict)
+    topology = reader.get(data, "topology", dict)
+    boundaries = reader.get(data, "boundaries", dict)
+    return SealInput(
+        campaign=CampaignRef(name=str(name or ""), tier=str(tier or ""), path=campaign_path),
+        commands=tuple(
+            CommandRecord(
+                id=reader.get(c, "id", str, "commands[]."),
+                argv=tuple(reader.get(c, "argv", list, "commands[].")),
+                cwd=reader.get(c, "cwd", str, "commands[]."),
+                started_on=reader.time(c, "startedOn", "commands[]."),
+                finished_on=reader.time(c, "finishedOn", "commands[]."),
+                exit_code=reader.get(c, "exitCode", int, "commands[]."),
+                log=reader.get(c, "log", str, "commands[]."),
+            )
+            for c in reader.get(data, "commands", list)
+        ),
+        summary=Summary(
+            **{k: reader.get(summary, k, int, "summary.") for k in ("total", "passed", "failed", "skipped")}
+        ),
+        topology=Topology(
+            hosts=reader.get(topology, "hosts", int, "topology."),
+            world_size=reader.get(topology, "worldSize", int, "topology."),
+            backends=tuple(reader.get(topology, "backends", list, "topology.")),
+            devices=tuple(reader.get(topology, "devices", list, "topology.")),
+        ),
+        boundaries=Boundaries(
+            validated=tuple(reader.get(boundaries, "validated", list, "boundaries.")),
+            not_validated=tuple(reader.get(boundaries, "notValidated", list, "boundaries.")),
+        ),
+        started_on=reader.time(data, "startedOn"),
+        finished_on=reader.time(data, "finishedOn"),
+        trigger=data.get("trigger", "local"),
+        runner=data.get("runner", "local"),
+        invocation_id=data.get("invocationId"),
+        artifact_name=data.get("artifactName"),
+        run_url=data.get("runUrl"),
+    )
+
+
+class _Reader:
+    """Typed lookups in a facts document that fail with the file and the key, never a KeyError."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def get(self, data: Any, key: str, kind: type, where: str = "") -> Any:
+        value = data.get(key) if isinstance(data, Mapping) else None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise UsageError(f"facts file {self._path}: {where}{key} must be a {kind.__name__}")
+        return value
+
+    def time(self, data: Any, key: str, where: str = "") -> datetime:
+        text = self.get(data, key, str, where)
+        try:
+            value = datetime.fromisoformat(text)
+        except ValueError as exc:
+            raise UsageError(f"facts file {self._path}: {where}{key} is not an RFC 3339 time: {text!r}") from exc
+        if value.tzinfo is None:
+            raise UsageError(f"facts file {self._path}: {where}{key} has no timezone (end it with Z)")
+        return value.astimezone(UTC)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise UsageError(f"cannot read campaign file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"campaign file {path} is not valid TOML: {exc}") from exc

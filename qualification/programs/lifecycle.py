@@ -1,0 +1,138 @@
+"""GEMINI lifecycle cell: train, fail, relaunch, recover, finish — and compare with an uninterrupted run bit for bit.
+
+Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params``.
+
+- ``fault.kind``: ``none`` (healthy run, compared with a baseline without gemscout) or ``sigkill`` (``rank``, ``step``,
+  ``phase`` as in :mod:`qualification.programs.train_rank`, ``node_loss`` = delete that rank's node folder before the
+  relaunch, so it must recover from its peer's replica) or ``sigterm`` (``step``: rank 0 gets SIGTERM after that
+  step; the restart must resume from the flushed step).
+- ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1).
+
+Observed: ``recovered_step``, ``source`` (weakest source any rank restored from), ``bitwise_equal`` (final state
+digest of every rank equals the uninterrupted run's), ``losses_equal``, ``replicas_equal``, ``final_step``,
+``decision`` (the RecoveryDecision as a dict), ``rank_exit_codes`` of the failed launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from qualification.launch import launch
+
+
+def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[str]) -> list[str]:
+    p = cell.get("params", {})
+    argv = ["-m", "qualification.programs.train_rank", "--out", str(out), "--workload", cell["workload"],
+            "--steps", str(p.get("steps", 6)), "--seed", str(cell.get("seed", 0)),
+            "--interval", str(p.get("interval", 1)), "--persist-every", str(p.get("persist_every", 1)),
+            "--ranks-per-node", str(p.get("ranks_per_node", 1))]
+    if ckpt is not None:
+        argv += ["--ckpt", str(ckpt)]
+    return argv + extra
+
+
+def _read(out: Path, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    """Run the lifecycle and return the result document (the cell contract's result.json)."""
+    t0 = time.monotonic()
+    timeline: list[dict[str, Any]] = []
+
+    def event(kind: str, detail: str) -> None:
+        timeline.append({"t": round(time.monotonic() - t0, 3), "event": kind, "detail": detail})
+
+    world = int(cell["world_size"])
+    fault = cell.get("fault", {"kind": "none"})
+    timeout = float(cell.get("timeout_s", 120))
+    logs = celldir / "logs"
+    ckpt = celldir / "ckpt"
+    event("start", f"baseline run, {world} ranks")
+    base = launch(_rank_argv(celldir / "baseline", cell, None, []), world_size=world, timeout_s=timeout,
+                  log_dir=logs / "baseline")
+    if not base.ok:
+        return _result(cell, "error", {}, timeline, f"baseline run failed: exit codes {base.returncodes}")
+    reference = _read(celldir / "baseline", world)
+    observed: dict[str, Any] = {}
+    kind = fault.get("kind", "none")
+    if kind == "none":
+        event("start", "GEMINI run")
+        run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs)
+        if not run.ok:
+            return _result(cell, "error", {}, timeline, f"GEMINI run failed: exit codes {run.returncodes}")
+        observed["recovered_step"] = None
+    else:
+        extra = []
+        if kind == "sigkill":
+            extra = ["--kill-rank", str(fault["rank"]), "--kill-step", str(fault["step"]),
+                     "--kill-phase", str(fault.get("phase", "after-step")), "--kill-seed", str(cell.get("seed", 0))]
+        elif kind == "sigterm":
+            extra = ["--sigterm-step", str(fault["step"])]
+        else:
+            return _result(cell, "error", {}, timeline, f"lifecycle: unknown fault kind {kind!r}")
+        event("fault", f"{kind} {json.dumps(fault, sort_keys=True)}")
+        first = launch(_rank_argv(celldir / "run", cell, ckpt, extra), world_size=world, timeout_s=timeout,
+                       log_dir=logs)
+        observed["rank_exit_codes"] = first.returncodes
+        if first.ok:
+            return _result(cell, "failed", observed, timeline, "the fault did not end the run")
+        event("detection", f"rank {first.first_failed} exited with {first.returncodes[first.first_failed or 0]}; "
+                           "remaining ranks torn down")
+        if fault.get("node_loss"):
+            node = int(fault["rank"]) // int(cell.get("params", {}).get("ranks_per_node", 1))
+            shutil.rmtree(ckpt / f"node-{node}", ignore_errors=True)
+            event("fault", f"node {node} lost: its checkpoint folder deleted")
+        run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
+                     attempt=1)
+        if not run.ok:
+            return _result(cell, "failed", observed, timeline, f"relaunch failed: exit codes {run.returncodes}")
+    ranks = _read(celldir / "run", world)
+    decision = ranks[0].get("decision") or {}
+    if kind != "none":
+        observed["recovered_step"] = decision.get("step")
+        observed["source"] = decision.get("source")
+        event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
+                          f"{decision.get('reason')}")
+        event("recovery", f"resumed at step {ranks[0]['resume_step']} on {world} ranks")
+    observed["decision"] = decision
+    observed["bitwise_equal"] = all(r["state_digest"] == reference[0]["state_digest"] for r in ranks)
+    observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))
+    observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
+    observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
+    observed["errors"] = sorted({e for r in ranks for e in r.get("errors", [])})
+    event("finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}")
+    if not cell.get("params", {}).get("keep_checkpoints", False):
+        shutil.rmtree(ckpt, ignore_errors=True)  # binary state has no place in an evidence bundle
+    metrics = {"duration_s": round(time.monotonic() - t0, 3), "stats_rank0": ranks[0].get("stats", {})}
+    status = "passed" if observed["bitwise_equal"] and observed["losses_equal"] else "failed"
+    return _result(cell, status, observed, timeline, "", metrics)
+
+
+def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], timeline: list[dict[str, Any]],
+            message: str, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"cell_id": cell["id"], "status": status, "observed": observed, "metrics": metrics or {},
+            "timeline": timeline, "message": message}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qualification.programs.lifecycle")
+    ap.add_argument("--cell", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cell = json.loads(args.cell.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run_cell(cell, args.out)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(f"lifecycle {cell['id']}: {result['status']} {json.dumps(result['observed'].get('recovered_step'))} "
+          f"bitwise_equal={result['observed'].get('bitwise_equal')} {result['message']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

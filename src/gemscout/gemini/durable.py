@@ -1,0 +1,124 @@
+"""The durable tier: a standard ``torch.distributed.checkpoint`` directory per promoted step, plus a SHA-256 sidecar.
+
+Any DCP user can load a promotion (its tensors are keyed ``t<index>``); gemscout additionally records, in the sidecar
+``gemscout-sidecar.json``, the SHA-256 of every file of the directory and the JSON skeleton that turns the tensors
+back into model, optimizer, scheduler, caller and RNG state. Loading verifies the sidecar first: a promotion with a
+missing, extra or altered file is refused (fail closed).
+
+With DDP every rank holds the same model and optimizer state, so rank 0 promotes its own checkpoint alone
+(``no_dist``), off the training thread; any world size can load it, which is how a job resumes on another size.
+The directory is written under a temporary name and renamed into place, so a reader never sees half a promotion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gemscout.errors import IntegrityError
+from gemscout.gemini.store import _fsync_dir, write_json_atomic
+from gemscout.state import training_state
+from gemscout.state.codec import decode
+from gemscout.state.layout import Parsed
+
+log = logging.getLogger("gemscout.gemini")
+SIDECAR = "gemscout-sidecar.json"
+_DIR = re.compile(r"^step-(\d{9})$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class DurableTier:
+    """Promotions under ``directory`` (shared by every rank)."""
+
+    def __init__(self, directory: Path, *, run_id: str, fsync: bool = True) -> None:
+        self.directory, self.run_id, self.fsync = Path(directory), run_id, fsync
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:09d}"
+
+    def promote(self, parsed: Parsed, data: torch.Tensor) -> Path:
+        """Write the verified checkpoint (``parsed`` header + ``data``) as a DCP directory with its sidecar."""
+        step = int(parsed.identity["step"])
+        final = self.path(step)
+        if final.exists():
+            return final
+        tmp = self.directory / f".tmp-{uuid.uuid4().hex[:8]}-step-{step:09d}"
+        tensors = {f"t{i}": v.clone() for i, v in enumerate(parsed.layout.views(data))}
+        try:
+            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=True)
+            files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+                     for p in sorted(tmp.iterdir()) if p.is_file()}
+            write_json_atomic(tmp / SIDECAR, {
+                "format": 1, "run_id": self.run_id, "step": step, "identity": parsed.identity,
+                "skeleton": parsed.skeleton, "tensors": len(tensors), "files": files,
+            }, fsync=self.fsync)
+            tmp.rename(final)
+            if self.fsync:
+                _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("gemini: promoted step %d to %s", step, final)
+        return final
+
+    def verify(self, step: int) -> dict[str, Any]:
+        """Check the sidecar against the directory: exactly its files, each with its SHA-256. Returns the sidecar."""
+        folder = self.path(step)
+        try:
+            sidecar = json.loads((folder / SIDECAR).read_text())
+            files = sidecar["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"durable step {step}: sidecar missing or unreadable ({exc})") from None
+        present = {p.name for p in folder.iterdir() if p.is_file() and p.name != SIDECAR}
+        if present != set(files):
+            raise IntegrityError(f"durable step {step}: files {sorted(present ^ set(files))} differ from the sidecar")
+        for name, meta in files.items():
+            if (folder / name).stat().st_size != meta["size"] or _sha256(folder / name) != meta["sha256"]:
+                raise IntegrityError(f"durable step {step}: {name} does not match its SHA-256")
+        return sidecar
+
+    def steps(self) -> list[int]:
+        if not self.directory.exists():
+            return []
+        return sorted((int(m.group(1)) for p in self.directory.iterdir() if (m := _DIR.match(p.name))), reverse=True)
+
+    def newest_step(self) -> int | None:
+        """The newest promotion that verifies; broken ones are logged and skipped."""
+        for step in self.steps():
+            try:
+                self.verify(step)
+                return step
+            except IntegrityError as exc:
+                log.warning("gemini: %s", exc)
+        return None
+
+    def load(self, step: int, sources: training_state.StateSources) -> None:
+        """Verify, then restore the promotion of ``step`` into the live objects (any world size)."""
+        sidecar = self.verify(step)
+        from gemscout.state.layout import TensorEntry  # noqa: F401  (shapes come from the DCP metadata)
+
+        reader = dcp.FileSystemReader(str(self.path(step)))
+        meta = reader.read_metadata()
+        tensors: dict[str, torch.Tensor] = {}
+        for i in range(int(sidecar["tensors"])):
+            md = meta.state_dict_metadata[f"t{i}"]
+            tensors[f"t{i}"] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+        dcp.load(tensors, checkpoint_id=str(self.path(step)), no_dist=True)
+        state = decode(sidecar["skeleton"], [tensors[f"t{i}"] for i in range(len(tensors))])
+        training_state.restore(sources, state)

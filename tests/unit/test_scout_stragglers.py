@@ -1,0 +1,345 @@
+"""Straggler statistics: both margins, R consecutive rounds, a per-rank baseline, and slow-group intersection."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from gemscout.errors import ConfigError
+from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.scout.stragglers import CommStragglerDetector, ComputeStragglerDetector, GroupTiming, StragglerConfig
+
+MS = 1e-3
+
+
+def healthy(n: int, seconds: float = 10 * MS) -> dict[int, float]:
+    return dict.fromkeys(range(n), seconds)
+
+
+def with_slow(n: int, slow: dict[int, float], seconds: float = 10 * MS) -> dict[int, float]:
+    return {**healthy(n, seconds), **slow}
+
+
+# ----------------------------------------------------------------------------------------------------- configuration
+
+
+def test_config_defaults() -> None:
+    config = StragglerConfig()
+    assert config.relative_margin == 1.1
+    assert config.absolute_margin_s == 0.002
+    assert config.confirmations == 2
+    assert 1 <= config.baseline_min_samples <= config.baseline_window
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("relative_margin", 1.0),
+        ("relative_margin", 0.5),
+        ("relative_margin", math.nan),
+        ("relative_margin", math.inf),
+        ("relative_margin", True),
+        ("relative_margin", "1.1"),
+        ("absolute_margin_s", -0.001),
+        ("absolute_margin_s", math.nan),
+        ("absolute_margin_s", None),
+        ("confirmations", 0),
+        ("confirmations", 1.5),
+        ("confirmations", True),
+        ("baseline_window", 0),
+        ("baseline_min_samples", 0),
+        ("baseline_min_samples", 17),
+        ("baseline_margin", 1.0),
+        ("baseline_margin", -2.0),
+    ],
+)
+def test_bad_config_values_raise_config_error_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"StragglerConfig.{field}") as caught:
+        StragglerConfig(**{field: value})
+    assert isinstance(caught.value, ValueError)
+
+
+def test_config_is_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        StragglerConfig(1.2)  # type: ignore[misc]
+    config = StragglerConfig(relative_margin=1.2, absolute_margin_s=0, confirmations=1)
+    with pytest.raises(AttributeError):
+        config.confirmations = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------------- compute: peers
+
+
+@pytest.mark.parametrize("confirmations", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_slow_rank_past_both_margins_is_reported_after_r_rounds(confirmations: int, n: int) -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(confirmations=confirmations))
+    slow_rank = n - 1
+    reports = [detector.observe(step, with_slow(n, {slow_rank: 25 * MS})) for step in range(confirmations)]
+    assert reports[:-1] == [None] * (confirmations - 1)
+    report = reports[-1]
+    assert report is not None
+    assert (report.kind, report.scope, report.ranks) == (FaultKind.STRAGGLER, Scope.RANK, (slow_rank,))
+    assert report.confirmations == confirmations
+    assert report.step == confirmations - 1
+    assert report.evidence["signal"] == "compute"
+    assert report.evidence["times_s"][str(slow_rank)] == 25 * MS
+    assert "peer_median" in report.evidence["criteria"][str(slow_rank)]
+    assert FaultReport.from_json(report.to_json()) == report
+
+
+def test_confirmed_straggler_keeps_reporting_with_a_growing_count() -> None:
+    detector = ComputeStragglerDetector()
+    counts = []
+    for step in range(5):
+        report = detector.observe(step, with_slow(4, {1: 30 * MS}))
+        counts.append(None if report is None else report.confirmations)
+    assert counts == [None, 2, 3, 4, 5]
+
+
+def test_past_relative_but_under_absolute_margin_is_not_slow() -> None:
+    # 1.5x the median, but only 0.5 ms above it: jitter on a short replay, not a straggler.
+    detector = ComputeStragglerDetector()
+    for step in range(20):
+        assert detector.observe(step, with_slow(4, {3: 1.5 * MS}, seconds=1 * MS)) is None
+    assert detector.consecutive(3) == 0
+
+
+def test_past_absolute_but_under_relative_margin_is_not_slow() -> None:
+    # 5 ms above the median, but only 1.05x a 100 ms replay.
+    detector = ComputeStragglerDetector()
+    for step in range(20):
+        assert detector.observe(step, with_slow(4, {3: 105 * MS}, seconds=100 * MS)) is None
+
+
+def test_intermittent_slowness_is_never_confirmed() -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    assert detector.observe(0, with_slow(4, {2: 30 * MS})) is None
+    assert detector.consecutive(2) == 1
+    assert detector.observe(1, healthy(4)) is None
+    assert detector.consecutive(2) == 0  # a healthy round resets the count
+    assert detector.observe(2, with_slow(4, {2: 30 * MS})) is None
+    for step in range(3, 30):  # and keeps alternating
+        times = with_slow(4, {2: 30 * MS}) if step % 2 == 0 else healthy(4)
+        assert detector.observe(step, times) is None
+
+
+def test_missing_from_a_round_breaks_the_chain() -> None:
+    detector = ComputeStragglerDetector()
+    assert detector.observe(0, with_slow(4, {3: 30 * MS})) is None
+    assert detector.observe(1, healthy(3)) is None  # rank 3 did not report this round
+    assert detector.observe(2, with_slow(4, {3: 30 * MS})) is None
+    assert detector.observe(3, with_slow(4, {3: 30 * MS})) is not None
+
+
+def test_two_stragglers_are_both_named() -> None:
+    detector = ComputeStragglerDetector()
+    detector.observe(0, with_slow(6, {1: 30 * MS, 4: 40 * MS}))
+    report = detector.observe(1, with_slow(6, {1: 30 * MS, 4: 40 * MS}))
+    assert report is not None and report.ranks == (1, 4)
+    assert report.host is None
+
+
+def test_a_single_peer_has_nothing_to_compare_with() -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(confirmations=1))
+    assert detector.observe(0, {0: 1.0}) is None
+    assert detector.observe(1, {}) is None
+
+
+def test_host_is_recorded_when_known() -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(confirmations=1))
+    hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+    report = detector.observe(0, with_slow(4, {2: 30 * MS}), rank_to_host=hosts)
+    assert report is not None
+    assert (report.scope, report.ranks, report.host) == (Scope.RANK, (2,), "node-b")
+
+
+# ------------------------------------------------------------------------------------------------- compute: baseline
+
+
+def test_a_rank_much_slower_than_its_own_baseline_counts_while_peers_are_steady() -> None:
+    # Rank 0 is usually the fastest (6 ms vs 10 ms). At 10.9 ms it is still under 1.1x the peer median, so only its
+    # own history shows that something changed.
+    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=4))
+    usual = {0: 6 * MS, 1: 10 * MS, 2: 10 * MS, 3: 10 * MS}
+    for step in range(4):
+        assert detector.observe(step, usual) is None
+    assert detector.baseline(0) == pytest.approx(6 * MS)
+    changed = {**usual, 0: 10.9 * MS}
+    assert detector.observe(4, changed) is None
+    report = detector.observe(5, changed)
+    assert report is not None
+    assert report.ranks == (0,)
+    assert report.evidence["criteria"]["0"] == ("own_baseline",)
+    assert report.evidence["baseline_s"]["0"] == pytest.approx(6 * MS)
+    # Slow rounds do not teach the baseline: it still remembers the healthy 6 ms.
+    assert detector.baseline(0) == pytest.approx(6 * MS)
+
+
+def test_no_baseline_evidence_when_the_peers_slowed_down_too() -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=3))
+    for step in range(3):
+        detector.observe(step, {0: 6 * MS, 1: 10 * MS, 2: 10 * MS, 3: 10 * MS})
+    # Everyone doubled: the work changed (e.g. a bigger batch), not one rank.
+    for step in range(3, 10):
+        assert detector.observe(step, {0: 12 * MS, 1: 20 * MS, 2: 20 * MS, 3: 20 * MS}) is None
+    # And the baselines follow the new normal.
+    assert detector.baseline(1) == pytest.approx(20 * MS)
+
+
+def test_no_baseline_evidence_before_min_samples() -> None:
+    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=4))
+    usual = {0: 6 * MS, 1: 10 * MS, 2: 10 * MS}
+    for step in range(3):
+        detector.observe(step, usual)
+    assert detector.baseline(0) is None
+    changed = {**usual, 0: 10.5 * MS}  # under the peer margins; only a baseline could flag it
+    assert detector.observe(3, changed) is None
+    assert detector.consecutive(0) == 0  # three samples are not a baseline yet: the round counts as healthy
+    assert detector.baseline(0) is not None  # ...and was its fourth sample
+    assert detector.observe(4, changed) is None
+    assert detector.consecutive(0) == 1  # from now on the baseline is evidence
+
+
+def test_reset_forgets_counts_and_baselines() -> None:
+    detector = ComputeStragglerDetector()
+    for step in range(5):
+        detector.observe(step, healthy(3))
+    detector.observe(5, with_slow(3, {1: 30 * MS}))
+    detector.reset()
+    assert detector.consecutive(1) == 0 and detector.baseline(0) is None
+    assert detector.observe(0, with_slow(3, {1: 30 * MS})) is None  # steps may start over after reset
+
+
+@pytest.mark.parametrize(
+    ("step", "times", "message"),
+    [
+        (-1, healthy(2), "step"),
+        (0, {0: -1.0, 1: 1.0}, r"times_by_rank\[0\]"),
+        (0, {0: math.nan, 1: 1.0}, r"times_by_rank\[0\]"),
+        (0, {0: math.inf, 1: 1.0}, r"times_by_rank\[0\]"),
+        (0, {0: True, 1: 1.0}, r"times_by_rank\[0\]"),
+        (0, {-2: 1.0, 1: 1.0}, "ranks"),
+    ],
+)
+def test_compute_rejects_bad_rounds(step: int, times: dict[int, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ComputeStragglerDetector().observe(step, times)
+
+
+def test_steps_must_increase() -> None:
+    detector = ComputeStragglerDetector()
+    detector.observe(5, with_slow(3, {0: 30 * MS}))
+    with pytest.raises(ValueError, match="increase"):
+        detector.observe(5, with_slow(3, {0: 30 * MS}))  # the same round twice would count double
+    assert detector.consecutive(0) == 1
+
+
+# ------------------------------------------------------------------------------------------------------ communication
+
+CHAIN = {"g01": frozenset({0, 1}), "g12": frozenset({1, 2}), "g23": frozenset({2, 3})}
+HOSTS = {0: "node-a", 1: "node-b", 2: "node-c", 3: "node-d"}
+
+
+def chain_round(slow_rank: int | None, slow_s: float = 30 * MS, fast_s: float = 10 * MS) -> dict[str, GroupTiming]:
+    return {name: GroupTiming(members, slow_s if slow_rank in members else fast_s) for name, members in CHAIN.items()}
+
+
+def test_rank_common_to_the_slow_groups_and_its_host_are_named() -> None:
+    comm = CommStragglerDetector()
+    compute = ComputeStragglerDetector()
+    assert comm.observe(0, chain_round(1), HOSTS) is None
+    assert compute.observe(0, healthy(4)) is None
+    report = comm.observe(1, chain_round(1), HOSTS)
+    assert report is not None
+    assert (report.kind, report.scope, report.ranks, report.host) == (FaultKind.STRAGGLER, Scope.NODE, (1,), "node-b")
+    assert report.confirmations == 2
+    assert report.evidence["signal"] == "communication"
+    assert report.evidence["slow_groups"] == ("g01", "g12")
+    assert report.evidence["fast_groups"] == ("g23",)
+    assert FaultReport.from_json(report.to_json()) == report
+    # Comm timings are no compute evidence: the compute detector saw healthy replays and reports nothing.
+    assert compute.observe(1, healthy(4)) is None
+    assert compute.consecutive(1) == 0
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1, 2, 3])
+def test_every_rank_of_the_chain_can_be_localized(slow_rank: int) -> None:
+    comm = CommStragglerDetector(StragglerConfig(confirmations=1))
+    report = comm.observe(0, chain_round(slow_rank), HOSTS)
+    assert report is not None
+    assert report.ranks == (slow_rank,)
+    assert report.host == HOSTS[slow_rank]
+
+
+def test_comm_needs_r_consecutive_rounds() -> None:
+    comm = CommStragglerDetector(StragglerConfig(confirmations=2))
+    assert comm.observe(0, chain_round(1), HOSTS) is None
+    assert comm.observe(1, chain_round(None), HOSTS) is None
+    assert comm.consecutive(1) == 0
+    assert comm.observe(2, chain_round(1), HOSTS) is None
+    assert comm.observe(3, chain_round(2), HOSTS) is None  # a different suspect does not continue rank 1's chain
+    assert comm.observe(4, chain_round(2), HOSTS) is not None
+
+
+def test_comm_margins_apply() -> None:
+    comm = CommStragglerDetector(StragglerConfig(confirmations=1))
+    # 1.5x the fastest group but only 0.5 ms above it: under the absolute margin.
+    assert comm.observe(0, chain_round(1, slow_s=1.5 * MS, fast_s=1 * MS), HOSTS) is None
+    # 5 ms above but only 1.05x: under the relative margin.
+    assert comm.observe(1, chain_round(1, slow_s=105 * MS, fast_s=100 * MS), HOSTS) is None
+
+
+def test_slow_groups_without_a_common_rank_name_no_one() -> None:
+    comm = CommStragglerDetector(StragglerConfig(confirmations=1))
+    timings = {"g01": GroupTiming(CHAIN["g01"], 30 * MS), "g12": GroupTiming(CHAIN["g12"], 10 * MS)}
+    timings["g23"] = GroupTiming(CHAIN["g23"], 30 * MS)  # ranks 0 and 3 both slow: disjoint slow groups
+    assert comm.observe(0, timings, HOSTS) is None
+
+
+def test_suspects_on_one_host_are_a_node_and_on_several_hosts_are_ranks() -> None:
+    timings = {"g01": GroupTiming(frozenset({0, 1}), 30 * MS), "g23": GroupTiming(frozenset({2, 3}), 10 * MS)}
+    same_host = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(0, timings, {0: "n1", 1: "n1"})
+    assert same_host is not None
+    assert (same_host.scope, same_host.ranks, same_host.host) == (Scope.NODE, (0, 1), "n1")
+    two_hosts = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(0, timings, {0: "n1", 1: "n2"})
+    assert two_hosts is not None
+    assert (two_hosts.scope, two_hosts.ranks, two_hosts.host) == (Scope.RANK, (0, 1), None)
+    assert two_hosts.evidence["hosts"] == {"0": "n1", "1": "n2"}
+    unknown = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(0, chain_round(1))
+    assert unknown is not None
+    assert (unknown.scope, unknown.ranks, unknown.host) == (Scope.RANK, (1,), None)
+
+
+def test_comm_with_uniform_or_single_group_reports_nothing() -> None:
+    comm = CommStragglerDetector(StragglerConfig(confirmations=1))
+    assert comm.observe(0, chain_round(None), HOSTS) is None
+    assert comm.observe(1, {"only": GroupTiming(frozenset({0, 1}), 1.0)}, HOSTS) is None
+
+
+def test_group_timing_validation() -> None:
+    assert GroupTiming({1, 0}, 0.5).members == frozenset({0, 1})  # type: ignore[arg-type]
+    for members, seconds, message in [
+        (frozenset(), 1.0, "members"),
+        (frozenset({-1}), 1.0, "members"),
+        (5, 1.0, "members"),
+        (frozenset({0}), -1.0, "seconds"),
+        (frozenset({0}), math.nan, "seconds"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            GroupTiming(members, seconds)  # type: ignore[arg-type]
+
+
+def test_comm_rejects_bad_rounds() -> None:
+    comm = CommStragglerDetector()
+    with pytest.raises(ValueError, match="at least one group"):
+        comm.observe(0, {}, HOSTS)
+    with pytest.raises(ValueError, match="GroupTiming"):
+        comm.observe(0, {"g": (frozenset({0}), 1.0)}, HOSTS)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="rank_to_host"):
+        comm.observe(0, chain_round(1), {1: ""})
+    comm.observe(3, chain_round(1), HOSTS)
+    with pytest.raises(ValueError, match="increase"):
+        comm.observe(2, chain_round(1), HOSTS)
