@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install gemscout with its dev tools (torch==2.13.0 CPU)
 
 demo: $(STAMP)  ## the quickstart campaign: 3 CPU ranks, SIGKILL at step 4, recover, seal, render
+	rm -rf runs/quickstart runs/quickstart.html
 	$(BIN)/qualify run quickstart --out runs/quickstart
 
 test: $(STAMP)  ## the whole test suite (unit, real gloo process groups, end-to-end CLI)

@@ -62,6 +62,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-phase", default="after-step")
     ap.add_argument("--sigterm-step", type=int, default=-1)
     ap.add_argument("--kill-seed", type=int, default=0)
+    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument("--durable-every", type=int, default=0)
+    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
     return ap.parse_args()
 
 
@@ -81,6 +84,7 @@ def main() -> None:
     killer = args.kill_rank == rank
     session = None
     decision = None
+    resume_digest = None
     if args.ckpt is not None:
         import gemscout
 
@@ -97,10 +101,12 @@ def main() -> None:
             directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
             persist_every=args.persist_every, async_copy=not args.no_async, chunk_bytes=args.chunk_bytes,
             timeout=timedelta(seconds=60), fsync=False,
+            durable_directory=args.durable, durable_every=args.durable_every,
         )
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg, schedulers=[sched],
                                              extra_state_fn=extra, load_extra_state_fn=load_extra)
         decision = session.last_decision.to_dict() if session.last_decision else None
+        resume_digest = state_digest(model, opt)
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
@@ -117,6 +123,8 @@ def main() -> None:
         losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
         opt.step()
         sched.step()
+        if session is not None and args.certify and session.step % args.interval == 0:
+            session.certify(session.step)
         if killer and step == args.kill_step:
             if args.kill_phase == "after-step":
                 if session is not None and session.checkpointer is not None:
@@ -133,7 +141,7 @@ def main() -> None:
     dist.all_gather_object(digests, digest)  # test-side comparison only; gemscout itself never pickles
     result = {
         "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
-        "decision": decision, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
+        "decision": decision, "resume_digest": resume_digest, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
         "replicas_equal": len(set(digests)) == 1, "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],

@@ -227,6 +227,7 @@ def enable_resiliency(
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
+    _warn_ddp_bucket_rebuild(model, world)
     sources = StateSources(model, optimizer, extra_state_fn, load_extra_state_fn, tuple(schedulers))
     checkpointer = None
     if checkpoint is not None:
@@ -250,6 +251,18 @@ def enable_resiliency(
     session._attach()
     _LIVE.add(session)
     return session
+
+
+def _warn_ddp_bucket_rebuild(model: nn.Module, world: int) -> None:
+    """DDP re-buckets after each process's first iteration; with 3+ ranks that shifts one step's reduction order."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and world >= 3 and not model.find_unused_parameters:
+        log.warning(
+            "gemscout: DDP rebuilds its gradient buckets after the first iteration of every process, so with %d ranks "
+            "the first step after a restart reduces gradients in another order and the trajectory differs in the "
+            "last bits; construct DDP with find_unused_parameters=True for bit-exact recovery (docs/gemini.md)", world
+        )
 
 
 def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:

@@ -102,7 +102,11 @@ class DurableTier:
         """The newest promotion that verifies; broken ones are logged and skipped."""
         for step in self.steps():
             try:
-                self.verify(step)
+                sidecar = self.verify(step)
+                if sidecar.get("run_id") != self.run_id:
+                    log.warning("gemini: durable step %d belongs to run %r, not %r; skipped", step,
+                                sidecar.get("run_id"), self.run_id)
+                    continue
                 return step
             except IntegrityError as exc:
                 log.warning("gemini: %s", exc)
@@ -111,8 +115,6 @@ class DurableTier:
     def load(self, step: int, sources: training_state.StateSources) -> None:
         """Verify, then restore the promotion of ``step`` into the live objects (any world size)."""
         sidecar = self.verify(step)
-        from gemscout.state.layout import TensorEntry  # noqa: F401  (shapes come from the DCP metadata)
-
         reader = dcp.FileSystemReader(str(self.path(step)))
         meta = reader.read_metadata()
         tensors: dict[str, torch.Tensor] = {}

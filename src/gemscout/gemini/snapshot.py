@@ -47,7 +47,7 @@ class SlotPool:
         self._slots = [Slot(i) for i in range(count)]
         self._cond = threading.Condition()
 
-    def acquire(self, layout: Layout, *, timeout: timedelta) -> Slot:
+    def acquire(self, layout: Layout, *, timeout: timedelta, pinned: bool = False) -> Slot:
         """The oldest unpinned slot, resized for ``layout`` if needed. Blocks while every slot is pinned."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
@@ -66,8 +66,9 @@ class SlotPool:
             slot.pins = 1
             slot.ready.clear()
             slot.step = -1
-            if slot.layout != layout:
-                slot.data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
+            if slot.layout != layout or slot.data.is_pinned() != pinned:
+                # Pinned host memory lets device-to-host copies run asynchronously on a side stream.
+                slot.data = torch.empty(layout.data_nbytes, dtype=torch.uint8, pin_memory=pinned)
                 slot.layout = layout
             return slot
 
@@ -103,6 +104,9 @@ class Capturer:
         self.timeout = timeout
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-copy")
         self._copied: Future[None] | None = None
+        self._cuda_event: Any = None
+        self._host_pending = False
+        self._stream: Any = None
         self.last_stall_s = 0.0
 
     def capture(self, state: Any, identity: dict[str, Any], async_ptrs: set[int]) -> Future[Slot]:
@@ -114,19 +118,25 @@ class Capturer:
         self.wait_copied()
         skeleton, tensors = encode(state)
         layout = Layout.of(tensors)
-        slot = self.pool.acquire(layout, timeout=self.timeout)
+        on_device = any(t.is_cuda for t in tensors)
+        slot = self.pool.acquire(layout, timeout=self.timeout, pinned=on_device)
         views = layout.views(slot.data)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        device_deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view, src in zip(views, tensors, strict=True):
             if self.async_copy and src.data_ptr() in async_ptrs:
-                deferred.append((view, src))
+                (device_deferred if src.is_cuda else deferred).append((view, src))
             else:
                 view.copy_(src)
+        event = self._launch_device_copies(device_deferred)
+        self._host_pending = bool(deferred)
         copied: Future[None] = Future()
         self._copied = copied
 
         def work() -> Slot:
             try:
+                if event is not None:
+                    event.synchronize()  # the side-stream D2H copies into pinned memory are done
                 for view, src in deferred:
                     view.copy_(src)
             finally:
@@ -144,10 +154,33 @@ class Capturer:
         self.last_stall_s = time.perf_counter() - t0
         return future
 
+    def _launch_device_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Queue non-blocking device-to-host copies on a side stream; return the event that marks their end."""
+        if not pairs:
+            self._cuda_event = None
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())  # copy what the finished step wrote
+        with torch.cuda.stream(self._stream):
+            for view, src in pairs:
+                view.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._cuda_event = event
+        return event
+
     def wait_copied(self) -> None:
-        """Block until the last capture no longer reads live tensors (call before anything writes them)."""
+        """Block until the last capture no longer reads live tensors (call before anything writes them).
+
+        Device copies are ordered on the GPU instead: the compute stream waits for the copy's event, so the CPU does
+        not stall; host copies are waited for on the CPU.
+        """
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+            self._cuda_event = None
         copied = self._copied
-        if copied is not None and not copied.done():
+        if copied is not None and self._host_pending and not copied.done():
             copied.result(timeout=self.timeout.total_seconds())
 
     def shutdown(self) -> None:

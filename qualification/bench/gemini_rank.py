@@ -1,0 +1,243 @@
+"""One rank of the GEMINI benchmark; :mod:`qualification.bench.gemini` runs two of them through
+:mod:`qualification.launch`.
+
+``--role off`` trains without GEMINI and records peak RSS: the baseline needs a process of its own, because
+``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
+
+1. a memcpy of the state (to size the overlap loop), then two loops without GEMINI: ``tight`` (one micro-batch per
+   step) and ``overlap`` (enough micro-batches that forward/backward lasts ``--overlap-factor`` x that copy);
+2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then quiet
+   captures (``optimizer.step()`` with no gradients: no compute competes with the checkpoint io), then peak RSS;
+3. the references that need a real frame: memcpy, raw gloo pair exchange, ``comm.exchange``, BLAKE3;
+4. recovery from peer memory: the last rank loses its slots, the replicas it holds and its checkpoint folder (a node
+   loss) and its live state is zeroed; ``session.recover()`` restores it from the replica in its peer's memory, and
+   the restored state must equal the survivor's bit for bit. Then the same data path timed by itself: the peer sends
+   the held frame, the owner verifies every digest and restores;
+5. DCP save, async_save and load of the same model and optimizer.
+
+The stall per capture is the time the training thread spends in GEMINI's two optimizer hooks, bracketed by hooks
+of our own (see :class:`~qualification.bench._training.HookClock`). Writes ``<out>/<role>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qualification.bench import _references
+from qualification.bench._model import shape_for
+from qualification.bench._training import HookClock, Trainer, peak_rss_bytes, run_loop, state_digest
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=("off", "on"), required=True)
+    ap.add_argument("--out", type=Path, required=True, help="folder for <role>.rank<r>.json")
+    ap.add_argument("--state-mib", type=float, required=True)
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
+    ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
+    ap.add_argument("--overlap-factor", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
+    ap.add_argument("--quiet-captures", type=int, default=3)
+    ap.add_argument("--ckpt", type=Path, default=None, help="GEMINI checkpoint folder (role on)")
+    ap.add_argument("--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)")
+    ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
+    ap.add_argument("--no-fsync", action="store_true")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    return ap.parse_args()
+
+
+class IoRecorder:
+    """Per-capture ``persist_s`` and ``replicate_s`` from GEMINI's phase hook (its stats keep only the latest).
+
+    The io thread runs persist → replicate → persist_replica per capture, and updates each stat when that phase
+    ends, so at the "replicate" phase ``persist_s`` is this capture's, and at "persist_replica" ``replicate_s`` is.
+    """
+
+    def __init__(self, checkpointer: Any) -> None:
+        self.ckpt = checkpointer
+        self.persist_s: dict[int, float] = {}
+        self.replicate_s: dict[int, float] = {}
+
+    def __call__(self, phase: str, step: int) -> None:
+        if phase == "replicate":
+            self.persist_s[step] = self.ckpt.stats["persist_s"]
+        elif phase == "persist_replica":
+            self.replicate_s[step] = self.ckpt.stats["replicate_s"]
+
+    def between(self, first: int, last: int) -> dict[str, list[float]]:
+        steps = range(first, last + 1)
+        return {"persist_s": [self.persist_s[s] for s in steps if s in self.persist_s],
+                "replicate_s": [self.replicate_s[s] for s in steps if s in self.replicate_s]}
+
+
+def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
+    import gemscout
+    from gemscout.gemini import comm
+    from gemscout.gemini.store import list_steps, read_verified, step_file
+    from gemscout.state.layout import parse_prefix, tensor_digests
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    timeout = timedelta(seconds=args.timeout_s)
+    out: dict[str, Any] = {}
+
+    def barrier() -> None:
+        dist.barrier(group=group)
+
+    # 1. without GEMINI
+    out["memcpy_before_s"] = _references.memcpy_s(trainer.tensors(), args.reps)  # its buffer is freed on return
+    micro, out["micro_fwd_bwd_s"] = trainer.overlap_micro_batches(out["memcpy_before_s"], args.overlap_factor, group)
+    loops = {"tight_off": run_loop(trainer, 1, args.steps), "overlap_off": run_loop(trainer, micro, args.steps)}
+
+    # 2. with GEMINI
+    cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="bench", chunk_bytes=args.chunk_bytes,
+                                    fsync=not args.no_fsync, timeout=timeout, handle_signals=False)
+    clock = HookClock()
+    session = clock.attach_around(trainer.opt, lambda: gemscout.enable_resiliency(
+        trainer.ddp, trainer.opt, interval=1, checkpoint=cfg))
+    ckpt = session.checkpointer
+    clock.stall_probe = lambda: float(ckpt.stats["capture_stall_s"])
+    io = IoRecorder(ckpt)
+    ckpt.phase_hook = io
+    for name, m in (("tight_on", 1), ("overlap_on", micro)):
+        first = session.step + 1
+        loops[name] = run_loop(trainer, m, args.steps, clock)
+        t0 = time.perf_counter()
+        ckpt.drain()
+        loops[name]["drain_s"] = time.perf_counter() - t0
+        loops[name].update(io.between(first, session.step))
+    quiet: dict[str, Any] = {"capture_return_s": [], "drain_s": []}
+    first = session.step + 1
+    for _ in range(args.quiet_captures):
+        barrier()
+        clock.reset()
+        trainer.opt.step()  # no gradients: no update, but GEMINI's hooks capture as after any step
+        quiet["capture_return_s"].append(clock.post[0])
+        t0 = time.perf_counter()
+        ckpt.drain()
+        quiet["drain_s"].append(time.perf_counter() - t0)
+    quiet.update(io.between(first, session.step))
+    out["loops"], out["quiet"] = loops, quiet
+    out["peak_rss_bytes"] = peak_rss_bytes()
+
+    # 3. references on a real frame
+    slot = ckpt.pool.newest_ready()
+    assert slot is not None, "no sealed capture after drain"
+    prefix, data = slot.frame()
+    out["frame_bytes"] = len(prefix) + data.numel()
+    layout = parse_prefix(prefix).layout
+    out["digest_s"] = _references.timed(lambda: tensor_digests(layout, data), args.reps)
+    out["memcpy_s"] = _references.memcpy_s(trainer.tensors(), args.reps)
+    out["gloo_pair_s"] = _references.gloo_pair_s(data.numel(), peer, group=group, chunk_bytes=args.chunk_bytes,
+                                                 reps=args.reps)
+    recv = torch.zeros(data.numel(), dtype=torch.uint8)
+    out["exchange_s"] = _references.timed(
+        lambda: comm.exchange((prefix, data), peer, peer, group=group, chunk_bytes=args.chunk_bytes,
+                              timeout=timeout, recv_buffer=lambda n: recv),
+        args.reps, warmup=1, before=barrier)
+    del recv
+
+    # 4. recovery from peer memory after the last rank's node is lost
+    out.update(recover_from_peer(args, trainer, session, group, timeout))
+    files = [step_file(folder, s) for folder in (ckpt.paths.own, *[ckpt.paths.replicas(o) for o in
+             ckpt.paths.held_owners()]) for s in list_steps(folder)]
+    t0 = time.perf_counter()
+    for path in files:
+        read_verified(path)
+    out["own_files_verified"], out["own_files_verify_s"] = len(files), time.perf_counter() - t0
+    out["errors"] = list(ckpt.errors)
+    session.close()
+    return out
+
+
+def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,
+                      timeout: timedelta) -> dict[str, Any]:
+    from gemscout.gemini import comm
+    from gemscout.state import training_state
+    from gemscout.state.codec import decode
+    from gemscout.state.layout import parse_prefix, verify_data
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    victim, survivor = world - 1, 0
+    ckpt = session.checkpointer
+    before = state_digest(trainer.tensors())
+    if rank == victim:
+        for slot in ckpt.pool.ready_slots():
+            slot.ready.clear()  # its own in-memory checkpoints are gone ...
+        ckpt.replicas.clear()  # ... and the replicas it held for its peer ...
+        shutil.rmtree(ckpt.paths.root)  # ... and its local checkpoint files
+        with torch.no_grad():
+            for t in trainer.tensors():
+                t.zero_()
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    decision = session.recover()
+    out: dict[str, Any] = {"recover_s": time.perf_counter() - t0, "recover_decision": decision.to_dict()}
+    after = state_digest(trainer.tensors())
+    digests = comm.gather_json([before, after], group=group, timeout=timeout)
+    out["recovered_bitwise_equal"] = all(a == digests[survivor][0] for _, a in digests)
+
+    # The data path of that recovery on its own: send the held frame, verify every digest, restore.
+    held = ckpt.replicas[victim].entries[0] if rank == survivor else None
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    if rank == survivor:
+        assert held is not None
+        comm.exchange((held[1], held[2]), victim, None, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout)
+    if rank == victim:
+        frame = comm.exchange(None, None, survivor, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout)
+        assert frame is not None
+        t1 = time.perf_counter()
+        parsed = parse_prefix(frame[0])
+        verify_data(parsed, frame[1])
+        t2 = time.perf_counter()
+        training_state.restore(ckpt.sources, decode(parsed.skeleton, parsed.layout.views(frame[1])))
+        t3 = time.perf_counter()
+        out.update({"recover_transfer_s": t3 - t0, "recover_transfer_recv_s": t1 - t0,
+                    "recover_transfer_verify_s": t2 - t1, "recover_transfer_restore_s": t3 - t2})
+    out["recovered_again_bitwise_equal"] = state_digest(trainer.tensors()) == digests[survivor][0]
+    return out
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    timeout = timedelta(seconds=args.timeout_s)
+    dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2:
+        raise SystemExit("gemini_rank: the benchmark pairs exactly 2 ranks (WORLD_SIZE=2)")
+    group = dist.new_group(backend="gloo", timeout=timeout)  # references and barriers; GEMINI makes its own
+    trainer = Trainer(args.state_mib, args.batch, rank)
+    width, depth = shape_for(args.state_mib)
+    result: dict[str, Any] = {
+        "rank": rank, "role": args.role, "width": width, "depth": depth, "batch": args.batch,
+        "params": sum(p.numel() for p in trainer.model.parameters()), "state_bytes": trainer.state_bytes(),
+    }
+    if args.role == "off":
+        result["loops"] = {"tight_off": run_loop(trainer, 1, args.steps)}
+        result["peak_rss_bytes"] = peak_rss_bytes()
+    else:
+        if args.ckpt is None or args.dcp is None:
+            raise SystemExit("gemini_rank: --role on needs --ckpt and --dcp")
+        result.update(gemini_phases(args, trainer, group))
+        dist.barrier(group=group)
+        result.update(_references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.role}.rank{rank}.json").write_text(json.dumps(result, indent=1))
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
