@@ -186,8 +186,8 @@ def report(
     out: Annotated[Path | None, typer.Option(help="HTML file to write.", show_default="BUNDLE.html")] = None,
 ) -> None:
     """Render the HTML report of a run directory or bundle."""
-    if not (bundle / "summary.json").is_file():
-        raise UsageError(f"{bundle} has no summary.json; is it a run directory of `qualify run`?")
+    if not (bundle / "summary.json").is_file() and not (bundle / "manifest.json").is_file():
+        raise UsageError(f"{bundle} has neither summary.json nor manifest.json; is it a run directory or bundle?")
     if not _report(bundle, out or bundle.with_name(bundle.name + ".html")):
         raise QualificationError("the HTML report renderer (qualification.report) is not part of this build yet")
 

@@ -23,6 +23,8 @@ THRESHOLDS = {
     "p95_pct": ("p95_ms", "p95", False),
     "peak_rss_pct": ("peak_rss_mib", "peak RSS", False),
 }
+MODE_ORDER = ("baseline", "gemini", "scout", "combined")
+"""How the suite's modes read best; summary.json sorts keys, so its order is alphabetical and not this."""
 CHARTED = ("throughput_pct", "p95_pct")
 """Bars every mode gets; other metrics get a bar only when the suite set a threshold for them."""
 
@@ -44,7 +46,9 @@ def is_performance_cell(cell: dict[str, Any]) -> bool:
 
 def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
     """Table rows, an overhead chart and a percentile chart for one performance cell."""
-    modes = {str(name): values for name, values in cell["metrics"]["modes"].items() if isinstance(values, dict)}
+    given = {str(name): values for name, values in cell["metrics"]["modes"].items() if isinstance(values, dict)}
+    order = [m for m in MODE_ORDER if m in given] + sorted(m for m in given if m not in MODE_ORDER)
+    modes = {name: given[name] for name in order}
     frame = pd.DataFrame.from_dict(
         {name: {metric: _float(values.get(metric)) for metric in METRICS} for name, values in modes.items()},
         orient="index", columns=list(METRICS),

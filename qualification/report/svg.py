@@ -80,12 +80,13 @@ def _svg(height: float, label: str, body: list[str]) -> Markup:
 def overhead_chart(bars: Sequence[OverheadBar]) -> Markup:
     """Horizontal bars of the change against the baseline in %, zero in the middle, each bar's threshold as a tick.
 
-    A bar is green inside its threshold, red outside it, grey without one.
+    A bar is green inside its threshold, red outside it, grey without one; the value and the limit are written in a
+    column of their own on the right, so a tick never sits on top of a label.
     """
     values = [abs(b.change_pct) for b in bars] + [abs(b.limit_pct) for b in bars if b.limit_pct is not None]
-    span = max([5.0, *values]) * 1.15
-    row_h, top = 22.0, 24.0
-    plot_w = _WIDTH - _LABEL_W - 20
+    span = 5.0 * math.ceil(max([5.0, *values]) * 1.1 / 5.0)  # a round axis: ±5, ±10, ±15 ...
+    row_h, top, value_w = 22.0, 24.0, 150
+    plot_w = _WIDTH - _LABEL_W - value_w - 10
     zero_x = _LABEL_W + plot_w / 2
 
     def x(pct: float) -> float:
@@ -94,22 +95,23 @@ def overhead_chart(bars: Sequence[OverheadBar]) -> Markup:
     height = top + row_h * len(bars) + 26
     body = [
         f'<text x="{_num(zero_x)}" y="14" text-anchor="middle" class="axis">0 %</text>',
-        f'<text x="{_LABEL_W}" y="14" class="axis">-{_num(span)} %</text>',
-        f'<text x="{_WIDTH - 20}" y="14" text-anchor="end" class="axis">+{_num(span)} %</text>',
+        f'<text x="{_LABEL_W}" y="14" class="axis">-{span:g} %</text>',
+        f'<text x="{_num(_LABEL_W + plot_w)}" y="14" text-anchor="end" class="axis">+{span:g} %</text>',
     ]
     for i, bar in enumerate(bars):
         y = top + i * row_h
         colour = {True: OK_COLOUR, False: BAD_COLOUR, None: NEUTRAL_COLOUR}[bar.within]
         left, right = sorted((x(0.0), x(bar.change_pct)))
-        limit = "no threshold" if bar.limit_pct is None else f"threshold {bar.limit_pct:+.1f} %"
+        kind = "floor" if bar.higher_is_better else "ceiling"
+        limit = "no threshold" if bar.limit_pct is None else f"{kind} {bar.limit_pct:+g} %"
         body.append(
             f'<text x="{_LABEL_W - 8}" y="{_num(y + 15)}" text-anchor="end">'
             f"{escape(bar.mode)} · {escape(bar.metric)}</text>"
             f'<rect x="{_num(left)}" y="{_num(y + 4)}" width="{_num(max(right - left, 1.0))}" height="14" '
             f'fill="{colour}"><title>{escape(bar.mode)} {escape(bar.metric)}: {bar.change_pct:+.2f} % '
             f"vs baseline ({limit})</title></rect>"
-            f'<text x="{_num(right + 4 if bar.change_pct >= 0 else left - 4)}" y="{_num(y + 15)}" '
-            f'text-anchor="{"start" if bar.change_pct >= 0 else "end"}" class="value">{bar.change_pct:+.1f} %</text>'
+            f'<text x="{_WIDTH - 8}" y="{_num(y + 15)}" text-anchor="end" class="value" fill="{colour}">'
+            f"{bar.change_pct:+.1f} % ({limit})</text>"
         )
         if bar.limit_pct is not None:
             lx = x(bar.limit_pct)
@@ -119,7 +121,7 @@ def overhead_chart(bars: Sequence[OverheadBar]) -> Markup:
     body.append(f'<line x1="{_num(zero_x)}" x2="{_num(zero_x)}" y1="{_num(top - 4)}" y2="{_num(bottom)}" '
                 'class="zero"/>')
     body.append(f'<text x="{_LABEL_W}" y="{_num(bottom + 18)}" class="axis">change vs baseline; dashed tick = '
-                "threshold (throughput: floor, latency: ceiling)</text>")
+                "threshold (throughput: floor, latency and memory: ceiling)</text>")
     return _svg(height, "overhead against the baseline per mode", body)
 
 

@@ -71,7 +71,7 @@ def test_shipped_campaigns_exist() -> None:
 
 def test_quickstart_cell_is_the_documented_one() -> None:
     (cell,) = campaign.load("quickstart").cells
-    assert cell.id == "quickstart/lifecycle-ddp-w3-sigkill-rank1-step4-s0"
+    assert cell.id == "quickstart/lifecycle-ddp-w3-sigkill-node_losstrue-phaseafter_step-rank1-step4-s0"
     assert (cell.program, cell.workload, cell.topology, cell.world_size) == ("lifecycle", "tiny-causal-lm", "ddp", 3)
     assert cell.fault == {"kind": "sigkill", "rank": 1, "step": 4}
     assert cell.params == {"steps": 6, "interval": 1}

@@ -1,0 +1,186 @@
+"""Turn the ranks' raw JSON into one size's measurements, ratios and verdicts, and render them.
+
+Conventions: times are seconds, throughputs GB/s (1e9 bytes per second), sizes bytes. Loop statistics drop the
+first ``warmup`` steps (the first captures allocate and first-touch the slots). A ratio pairs numbers from the same
+rank and the worse rank is reported; collective timings take the slower rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "stall_vs_memcpy": ("<=", 0.25),
+    "stall_overlap_vs_memcpy": ("<=", 0.25),
+    "blocking_vs_async_save": ("<=", 0.1),
+    "replication_vs_gloo": (">=", 0.7),
+    "recovery_speedup_vs_dcp_load": (">=", 5.0),
+    "rss_extra_vs_state": ("<=", 4.2),
+}
+INFO_RATIOS = (
+    "blocking_vs_save", "capture_return_vs_async_save", "replication_in_loop_vs_gloo", "exchange_vs_gloo",
+    "recovery_transfer_speedup_vs_dcp_load", "loop_slowdown_tight", "loop_slowdown_overlap",
+)
+RATIO_KEYS = (*TARGETS, *INFO_RATIOS)
+MEASUREMENT_KEYS = (
+    "state_bytes", "params", "frame_bytes", "memcpy_s", "memcpy_gbps",
+    "fwd_bwd_tight_s", "step_off_tight_s", "step_on_tight_s",
+    "stall_tight_s", "stall_tight_pre_s", "stall_tight_post_s", "stall_tight_max_s", "reported_stall_tight_s",
+    "overlap_micro_batches", "fwd_bwd_overlap_s", "step_off_overlap_s", "step_on_overlap_s",
+    "stall_overlap_s", "stall_overlap_pre_s", "stall_overlap_post_s", "stall_overlap_max_s",
+    "reported_stall_overlap_s", "capture_return_s",
+    "dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s",
+    "replicate_s", "replication_gbps", "replicate_in_loop_s", "replication_in_loop_gbps",
+    "exchange_s", "exchange_gbps", "gloo_pair_s", "gloo_pair_gbps",
+    "recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
+    "recover_transfer_restore_s", "survivor_files_verified", "survivor_files_verify_s",
+    "rss_off_bytes", "rss_on_bytes", "rss_extra_bytes",
+    "digest_s", "digest_gbps", "persist_s", "persist_gbps", "persist_in_loop_s",
+)
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def _loop(rank: dict[str, Any], name: str, warmup: int) -> dict[str, float]:
+    loop = rank["loops"][name]
+    cut = min(warmup, len(loop["step_s"]) - 1)
+    out = {"fwd_bwd": _med(loop["fwd_bwd_s"][cut:]), "step": _med(loop["step_s"][cut:])}
+    if "pre_hook_s" in loop:
+        pre, post = loop["pre_hook_s"][cut:], loop["post_hook_s"][cut:]
+        stall = [a + b for a, b in zip(pre, post, strict=True)]
+        out.update(stall=_med(stall), pre=_med(pre), post=_med(post), max=max(stall),
+                   reported=_med(loop["reported_stall_s"][cut:]))
+    return out
+
+
+def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: int, victim: int) -> dict[str, Any]:
+    """One size's entry: ``measurements``, ``ratios``, ``targets``, ``met`` and ``checks`` (booleans, sources)."""
+    m: dict[str, Any] = {"state_bytes": on[0]["state_bytes"], "params": on[0]["params"],
+                         "frame_bytes": on[0]["frame_bytes"]}
+    data_bytes = on[0]["state_bytes"]
+    per_rank: list[dict[str, float]] = []
+    for r_on, r_off in zip(on, off, strict=True):
+        t_off, o_off = _loop(r_on, "tight_off", warmup), _loop(r_on, "overlap_off", warmup)
+        t_on, o_on = _loop(r_on, "tight_on", warmup), _loop(r_on, "overlap_on", warmup)
+        per_rank.append({
+            "memcpy_s": r_on["memcpy_s"], "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"],
+            "step_on_tight_s": t_on["step"], "stall_tight_s": t_on["stall"], "stall_tight_pre_s": t_on["pre"],
+            "stall_tight_post_s": t_on["post"], "stall_tight_max_s": t_on["max"],
+            "reported_stall_tight_s": t_on["reported"], "overlap_micro_batches": r_on["loops"]["overlap_on"]["micro_batches"],
+            "fwd_bwd_overlap_s": o_off["fwd_bwd"], "step_off_overlap_s": o_off["step"], "step_on_overlap_s": o_on["step"],
+            "stall_overlap_s": o_on["stall"], "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"],
+            "stall_overlap_max_s": o_on["max"], "reported_stall_overlap_s": o_on["reported"],
+            "capture_return_s": _med(r_on["quiet"]["capture_return_s"]),
+            "dcp_async_save_blocking_s": r_on["dcp_async_save_blocking_s"],
+            "dcp_async_save_total_s": r_on["dcp_async_save_total_s"], "dcp_save_s": r_on["dcp_save_s"],
+            "dcp_load_s": r_on["dcp_load_s"], "exchange_s": r_on["exchange_s"], "gloo_pair_s": r_on["gloo_pair_s"],
+            "rss_off_bytes": r_off["peak_rss_bytes"], "rss_on_bytes": r_on["peak_rss_bytes"],
+            "rss_extra_bytes": r_on["peak_rss_bytes"] - r_off["peak_rss_bytes"], "digest_s": r_on["digest_s"],
+            "persist_s": _med(r_on["quiet"]["persist_s"]),
+            "persist_in_loop_s": _med(r_on["loops"]["tight_on"]["persist_s"] + r_on["loops"]["overlap_on"]["persist_s"]),
+        })
+    for key in per_rank[0]:
+        m[key] = max(r[key] for r in per_rank)
+    # Replication: the rank that reaches the exchange first also times its wait for the other, so per capture the
+    # faster rank's figure is the transfer (plus its digest check of what arrived).
+    quiet = [min(xs) for xs in zip(*(r["quiet"]["replicate_s"] for r in on), strict=False)]
+    looped = [min(xs) for xs in zip(*([*r["loops"]["tight_on"]["replicate_s"], *r["loops"]["overlap_on"]["replicate_s"]]
+                                      for r in on), strict=False)]
+    m["replicate_s"], m["replicate_in_loop_s"] = _med(quiet), _med(looped)
+    v = on[victim]
+    for key in ("recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
+                "recover_transfer_restore_s"):
+        m[key] = v[key]
+    survivor = on[1 - victim]
+    m["survivor_files_verified"], m["survivor_files_verify_s"] = survivor["own_files_verified"], survivor["own_files_verify_s"]
+    m.update(memcpy_gbps=_gbps(data_bytes, m["memcpy_s"]), replication_gbps=_gbps(data_bytes, m["replicate_s"]),
+             replication_in_loop_gbps=_gbps(data_bytes, m["replicate_in_loop_s"]),
+             exchange_gbps=_gbps(data_bytes, m["exchange_s"]), gloo_pair_gbps=_gbps(data_bytes, m["gloo_pair_s"]),
+             digest_gbps=_gbps(data_bytes, m["digest_s"]), persist_gbps=_gbps(m["frame_bytes"], m["persist_s"]))
+
+    def worst(num: str, den: str, higher_is_worse: bool = True) -> float:
+        vals = [r[num] / r[den] for r in per_rank]
+        return max(vals) if higher_is_worse else min(vals)
+
+    ratios = {
+        "stall_vs_memcpy": worst("stall_tight_s", "memcpy_s"),
+        "stall_overlap_vs_memcpy": worst("stall_overlap_s", "memcpy_s"),
+        "blocking_vs_async_save": worst("stall_tight_s", "dcp_async_save_blocking_s"),
+        "replication_vs_gloo": m["replication_gbps"] / m["gloo_pair_gbps"],
+        "recovery_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_s"],
+        "rss_extra_vs_state": max(r["rss_extra_bytes"] for r in per_rank) / data_bytes,
+        "blocking_vs_save": worst("stall_tight_s", "dcp_save_s"),
+        "capture_return_vs_async_save": worst("capture_return_s", "dcp_async_save_blocking_s"),
+        "replication_in_loop_vs_gloo": m["replication_in_loop_gbps"] / m["gloo_pair_gbps"],
+        "exchange_vs_gloo": m["exchange_gbps"] / m["gloo_pair_gbps"],
+        "recovery_transfer_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_transfer_s"],
+        "loop_slowdown_tight": worst("step_on_tight_s", "step_off_tight_s"),
+        "loop_slowdown_overlap": worst("step_on_overlap_s", "step_off_overlap_s"),
+    }
+    targets = {k: {"op": op, "value": val} for k, (op, val) in TARGETS.items()}
+    met = {k: (ratios[k] <= val if op == "<=" else ratios[k] >= val) for k, (op, val) in TARGETS.items()}
+    checks = {
+        "recovered_bitwise_equal": all(r["recovered_bitwise_equal"] and r["recovered_again_bitwise_equal"] for r in on),
+        "recovery_sources": v["recover_decision"]["sources"], "recovery_step": v["recover_decision"]["step"],
+        "gemini_errors": [e for r in on for e in r["errors"]],
+    }
+    return {"state_mib": round(data_bytes / 2**20, 1), "measurements": m, "ratios": ratios, "targets": targets,
+            "met": met, "checks": checks}
+
+
+def _fmt(x: float) -> str:
+    if x != x:  # NaN
+        return "n/a"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+SHOWN = (
+    ("memcpy_s", "raw memcpy of the state (s)"), ("stall_tight_s", "stall per capture, tight loop (s)"),
+    ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"), ("stall_overlap_s", "stall per capture, overlap loop (s)"),
+    ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"), ("step_off_tight_s", "step without GEMINI, tight (s)"),
+    ("step_on_tight_s", "step with GEMINI, tight (s)"), ("step_off_overlap_s", "step without GEMINI, overlap (s)"),
+    ("step_on_overlap_s", "step with GEMINI, overlap (s)"), ("capture_return_s", "capture() return, quiet (s)"),
+    ("dcp_async_save_blocking_s", "DCP async_save blocking (s)"), ("dcp_save_s", "DCP save (s)"),
+    ("dcp_load_s", "DCP load (s)"), ("replication_gbps", "replication, quiet (GB/s)"),
+    ("replication_in_loop_gbps", "replication, in loop (GB/s)"), ("gloo_pair_gbps", "raw gloo pair exchange (GB/s)"),
+    ("recover_s", "recover() from peer memory (s)"), ("recover_transfer_s", "  transfer+verify+restore only (s)"),
+    ("survivor_files_verify_s", "  survivor re-reads+verifies its files (s)"),
+    ("digest_gbps", "BLAKE3 digest (GB/s)"), ("persist_s", "persist own file, fsync (s)"),
+    ("rss_extra_bytes", "peak RSS extra with GEMINI (MiB)"),
+)
+
+
+def render(sizes: list[dict[str, Any]], console: Console | None = None) -> None:
+    console = console or Console()
+    heads = [f"{s['state_mib']:g} MiB" for s in sizes]
+    ratios = Table(title="GEMINI vs references (ratios)")
+    ratios.add_column("ratio")
+    ratios.add_column("target")
+    for h in heads:
+        ratios.add_column(h, justify="right")
+    for key in RATIO_KEYS:
+        tgt = TARGETS.get(key)
+        cells = []
+        for s in sizes:
+            mark = "" if tgt is None else (" [green]ok[/]" if s["met"][key] else " [red]MISS[/]")
+            cells.append(_fmt(s["ratios"][key]) + mark)
+        ratios.add_row(key, f"{tgt[0]} {tgt[1]:g}" if tgt else "-", *cells)
+    console.print(ratios)
+    meas = Table(title="measurements")
+    meas.add_column("measurement")
+    for h in heads:
+        meas.add_column(h, justify="right")
+    for key, label in SHOWN:
+        scale = 2**-20 if key.endswith("_bytes") else 1.0
+        meas.add_row(label, *(_fmt(s["measurements"][key] * scale) for s in sizes))
+    console.print(meas)
