@@ -22,8 +22,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "rss_extra_vs_state": ("<=", 4.2),
 }
 INFO_RATIOS = (
-    "blocking_vs_save", "capture_return_vs_async_save", "replication_in_loop_vs_gloo", "exchange_vs_gloo",
-    "recovery_transfer_speedup_vs_dcp_load", "loop_slowdown_tight", "loop_slowdown_overlap",
+    "blocking_tight_vs_async_save", "blocking_vs_save", "capture_return_vs_async_save", "replication_in_loop_vs_gloo", "exchange_vs_gloo",
+    "recovery_transfer_speedup_vs_dcp_load", "recovery_speedup_vs_dcp_load_cold", "persist_vs_write",
+    "loop_slowdown_tight", "loop_slowdown_overlap",
 )
 RATIO_KEYS = (*TARGETS, *INFO_RATIOS)
 MEASUREMENT_KEYS = (
@@ -32,14 +33,14 @@ MEASUREMENT_KEYS = (
     "stall_tight_s", "stall_tight_pre_s", "stall_tight_post_s", "stall_tight_max_s", "reported_stall_tight_s",
     "overlap_micro_batches", "fwd_bwd_overlap_s", "step_off_overlap_s", "step_on_overlap_s",
     "stall_overlap_s", "stall_overlap_pre_s", "stall_overlap_post_s", "stall_overlap_max_s",
-    "reported_stall_overlap_s", "capture_return_s",
-    "dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s",
+    "reported_stall_overlap_s", "capture_return_s", "capture_pipeline_s", "pipeline_estimate_s",
+    "dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s", "dcp_load_cold_s",
     "replicate_s", "replication_gbps", "replicate_in_loop_s", "replication_in_loop_gbps",
     "exchange_s", "exchange_gbps", "gloo_pair_s", "gloo_pair_gbps",
     "recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
     "recover_transfer_restore_s", "survivor_files_verified", "survivor_files_verify_s",
     "rss_off_bytes", "rss_on_bytes", "rss_extra_bytes",
-    "digest_s", "digest_gbps", "persist_s", "persist_gbps", "persist_in_loop_s",
+    "digest_s", "digest_gbps", "write_s", "write_gbps", "persist_s", "persist_gbps", "persist_in_loop_s",
 )
 
 
@@ -81,12 +82,13 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
             "stall_overlap_s": o_on["stall"], "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"],
             "stall_overlap_max_s": o_on["max"], "reported_stall_overlap_s": o_on["reported"],
             "capture_return_s": _med(r_on["quiet"]["capture_return_s"]),
+            "capture_pipeline_s": _med(r_on["quiet"]["pipeline_s"]), "pipeline_estimate_s": r_on["pipeline_estimate_s"],
             "dcp_async_save_blocking_s": r_on["dcp_async_save_blocking_s"],
             "dcp_async_save_total_s": r_on["dcp_async_save_total_s"], "dcp_save_s": r_on["dcp_save_s"],
-            "dcp_load_s": r_on["dcp_load_s"], "exchange_s": r_on["exchange_s"], "gloo_pair_s": r_on["gloo_pair_s"],
+            "dcp_load_s": r_on["dcp_load_s"], "dcp_load_cold_s": r_on["dcp_load_cold_s"], "exchange_s": r_on["exchange_s"], "gloo_pair_s": r_on["gloo_pair_s"],
             "rss_off_bytes": r_off["peak_rss_bytes"], "rss_on_bytes": r_on["peak_rss_bytes"],
             "rss_extra_bytes": r_on["peak_rss_bytes"] - r_off["peak_rss_bytes"], "digest_s": r_on["digest_s"],
-            "persist_s": _med(r_on["quiet"]["persist_s"]),
+            "write_s": r_on["write_s"], "persist_s": _med(r_on["quiet"]["persist_s"]),
             "persist_in_loop_s": _med(r_on["loops"]["tight_on"]["persist_s"] + r_on["loops"]["overlap_on"]["persist_s"]),
         })
     for key in per_rank[0]:
@@ -106,7 +108,8 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     m.update(memcpy_gbps=_gbps(data_bytes, m["memcpy_s"]), replication_gbps=_gbps(data_bytes, m["replicate_s"]),
              replication_in_loop_gbps=_gbps(data_bytes, m["replicate_in_loop_s"]),
              exchange_gbps=_gbps(data_bytes, m["exchange_s"]), gloo_pair_gbps=_gbps(data_bytes, m["gloo_pair_s"]),
-             digest_gbps=_gbps(data_bytes, m["digest_s"]), persist_gbps=_gbps(m["frame_bytes"], m["persist_s"]))
+             digest_gbps=_gbps(data_bytes, m["digest_s"]), write_gbps=_gbps(data_bytes, m["write_s"]),
+             persist_gbps=_gbps(m["frame_bytes"], m["persist_s"]))
 
     def worst(num: str, den: str, higher_is_worse: bool = True) -> float:
         vals = [r[num] / r[den] for r in per_rank]
@@ -115,15 +118,18 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     ratios = {
         "stall_vs_memcpy": worst("stall_tight_s", "memcpy_s"),
         "stall_overlap_vs_memcpy": worst("stall_overlap_s", "memcpy_s"),
-        "blocking_vs_async_save": worst("stall_tight_s", "dcp_async_save_blocking_s"),
+        "blocking_vs_async_save": worst("stall_overlap_s", "dcp_async_save_blocking_s"),
         "replication_vs_gloo": m["replication_gbps"] / m["gloo_pair_gbps"],
         "recovery_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_s"],
         "rss_extra_vs_state": max(r["rss_extra_bytes"] for r in per_rank) / data_bytes,
-        "blocking_vs_save": worst("stall_tight_s", "dcp_save_s"),
+        "blocking_tight_vs_async_save": worst("stall_tight_s", "dcp_async_save_blocking_s"),
+        "blocking_vs_save": worst("stall_overlap_s", "dcp_save_s"),
         "capture_return_vs_async_save": worst("capture_return_s", "dcp_async_save_blocking_s"),
         "replication_in_loop_vs_gloo": m["replication_in_loop_gbps"] / m["gloo_pair_gbps"],
         "exchange_vs_gloo": m["exchange_gbps"] / m["gloo_pair_gbps"],
         "recovery_transfer_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_transfer_s"],
+        "recovery_speedup_vs_dcp_load_cold": v["dcp_load_cold_s"] / v["recover_s"],
+        "persist_vs_write": worst("persist_s", "write_s"),
         "loop_slowdown_tight": worst("step_on_tight_s", "step_off_tight_s"),
         "loop_slowdown_overlap": worst("step_on_overlap_s", "step_off_overlap_s"),
     }
@@ -147,15 +153,17 @@ def _fmt(x: float) -> str:
 SHOWN = (
     ("memcpy_s", "raw memcpy of the state (s)"), ("stall_tight_s", "stall per capture, tight loop (s)"),
     ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"), ("stall_overlap_s", "stall per capture, overlap loop (s)"),
-    ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"), ("step_off_tight_s", "step without GEMINI, tight (s)"),
+    ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"),
+    ("capture_pipeline_s", "capture pipeline, quiet: capture to drained (s)"), ("step_off_tight_s", "step without GEMINI, tight (s)"),
     ("step_on_tight_s", "step with GEMINI, tight (s)"), ("step_off_overlap_s", "step without GEMINI, overlap (s)"),
     ("step_on_overlap_s", "step with GEMINI, overlap (s)"), ("capture_return_s", "capture() return, quiet (s)"),
     ("dcp_async_save_blocking_s", "DCP async_save blocking (s)"), ("dcp_save_s", "DCP save (s)"),
-    ("dcp_load_s", "DCP load (s)"), ("replication_gbps", "replication, quiet (GB/s)"),
+    ("dcp_load_s", "DCP load, page cache (s)"), ("dcp_load_cold_s", "DCP load, evicted (s)"), ("replication_gbps", "replication, quiet (GB/s)"),
     ("replication_in_loop_gbps", "replication, in loop (GB/s)"), ("gloo_pair_gbps", "raw gloo pair exchange (GB/s)"),
     ("recover_s", "recover() from peer memory (s)"), ("recover_transfer_s", "  transfer+verify+restore only (s)"),
     ("survivor_files_verify_s", "  survivor re-reads+verifies its files (s)"),
-    ("digest_gbps", "BLAKE3 digest (GB/s)"), ("persist_s", "persist own file, fsync (s)"),
+    ("digest_gbps", "BLAKE3 digest (GB/s)"), ("write_s", "raw file write + fsync (s)"),
+    ("persist_s", "GEMINI persist own file (s)"),
     ("rss_extra_bytes", "peak RSS extra with GEMINI (MiB)"),
 )
 

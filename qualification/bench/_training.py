@@ -54,9 +54,9 @@ class Trainer:
     def state_bytes(self) -> int:
         return _model.state_nbytes(self.model, self.opt)
 
-    def overlap_micro_batches(self, copy_s: float, factor: float, group: dist.ProcessGroup) -> tuple[int, float]:
-        """Micro-batches per step so that forward/backward lasts ``factor`` x ``copy_s``, agreed by every rank
-        (the largest wins). Returns (micro-batches, seconds of one micro-batch without all-reduce)."""
+    def micro_batches_for(self, target_s: float, group: dist.ProcessGroup) -> tuple[int, float]:
+        """Micro-batches per step so that forward/backward lasts at least ``target_s``, agreed by every rank (the
+        largest wins). Returns (micro-batches, seconds of one micro-batch without all-reduce)."""
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
@@ -65,7 +65,7 @@ class Trainer:
             times.append(time.perf_counter() - t0)
         self.opt.zero_grad(set_to_none=True)
         one = statistics.median(times)
-        want = torch.tensor([max(2, math.ceil(factor * copy_s / one))], dtype=torch.int64)
+        want = torch.tensor([max(2, math.ceil(target_s / one))], dtype=torch.int64)
         dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
         return int(want.item()), one
 

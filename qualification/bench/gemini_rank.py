@@ -4,16 +4,17 @@
 ``--role off`` trains without GEMINI and records peak RSS: the baseline needs a process of its own, because
 ``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
 
-1. a memcpy of the state (to size the overlap loop), then two loops without GEMINI: ``tight`` (one micro-batch per
-   step) and ``overlap`` (enough micro-batches that forward/backward lasts ``--overlap-factor`` x that copy);
+1. the references on the same bytes: memcpy, BLAKE3, file write + fsync, raw gloo pair exchange; then two loops
+   without GEMINI: ``tight`` (one micro-batch per step) and ``overlap`` (enough micro-batches that forward/backward
+   outlasts the whole capture pipeline, estimated from those references, ``--overlap-factor`` times over);
 2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then quiet
    captures (``optimizer.step()`` with no gradients: no compute competes with the checkpoint io), then peak RSS;
-3. the references that need a real frame: memcpy, raw gloo pair exchange, ``comm.exchange``, BLAKE3;
+3. ``comm.exchange`` of a real frame (GEMINI's transport by itself);
 4. recovery from peer memory: the last rank loses its slots, the replicas it holds and its checkpoint folder (a node
    loss) and its live state is zeroed; ``session.recover()`` restores it from the replica in its peer's memory, and
    the restored state must equal the survivor's bit for bit. Then the same data path timed by itself: the peer sends
    the held frame, the owner verifies every digest and restores;
-5. DCP save, async_save and load of the same model and optimizer.
+5. DCP save, async_save and load (page cache warm and evicted) of the same model and optimizer.
 
 The stall per capture is the time the training thread spends in GEMINI's two optimizer hooks, bracketed by hooks
 of our own (see :class:`~qualification.bench._training.HookClock`). Writes ``<out>/<role>.rank<r>.json``.
@@ -44,7 +45,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--state-mib", type=float, required=True)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
     ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
-    ap.add_argument("--overlap-factor", type=float, default=4.0)
+    ap.add_argument("--overlap-factor", type=float, default=2.5)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
     ap.add_argument("--quiet-captures", type=int, default=3)
     ap.add_argument("--ckpt", type=Path, default=None, help="GEMINI checkpoint folder (role on)")
@@ -81,9 +82,7 @@ class IoRecorder:
 
 def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
     import gemscout
-    from gemscout.gemini import comm
     from gemscout.gemini.store import list_steps, read_verified, step_file
-    from gemscout.state.layout import parse_prefix, tensor_digests
 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = (rank + 1) % world
@@ -93,9 +92,17 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     def barrier() -> None:
         dist.barrier(group=group)
 
-    # 1. without GEMINI
-    out["memcpy_before_s"] = _references.memcpy_s(trainer.tensors(), args.reps)  # its buffer is freed on return
-    micro, out["micro_fwd_bwd_s"] = trainer.overlap_micro_batches(out["memcpy_before_s"], args.overlap_factor, group)
+    # 1. without GEMINI: the references on the same bytes (their buffers are freed before GEMINI allocates), then
+    # the loops. The overlap loop's forward/backward must outlast the whole capture pipeline (copy, digest, persist,
+    # replicate, verify, persist the replica), else captures queue for a free slot; the estimate is the sum of the
+    # references, times --overlap-factor for the CPU the training thread takes from the io meanwhile.
+    out.update(_references.copy_digest_write_s(trainer.tensors(), args.ckpt.parent / "references", args.reps,
+                                               fsync=not args.no_fsync))
+    out["gloo_pair_s"] = _references.gloo_pair_s(trainer.state_bytes(), peer, group=group,
+                                                 chunk_bytes=args.chunk_bytes, reps=args.reps)
+    pipeline = out["memcpy_s"] + 2 * out["digest_s"] + 2 * out["write_s"] + out["gloo_pair_s"]
+    out["pipeline_estimate_s"] = pipeline
+    micro, out["micro_fwd_bwd_s"] = trainer.micro_batches_for(args.overlap_factor * pipeline, group)
     loops = {"tight_off": run_loop(trainer, 1, args.steps), "overlap_off": run_loop(trainer, micro, args.steps)}
 
     # 2. with GEMINI
@@ -115,36 +122,26 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
         ckpt.drain()
         loops[name]["drain_s"] = time.perf_counter() - t0
         loops[name].update(io.between(first, session.step))
-    quiet: dict[str, Any] = {"capture_return_s": [], "drain_s": []}
+    quiet: dict[str, Any] = {"capture_return_s": [], "pipeline_s": []}
     first = session.step + 1
     for _ in range(args.quiet_captures):
         barrier()
         clock.reset()
+        t0 = time.perf_counter()
         trainer.opt.step()  # no gradients: no update, but GEMINI's hooks capture as after any step
         quiet["capture_return_s"].append(clock.post[0])
-        t0 = time.perf_counter()
         ckpt.drain()
-        quiet["drain_s"].append(time.perf_counter() - t0)
+        quiet["pipeline_s"].append(time.perf_counter() - t0)
     quiet.update(io.between(first, session.step))
     out["loops"], out["quiet"] = loops, quiet
     out["peak_rss_bytes"] = peak_rss_bytes()
 
-    # 3. references on a real frame
+    # 3. GEMINI's transport on a real frame, on the same kind of group as the raw pair exchange
     slot = ckpt.pool.newest_ready()
     assert slot is not None, "no sealed capture after drain"
     prefix, data = slot.frame()
     out["frame_bytes"] = len(prefix) + data.numel()
-    layout = parse_prefix(prefix).layout
-    out["digest_s"] = _references.timed(lambda: tensor_digests(layout, data), args.reps)
-    out["memcpy_s"] = _references.memcpy_s(trainer.tensors(), args.reps)
-    out["gloo_pair_s"] = _references.gloo_pair_s(data.numel(), peer, group=group, chunk_bytes=args.chunk_bytes,
-                                                 reps=args.reps)
-    recv = torch.zeros(data.numel(), dtype=torch.uint8)
-    out["exchange_s"] = _references.timed(
-        lambda: comm.exchange((prefix, data), peer, peer, group=group, chunk_bytes=args.chunk_bytes,
-                              timeout=timeout, recv_buffer=lambda n: recv),
-        args.reps, warmup=1, before=barrier)
-    del recv
+    out["exchange_s"] = exchange_s((prefix, data), peer, group, args, timeout)
 
     # 4. recovery from peer memory after the last rank's node is lost
     out.update(recover_from_peer(args, trainer, session, group, timeout))
@@ -157,6 +154,18 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     out["errors"] = list(ckpt.errors)
     session.close()
     return out
+
+
+def exchange_s(frame: tuple[bytes, torch.Tensor], peer: int, group: dist.ProcessGroup, args: argparse.Namespace,
+               timeout: timedelta) -> float:
+    """``comm.exchange`` of ``frame`` with ``peer`` (both ways, into a reused buffer), as replication calls it."""
+    from gemscout.gemini import comm
+
+    recv = torch.zeros(frame[1].numel(), dtype=torch.uint8)
+    return _references.timed(
+        lambda: comm.exchange(frame, peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
+                              recv_buffer=lambda n: recv),
+        args.reps, warmup=1, before=lambda: dist.barrier(group=group))
 
 
 def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,

@@ -65,7 +65,8 @@ def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
 
     rows, bars = [], []
     for mode in frame.index:
-        limits = thresholds.get(mode) if isinstance(thresholds.get(mode), dict) else {}
+        given_limits = thresholds.get(mode)
+        limits: dict[str, Any] = given_limits if isinstance(given_limits, dict) else {}
         findings, judged = [], False
         for key, (metric, label, higher_is_better) in THRESHOLDS.items():
             delta, limit = float(change.at[mode, metric]), _float(limits.get(key))

@@ -109,7 +109,7 @@ def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
                     for key, want in cell["expect"].items()]
     reported = {k: v for k, v in cell["observed"].items() if k not in cell["expect"]}
     events = cell["timeline"]
-    first = {}
+    first: dict[str, float] = {}
     for event in events:
         first.setdefault(event["event"], event["t"])
     phases = [{"name": f"{a} → {b}", "seconds": first[b] - first[a]} for a, b in _PHASES if a in first and b in first]

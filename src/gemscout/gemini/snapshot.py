@@ -34,6 +34,8 @@ class Slot:
     identity: dict[str, Any] = field(default_factory=dict)
     pins: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Typed views of ``data`` for ``layout``, kept while the layout is unchanged (saves per-capture work)."""
 
     def frame(self) -> tuple[bytes, torch.Tensor]:
         """The checkpoint as (prefix, data) — the same bytes as its file on disk."""
@@ -70,6 +72,7 @@ class SlotPool:
                 # Pinned host memory lets device-to-host copies run asynchronously on a side stream.
                 slot.data = torch.empty(layout.data_nbytes, dtype=torch.uint8, pin_memory=pinned)
                 slot.layout = layout
+                slot.views = layout.views(slot.data)
             return slot
 
     def pin(self, slot: Slot) -> None:
@@ -120,7 +123,7 @@ class Capturer:
         layout = Layout.of(tensors)
         on_device = any(t.is_cuda for t in tensors)
         slot = self.pool.acquire(layout, timeout=self.timeout, pinned=on_device)
-        views = layout.views(slot.data)
+        views = slot.views
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         device_deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view, src in zip(views, tensors, strict=True):

@@ -21,6 +21,7 @@ from gemscout.errors import ConfigError
 
 _TENSOR, _ARRAY, _TUPLE, _DICT = "__t__", "__np__", "__tuple__", "__dict__"
 _RESERVED = {_TENSOR, _ARRAY, _TUPLE, _DICT}
+_PLAIN = (int, float, str, bool, type(None))
 
 
 def encode(obj: Any, *, path: str = "state") -> tuple[Any, list[torch.Tensor]]:
@@ -40,10 +41,12 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
         return obj
     if isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, tuple):
-        return {_TUPLE: [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple | list):
+        if all(type(v) in _PLAIN for v in obj):  # fast path: e.g. param-group index lists, RNG words
+            items: list[Any] = list(obj)
+        else:
+            items = [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
         plain = all(isinstance(k, str) and k not in _RESERVED for k in obj)
         if plain:

@@ -46,9 +46,10 @@ class StateSources:
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream training may draw from: torch CPU, CUDA (when initialised), Python, NumPy."""
     np_state = np.random.get_state()
+    version, words, gauss_next = random.getstate()
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
+        "python": (version, torch.tensor(words, dtype=torch.int64), gauss_next),
         "numpy": (np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])),
         "cuda": None,
     }
@@ -59,8 +60,8 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"].clone())
-    version, keys, gauss_next = rng["python"]
-    random.setstate((version, tuple(keys), gauss_next))
+    version, words, gauss_next = rng["python"]
+    random.setstate((version, tuple(int(w) for w in words.tolist()), gauss_next))
     name, state, npos, gauss, cached_g = rng["numpy"]
     np.random.set_state((name, np.asarray(state, dtype=np.uint32), npos, gauss, cached_g))
     if rng.get("cuda") is not None and torch.cuda.is_available():

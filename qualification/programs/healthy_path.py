@@ -1,0 +1,105 @@
+"""Healthy-path overhead cell: baseline, GEMINI-only, SCOUT-only and combined, each in its own processes.
+
+Modes run in rounds (baseline, gemini, scout, combined, then again) so slow drift of a shared machine hits every mode
+alike; per mode the step latencies of all rounds are pooled. Reported per mode: throughput (steps/s, from the median
+step), p50 and p95 step latency, peak RSS per rank. Overheads are relative to the baseline and compared with the
+thresholds (``params.thresholds``; defaults are the issue's limits: GEMINI −5 % throughput / +10 % p95,
+SCOUT −3 % / +7.5 %, combined −7.5 % / +15 %).
+
+Observed: ``within_thresholds`` (bool), ``overhead`` per mode; metrics: ``modes`` and ``thresholds`` (the report's
+overhead chart reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from qualification.launch import launch
+
+DEFAULT_THRESHOLDS = {
+    "gemini": {"throughput_pct": -5.0, "p95_pct": 10.0},
+    "scout": {"throughput_pct": -3.0, "p95_pct": 7.5},
+    "combined": {"throughput_pct": -7.5, "p95_pct": 15.0},
+}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    p = cell.get("params", {})
+    modes = list(p.get("modes", ["baseline", "gemini", "scout", "combined"]))
+    rounds = int(p.get("rounds", 2))
+    world = int(cell["world_size"])
+    thresholds = {**DEFAULT_THRESHOLDS, **p.get("thresholds", {})}
+    pooled: dict[str, list[float]] = {m: [] for m in modes}
+    rss: dict[str, float] = {}
+    timeline = [{"t": 0.0, "event": "start", "detail": f"{rounds} rounds of {', '.join(modes)} on {world} ranks"}]
+    for r in range(rounds):
+        for mode in modes:
+            out = celldir / "modes" / f"{mode}-{r}"
+            argv = ["-m", "qualification.programs.perf_rank", "--out", str(out), "--mode", mode,
+                    "--workload", cell["workload"], "--seed", str(cell.get("seed", 0)),
+                    "--steps", str(p.get("steps", 40)), "--warmup", str(p.get("warmup", 5)),
+                    "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{mode}-{r}")]
+            res = launch(argv, world_size=world, timeout_s=float(cell.get("timeout_s", 300)), log_dir=celldir / "logs",
+                         attempt=r * len(modes) + modes.index(mode))
+            if not res.ok:
+                return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
+                        "message": f"mode {mode} round {r} failed: exit codes {res.returncodes}"}
+            ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(world)]
+            # A step is as slow as its slowest rank: take the max over ranks per step.
+            pooled[mode] += [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
+            rss[mode] = max(rss.get(mode, 0.0), max(rk["peak_rss_mib"] for rk in ranks))
+            timeline.append({"t": round(time.monotonic() - t0, 3), "event": "measured", "detail": f"{mode} round {r}"})
+    shutil.rmtree(celldir / "ckpt", ignore_errors=True)
+    stats = {}
+    for mode, lat in pooled.items():
+        p50 = statistics.median(lat)
+        stats[mode] = {"throughput_steps_s": round(1.0 / p50, 3), "p50_ms": round(p50 * 1e3, 3),
+                       "p95_ms": round(_percentile(lat, 0.95) * 1e3, 3), "peak_rss_mib": round(rss[mode], 1),
+                       "samples": len(lat)}
+    base = stats.get("baseline")
+    overhead: dict[str, dict[str, float]] = {}
+    within = True
+    for mode in modes:
+        if mode == "baseline" or base is None:
+            continue
+        tp = (stats[mode]["throughput_steps_s"] / base["throughput_steps_s"] - 1.0) * 100
+        p95 = (stats[mode]["p95_ms"] / base["p95_ms"] - 1.0) * 100
+        lim = thresholds[mode]
+        ok = tp >= lim["throughput_pct"] and p95 <= lim["p95_pct"]
+        overhead[mode] = {"throughput_pct": round(tp, 2), "p95_pct": round(p95, 2), "within": ok}
+        within &= ok
+    return {"cell_id": cell["id"], "status": "passed" if within else "failed",
+            "observed": {"within_thresholds": within, "overhead": overhead},
+            "metrics": {"modes": stats, "thresholds": {m: thresholds[m] for m in overhead}},
+            "timeline": timeline, "message": "" if within else "an overhead exceeds its threshold"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qualification.programs.healthy_path")
+    ap.add_argument("--cell", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cell = json.loads(args.cell.read_text())
+    result = run_cell(cell, args.out)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(json.dumps(result["metrics"].get("modes", {}), indent=1))
+    print(json.dumps(result["observed"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""One rank of the healthy-path performance suite: the reference workload in one mode, timed step by step.
+
+Modes: ``baseline`` (no gemscout), ``gemini`` (GEMINI only), ``scout`` (SCOUT only), ``combined``. Every mode uses
+the same seed, workload, DDP settings and thread count. Writes ``<out>/rank<r>.json`` with per-step latencies of the
+measured steps (after warm-up), throughput and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from qualification.workloads import build_model, lm_loss, synthetic_batch
+
+MODES = ("baseline", "gemini", "scout", "combined")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--mode", choices=MODES, required=True)
+    ap.add_argument("--workload", default="three-block")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--ckpt", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed + 17)
+    model = build_model(args.workload, seed=args.seed)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    session = None
+    if args.mode != "baseline":
+        import gemscout
+
+        kwargs = {}
+        if args.mode in ("gemini", "combined"):
+            kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt, run_id=f"perf-{args.mode}",
+                                                             fsync=False)
+        if args.mode in ("scout", "combined"):
+            kwargs["scout"] = gemscout.ScoutConfig()
+        session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
+    latencies = []
+    total = args.warmup + args.steps
+    for step in range(1, total + 1):
+        x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
+        t0 = time.perf_counter()
+        loss = lm_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step > args.warmup:
+            latencies.append(time.perf_counter() - t0)
+    dist.barrier()
+    if session is not None:
+        session.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "mode": args.mode, "latencies_s": latencies,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Capture: what a recipe needs to be replayed, taken from the live step, and how it travels to the peers.
+
+Forward recipes are captured by module hooks that do nothing unless the recipe is *armed* for the step now running
+on this rank (only the step's source peer arms anything, and only the recipes due at that step, so the hot path of
+every other forward is one dictionary lookup):
+
+* a forward pre-hook on the recipe's first module copies its inputs, the CPU (and CUDA) RNG state, the autocast
+  context and the train/eval mode — the RNG state is taken *before* the module runs, so replay draws the same
+  dropout masks;
+* a forward hook on the recipe's last module registers a tensor hook on each output that requires grad; the real
+  backward hands that hook the output gradient, which is copied. Tensor hooks, not module backward hooks: they see
+  exactly the gradient of the tensor the module returned and do not change how autograd runs the module.
+
+The optimizer recipe is captured at the optimizer step pre-hook (:func:`capture_optimizer`): parameters before the
+update, effective gradients (after DDP's all-reduce and any clipping), optimizer state and hyper-parameters.
+
+On the wire (:func:`pack` / :func:`unpack`) a capture is a JSON header (names, dtypes, shapes, offsets, metadata) and
+one flat byte payload. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from gemscout.scout.recipes import Recipe
+
+__all__ = ["CaptureHooks", "Captured", "capture_optimizer", "pack", "unpack"]
+
+WIRE_VERSION = 1
+_ALIGN = 64  # payload offsets are aligned so every tensor can be viewed in place with its own dtype
+_DTYPES = {str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+
+
+@dataclass(slots=True)
+class Captured:
+    """The inputs of one recipe at one step: tensors by key, JSON metadata, or the reason there are none."""
+
+    step: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def to_json_value(value: Any, what: str) -> Any:
+    """A JSON form of a hyper-parameter or argument; tuples are tagged so they come back as tuples."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list) and all(v is None or isinstance(v, bool | int | float | str) for v in value):
+        return {"tuple": list(value)} if isinstance(value, tuple) else list(value)
+    raise TypeError(f"{what} is a {type(value).__name__}, which SCOUT cannot send to its peers")
+
+
+def from_json_value(value: Any) -> Any:
+    """Inverse of :func:`to_json_value`."""
+    if isinstance(value, dict) and set(value) == {"tuple"}:
+        return tuple(value["tuple"])
+    return value
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    return {
+        "device_type": device_type,
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": str(torch.get_autocast_dtype(device_type)),
+    }
+
+
+class CaptureHooks:
+    """Module hooks that capture armed forward recipes of one model. Not thread-safe: one training thread."""
+
+    def __init__(self, modules: Mapping[str, list[nn.Module]], recipes: Mapping[str, Recipe]) -> None:
+        self.paused = False
+        """While True (during replay) every hook does nothing, so a replay never overwrites a capture."""
+        self._armed: dict[str, int] = {}
+        self._captures: dict[str, Captured] = {}
+        self._handles: list[RemovableHandle] = []
+        for name, recipe in recipes.items():
+            if not recipe.has_module:
+                continue
+            first, last = modules[name][0], modules[name][-1]
+            self._handles.append(first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(last.register_forward_hook(self._post_hook(name)))
+
+    def arm(self, step: int, names: set[str]) -> None:
+        """Capture ``names`` during the forward of ``step`` (and nothing else); drops captures of earlier steps."""
+        self._armed = dict.fromkeys(names, step)
+        self._captures = {}
+
+    def take(self, name: str, step: int) -> Captured:
+        """The capture of ``name`` at ``step``, or a :class:`Captured` whose ``error`` says why there is none."""
+        captured = self._captures.get(name)
+        if captured is None:
+            why = "armed" if self._armed.get(name) == step else "not armed"
+            return Captured(step=step, error=f"no forward of step {step} reached {name!r} on this rank ({why})")
+        if captured.step != step:
+            return Captured(step=step, error=f"{name!r} was captured for step {captured.step}, not {step}")
+        if "grad_outputs" not in captured.meta:
+            return Captured(step=step, error=f"the forward of {name!r} at step {step} did not return")
+        missing = [k for k in captured.meta["grad_outputs"] if f"grad_output.{k}" not in captured.tensors]
+        if missing:
+            # Forward-only replay would silently drop half of the check; say so instead.
+            return Captured(step=step, error=f"backward of step {step} never reached the outputs {missing} of {name!r}")
+        return captured
+
+    def remove(self) -> None:
+        """Remove every hook; idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._captures.clear()
+
+    def _pre_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            step = self._armed.get(name)
+            if self.paused or step is None or not torch.is_grad_enabled():
+                return  # eval forwards run under no_grad and have no backward to check
+            captured = Captured(step=step)
+            try:
+                specs = [self._spec(f"arg.{i}", value, captured) for i, value in enumerate(args)]
+                kw = {key: self._spec(f"kwarg.{key}", value, captured) for key, value in sorted(kwargs.items())}
+                device = next((t.device for t in captured.tensors.values()), torch.device("cpu"))
+                captured.tensors["rng.cpu"] = torch.get_rng_state()
+                if device.type == "cuda":
+                    captured.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+                captured.meta.update(args=specs, kwargs=kw, training=module.training,
+                                     autocast=_autocast_state(device.type))
+            except TypeError as exc:
+                captured = Captured(step=step, error=str(exc))
+            self._captures[name] = captured  # a later micro-batch replaces an earlier one: last forward wins
+
+        return hook
+
+    @staticmethod
+    def _spec(key: str, value: Any, captured: Captured) -> dict[str, Any]:
+        if isinstance(value, torch.Tensor):
+            captured.tensors[key] = value.detach().clone()
+            return {"tensor": key, "grad": bool(value.requires_grad)}
+        return {"value": to_json_value(value, f"recipe input {key}")}
+
+    def _post_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            captured = self._captures.get(name)
+            if self.paused or captured is None or captured.error or self._armed.get(name) != captured.step:
+                return
+            grads: list[str] = []
+            for key, tensor in output_tensors(output).items():
+                if tensor.requires_grad:
+                    tensor.register_hook(_GradCopier(captured, key))
+                    grads.append(key)
+            captured.meta["grad_outputs"] = grads
+
+        return hook
+
+
+class _GradCopier:
+    """Tensor hook: keep a copy of the output gradient; returns None so the real backward is unchanged."""
+
+    def __init__(self, captured: Captured, key: str) -> None:
+        self.captured, self.key = captured, key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.captured.tensors[f"grad_output.{self.key}"] = grad.detach().clone()
+
+
+def output_tensors(output: Any) -> dict[str, torch.Tensor]:
+    """The tensors a module returned, by key: ``output`` for one tensor, ``output.<i>`` for tuple/list elements."""
+    if isinstance(output, torch.Tensor):
+        return {"output": output}
+    if isinstance(output, tuple | list):
+        return {f"output.{i}": t for i, t in enumerate(output) if isinstance(t, torch.Tensor)}
+    return {}
+
+
+def capture_optimizer(
+    recipe: Recipe, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, step: int
+) -> Captured:
+    """The optimizer recipe's inputs, read from the live optimizer before its update (no copy: :func:`pack` copies).
+
+    Keys: ``param.<name>``, ``grad.<name>`` (absent when the gradient is None), ``state.<name>#<key>`` and
+    ``hyper.<key>`` for tensor hyper-parameters; JSON metadata holds the other hyper-parameters and state values.
+    Raises ``TypeError`` for a hyper-parameter or state value that is neither a tensor nor plain JSON.
+    """
+    group = optimizer.param_groups[recipe.group_index]
+    captured = Captured(step=step)
+    hyper: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            captured.tensors[f"hyper.{key}"] = value.detach()
+        else:
+            hyper[key] = to_json_value(value, f"hyper-parameter {key!r}")
+    state_values: dict[str, dict[str, Any]] = {}
+    for name in recipe.params:
+        param = params[name]
+        captured.tensors[f"param.{name}"] = param.detach()
+        if param.grad is not None:
+            captured.tensors[f"grad.{name}"] = param.grad.detach()
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                captured.tensors[f"state.{name}#{key}"] = value.detach()
+            else:
+                state_values.setdefault(name, {})[key] = to_json_value(value, f"optimizer state {name}.{key}")
+    captured.meta.update(optimizer=type(optimizer).__qualname__, hyper=hyper, state_values=state_values,
+                         params=list(recipe.params))
+    return captured
+
+
+def pack(step: int, captures: Mapping[str, Captured]) -> tuple[bytes, torch.Tensor]:
+    """Serialize captures to ``(header JSON bytes, flat uint8 payload)``; tensors are copied into the payload."""
+    entries: dict[str, Any] = {}
+    layout: list[tuple[int, torch.Tensor]] = []
+    offset = 0
+    for name, captured in captures.items():
+        table = []
+        for key in sorted(captured.tensors):
+            tensor = captured.tensors[key].detach()
+            nbytes = tensor.numel() * tensor.element_size()
+            table.append([key, str(tensor.dtype), list(tensor.shape), offset, nbytes])
+            layout.append((offset, tensor))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        entries[name] = {"error": captured.error, "meta": captured.meta, "tensors": table}
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for start, tensor in layout:
+        flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+        payload[start : start + flat.numel()].copy_(flat)
+    header = {"version": WIRE_VERSION, "step": step, "recipes": entries}
+    return json.dumps(header, sort_keys=True, allow_nan=False).encode(), payload
+
+
+def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Captured]:
+    """Parse :func:`pack` output into captures whose tensors are views of ``payload``.
+
+    Raises ``ValueError`` for a header of another version or step, an unknown dtype, or an offset past the payload.
+    """
+    doc = json.loads(header)
+    if doc.get("version") != WIRE_VERSION or doc.get("step") != step:
+        raise ValueError(f"capture header is version {doc.get('version')} for step {doc.get('step')}, "
+                         f"expected version {WIRE_VERSION} for step {step}")
+    out: dict[str, Captured] = {}
+    for name, entry in doc["recipes"].items():
+        captured = Captured(step=step, meta=entry["meta"], error=entry["error"])
+        for key, dtype_name, shape, offset, nbytes in entry["tensors"]:
+            dtype = _DTYPES.get(dtype_name)
+            if dtype is None or offset < 0 or offset + nbytes > payload.numel():
+                raise ValueError(f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})")
+            captured.tensors[key] = payload[offset : offset + nbytes].view(dtype).reshape(shape)
+        out[name] = captured
+    return out

@@ -1,0 +1,92 @@
+"""SCOUT's configuration: which recipes run, how often, where their boundaries are, and how long a cycle may wait."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from gemscout.config import require, strict_fields
+from gemscout.scout.stragglers import StragglerConfig
+
+__all__ = ["RECIPE_KINDS", "ScoutConfig"]
+
+RECIPE_KINDS: tuple[str, ...] = ("embedding", "hidden", "output", "optimizer")
+"""Every recipe kind, in the order a cycle replays them."""
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+@strict_fields
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ScoutConfig:
+    """How SCOUT captures and replays recipes. Every field is validated; a bad value raises ``ConfigError`` naming it.
+
+    A step ``s`` is due for a recipe kind when ``s % interval_of(kind) == 0``. At a due step one cycle replays, for
+    each due kind, the recipes the rotation picks for ``s`` (a pure function of ``s``, so every rank picks the same).
+    """
+
+    interval: int = 1
+    """Cadence in optimizer steps, shared with GEMINI: pass the session's ``interval``. Int >= 1."""
+    recipe_intervals: Mapping[str, int] = field(default_factory=dict, hash=False)
+    """Per-kind cadence overrides, e.g. ``{"optimizer": 4}``; keys among :data:`RECIPE_KINDS`, values ints >= 1."""
+    recipes: tuple[str, ...] = RECIPE_KINDS
+    """Recipe kinds to run (non-empty subset of :data:`RECIPE_KINDS`)."""
+    hidden_per_cycle: int | None = 1
+    """Blocks replayed per due step, rotating through the blocks; None replays every block at every due step."""
+    optimizer_slices_per_cycle: int | None = 1
+    """Optimizer slices replayed per due step, rotating; None replays every slice at every due step."""
+    optimizer_slice_numel: int = 1 << 16
+    """Upper bound on the elements of one optimizer slice (whole parameters; a larger parameter is a slice alone)."""
+    embedding: str | None = None
+    """Module path of the token embedding (relative to the model under DDP's ``.module``); None: the first
+    ``nn.Embedding``."""
+    blocks: str | None = None
+    """Module path of the ``nn.ModuleList`` of repeated blocks; None: the largest list of identical modules."""
+    norm: str | None = None
+    """Module path of the final norm before the head; None: the last norm module outside the blocks (if any)."""
+    head: str | None = None
+    """Module path of the output head; None: the last ``nn.Linear`` outside the blocks."""
+    timeout: timedelta = timedelta(seconds=120)
+    """Bound on every collective of a cycle; a peer that misses it raises ``CollectiveTimeout``."""
+    stragglers: StragglerConfig | None = field(default_factory=StragglerConfig)
+    """Thresholds for the compute-straggler detectors fed with replay times (one per recipe); None disables them."""
+
+    def __post_init__(self) -> None:
+        c = "ScoutConfig"
+        require(_is_int(self.interval) and self.interval >= 1, c, "interval", f"must be an int >= 1, got {self.interval!r}")
+        require(isinstance(self.recipe_intervals, Mapping), c, "recipe_intervals",
+                f"must be a mapping of recipe kind to int, got {type(self.recipe_intervals).__name__}")
+        for kind, every in self.recipe_intervals.items():
+            require(kind in RECIPE_KINDS, c, "recipe_intervals", f"unknown kind {kind!r}; use one of {RECIPE_KINDS}")
+            require(_is_int(every) and every >= 1, c, "recipe_intervals",
+                    f"[{kind!r}] must be an int >= 1, got {every!r}")
+        object.__setattr__(self, "recipe_intervals", types.MappingProxyType(dict(self.recipe_intervals)))
+        require(isinstance(self.recipes, tuple | list) and len(self.recipes) > 0, c, "recipes",
+                f"must be a non-empty tuple drawn from {RECIPE_KINDS}, got {self.recipes!r}")
+        unknown = [kind for kind in self.recipes if kind not in RECIPE_KINDS]
+        require(not unknown, c, "recipes", f"unknown kind(s) {unknown}; use kinds from {RECIPE_KINDS}")
+        require(len(set(self.recipes)) == len(self.recipes), c, "recipes", f"lists a kind twice: {self.recipes!r}")
+        # Canonical order: the cycle's replay order (and so every rank's) never depends on how the user listed them.
+        object.__setattr__(self, "recipes", tuple(kind for kind in RECIPE_KINDS if kind in self.recipes))
+        for name in ("hidden_per_cycle", "optimizer_slices_per_cycle"):
+            value = getattr(self, name)
+            require(value is None or (_is_int(value) and value >= 1), c, name,
+                    f"must be None (all) or an int >= 1, got {value!r}")
+        require(_is_int(self.optimizer_slice_numel) and self.optimizer_slice_numel >= 1, c, "optimizer_slice_numel",
+                f"must be an int >= 1 (e.g. 65536), got {self.optimizer_slice_numel!r}")
+        for name in ("embedding", "blocks", "norm", "head"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and value.strip() != ""), c, name,
+                    f"must be None (discover) or a module path such as 'model.layers', got {value!r}")
+        require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",
+                f"must be a positive datetime.timedelta, got {self.timeout!r}")
+        require(self.stragglers is None or isinstance(self.stragglers, StragglerConfig), c, "stragglers",
+                f"must be a StragglerConfig or None, got {type(self.stragglers).__name__}")
+
+    def interval_of(self, kind: str) -> int:
+        """The cadence of ``kind``: its override, else :attr:`interval`."""
+        return self.recipe_intervals.get(kind, self.interval)

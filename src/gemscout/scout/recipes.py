@@ -1,0 +1,215 @@
+"""Recipes: the pieces of one training step that SCOUT replays, found in the model and scheduled by step.
+
+* ``embedding`` — the token embedding: input ids → embeddings (backward: the embedding weight's gradient).
+* ``hidden.<i>`` — block ``i`` of the repeated blocks: input activation → output activation (backward: input and
+  parameter gradients from the captured output gradient).
+* ``output`` — the final norm and the head on the final hidden state. Its backward starts from the gradient of the
+  head's output captured during the real backward, so no loss function or targets are needed: the loss is part of
+  the step that produced that gradient, and replaying norm + head from it checks the same arithmetic.
+* ``optimizer.<j>`` — slice ``j`` of the parameters (whole parameters, at most ``optimizer_slice_numel`` elements,
+  never across param groups): one update on private copies.
+
+The catalog is a pure function of the model's module tree, the optimizer's param groups and the config, so every
+peer builds the same one; :meth:`Catalog.due` is a pure function of the step, so every peer picks the same recipes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gemscout.errors import ConfigError
+from gemscout.scout.config import ScoutConfig
+
+__all__ = ["Catalog", "Recipe", "RecipeKind", "build_catalog", "unwrap"]
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+class RecipeKind(enum.StrEnum):
+    """What a recipe replays."""
+
+    EMBEDDING = "embedding"
+    HIDDEN = "hidden"
+    OUTPUT = "output"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recipe:
+    """One replayable piece of a step. Names are stable across peers and runs: ``"hidden.2"``, ``"optimizer.0"``."""
+
+    name: str
+    """Recipe id used in verdicts and reports."""
+    kind: RecipeKind
+    """What it replays."""
+    modules: tuple[str, ...] = ()
+    """Module paths run in order (forward recipes); the first receives the captured inputs."""
+    params: tuple[str, ...] = ()
+    """Parameter names of an optimizer slice, in optimizer order."""
+    group_index: int = 0
+    """The optimizer param group of an optimizer slice."""
+
+    @property
+    def has_module(self) -> bool:
+        """True for forward recipes (embedding, hidden, output)."""
+        return self.kind is not RecipeKind.OPTIMIZER
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module that owns the parameters under wrappers such as DDP (``.module``, repeatedly)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _resolve(model: nn.Module, path: str, field: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(f"ScoutConfig.{field}: the model has no submodule {path!r}") from None
+
+
+def _inside(name: str, container: str | None) -> bool:
+    return container is not None and (name == container or name.startswith(container + "."))
+
+
+def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
+    if config.blocks is not None:
+        if not isinstance(_resolve(model, config.blocks, "blocks"), nn.ModuleList):
+            raise ConfigError(f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList of blocks")
+        return config.blocks
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        # Repeated identical blocks: one type, and the same parameter shapes in each (not a list of assorted heads).
+        shapes = {tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in module}
+        if len({type(child) for child in module}) != 1 or len(shapes) != 1 or not next(iter(shapes)):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name)
+    return None if best is None else best[1]
+
+
+def _find_last(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None) -> str | None:
+    found = None
+    for name, module in model.named_modules():
+        if isinstance(module, types) and not _inside(name, exclude):
+            found = name
+    return found
+
+
+def _find_first(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None) -> str | None:
+    for name, module in model.named_modules():
+        if isinstance(module, types) and not _inside(name, exclude):
+            return name
+    return None
+
+
+def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound: int) -> list[Recipe]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    slices: list[Recipe] = []
+    for g, group in enumerate(optimizer.param_groups):
+        current: list[str] = []
+        numel = 0
+        for i, param in enumerate(group["params"]):
+            name = names.get(id(param), f"group{g}.param{i}")
+            if current and numel + param.numel() > bound:
+                slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER,
+                                     params=tuple(current), group_index=g))
+                current, numel = [], 0
+            current.append(name)
+            numel += param.numel()
+        if current:
+            slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER,
+                                 params=tuple(current), group_index=g))
+    return slices
+
+
+def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig) -> Catalog:
+    """Find the recipe boundaries in ``model`` (DDP's ``.module`` is unwrapped) and list every recipe.
+
+    Raises ``ConfigError`` naming the field to set when an enabled recipe kind has no boundary in the model, when an
+    override path does not exist, or when ``optimizer`` is None but the optimizer recipe is enabled.
+    """
+    model = unwrap(model)
+    enabled = set(config.recipes)
+    recipes: list[Recipe] = []
+    blocks = _find_blocks(model, config) if "hidden" in enabled or config.blocks else None
+    if "embedding" in enabled:
+        path = config.embedding or _find_first(model, (nn.Embedding,), blocks)
+        if path is None:
+            raise ConfigError("ScoutConfig.embedding: no nn.Embedding found in the model; name the embedding module "
+                              "(e.g. embedding='tok_embeddings') or drop 'embedding' from ScoutConfig.recipes")
+        _resolve(model, path, "embedding")
+        recipes.append(Recipe(name="embedding", kind=RecipeKind.EMBEDDING, modules=(path,)))
+    if "hidden" in enabled:
+        if blocks is None:
+            raise ConfigError("ScoutConfig.blocks: no nn.ModuleList of identical blocks found in the model; name it "
+                              "(e.g. blocks='layers') or drop 'hidden' from ScoutConfig.recipes")
+        count = len(model.get_submodule(blocks))
+        recipes += [Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{i}",)) for i in range(count)]
+    if "output" in enabled:
+        head = config.head or _find_last(model, (nn.Linear,), blocks)
+        if head is None:
+            raise ConfigError("ScoutConfig.head: no nn.Linear head found outside the blocks; name the head "
+                              "(e.g. head='lm_head') or drop 'output' from ScoutConfig.recipes")
+        _resolve(model, head, "head")
+        norm = config.norm or _find_last(model, _NORM_TYPES, blocks)
+        if norm is not None:
+            _resolve(model, norm, "norm")
+        recipes.append(Recipe(name="output", kind=RecipeKind.OUTPUT, modules=(head,) if norm is None else (norm, head)))
+    if "optimizer" in enabled:
+        if optimizer is None:
+            raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
+        recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel)
+    return Catalog(tuple(recipes), config)
+
+
+class Catalog:
+    """Every recipe of one model, and which of them are due at a step."""
+
+    def __init__(self, recipes: tuple[Recipe, ...], config: ScoutConfig) -> None:
+        self.recipes = recipes
+        self.config = config
+        self._by_name = {recipe.name: recipe for recipe in recipes}
+        self._by_kind = {kind: [r for r in recipes if r.kind is kind] for kind in RecipeKind}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every recipe id, in replay order."""
+        return tuple(self._by_name)
+
+    def __getitem__(self, name: str) -> Recipe:
+        return self._by_name[name]
+
+    def __len__(self) -> int:
+        return len(self.recipes)
+
+    def due(self, step: int) -> tuple[Recipe, ...]:
+        """The recipes to replay at ``step``, in replay order. Pure: every peer gets the same answer.
+
+        A kind with cadence ``k`` is due when ``step % k == 0``; its ``n``-th due step (``n = step // k``) takes the
+        next ``per_cycle`` members of the kind, wrapping around, so every member comes up within
+        ``ceil(len / per_cycle)`` consecutive due steps.
+        """
+        out: list[Recipe] = []
+        per_cycle = {RecipeKind.HIDDEN: self.config.hidden_per_cycle,
+                     RecipeKind.OPTIMIZER: self.config.optimizer_slices_per_cycle}
+        for kind in RecipeKind:
+            members = self._by_kind[kind]
+            every = self.config.interval_of(kind.value)
+            if not members or step % every:
+                continue
+            take = per_cycle.get(kind)
+            if take is None or take >= len(members):
+                out += members
+                continue
+            start = (step // every) * take
+            out += [members[(start + j) % len(members)] for j in range(take)]
+        return tuple(out)

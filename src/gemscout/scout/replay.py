@@ -1,0 +1,214 @@
+"""Replay: run one captured recipe again on this peer, without touching live training state.
+
+What "without touching" means, and how each part is kept:
+
+* **Parameters and gradients.** Forward recipes run through :func:`torch.func.functional_call` with private leaves
+  (``param.detach().requires_grad_()``: same storage, no copy, no hooks and no ``.grad`` of their own) and
+  gradients come from :func:`torch.autograd.grad` with explicit inputs, so no ``.grad`` is written and the
+  autograd hooks DDP put on the live parameters never fire. The optimizer recipe updates clones in a private
+  optimizer of the same class.
+* **The training RNG stream.** Replay runs inside :func:`torch.random.fork_rng` after setting the captured state,
+  so dropout draws the captured masks and the training stream continues afterwards as if nothing happened.
+* **Module mode.** The captured train/eval mode is set for the replay and every submodule's flag restored after.
+
+Module hooks a user registered on the recipe's modules do run (functional_call calls the module): a persistent fault
+injected that way shows up in replay like it did in training. The replay-only seams are :class:`ReplayHooks`: input
+hooks see the recipe inputs after the peers' precondition digests were taken, output hooks see everything that will
+be digested; both run inside the timed section.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.hooks import RemovableHandle
+
+from gemscout.scout.capture import Captured, from_json_value, output_tensors
+
+__all__ = ["ReplayContext", "ReplayHook", "ReplayHooks", "ReplayOutcome", "replay_forward", "replay_optimizer"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayContext:
+    """The replay now running on this rank (see ``Scout.current_replay``)."""
+
+    recipe: str
+    """Recipe id, e.g. ``"hidden.1"``."""
+    kind: str
+    """Recipe kind: embedding, hidden, output or optimizer."""
+    step: int
+    """Training step the inputs were captured at."""
+    rank: int
+    """This rank (global)."""
+    source_rank: int
+    """The peer whose captured inputs everyone replays (global rank)."""
+
+    @property
+    def role(self) -> str:
+        """``"source"`` on the peer that captured and broadcast the inputs, ``"peer"`` elsewhere."""
+        return "source" if self.rank == self.source_rank else "peer"
+
+
+ReplayHook = Callable[[ReplayContext, dict[str, torch.Tensor]], Mapping[str, torch.Tensor] | None]
+"""``hook(context, tensors) -> replacement or None``. May return a new mapping; must not modify live state."""
+
+
+class ReplayHooks:
+    """Registries of replay input and output hooks, called in registration order."""
+
+    def __init__(self) -> None:
+        self.inputs: OrderedDict[int, ReplayHook] = OrderedDict()
+        self.outputs: OrderedDict[int, ReplayHook] = OrderedDict()
+
+    @staticmethod
+    def add(registry: OrderedDict[int, ReplayHook], hook: ReplayHook) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"a replay hook must be callable, got {type(hook).__name__}")
+        handle = RemovableHandle(registry)
+        registry[handle.id] = hook
+        return handle
+
+    @staticmethod
+    def run(registry: OrderedDict[int, ReplayHook], ctx: ReplayContext,
+            tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for hook in list(registry.values()):
+            replaced = hook(ctx, dict(tensors))
+            if replaced is not None:
+                tensors = dict(replaced)
+        return tensors
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOutcome:
+    """What one replay produced: every tensor that is digested, and how long the replay took on this rank."""
+
+    outputs: dict[str, torch.Tensor]
+    seconds: float
+
+
+@contextmanager
+def _replay_rng(tensors: Mapping[str, torch.Tensor], device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(tensors["rng.cpu"].clone())
+        if "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), device)
+        yield
+
+
+@contextmanager
+def _train_mode(modules: Sequence[nn.Module], training: bool) -> Iterator[None]:
+    saved = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            module.train(training)
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def _private(module: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()}
+    tensors.update(dict(module.named_buffers()))
+    return tensors
+
+
+def _rebuild(spec: Mapping[str, Any], leaves: Mapping[str, torch.Tensor]) -> Any:
+    return leaves[spec["tensor"]] if "tensor" in spec else from_json_value(spec["value"])
+
+
+def replay_forward(
+    modules: Sequence[nn.Module], paths: Sequence[str], captured: Captured, ctx: ReplayContext, hooks: ReplayHooks
+) -> ReplayOutcome:
+    """Run ``modules`` in sequence on the captured inputs, then backward from the captured output gradients.
+
+    Outputs: ``output[.i]`` (forward), ``grad.input.<key>`` for floating inputs that required grad at capture,
+    ``grad.param.<path>.<name>`` for parameters (unused ones are absent on every peer alike). Raises whatever the
+    model raises; the caller records it.
+    """
+    start = time.perf_counter()
+    meta, tensors = captured.meta, captured.tensors
+    device = next((p.device for p in modules[0].parameters()), torch.device("cpu"))
+    inputs = {k: t for k, t in tensors.items() if k.startswith(("arg.", "kwarg."))}
+    inputs = ReplayHooks.run(hooks.inputs, ctx, inputs)
+    wants_grad = {spec["tensor"]: spec["grad"] for spec in [*meta["args"], *meta["kwargs"].values()] if "tensor" in spec}
+    leaves = {k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
+              for k, t in inputs.items()}
+    params = [_private(module) for module in modules]
+    autocast = meta["autocast"]
+    with (
+        _replay_rng(tensors, device),
+        _train_mode(modules, bool(meta["training"])),
+        torch.autocast(autocast["device_type"], dtype=getattr(torch, autocast["dtype"].split(".")[-1]),
+                       enabled=bool(autocast["enabled"])),
+        torch.enable_grad(),
+    ):
+        args = tuple(_rebuild(spec, leaves) for spec in meta["args"])
+        kwargs = {key: _rebuild(spec, leaves) for key, spec in meta["kwargs"].items()}
+        out = functional_call(modules[0], params[0], args, kwargs)
+        for module, private in zip(modules[1:], params[1:], strict=True):
+            out = functional_call(module, private, (out,))
+    outs = output_tensors(out)
+    results = {key: tensor.detach() for key, tensor in outs.items()}
+    pairs = [(outs[k], tensors[f"grad_output.{k}"].to(device)) for k in meta["grad_outputs"]
+             if k in outs and outs[k].requires_grad and f"grad_output.{k}" in tensors]
+    if pairs:
+        wrt = [(f"grad.input.{k}", leaf) for k, leaf in sorted(leaves.items()) if leaf.requires_grad]
+        for path, private in zip(paths, params, strict=True):
+            wrt += [(f"grad.param.{path}.{n}", t) for n, t in private.items() if t.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt], grad_outputs=[g for _, g in pairs],
+                                    allow_unused=True)
+        results.update({name: g for (name, _), g in zip(wrt, grads, strict=True) if g is not None})
+    results = ReplayHooks.run(hooks.outputs, ctx, results)
+    return ReplayOutcome(results, time.perf_counter() - start)
+
+
+def replay_optimizer(
+    optimizer_cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], captured: Captured,
+    ctx: ReplayContext, hooks: ReplayHooks,
+) -> ReplayOutcome:
+    """Run one update of ``optimizer_cls`` on private copies of the captured slice.
+
+    Outputs: ``param.<name>`` (updated values) and ``state.<name>#<key>`` (tensor state after the update).
+    ``defaults`` (this peer's ``optimizer.defaults``) are passed only to a constructor that insists on them; the
+    captured hyper-parameters of the param group always win.
+    """
+    start = time.perf_counter()
+    meta = captured.meta
+    inputs = ReplayHooks.run(hooks.inputs, ctx, dict(captured.tensors))
+    copies: dict[str, torch.Tensor] = {}
+    for name in meta["params"]:
+        copy = inputs[f"param.{name}"].detach().clone()
+        grad = inputs.get(f"grad.{name}")
+        copy.grad = None if grad is None else grad.detach().clone()
+        copies[name] = copy
+    group: dict[str, Any] = {key: from_json_value(value) for key, value in meta["hyper"].items()}
+    group.update({k[len("hyper."):]: t.clone() for k, t in inputs.items() if k.startswith("hyper.")})
+    group["params"] = list(copies.values())
+    try:
+        optimizer = optimizer_cls([group])
+    except TypeError:
+        optimizer = optimizer_cls([group], **{k: v for k, v in defaults.items() if k not in group})
+    for name, copy in copies.items():
+        state: dict[str, Any] = {k.split("#", 1)[1]: t.clone() for k, t in inputs.items()
+                                 if k.startswith(f"state.{name}#")}
+        state.update({k: from_json_value(v) for k, v in meta["state_values"].get(name, {}).items()})
+        if state:
+            optimizer.state[copy] = state
+    optimizer.step()
+    results = {f"param.{name}": copy.detach() for name, copy in copies.items()}
+    for name, copy in copies.items():
+        for key, value in optimizer.state.get(copy, {}).items():
+            if isinstance(value, torch.Tensor):
+                results[f"state.{name}#{key}"] = value.detach()
+    results = ReplayHooks.run(hooks.outputs, ctx, results)
+    return ReplayOutcome(results, time.perf_counter() - start)
