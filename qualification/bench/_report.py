@@ -2,7 +2,7 @@
 
 Conventions: times are seconds, throughputs GB/s (1e9 bytes per second), sizes bytes. Loop statistics drop the
 first ``warmup`` steps (the first captures allocate and first-touch the slots). A ratio pairs numbers from the same
-rank and the worse rank is reported; collective timings take the slower rank.
+rank and the worse rank is reported; collective timings take the slower rank; peak RSS takes the ranks' mean.
 """
 
 from __future__ import annotations
@@ -64,56 +64,64 @@ def _loop(rank: dict[str, Any], name: str, warmup: int) -> dict[str, float]:
     return out
 
 
+def _rank_figures(r: dict[str, Any], warmup: int) -> dict[str, float]:
+    """One rank's figures (``--role on`` output); each is later reduced over ranks."""
+    t_off, o_off = _loop(r, "tight_off", warmup), _loop(r, "overlap_off", warmup)
+    t_on, o_on = _loop(r, "tight_on", warmup), _loop(r, "overlap_on", warmup)
+    quiet, loops = r["quiet"], r["loops"]
+    return {
+        "memcpy_s": r["memcpy_s"], "digest_s": r["digest_s"], "write_s": r["write_s"],
+        "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"], "step_on_tight_s": t_on["step"],
+        "stall_tight_s": t_on["stall"], "stall_tight_pre_s": t_on["pre"], "stall_tight_post_s": t_on["post"],
+        "stall_tight_max_s": t_on["max"], "reported_stall_tight_s": t_on["reported"],
+        "overlap_micro_batches": loops["overlap_on"]["micro_batches"], "fwd_bwd_overlap_s": o_off["fwd_bwd"],
+        "step_off_overlap_s": o_off["step"], "step_on_overlap_s": o_on["step"], "stall_overlap_s": o_on["stall"],
+        "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"], "stall_overlap_max_s": o_on["max"],
+        "reported_stall_overlap_s": o_on["reported"],
+        "capture_return_s": _med(quiet["capture_return_s"]), "capture_pipeline_s": _med(quiet["pipeline_s"]),
+        "pipeline_estimate_s": r["pipeline_estimate_s"],
+        "persist_s": _med(quiet["persist_s"]),
+        "persist_in_loop_s": _med(loops["tight_on"]["persist_s"] + loops["overlap_on"]["persist_s"]),
+        "exchange_s": r["exchange_s"], "gloo_pair_s": r["gloo_pair_s"],
+        **{k: r[k] for k in ("dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s",
+                             "dcp_load_cold_s")},
+    }
+
+
+def _fastest_per_capture(ranks: list[list[float]]) -> list[float]:
+    """Per capture, the faster rank's time: the rank that reaches the exchange first also times its wait for the
+    other, so the faster figure is the transfer itself (plus the digest check of what arrived)."""
+    return [min(xs) for xs in zip(*ranks, strict=False)]
+
+
 def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: int, victim: int) -> dict[str, Any]:
     """One size's entry: ``measurements``, ``ratios``, ``targets``, ``met`` and ``checks`` (booleans, sources)."""
-    m: dict[str, Any] = {"state_bytes": on[0]["state_bytes"], "params": on[0]["params"],
-                         "frame_bytes": on[0]["frame_bytes"]}
-    data_bytes = on[0]["state_bytes"]
-    per_rank: list[dict[str, float]] = []
-    for r_on, r_off in zip(on, off, strict=True):
-        t_off, o_off = _loop(r_on, "tight_off", warmup), _loop(r_on, "overlap_off", warmup)
-        t_on, o_on = _loop(r_on, "tight_on", warmup), _loop(r_on, "overlap_on", warmup)
-        per_rank.append({
-            "memcpy_s": r_on["memcpy_s"], "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"],
-            "step_on_tight_s": t_on["step"], "stall_tight_s": t_on["stall"], "stall_tight_pre_s": t_on["pre"],
-            "stall_tight_post_s": t_on["post"], "stall_tight_max_s": t_on["max"],
-            "reported_stall_tight_s": t_on["reported"], "overlap_micro_batches": r_on["loops"]["overlap_on"]["micro_batches"],
-            "fwd_bwd_overlap_s": o_off["fwd_bwd"], "step_off_overlap_s": o_off["step"], "step_on_overlap_s": o_on["step"],
-            "stall_overlap_s": o_on["stall"], "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"],
-            "stall_overlap_max_s": o_on["max"], "reported_stall_overlap_s": o_on["reported"],
-            "capture_return_s": _med(r_on["quiet"]["capture_return_s"]),
-            "capture_pipeline_s": _med(r_on["quiet"]["pipeline_s"]), "pipeline_estimate_s": r_on["pipeline_estimate_s"],
-            "dcp_async_save_blocking_s": r_on["dcp_async_save_blocking_s"],
-            "dcp_async_save_total_s": r_on["dcp_async_save_total_s"], "dcp_save_s": r_on["dcp_save_s"],
-            "dcp_load_s": r_on["dcp_load_s"], "dcp_load_cold_s": r_on["dcp_load_cold_s"], "exchange_s": r_on["exchange_s"], "gloo_pair_s": r_on["gloo_pair_s"],
-            "rss_off_bytes": r_off["peak_rss_bytes"], "rss_on_bytes": r_on["peak_rss_bytes"],
-            "rss_extra_bytes": r_on["peak_rss_bytes"] - r_off["peak_rss_bytes"], "digest_s": r_on["digest_s"],
-            "write_s": r_on["write_s"], "persist_s": _med(r_on["quiet"]["persist_s"]),
-            "persist_in_loop_s": _med(r_on["loops"]["tight_on"]["persist_s"] + r_on["loops"]["overlap_on"]["persist_s"]),
-        })
-    for key in per_rank[0]:
-        m[key] = max(r[key] for r in per_rank)
-    # Replication: the rank that reaches the exchange first also times its wait for the other, so per capture the
-    # faster rank's figure is the transfer (plus its digest check of what arrived).
-    quiet = [min(xs) for xs in zip(*(r["quiet"]["replicate_s"] for r in on), strict=False)]
-    looped = [min(xs) for xs in zip(*([*r["loops"]["tight_on"]["replicate_s"], *r["loops"]["overlap_on"]["replicate_s"]]
-                                      for r in on), strict=False)]
-    m["replicate_s"], m["replicate_in_loop_s"] = _med(quiet), _med(looped)
-    v = on[victim]
+    state = on[0]["state_bytes"]
+    per_rank = [_rank_figures(r, warmup) for r in on]
+    m: dict[str, Any] = {"state_bytes": state, "params": on[0]["params"], "frame_bytes": on[0]["frame_bytes"]}
+    m.update({key: max(r[key] for r in per_rank) for key in per_rank[0]})
+    # Two ranks running the same program differ by up to ~30 MiB of peak RSS from run to run (allocator timing),
+    # so the ranks' means are compared.
+    m["rss_off_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in off)
+    m["rss_on_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in on)
+    m["rss_extra_bytes"] = m["rss_on_bytes"] - m["rss_off_bytes"]
+    m["replicate_s"] = _med(_fastest_per_capture([r["quiet"]["replicate_s"] for r in on]))
+    m["replicate_in_loop_s"] = _med(_fastest_per_capture(
+        [r["loops"]["tight_on"]["replicate_s"] + r["loops"]["overlap_on"]["replicate_s"] for r in on]))
+    v, survivor = on[victim], on[1 - victim]
     for key in ("recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
                 "recover_transfer_restore_s"):
         m[key] = v[key]
-    survivor = on[1 - victim]
-    m["survivor_files_verified"], m["survivor_files_verify_s"] = survivor["own_files_verified"], survivor["own_files_verify_s"]
-    m.update(memcpy_gbps=_gbps(data_bytes, m["memcpy_s"]), replication_gbps=_gbps(data_bytes, m["replicate_s"]),
-             replication_in_loop_gbps=_gbps(data_bytes, m["replicate_in_loop_s"]),
-             exchange_gbps=_gbps(data_bytes, m["exchange_s"]), gloo_pair_gbps=_gbps(data_bytes, m["gloo_pair_s"]),
-             digest_gbps=_gbps(data_bytes, m["digest_s"]), write_gbps=_gbps(data_bytes, m["write_s"]),
-             persist_gbps=_gbps(m["frame_bytes"], m["persist_s"]))
+    m["survivor_files_verified"] = survivor["own_files_verified"]
+    m["survivor_files_verify_s"] = survivor["own_files_verify_s"]
+    for name in ("memcpy", "digest", "write", "exchange", "gloo_pair"):
+        m[f"{name}_gbps"] = _gbps(state, m[f"{name}_s"])
+    m["replication_gbps"] = _gbps(state, m["replicate_s"])
+    m["replication_in_loop_gbps"] = _gbps(state, m["replicate_in_loop_s"])
+    m["persist_gbps"] = _gbps(m["frame_bytes"], m["persist_s"])
 
-    def worst(num: str, den: str, higher_is_worse: bool = True) -> float:
-        vals = [r[num] / r[den] for r in per_rank]
-        return max(vals) if higher_is_worse else min(vals)
+    def worst(num: str, den: str) -> float:
+        return max(r[num] / r[den] for r in per_rank)
 
     ratios = {
         "stall_vs_memcpy": worst("stall_tight_s", "memcpy_s"),
@@ -121,7 +129,7 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
         "blocking_vs_async_save": worst("stall_overlap_s", "dcp_async_save_blocking_s"),
         "replication_vs_gloo": m["replication_gbps"] / m["gloo_pair_gbps"],
         "recovery_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_s"],
-        "rss_extra_vs_state": max(r["rss_extra_bytes"] for r in per_rank) / data_bytes,
+        "rss_extra_vs_state": m["rss_extra_bytes"] / state,
         "blocking_tight_vs_async_save": worst("stall_tight_s", "dcp_async_save_blocking_s"),
         "blocking_vs_save": worst("stall_overlap_s", "dcp_save_s"),
         "capture_return_vs_async_save": worst("capture_return_s", "dcp_async_save_blocking_s"),
@@ -140,7 +148,7 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
         "recovery_sources": v["recover_decision"]["sources"], "recovery_step": v["recover_decision"]["step"],
         "gemini_errors": [e for r in on for e in r["errors"]],
     }
-    return {"state_mib": round(data_bytes / 2**20, 1), "measurements": m, "ratios": ratios, "targets": targets,
+    return {"state_mib": round(state / 2**20, 1), "measurements": m, "ratios": ratios, "targets": targets,
             "met": met, "checks": checks}
 
 

@@ -96,12 +96,12 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
         shutil.rmtree(out)
     common = ["-m", "qualification.bench.gemini_rank", "--out", str(out), "--state-mib", str(mib),
               "--steps", str(args.steps), "--batch", str(args.batch), "--reps", str(args.reps),
-              "--chunk-bytes", str(args.chunk_bytes)]
+              "--chunk-bytes", str(args.chunk_bytes), "--ckpt", str(scratch / label / "gemini"),
+              "--overlap-factor", str(args.overlap_factor), *(["--no-fsync"] if args.no_fsync else [])]
     # Generous: a 256 MiB size takes ~2-3 minutes on 2 idle cores; a rank that hangs still ends the run.
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
-    on_argv = [*common, "--role", "on", "--ckpt", str(scratch / label / "gemini"), "--dcp", str(scratch / label / "dcp"),
-               "--overlap-factor", str(args.overlap_factor), "--quiet-captures", str(args.quiet_captures),
-               "--timeout-s", str(timeout_s), *(["--no-fsync"] if args.no_fsync else [])]
+    on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),
+               "--quiet-captures", str(args.quiet_captures), "--timeout-s", str(timeout_s)]
     for role, argv in (("off", [*common, "--role", "off"]), ("on", on_argv)):
         result = launch(argv, world_size=WORLD, timeout_s=timeout_s, log_dir=out / "logs", env={"OMP_NUM_THREADS": "1"})
         if not result.ok:
@@ -143,8 +143,9 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "included. The restored state is checked bit for bit against the survivor's. 'transfer' times only the data "
         "path (peer sends the held frame, owner verifies and restores). dcp.load reads files this host just wrote, "
         "i.e. from the page cache: DCP's best case.",
-        "Peak RSS: ru_maxrss of the GEMINI process (after its loops and quiet captures, before any reference) minus "
-        "that of a separate process that ran the same training without GEMINI.",
+        "Peak RSS: ru_maxrss of the GEMINI process after its loops and quiet captures (before the measurements "
+        "that follow them) minus that of a separate process that ran the same program up to the point where "
+        "GEMINI attaches (references, calibration, loops without GEMINI).",
     ]
     if any(s >= LARGE_MIB for s in args.sizes):
         notes.append("A 1 GiB state is opt-in (--sizes-mib 64,256,1024): it needs ~15 GiB of free memory here.")

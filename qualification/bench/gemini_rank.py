@@ -1,8 +1,8 @@
 """One rank of the GEMINI benchmark; :mod:`qualification.bench.gemini` runs two of them through
 :mod:`qualification.launch`.
 
-``--role off`` trains without GEMINI and records peak RSS: the baseline needs a process of its own, because
-``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
+``--role off`` runs the training loops of step 1 below and records peak RSS: the baseline needs a process of its
+own, because ``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
 
 1. the references on the same bytes: memcpy, BLAKE3, file write + fsync, raw gloo pair exchange; then two loops
    without GEMINI: ``tight`` (one micro-batch per step) and ``overlap`` (enough micro-batches that forward/backward
@@ -48,7 +48,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--overlap-factor", type=float, default=2.5)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
     ap.add_argument("--quiet-captures", type=int, default=3)
-    ap.add_argument("--ckpt", type=Path, default=None, help="GEMINI checkpoint folder (role on)")
+    ap.add_argument("--ckpt", type=Path, required=True, help="GEMINI checkpoint folder; references write beside it")
     ap.add_argument("--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--no-fsync", action="store_true")
@@ -80,6 +80,21 @@ class IoRecorder:
                 "replicate_s": [self.replicate_s[s] for s in steps if s in self.replicate_s]}
 
 
+def references_before(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
+    """The references on the same bytes, before GEMINI attaches. Their buffers (at most two states at once) are
+    freed before GEMINI allocates its four, so they never set this process's peak RSS."""
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    out = _references.copy_digest_write_s(trainer.tensors(), args.ckpt.parent / "references", args.reps,
+                                          fsync=not args.no_fsync)
+    out["gloo_pair_s"] = _references.gloo_pair_s(trainer.state_bytes(), peer, group=group,
+                                                 chunk_bytes=args.chunk_bytes, reps=args.reps)
+    return out
+
+
+def loops_without_gemini(args: argparse.Namespace, trainer: Trainer, micro: int, overlap_steps: int) -> dict[str, Any]:
+    return {"tight_off": run_loop(trainer, 1, args.steps), "overlap_off": run_loop(trainer, micro, overlap_steps)}
+
+
 def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
     import gemscout
     from gemscout.gemini.store import list_steps, read_verified, step_file
@@ -87,23 +102,18 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = (rank + 1) % world
     timeout = timedelta(seconds=args.timeout_s)
-    out: dict[str, Any] = {}
 
     def barrier() -> None:
         dist.barrier(group=group)
 
-    # 1. without GEMINI: the references on the same bytes (their buffers are freed before GEMINI allocates), then
-    # the loops. The overlap loop's forward/backward must outlast the whole capture pipeline (copy, digest, persist,
-    # replicate, verify, persist the replica), else captures queue for a free slot; the estimate is the sum of the
-    # references, times --overlap-factor for the CPU the training thread takes from the io meanwhile.
-    out.update(_references.copy_digest_write_s(trainer.tensors(), args.ckpt.parent / "references", args.reps,
-                                               fsync=not args.no_fsync))
-    out["gloo_pair_s"] = _references.gloo_pair_s(trainer.state_bytes(), peer, group=group,
-                                                 chunk_bytes=args.chunk_bytes, reps=args.reps)
+    # 1. without GEMINI. The overlap loop's forward/backward must outlast the whole capture pipeline (copy, digest,
+    # persist, replicate, verify, persist the replica), else captures queue for a free slot: the estimate is the sum
+    # of the references, times --overlap-factor for the CPU that training takes from the io threads meanwhile.
+    out = references_before(args, trainer, group)
     pipeline = out["memcpy_s"] + 2 * out["digest_s"] + 2 * out["write_s"] + out["gloo_pair_s"]
     out["pipeline_estimate_s"] = pipeline
     micro, out["micro_fwd_bwd_s"] = trainer.micro_batches_for(args.overlap_factor * pipeline, group)
-    loops = {"tight_off": run_loop(trainer, 1, args.steps), "overlap_off": run_loop(trainer, micro, args.steps)}
+    loops = out["loops"] = loops_without_gemini(args, trainer, micro, args.steps)
 
     # 2. with GEMINI
     cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="bench", chunk_bytes=args.chunk_bytes,
@@ -133,7 +143,7 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
         ckpt.drain()
         quiet["pipeline_s"].append(time.perf_counter() - t0)
     quiet.update(io.between(first, session.step))
-    out["loops"], out["quiet"] = loops, quiet
+    out["quiet"] = quiet
     out["peak_rss_bytes"] = peak_rss_bytes()
 
     # 3. GEMINI's transport on a real frame, on the same kind of group as the raw pair exchange
@@ -234,11 +244,13 @@ def main() -> None:
         "params": sum(p.numel() for p in trainer.model.parameters()), "state_bytes": trainer.state_bytes(),
     }
     if args.role == "off":
-        result["loops"] = {"tight_off": run_loop(trainer, 1, args.steps)}
+        # Training alone: the overlap loop's peak memory depends neither on its length nor on its number of
+        # micro-batches (gradients accumulate in place), so two steps of two stand in for it.
+        result["loops"] = loops_without_gemini(args, trainer, 2, overlap_steps=2)
         result["peak_rss_bytes"] = peak_rss_bytes()
     else:
-        if args.ckpt is None or args.dcp is None:
-            raise SystemExit("gemini_rank: --role on needs --ckpt and --dcp")
+        if args.dcp is None:
+            raise SystemExit("gemini_rank: --role on needs --dcp")
         result.update(gemini_phases(args, trainer, group))
         dist.barrier(group=group)
         result.update(_references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group))

@@ -43,10 +43,12 @@ def _read(out: Path, world: int) -> list[dict[str, Any]]:
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     """Run the lifecycle and return the result document (the cell contract's result.json)."""
     t0 = time.monotonic()
+    wall0 = time.time()
     timeline: list[dict[str, Any]] = []
 
-    def event(kind: str, detail: str) -> None:
-        timeline.append({"t": round(time.monotonic() - t0, 3), "event": kind, "detail": detail})
+    def event(kind: str, detail: str, at_wall: float | None = None) -> None:
+        t = (at_wall - wall0) if at_wall is not None else time.monotonic() - t0
+        timeline.append({"t": round(t, 3), "event": kind, "detail": detail})
 
     world = int(cell["world_size"])
     fault = cell.get("fault", {"kind": "none"})
@@ -97,9 +99,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     if kind != "none":
         observed["recovered_step"] = decision.get("step")
         observed["source"] = decision.get("source")
+        times = ranks[0].get("times", {})
         event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
-                          f"{decision.get('reason')}")
-        event("recovery", f"resumed at step {ranks[0]['resume_step']} on {world} ranks")
+                          f"{decision.get('reason')}", times.get("attach_wall"))
+        event("recovery", f"state restored at step {ranks[0]['resume_step']} on {world} ranks",
+              max(r.get("times", {}).get("restored_wall", 0.0) for r in ranks) or None)
+        timeline.sort(key=lambda e: e["t"])
     observed["decision"] = decision
     observed["bitwise_equal"] = all(r["state_digest"] == reference[0]["state_digest"] for r in ranks)
     observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))

@@ -85,6 +85,7 @@ def main() -> None:
     session = None
     decision = None
     resume_digest = None
+    times: dict[str, float] = {}
     if args.ckpt is not None:
         import gemscout
 
@@ -103,10 +104,12 @@ def main() -> None:
             timeout=timedelta(seconds=60), fsync=False,
             durable_directory=args.durable, durable_every=args.durable_every,
         )
+        t_attach = time.time()
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg, schedulers=[sched],
                                              extra_state_fn=extra, load_extra_state_fn=load_extra)
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(model, opt)
+        times = {"attach_wall": t_attach, "restored_wall": time.time()}
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
@@ -141,7 +144,7 @@ def main() -> None:
     dist.all_gather_object(digests, digest)  # test-side comparison only; gemscout itself never pickles
     result = {
         "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
-        "decision": decision, "resume_digest": resume_digest, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
+        "decision": decision, "resume_digest": resume_digest, "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
         "replicas_equal": len(set(digests)) == 1, "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],

@@ -17,6 +17,8 @@ from gemscout.errors import (
 )
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.scout.reports import FaultReport
+from gemscout.watch import WatchConfig
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "CollectiveTimeout",
     "ConfigError",
+    "FaultReport",
     "GemscoutError",
     "IntegrityError",
     "RecoveryDecision",
@@ -33,5 +36,6 @@ __all__ = [
     "RunMismatchError",
     "Session",
     "TrustState",
+    "WatchConfig",
     "enable_resiliency",
 ]

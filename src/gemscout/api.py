@@ -16,7 +16,7 @@ import signal
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.config import TrustState
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
+from gemscout.scout.reports import FaultReport
 from gemscout.state.training_state import StateSources, _unwrap
+from gemscout.watch import Watch, WatchConfig
 
 log = logging.getLogger("gemscout")
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -43,6 +46,10 @@ class Session:
                  rank: int, world_size: int) -> None:
         self.sources, self.interval, self.checkpointer = sources, interval, checkpointer
         self.rank, self.world_size = rank, world_size
+        self.watch: Watch | None = None
+        self.reports: list[FaultReport] = []
+        self.on_fault_report: Callable[[FaultReport], None] | None = None
+        self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
         self.step = 0
         self.resume_step = 0
         self.last_decision: RecoveryDecision | None = None
@@ -57,6 +64,8 @@ class Session:
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step += 1
+        if self.watch is not None:
+            self.watch.step(self.step)
         if self.checkpointer is not None and self.step % self.interval == 0:
             self.checkpointer.capture(self.step)
 
@@ -87,6 +96,45 @@ class Session:
             self.step = self.resume_step = decision.step
         return decision
 
+    def instrument_dataloader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """Wrap ``loader`` so each fetch is timed and compared across ranks (needs ``watch=WatchConfig(...)``)."""
+        if self.watch is None:
+            raise ConfigError("instrument_dataloader needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+        return self.watch.instrument_dataloader(loader)
+
+    def checkpoint_io(self, kind: str) -> Any:
+        """Context manager timing your own checkpoint ``"read"`` or ``"write"`` (needs ``watch=``)."""
+        if self.watch is None:
+            raise ConfigError("checkpoint_io needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+        if kind not in ("read", "write"):
+            raise ConfigError(f"checkpoint_io: kind must be 'read' or 'write', got {kind!r}")
+        return self.watch.checkpoint_io(kind)
+
+    def _report(self, report: FaultReport) -> None:
+        self.reports.append(report)
+        if self.on_fault_report is not None:
+            try:
+                self.on_fault_report(report)
+            except Exception as exc:  # a callback must never break training or a watchdog thread
+                log.warning("gemscout: on_fault_report raised: %s", exc)
+
+    def _on_stall(self, report: FaultReport, finding: Any) -> None:
+        self._report(report)
+        if finding.recommendation == "restart_from_verified" and self.on_recovery_decision is not None:
+            ledger = self.checkpointer.ledger if self.checkpointer else None
+            floor = self.checkpointer.config.min_trust if self.checkpointer else TrustState.RECOVERY_VERIFIED
+            steps = [s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank]
+            step = max(steps) if steps else None
+            decision = RecoveryDecision(
+                report.kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None, {},
+                self.checkpointer.topology_digest if self.checkpointer else "",
+                f"{report.reason}; restart every rank from the newest {floor.value} step")
+            try:
+                self.on_recovery_decision(decision)
+            except Exception as exc:
+                log.warning("gemscout: on_recovery_decision raised: %s", exc)
+
     def close(self, timeout: timedelta | None = None) -> None:
         """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown."""
         if self.closed:
@@ -94,6 +142,8 @@ class Session:
         self.closed = True
         for h in self._handles:
             h.remove()
+        if self.watch is not None:
+            self.watch.close()
         if self.checkpointer is not None:
             self.checkpointer.close(timeout)
         if threading.current_thread() is threading.main_thread():
@@ -193,6 +243,8 @@ def enable_resiliency(
     schedulers: Sequence[Any] = (),
     load_fallback: Callable[[], int] | None = None,
     on_recovery_decision: Callable[[RecoveryDecision], None] | None = None,
+    watch: WatchConfig | None = None,
+    on_fault_report: Callable[[FaultReport], None] | None = None,
     group: dist.ProcessGroup | None = None,
     **unknown: Any,
 ) -> Session:
@@ -206,7 +258,10 @@ def enable_resiliency(
       restore to replay that step.
     - ``load_fallback``: called on every rank when no gemscout checkpoint can be restored; returns the step it
       restored.
-    - ``on_recovery_decision``: receives the :class:`RecoveryDecision` before anything is restored.
+    - ``on_recovery_decision``: receives the :class:`RecoveryDecision` before anything is restored (and a
+      conservative one when the watchdog finds a hang).
+    - ``watch``: out-of-band hang / DataLoader / checkpoint-I/O watching (:class:`WatchConfig`).
+    - ``on_fault_report``: receives every :class:`FaultReport` (from any thread; keep it quick).
 
     If a checkpoint exists, it is restored before this returns; ``session.resume_step`` says which step.
     Raises ConfigError for bad arguments, RecoveryError when recovery must STOP, RunMismatchError for a
@@ -240,7 +295,10 @@ def enable_resiliency(
         checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
                                     run_id=run_id, topology_digest=_topology_digest(model, world, placement),
                                     on_decision=on_recovery_decision)
+    if watch is not None and not isinstance(watch, WatchConfig):
+        raise ConfigError("enable_resiliency.watch: pass a gemscout.WatchConfig(...)")
     session = Session(sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world)
+    session.on_fault_report, session.on_recovery_decision = on_fault_report, on_recovery_decision
     if checkpointer is not None:
         decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
         session.last_decision = decision
@@ -248,6 +306,12 @@ def enable_resiliency(
             session.step = session.resume_step = decision.step
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
+    if watch is not None:
+        session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)
+        from torch.nn.parallel import DistributedDataParallel
+
+        if watch.instrument_collectives and isinstance(model, DistributedDataParallel):
+            session.watch.ddp_comm_hook(model)
     session._attach()
     _LIVE.add(session)
     return session

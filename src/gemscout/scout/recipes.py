@@ -16,6 +16,8 @@ peer builds the same one; :meth:`Catalog.due` is a pure function of the step, so
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,7 @@ from torch import nn
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
 
-__all__ = ["Catalog", "Recipe", "RecipeKind", "build_catalog", "unwrap"]
+__all__ = ["Catalog", "Recipe", "RecipeKind", "build_catalog", "optimizer_params", "unwrap"]
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -61,8 +63,9 @@ class Recipe:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module that owns the parameters under wrappers such as DDP (``.module``, repeatedly)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "module", None)
     return model
 
 
@@ -111,23 +114,35 @@ def _find_first(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: s
     return None
 
 
+def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's parameters by stable name, in optimizer order: the model's name for the parameter, else
+    ``group<g>.param<i>`` (a parameter the optimizer holds but the model does not)."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return {names.get(id(p), f"group{g}.param{i}"): p
+            for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+
 def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound: int) -> list[Recipe]:
-    names = {id(p): n for n, p in model.named_parameters()}
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     slices: list[Recipe] = []
-    for g, group in enumerate(optimizer.param_groups):
-        current: list[str] = []
-        numel = 0
-        for i, param in enumerate(group["params"]):
-            name = names.get(id(param), f"group{g}.param{i}")
-            if current and numel + param.numel() > bound:
-                slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER,
-                                     params=tuple(current), group_index=g))
-                current, numel = [], 0
-            current.append(name)
-            numel += param.numel()
+    current: list[str] = []
+    numel, group = 0, 0
+
+    def close() -> None:
         if current:
-            slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER,
-                                 params=tuple(current), group_index=g))
+            slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER, params=tuple(current),
+                                 group_index=group))
+
+    for name, param in optimizer_params(model, optimizer).items():
+        g = group_of[id(param)]
+        # A slice never spans param groups: its replay runs one group's hyper-parameters.
+        if current and (g != group or numel + param.numel() > bound):
+            close()
+            current, numel = [], 0
+        current.append(name)
+        numel += param.numel()
+        group = g
+    close()
     return slices
 
 
@@ -152,7 +167,9 @@ def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, con
         if blocks is None:
             raise ConfigError("ScoutConfig.blocks: no nn.ModuleList of identical blocks found in the model; name it "
                               "(e.g. blocks='layers') or drop 'hidden' from ScoutConfig.recipes")
-        count = len(model.get_submodule(blocks))
+        listed = model.get_submodule(blocks)
+        assert isinstance(listed, nn.ModuleList)  # _find_blocks only returns ModuleLists
+        count = len(listed)
         recipes += [Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{i}",)) for i in range(count)]
     if "output" in enabled:
         head = config.head or _find_last(model, (nn.Linear,), blocks)
@@ -190,6 +207,11 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self.recipes)
+
+    def fingerprint(self) -> int:
+        """A signed 64-bit fingerprint of the recipe ids, modules and slices; equal on peers with equal catalogs."""
+        text = json.dumps([[r.name, list(r.modules), list(r.params), r.group_index] for r in self.recipes])
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
     def due(self, step: int) -> tuple[Recipe, ...]:
         """The recipes to replay at ``step``, in replay order. Pure: every peer gets the same answer.

@@ -195,7 +195,7 @@ def replay_optimizer(
     group.update({k[len("hyper."):]: t.clone() for k, t in inputs.items() if k.startswith("hyper.")})
     group["params"] = list(copies.values())
     try:
-        optimizer = optimizer_cls([group])
+        optimizer = optimizer_cls([group])  # type: ignore[call-arg]  # concrete optimizers default their arguments
     except TypeError:
         optimizer = optimizer_cls([group], **{k: v for k, v in defaults.items() if k not in group})
     for name, copy in copies.items():

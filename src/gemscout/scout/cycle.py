@@ -1,0 +1,150 @@
+"""The pure half of a SCOUT cycle: precondition records, parameter digests, and the verdict from gathered records.
+
+Everything here runs on data already in hand (no process group), so every peer, given the same gathered records,
+computes the same verdicts. :mod:`gemscout.scout.engine` does the collectives around it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import torch
+from torch import nn
+
+from gemscout.errors import EvidenceError
+from gemscout.scout.capture import Captured, capture_optimizer
+from gemscout.scout.consensus import C3Result, Verdict
+from gemscout.scout.digests import digest_many
+from gemscout.scout.preconditions import Precondition, judge
+from gemscout.scout.recipes import Recipe
+from gemscout.scout.reports import FaultKind, FaultReport
+
+__all__ = ["CycleResult", "judge_gathered", "param_digest", "precondition_for"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CycleResult:
+    """What one SCOUT cycle found; identical on every peer."""
+
+    step: int
+    """The step whose forward/backward/update inputs were replayed."""
+    source_rank: int
+    """Global rank whose captured inputs were broadcast."""
+    peers: tuple[int, ...]
+    """Global ranks that took part."""
+    results: Mapping[str, C3Result]
+    """Verdict per recipe replayed, in replay order."""
+    replay_s: Mapping[str, Mapping[int, float]]
+    """Replay seconds per recipe per rank (ranks whose replay failed are absent)."""
+    reports: tuple[FaultReport, ...] = ()
+    """SDC reports (attributed, or peer-group when no majority) and confirmed compute-straggler reports."""
+    certified_step: int | None = None
+    """The rotation tracker's answer after this cycle: the newest step every recipe has vouched for."""
+
+    @property
+    def clean(self) -> bool:
+        """True when every recipe agreed on every peer."""
+        return all(result.verdict is Verdict.AGREE for result in self.results.values())
+
+    @property
+    def sdc(self) -> bool:
+        """True when corrupted output was seen (attributed or not): GEMINI must not capture this step."""
+        return any(report.kind is FaultKind.SDC for report in self.reports)
+
+    @property
+    def attributed_ranks(self) -> tuple[int, ...]:
+        """Every rank named by an ATTRIBUTED verdict, sorted."""
+        return tuple(sorted({r for result in self.results.values() for r in result.ranks}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (rank keys as strings)."""
+        return {
+            "step": self.step, "source_rank": self.source_rank, "peers": list(self.peers),
+            "results": {name: result.to_dict() for name, result in self.results.items()},
+            "replay_s": {name: {str(r): s for r, s in times.items()} for name, times in self.replay_s.items()},
+            "reports": [report.to_dict() for report in self.reports], "certified_step": self.certified_step,
+        }
+
+
+def _combine(*parts: str) -> str:
+    """One digest over several digests and JSON texts (each length-prefixed, so boundaries cannot shift)."""
+    hasher = blake3.blake3(b"gemscout.scout.combine.v1\0")
+    for part in parts:
+        data = part.encode()
+        hasher.update(len(data).to_bytes(8, "little") + data)
+    return f"blake3:{hasher.hexdigest()}"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def precondition_for(recipe: Recipe, step: int, captured: Captured, own_param_digest: str) -> Precondition:
+    """This peer's precondition record for replaying ``captured`` (the inputs as received from the source).
+
+    ``rng_digest`` covers the RNG state and the replay context (autocast, train/eval): each changes the numbers.
+    """
+    inputs = {k: t for k, t in captured.tensors.items() if not k.startswith("rng.")}
+    rng = {k: t for k, t in captured.tensors.items() if k.startswith("rng.")}
+    context = {k: captured.meta.get(k) for k in ("autocast", "training")}
+    meta = {k: v for k, v in captured.meta.items() if k not in context}
+    return Precondition(
+        step=step, recipe=recipe.name, shapes=tuple(tuple(inputs[k].shape) for k in sorted(inputs)),
+        input_digest=_combine(digest_many(inputs), _canonical(meta)),
+        rng_digest=_combine(digest_many(rng), _canonical(context)),
+        param_digest=own_param_digest,
+    )
+
+
+def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[str, torch.Tensor],
+                 optimizer: torch.optim.Optimizer) -> str:
+    """Digest of this peer's *own* copy of what the replay depends on besides its inputs.
+
+    Forward recipes: the parameters and buffers of the recipe's modules. Optimizer slices: the live pre-update
+    parameters, optimizer state, hyper-parameters and optimizer class (the replay itself runs on the source's).
+    Raises ``TypeError`` for optimizer state that is neither a tensor nor plain JSON.
+    """
+    if recipe.has_module:
+        named: dict[str, torch.Tensor] = {}
+        for path, module in zip(recipe.modules, modules, strict=True):
+            named.update({f"{path}.{n}": t for n, t in module.state_dict(keep_vars=True).items()
+                          if isinstance(t, torch.Tensor)})
+        return digest_many(named)
+    own = capture_optimizer(recipe, params, optimizer, 0)
+    own_state = {k: t for k, t in own.tensors.items() if not k.startswith("grad.")}
+    described = {"class": own.meta["optimizer"], "hyper": own.meta["hyper"], "state": own.meta["state_values"]}
+    return _combine(digest_many(own_state), _canonical(described))
+
+
+def judge_gathered(name: str, step: int, peers: Sequence[int],
+                   gathered: Sequence[Mapping[str, Any]]) -> tuple[C3Result, dict[int, float]]:
+    """The verdict for recipe ``name`` from every peer's gathered record, and the replay times by rank.
+
+    ``gathered[i]`` is peer ``peers[i]``'s ``{"threads": n, "records": {recipe: record}}``. INCONCLUSIVE (not
+    attributed, ``preconditions_ok=False``) when a peer has no record or reports an error, when intra-op thread
+    counts differ, or when a precondition record is malformed; otherwise :func:`judge`.
+    """
+    by_rank = {peers[i]: entry["records"].get(name) for i, entry in enumerate(gathered)}
+    digests = {r: rec["digest"] for r, rec in by_rank.items() if rec and rec.get("digest")}
+    times = {r: float(rec["replay_s"]) for r, rec in by_rank.items() if rec and rec.get("replay_s") is not None}
+    failed = {r: (rec or {}).get("error") or "no record" for r, rec in by_rank.items() if not rec or rec["error"]}
+    threads = {peers[i]: entry["threads"] for i, entry in enumerate(gathered)}
+    reason = None
+    if failed:
+        reason = "replay did not run on every peer (" + "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        reason += "); outputs were not compared"
+    elif len(set(threads.values())) > 1:
+        reason = (f"intra-op thread counts differ across peers {threads}; replay is bitwise equal only with equal "
+                  "counts; outputs were not compared")
+    if reason is None:
+        try:
+            records = {r: Precondition.from_dict(rec["precondition"]) for r, rec in by_rank.items()}
+            return judge(records, digests, recipe=name, step=step), times
+        except (EvidenceError, TypeError) as exc:
+            reason = f"a precondition record is malformed: {exc}; outputs were not compared"
+    return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests, reason=reason,
+                    preconditions_ok=False), times
