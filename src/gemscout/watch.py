@@ -34,7 +34,7 @@ from gemscout.oob import (
     WatchdogConfig,
     checkpoint_io,
 )
-from gemscout.scout.reports import FaultReport
+from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
 log = logging.getLogger("gemscout.watch")
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
@@ -85,8 +85,8 @@ class WatchConfig:
 def finding_to_report(finding: StallFinding) -> FaultReport:
     evidence = dict(finding.evidence)
     evidence["recommendation"] = finding.recommendation
-    return FaultReport(kind=finding.kind, scope="rank" if finding.ranks else "peer_group", ranks=finding.ranks,
-                       step=finding.step, recipe=None, evidence=evidence, confirmations=finding.confirmations,
+    return FaultReport(kind=FaultKind(finding.kind), scope=Scope.RANK if finding.ranks else Scope.PEER_GROUP,
+                       ranks=finding.ranks, step=finding.step if finding.step is not None else 0, recipe=None, evidence=evidence, confirmations=finding.confirmations,
                        reason=finding.reason, host=finding.host, timestamp=finding.timestamp)
 
 
@@ -122,14 +122,14 @@ class Watch:
             host, port = self.config.endpoint.rsplit(":", 1)
             return host, int(port)
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = torch.zeros(1, dtype=torch.int64)
+        port_t = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
             # The store lives as long as this object; clients connect to it by host and port.
             self._server = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=60))
-            port[0] = self._server.port
-        dist.broadcast(port, src=0)
-        return host, int(port.item())
+            port_t[0] = self._server.port
+        dist.broadcast(port_t, src=0)
+        return host, int(port_t.item())
 
     def _deliver(self, finding: StallFinding) -> None:
         report = finding_to_report(finding)

@@ -136,7 +136,7 @@ def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bo
     """Publish ``prefix + data`` atomically at ``path``."""
     with atomic_writer(path, fsync=fsync) as fh:
         fh.write(prefix)
-        fh.write(memoryview(data.numpy()))
+        fh.write(data.numpy().data)
 
 
 def prune_safe(folder: Path, frontier: int, keep: int) -> None:

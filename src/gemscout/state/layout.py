@@ -87,7 +87,7 @@ class Layout:
 def tensor_digests(layout: Layout, data: torch.Tensor) -> list[str]:
     """Digest of every tensor's bytes in ``data``; reads the data, never the live tensors."""
     arr = data.numpy()
-    return [digest_bytes(memoryview(arr[e.offset : e.offset + e.nbytes])) for e in layout.entries]
+    return [digest_bytes(arr[e.offset : e.offset + e.nbytes].data) for e in layout.entries]
 
 
 def build_header(layout: Layout, digests: list[str], skeleton: Any, identity: dict[str, Any]) -> bytes:

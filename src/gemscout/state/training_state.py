@@ -11,7 +11,7 @@ import random
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ class StateSources:
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream training may draw from: torch CPU, CUDA (when initialised), Python, NumPy."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))  # (name, words, pos, has_gauss, cached)
     version, words, gauss_next = random.getstate()
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
