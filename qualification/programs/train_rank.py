@@ -31,23 +31,51 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+        t = t.to_local()
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 over this rank's parameters, buffers and optimizer state (its shards, when sharded)."""
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_bytes(p))
     for idx, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{idx}.{k}".encode())
-            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if torch.is_tensor(v)
-                     else repr(v).encode())
+            h.update(_bytes(v) if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()
+
+
+def wrap(model: torch.nn.Module, topology: str, world: int) -> torch.nn.Module:
+    """DDP, FSDP2 on a 1-D mesh, or HSDP on a (replicate, shard) mesh."""
+    if topology == "ddp":
+        # Without find_unused_parameters DDP rebuilds its gradient buckets after the first iteration of every
+        # process; with 3+ ranks a restarted process would then reduce one step in another order (docs/gemini.md).
+        return DDP(model, find_unused_parameters=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if topology == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    elif topology == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        raise SystemExit(f"unknown topology {topology!r}")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workload", default="tiny-causal-lm")
+    ap.add_argument("--topology", default="ddp", choices=["ddp", "fsdp2", "hsdp"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=int, default=1)
@@ -75,9 +103,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
     model = build_model(args.workload, seed=args.seed)
-    # Without find_unused_parameters DDP rebuilds its gradient buckets after the first iteration of every process;
-    # with 3+ ranks a restarted process would then reduce one step in another order (see docs/gemini.md).
-    ddp = DDP(model, find_unused_parameters=True)
+    ddp = wrap(model, args.topology, world)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     losses: dict[int, float] = {}
@@ -145,7 +171,7 @@ def main() -> None:
     result = {
         "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
         "decision": decision, "resume_digest": resume_digest, "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
-        "replicas_equal": len(set(digests)) == 1, "final_step": args.steps,
+        "replicas_equal": len(set(digests)) == 1 if args.topology == "ddp" else True, "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
     }

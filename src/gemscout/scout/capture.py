@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -46,6 +47,8 @@ class Captured:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    received_digest: str | None = None
+    """Set by :func:`unpack`: digest of the inputs (not the RNG state) exactly as received, bytes and layout."""
 
 
 def to_json_value(value: Any, what: str) -> Any:
@@ -208,8 +211,11 @@ def capture_optimizer(
                 captured.tensors[f"state.{name}#{key}"] = value.detach()
             else:
                 state_values.setdefault(name, {})[key] = to_json_value(value, f"optimizer state {name}.{key}")
+    # Replay runs where the live update ran (a faulty accelerator is only exercised on itself); keys listed here
+    # go back to the peer's own accelerator, the rest (e.g. AdamW's CPU ``step`` counter) stay on the CPU.
+    on_device = sorted(k for k, t in captured.tensors.items() if t.device.type != "cpu")
     captured.meta.update(optimizer=type(optimizer).__qualname__, hyper=hyper, state_values=state_values,
-                         params=list(recipe.params))
+                         params=list(recipe.params), on_device=on_device)
     return captured
 
 
@@ -227,7 +233,7 @@ def pack(step: int, captures: Mapping[str, Captured]) -> tuple[bytes, torch.Tens
             layout.append((offset, tensor))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         entries[name] = {"error": captured.error, "meta": captured.meta, "tensors": table}
-    payload = torch.empty(offset, dtype=torch.uint8)
+    payload = torch.zeros(offset, dtype=torch.uint8)  # zeroed: the alignment padding is sent too
     for start, tensor in layout:
         flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
         payload[start : start + flat.numel()].copy_(flat)
@@ -245,12 +251,21 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
         raise ValueError(f"capture header is version {doc.get('version')} for step {doc.get('step')}, "
                          f"expected version {WIRE_VERSION} for step {step}")
     out: dict[str, Captured] = {}
+    raw = payload.numpy().data
     for name, entry in doc["recipes"].items():
         captured = Captured(step=step, meta=entry["meta"], error=entry["error"])
+        # One pass over the received bytes (cheaper than digesting hundreds of small tensors one by one): the
+        # layout (names, dtypes, shapes) and then each input's bytes, in the sender's sorted order.
+        hasher = blake3.blake3(b"gemscout.scout.received.v1\0")
+        inputs = [row for row in entry["tensors"] if not row[0].startswith("rng.")]
+        hasher.update(json.dumps([row[:3] for row in inputs]).encode())
         for key, dtype_name, shape, offset, nbytes in entry["tensors"]:
             dtype = _DTYPES.get(dtype_name)
             if dtype is None or offset < 0 or offset + nbytes > payload.numel():
                 raise ValueError(f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})")
             captured.tensors[key] = payload[offset : offset + nbytes].view(dtype).reshape(shape)
+            if not key.startswith("rng."):
+                hasher.update(raw[offset : offset + nbytes])
+        captured.received_digest = f"blake3:{hasher.hexdigest()}"
         out[name] = captured
     return out

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gemscout.errors import EvidenceError
-from gemscout.scout.capture import Captured, capture_optimizer
+from gemscout.scout.capture import Captured, to_json_value
 from gemscout.scout.consensus import C3Result, Verdict
 from gemscout.scout.digests import digest_many
 from gemscout.scout.preconditions import Precondition, judge
@@ -94,7 +94,7 @@ def precondition_for(recipe: Recipe, step: int, captured: Captured, own_param_di
     meta = {k: v for k, v in captured.meta.items() if k not in context}
     return Precondition(
         step=step, recipe=recipe.name, shapes=tuple(tuple(inputs[k].shape) for k in sorted(inputs)),
-        input_digest=_combine(digest_many(inputs), _canonical(meta)),
+        input_digest=_combine(captured.received_digest or digest_many(inputs), _canonical(meta)),
         rng_digest=_combine(digest_many(rng), _canonical(context)),
         param_digest=own_param_digest,
     )
@@ -105,8 +105,9 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
     """Digest of this peer's *own* copy of what the replay depends on besides its inputs.
 
     Forward recipes: the parameters and buffers of the recipe's modules. Optimizer slices: the live pre-update
-    parameters, optimizer state, hyper-parameters and optimizer class (the replay itself runs on the source's).
-    Raises ``TypeError`` for optimizer state that is neither a tensor nor plain JSON.
+    parameters, hyper-parameters and optimizer class. Not the optimizer state: the replay runs on the source's state,
+    never this peer's, and a peer whose state diverged shows it in its parameters one update later.
+    Raises ``TypeError`` for a hyper-parameter that is neither a tensor nor plain JSON.
     """
     if recipe.has_module:
         named: dict[str, torch.Tensor] = {}
@@ -114,10 +115,14 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
             named.update({f"{path}.{n}": t for n, t in module.state_dict(keep_vars=True).items()
                           if isinstance(t, torch.Tensor)})
         return digest_many(named)
-    own = capture_optimizer(recipe, params, optimizer, 0)
-    own_state = {k: t for k, t in own.tensors.items() if not k.startswith("grad.")}
-    described = {"class": own.meta["optimizer"], "hyper": own.meta["hyper"], "state": own.meta["state_values"]}
-    return _combine(digest_many(own_state), _canonical(described))
+    own = {f"param.{name}": params[name].detach() for name in recipe.params}
+    group = optimizer.param_groups[recipe.group_index]
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    own.update({f"hyper.{k}": v.detach() for k, v in hyper.items() if isinstance(v, torch.Tensor)})
+    described = {"class": type(optimizer).__qualname__,
+                 "hyper": {k: to_json_value(v, f"hyper-parameter {k!r}") for k, v in hyper.items()
+                           if not isinstance(v, torch.Tensor)}}
+    return _combine(digest_many(own), _canonical(described))
 
 
 def judge_gathered(name: str, step: int, peers: Sequence[int],

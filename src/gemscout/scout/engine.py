@@ -257,7 +257,7 @@ class Scout:
                     outcome = replay_forward(self._modules[recipe.name], recipe.modules, captured, ctx, self._hooks)
                 else:
                     outcome = replay_optimizer(type(self._optimizer), self._optimizer.defaults, captured, ctx,
-                                               self._hooks)
+                                               self._hooks, self._params[recipe.params[0]].device)
             finally:
                 self._current, self._capture.paused = None, False
             record["digest"] = digest_many(outcome.outputs)

@@ -107,6 +107,9 @@ def _replay_rng(tensors: Mapping[str, torch.Tensor], device: torch.device) -> It
 @contextmanager
 def _train_mode(modules: Sequence[nn.Module], training: bool) -> Iterator[None]:
     saved = [(m, m.training) for module in modules for m in module.modules()]
+    if all(flag == training for _, flag in saved):
+        yield  # the usual case (replay in the step that trained); Module.train() is not free, so skip it
+        return
     try:
         for module in modules:
             module.train(training)
@@ -174,17 +177,21 @@ def replay_forward(
 
 def replay_optimizer(
     optimizer_cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], captured: Captured,
-    ctx: ReplayContext, hooks: ReplayHooks,
+    ctx: ReplayContext, hooks: ReplayHooks, device: torch.device | None = None,
 ) -> ReplayOutcome:
     """Run one update of ``optimizer_cls`` on private copies of the captured slice.
 
     Outputs: ``param.<name>`` (updated values) and ``state.<name>#<key>`` (tensor state after the update).
     ``defaults`` (this peer's ``optimizer.defaults``) are passed only to a constructor that insists on them; the
-    captured hyper-parameters of the param group always win.
+    captured hyper-parameters of the param group always win. ``device``: this peer's device for the tensors that
+    were on an accelerator at capture (default: the CPU).
     """
     start = time.perf_counter()
     meta = captured.meta
     inputs = ReplayHooks.run(hooks.inputs, ctx, dict(captured.tensors))
+    if device is not None:
+        on_device = set(meta.get("on_device", ()))
+        inputs = {k: t.to(device) if k in on_device else t for k, t in inputs.items()}
     copies: dict[str, torch.Tensor] = {}
     for name in meta["params"]:
         copy = inputs[f"param.{name}"].detach().clone()

@@ -12,6 +12,7 @@ insertion order kept), ``list``, ``tuple`` (restored as tuple). Anything else is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,8 @@ import torch
 
 from gemscout.errors import ConfigError
 
-_TENSOR, _ARRAY, _TUPLE, _DICT = "__t__", "__np__", "__tuple__", "__dict__"
-_RESERVED = {_TENSOR, _ARRAY, _TUPLE, _DICT}
+_TENSOR, _ARRAY, _TUPLE, _DICT, _SHARD = "__t__", "__np__", "__tuple__", "__dict__", "__dt__"
+_RESERVED = {_TENSOR, _ARRAY, _TUPLE, _DICT, _SHARD}
 _PLAIN = (int, float, str, bool, type(None))
 
 
@@ -30,7 +31,23 @@ def encode(obj: Any, *, path: str = "state") -> tuple[Any, list[torch.Tensor]]:
     return _encode(obj, tensors, path), tensors
 
 
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """This rank's shard of a distributed tensor (DTensor), with the global shape and stride it belongs to.
+
+    Decoding yields these instead of DTensors: the device mesh and placements are live objects of the job, so the
+    restore step rebuilds the DTensor from the live parameter it belongs to.
+    """
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
 def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if _is_dtensor(obj):
+        tensors.append(obj.to_local().detach())
+        return {_SHARD: [len(tensors) - 1, list(obj.shape), list(obj.stride())]}
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
         return {_TENSOR: len(tensors) - 1}
@@ -78,5 +95,12 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
                 return tuple(decode(v, tensors) for v in value)
             if key == _DICT:
                 return {k: decode(v, tensors) for k, v in value}
+            if key == _SHARD:
+                return LocalShard(tensors[value[0]], tuple(value[1]), tuple(value[2]))
         return {k: decode(v, tensors) for k, v in skeleton.items()}
     return skeleton
+
+
+def _is_dtensor(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gemscout.state.codec import LocalShard
+
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module that owns the parameters under DDP-style wrappers (``.module``)."""
@@ -36,10 +38,13 @@ class StateSources:
     schedulers: Sequence[Any] = field(default_factory=tuple)
 
     def async_pointers(self) -> set[int]:
-        """Storage addresses of tensors that change only inside ``optimizer.step()``: safe to copy in background."""
-        ptrs = {p.data_ptr() for p in _unwrap(self.model).parameters()}
+        """Storage addresses of tensors that change only inside ``optimizer.step()``: safe to copy in background.
+
+        For sharded parameters (DTensor) this is the local shard, which FSDP leaves alone during forward and backward
+        (it all-gathers into separate buffers)."""
+        ptrs = {_local(p).data_ptr() for p in _unwrap(self.model).parameters()}
         for state in self.optimizer.state.values():
-            ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+            ptrs.update(_local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
         return ptrs
 
 
@@ -80,8 +85,35 @@ def collect(sources: StateSources, step: int) -> dict[str, Any]:
     }
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
+def _as_dtensor(shard: LocalShard, like: Any) -> Any:
+    """Rebuild a DTensor on ``like``'s mesh and placements from a stored local shard."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(shard.local.clone(), like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shard.shape), stride=shard.stride)
+
+
+def _rebuild_shards(sources: StateSources, state: dict[str, Any]) -> None:
+    """Turn every LocalShard of the model and optimizer state back into a DTensor sharded like its live parameter."""
+    live = _unwrap(sources.model).state_dict()
+    model_sd = state["model"]
+    for name, value in model_sd.items():
+        if isinstance(value, LocalShard):
+            model_sd[name] = _as_dtensor(value, live[name])
+    flat = [p for group in sources.optimizer.param_groups for p in group["params"]]
+    for idx, per_param in state["optimizer"]["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, LocalShard):
+                per_param[key] = _as_dtensor(value, flat[int(idx)])
+
+
 def restore(sources: StateSources, state: dict[str, Any]) -> None:
     """Load ``state`` into the live objects, bitwise. The caller checks identity and step beforehand."""
+    _rebuild_shards(sources, state)
     with torch.no_grad():
         _unwrap(sources.model).load_state_dict(state["model"], strict=True)
     sources.optimizer.load_state_dict(state["optimizer"])
