@@ -7,11 +7,11 @@
   (what replication must at least do).
 - ``dcp_*``: ``torch.distributed.checkpoint`` save, async_save (time until it returns, and until the upload is done)
   and load + ``set_state_dict`` of the same model and optimizer, the load once from the page cache (files just
-  written) and once after evicting them from it (``posix_fadvise(DONTNEED)``), as when the
-  files are not in this host's memory.
+  written) and once after evicting them from it (``posix_fadvise(DONTNEED)``), as when the files are not in this
+  host's memory.
 
-Every function returns the median over ``reps`` timed repetitions after one untimed warm-up where the warm-up would
-otherwise time page faults rather than the operation.
+:class:`References` times one run per call so the caller can interleave the references with GEMINI's operations;
+:func:`dcp_times` returns medians over ``reps`` runs.
 """
 
 from __future__ import annotations
@@ -44,49 +44,62 @@ def timed(fn: Callable[[], Any], reps: int, *, warmup: int = 0, before: Callable
     return statistics.median(times)
 
 
-def copy_digest_write_s(tensors: list[torch.Tensor], scratch: Path, reps: int, *, fsync: bool) -> dict[str, float]:
-    """The local parts of a capture, each by itself on the same bytes: memcpy of ``tensors`` into one pre-allocated
-    buffer laid out like a GEMINI slot, BLAKE3 of every tensor in that buffer, and writing the buffer to a file
-    (plus fsync). The buffer is freed on return."""
-    layout = Layout.of(tensors)
-    buf = torch.zeros(layout.data_nbytes, dtype=torch.uint8)  # zeros: pages touched before timing
-    views = layout.views(buf)
+class References:
+    """The reference operations on a buffer the size of the state, allocated once (two: data and receive).
 
-    def copy() -> None:
-        for dst, src in zip(views, tensors, strict=True):
+    Each method times one run and returns seconds; the caller interleaves them with GEMINI's own operations so
+    that both sides see the same machine load.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], scratch: Path, *, peer: int, group: dist.ProcessGroup,
+                 chunk_bytes: int, fsync: bool, recv_nbytes: int = 0) -> None:
+        self.tensors, self.peer, self.group, self.chunk_bytes, self.fsync = tensors, peer, group, chunk_bytes, fsync
+        self.layout = Layout.of(tensors)
+        self.buf = torch.zeros(self.layout.data_nbytes, dtype=torch.uint8)  # zeros: pages touched before timing
+        # Also receives GEMINI frames, whose data region adds RNG state and buffers to the tensors here.
+        self.recv = torch.zeros(max(recv_nbytes, self.layout.data_nbytes), dtype=torch.uint8)
+        self._views = self.layout.views(self.buf)
+        scratch.mkdir(parents=True, exist_ok=True)
+        self._path = scratch / f"write-reference-{os.getpid()}.bin"
+
+    def memcpy(self) -> float:
+        """torch ``copy_`` of every state tensor into the buffer, laid out like a GEMINI slot."""
+        t0 = time.perf_counter()
+        for dst, src in zip(self._views, self.tensors, strict=True):
             dst.copy_(src)
+        return time.perf_counter() - t0
 
-    def write() -> None:
-        with open(path, "wb") as fh:
-            fh.write(memoryview(buf.numpy()))
+    def digest(self) -> float:
+        """BLAKE3 of every tensor in the buffer, as GEMINI digests a slot."""
+        t0 = time.perf_counter()
+        tensor_digests(self.layout, self.buf)
+        return time.perf_counter() - t0
+
+    def write(self) -> float:
+        """Write the buffer to a new file (and fsync it), as persisting must at least do."""
+        self._path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open(self._path, "wb") as fh:
+            fh.write(memoryview(self.buf.numpy()))
             fh.flush()
-            if fsync:
+            if self.fsync:
                 os.fsync(fh.fileno())
+        return time.perf_counter() - t0
 
-    scratch.mkdir(parents=True, exist_ok=True)
-    path = scratch / f"write-reference-{os.getpid()}.bin"
-    try:
-        out = {"memcpy_s": timed(copy, reps, warmup=1),
-               "digest_s": timed(lambda: tensor_digests(layout, buf), reps),
-               "write_s": timed(write, reps, before=lambda: path.unlink(missing_ok=True))}
-    finally:
-        path.unlink(missing_ok=True)
-    return out
-
-
-def gloo_pair_s(nbytes: int, peer: int, *, group: dist.ProcessGroup, chunk_bytes: int, reps: int) -> float:
-    """Raw simultaneous exchange of ``nbytes`` with ``peer``: per chunk one isend and one irecv, then wait both."""
-    send = torch.ones(nbytes, dtype=torch.uint8)
-    recv = torch.zeros(nbytes, dtype=torch.uint8)
-
-    def exchange() -> None:
-        for off in range(0, nbytes, chunk_bytes):
-            works = [dist.isend(send[off : off + chunk_bytes], peer, group=group),
-                     dist.irecv(recv[off : off + chunk_bytes], peer, group=group)]
+    def gloo_pair(self) -> float:
+        """Raw simultaneous exchange of the buffer with the peer: per chunk one isend and one irecv, wait both."""
+        n, c = self.buf.numel(), self.chunk_bytes  # the receive buffer may be larger; only n bytes move
+        dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for off in range(0, n, c):
+            works = [dist.isend(self.buf[off : off + c], self.peer, group=self.group),
+                     dist.irecv(self.recv[off : off + c], self.peer, group=self.group)]
             for w in works:
                 w.wait()
+        return time.perf_counter() - t0
 
-    return timed(exchange, reps, warmup=1, before=lambda: dist.barrier(group=group))
+    def close(self) -> None:
+        self._path.unlink(missing_ok=True)
 
 
 def evict_from_page_cache(folder: Path) -> None:
@@ -120,24 +133,28 @@ def dcp_times(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, 
         dist.barrier(group=group)
 
     save_dir, async_dir = folder / "save", folder / "async"
-    save_s = timed(lambda: dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_dir), reps, before=barrier)
+    # One untimed run of each first: DCP's first call also pays one-off costs (planner, executor threads).
+    save_s = timed(lambda: dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_dir), reps, warmup=1,
+                   before=barrier)
 
     blocking, total = [], []
-    for _ in range(reps):
+    for i in range(1 + reps):
         barrier()
         t0 = time.perf_counter()
         pending = dcp.async_save(_dcp_state(model, optimizer), checkpoint_id=async_dir)
-        blocking.append(time.perf_counter() - t0)
+        returned = time.perf_counter() - t0
         upload: Future[Any] = getattr(pending, "upload_completion", pending)
         upload.result()
-        total.append(time.perf_counter() - t0)
+        if i > 0:
+            blocking.append(returned)
+            total.append(time.perf_counter() - t0)
 
     def load() -> None:
         sd = _dcp_state(model, optimizer)
         dcp.load(sd, checkpoint_id=save_dir)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    load_s = timed(load, reps, before=barrier)
+    load_s = timed(load, reps, warmup=1, before=barrier)
 
     def evict_then_barrier() -> None:
         evict_from_page_cache(save_dir)

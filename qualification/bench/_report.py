@@ -22,7 +22,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "rss_extra_vs_state": ("<=", 4.2),
 }
 INFO_RATIOS = (
-    "blocking_tight_vs_async_save", "blocking_vs_save", "capture_return_vs_async_save", "replication_in_loop_vs_gloo", "exchange_vs_gloo",
+    "blocking_tight_vs_async_save", "blocking_vs_save", "capture_return_vs_async_save",
+    "replication_in_loop_vs_gloo", "exchange_vs_gloo",
     "recovery_transfer_speedup_vs_dcp_load", "recovery_speedup_vs_dcp_load_cold", "persist_vs_write",
     "loop_slowdown_tight", "loop_slowdown_overlap",
 )
@@ -68,7 +69,7 @@ def _rank_figures(r: dict[str, Any], warmup: int) -> dict[str, float]:
     """One rank's figures (``--role on`` output); each is later reduced over ranks."""
     t_off, o_off = _loop(r, "tight_off", warmup), _loop(r, "overlap_off", warmup)
     t_on, o_on = _loop(r, "tight_on", warmup), _loop(r, "overlap_on", warmup)
-    quiet, loops = r["quiet"], r["loops"]
+    quiet, loops = r["window"], r["loops"]
     return {
         "memcpy_s": r["memcpy_s"], "digest_s": r["digest_s"], "write_s": r["write_s"],
         "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"], "step_on_tight_s": t_on["step"],
@@ -79,7 +80,7 @@ def _rank_figures(r: dict[str, Any], warmup: int) -> dict[str, float]:
         "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"], "stall_overlap_max_s": o_on["max"],
         "reported_stall_overlap_s": o_on["reported"],
         "capture_return_s": _med(quiet["capture_return_s"]), "capture_pipeline_s": _med(quiet["pipeline_s"]),
-        "pipeline_estimate_s": r["pipeline_estimate_s"],
+        "pipeline_estimate_s": r["calibration"]["pipeline_estimate_s"],
         "persist_s": _med(quiet["persist_s"]),
         "persist_in_loop_s": _med(loops["tight_on"]["persist_s"] + loops["overlap_on"]["persist_s"]),
         "exchange_s": r["exchange_s"], "gloo_pair_s": r["gloo_pair_s"],
@@ -105,15 +106,15 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     m["rss_off_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in off)
     m["rss_on_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in on)
     m["rss_extra_bytes"] = m["rss_on_bytes"] - m["rss_off_bytes"]
-    m["replicate_s"] = _med(_fastest_per_capture([r["quiet"]["replicate_s"] for r in on]))
+    m["replicate_s"] = _med(_fastest_per_capture([r["window"]["replicate_s"] for r in on]))
     m["replicate_in_loop_s"] = _med(_fastest_per_capture(
         [r["loops"]["tight_on"]["replicate_s"] + r["loops"]["overlap_on"]["replicate_s"] for r in on]))
     v, survivor = on[victim], on[1 - victim]
     for key in ("recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
                 "recover_transfer_restore_s"):
         m[key] = v[key]
-    m["survivor_files_verified"] = survivor["own_files_verified"]
-    m["survivor_files_verify_s"] = survivor["own_files_verify_s"]
+    m["survivor_files_verified"] = survivor["disk_files_verified"]
+    m["survivor_files_verify_s"] = survivor["disk_files_verify_s"]
     for name in ("memcpy", "digest", "write", "exchange", "gloo_pair"):
         m[f"{name}_gbps"] = _gbps(state, m[f"{name}_s"])
     m["replication_gbps"] = _gbps(state, m["replicate_s"])
@@ -162,11 +163,13 @@ SHOWN = (
     ("memcpy_s", "raw memcpy of the state (s)"), ("stall_tight_s", "stall per capture, tight loop (s)"),
     ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"), ("stall_overlap_s", "stall per capture, overlap loop (s)"),
     ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"),
-    ("capture_pipeline_s", "capture pipeline, quiet: capture to drained (s)"), ("step_off_tight_s", "step without GEMINI, tight (s)"),
+    ("capture_pipeline_s", "capture pipeline, quiet: capture to drained (s)"),
+    ("step_off_tight_s", "step without GEMINI, tight (s)"),
     ("step_on_tight_s", "step with GEMINI, tight (s)"), ("step_off_overlap_s", "step without GEMINI, overlap (s)"),
     ("step_on_overlap_s", "step with GEMINI, overlap (s)"), ("capture_return_s", "capture() return, quiet (s)"),
     ("dcp_async_save_blocking_s", "DCP async_save blocking (s)"), ("dcp_save_s", "DCP save (s)"),
-    ("dcp_load_s", "DCP load, page cache (s)"), ("dcp_load_cold_s", "DCP load, evicted (s)"), ("replication_gbps", "replication, quiet (GB/s)"),
+    ("dcp_load_s", "DCP load, page cache (s)"), ("dcp_load_cold_s", "DCP load, evicted (s)"),
+    ("replication_gbps", "replication, quiet (GB/s)"),
     ("replication_in_loop_gbps", "replication, in loop (GB/s)"), ("gloo_pair_gbps", "raw gloo pair exchange (GB/s)"),
     ("recover_s", "recover() from peer memory (s)"), ("recover_transfer_s", "  transfer+verify+restore only (s)"),
     ("survivor_files_verify_s", "  survivor re-reads+verifies its files (s)"),

@@ -55,19 +55,23 @@ class Trainer:
         return _model.state_nbytes(self.model, self.opt)
 
     def micro_batches_for(self, target_s: float, group: dist.ProcessGroup) -> tuple[int, float]:
-        """Micro-batches per step so that forward/backward lasts at least ``target_s``, agreed by every rank (the
-        largest wins). Returns (micro-batches, seconds of one micro-batch without all-reduce)."""
+        """Micro-batches per step so that forward/backward lasts at least ``target_s``. Every rank must agree: the
+        ranks' largest target over their mean micro-batch time (a noisy rank must not inflate the loop).
+        Returns (micro-batches, this rank's median seconds of one micro-batch without all-reduce)."""
         times = []
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             with self.ddp.no_sync():
                 self.ddp(self.x).square().mean().backward()
             times.append(time.perf_counter() - t0)
         self.opt.zero_grad(set_to_none=True)
         one = statistics.median(times)
-        want = torch.tensor([max(2, math.ceil(target_s / one))], dtype=torch.int64)
-        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
-        return int(want.item()), one
+        target = torch.tensor([target_s], dtype=torch.float64)
+        total = torch.tensor([one], dtype=torch.float64)
+        dist.all_reduce(target, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        mean = float(total.item()) / dist.get_world_size(group)
+        return max(2, math.ceil(float(target.item()) / mean)), one
 
 
 class HookClock:

@@ -48,7 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the overlap loop's forward/backward lasts this many times the capture pipeline, "
                          "estimated from the references (copy + 2 digests + 2 file writes + pair exchange)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
-    ap.add_argument("--quiet-captures", type=int, default=3, help="captures with no training around them")
+    ap.add_argument("--quiet-captures", type=int, default=5,
+                    help="rounds of the side-by-side window: a capture with no training around it, then each reference")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024, help="replication chunk (GEMINI default)")
     ap.add_argument("--no-fsync", action="store_true", help="turn off fsync of checkpoint files (default: on)")
     ap.add_argument("--scratch", type=Path, default=None, help="checkpoint scratch folder (default: a temp folder)")
@@ -103,14 +104,15 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),
                "--quiet-captures", str(args.quiet_captures), "--timeout-s", str(timeout_s)]
     for role, argv in (("off", [*common, "--role", "off"]), ("on", on_argv)):
-        result = launch(argv, world_size=WORLD, timeout_s=timeout_s, log_dir=out / "logs", env={"OMP_NUM_THREADS": "1"})
+        result = launch(argv, world_size=WORLD, timeout_s=timeout_s, log_dir=out / "logs" / role,
+                        env={"OMP_NUM_THREADS": "1"})
         if not result.ok:
             why = "timed out" if result.timed_out else f"exit codes {result.returncodes}"
             raise QualificationError(f"{label} role {role}: ranks {why}; see {out / 'logs'}")
     off = [json.loads((out / f"off.rank{r}.json").read_text()) for r in range(WORLD)]
     on = [json.loads((out / f"on.rank{r}.json").read_text()) for r in range(WORLD)]
     shutil.rmtree(scratch / label, ignore_errors=True)
-    return _report.summarize(off, on, warmup=min(2, args.steps - 1), victim=VICTIM)
+    return {"requested_mib": mib, **_report.summarize(off, on, warmup=min(2, args.steps - 1), victim=VICTIM)}
 
 
 def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple[float, float]) -> list[str]:
@@ -120,32 +122,35 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         f"(1 min) {load[0]:.2f} at start, {load[1]:.2f} at end"
         + (": the machine was shared with other work; timings are noisier and slower than on an idle host."
            if max(load) > cpus else "."),
+        "Side by side: the references (memcpy, BLAKE3, file write + fsync, raw gloo pair exchange) and "
+        "comm.exchange of a real frame are timed in the same rounds as GEMINI's quiet captures (a capture with no "
+        f"training around it), {args.quiet_captures} rounds, medians; the loops run just before those rounds.",
         "Stall per capture: time the training thread spends in GEMINI's optimizer hooks (the pre-step wait for the "
         "previous copy plus the post-step capture, including any wait for a free slot), bracketed by hooks of our "
-        "own; median over steady-state steps, worse rank. memcpy: torch copy_ of the same tensors into a "
-        "pre-allocated, pre-touched buffer.",
-        f"tight loop: one micro-batch of {args.batch} rows per step. overlap loop: gradient accumulation over N micro-batches "
-        f"so that forward/backward lasts ~{args.overlap_factor:g}x the whole capture pipeline as estimated from the references "
-        "(copy + 2 digests + 2 file writes + pair exchange), so that neither the copy nor the io makes the next "
-        "capture wait (N, the estimate and the forward/backward seconds are in the measurements).",
+        "own; median over steady-state steps (the first 2 are warm-up), worse rank. memcpy: torch copy_ of the "
+        "same tensors into a pre-allocated, pre-touched buffer in GEMINI's slot layout.",
+        f"tight loop: one micro-batch of {args.batch} rows per step. overlap loop: gradient accumulation over N "
+        f"micro-batches so that forward/backward lasts ~{args.overlap_factor:g}x the whole capture pipeline as "
+        "estimated from the references (copy + 2 digests + 2 file writes + pair exchange), so that neither the copy "
+        "nor the io makes the next capture wait (N, the estimate and the forward/backward seconds are in the "
+        "measurements).",
         "GEMINI runs with interval 1 (a capture every step) and product defaults: 2 slots, persist every capture "
         f"(fsync {'off' if args.no_fsync else 'on'}), replicate every capture, chunk {args.chunk_bytes} bytes. "
         "It writes each rank's own state and its peer's replica; DCP writes each replicated tensor once per job.",
         "Blocking vs DCP: GEMINI's stall per capture in the overlap loop (its previous capture's io is done, as "
         "async_save's previous upload was when it was timed) vs the time until dcp.async_save returns "
         "(get_state_dict included) and vs dcp.save; blocking_tight_vs_async_save uses the tight loop, where "
-        "captures also wait for the previous capture's io.",
+        "captures also wait for the previous capture's io. DCP runs after the recovery measurement.",
         "Replication: GEMINI's replicate_s (exchange with the peer plus BLAKE3 verification of what arrived) on "
-        "quiet captures, faster rank per capture, vs a raw isend/irecv pair exchange of the same bytes and chunking "
-        "on a gloo group; 'in loop' is the same stat while training competes for the CPUs.",
+        "the quiet captures, faster rank per capture, vs a raw isend/irecv pair exchange of the same bytes and "
+        "chunking on a gloo group; 'in loop' is the same stat while training competes for the CPUs.",
         "Recovery: the last rank loses its in-memory slots, the replicas it holds and its checkpoint folder (a node "
         "loss), its live state is zeroed, then session.recover() on every rank; timed on that rank, digest checks "
         "included. The restored state is checked bit for bit against the survivor's. 'transfer' times only the data "
         "path (peer sends the held frame, owner verifies and restores). dcp.load reads files this host just wrote, "
-        "i.e. from the page cache: DCP's best case.",
-        "Peak RSS: ru_maxrss of the GEMINI process after its loops and quiet captures (before the measurements "
-        "that follow them) minus that of a separate process that ran the same program up to the point where "
-        "GEMINI attaches (references, calibration, loops without GEMINI).",
+        "from the page cache (DCP's best case) and again after evicting them (posix_fadvise DONTNEED).",
+        "Peak RSS: ru_maxrss of the GEMINI process after its loops (before the side-by-side rounds) minus that of "
+        "a separate process that ran the same training loops without GEMINI; means over the 2 ranks.",
     ]
     if any(s >= LARGE_MIB for s in args.sizes):
         notes.append("A 1 GiB state is opt-in (--sizes-mib 64,256,1024): it needs ~15 GiB of free memory here.")
@@ -153,11 +158,40 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         missed = [k for k, ok in s["met"].items() if not ok]
         if missed:
             notes.append(f"{s['state_mib']:g} MiB: targets missed: {', '.join(missed)}.")
+        notes.extend(diagnose(s))
         if not s["checks"]["recovered_bitwise_equal"]:
             notes.append(f"{s['state_mib']:g} MiB: the recovered state was NOT bitwise equal to the survivor's.")
         if s["checks"]["gemini_errors"]:
             notes.append(f"{s['state_mib']:g} MiB: GEMINI reported errors: {s['checks']['gemini_errors']}")
     return notes
+
+
+def diagnose(size: dict[str, Any]) -> list[str]:
+    """Facts from the measurements that explain a missed target (no guesses: every number is measured)."""
+    m, met, tag = size["measurements"], size["met"], f"{size['state_mib']:g} MiB"
+    out = []
+    if not met["stall_vs_memcpy"] and m["stall_tight_post_s"] > 4 * m["stall_tight_pre_s"]:
+        out.append(
+            f"{tag}: in the tight loop the stall is the post-step capture waiting for a free slot "
+            f"({m['stall_tight_post_s']:.3f} s), not the copy (pre-step wait {m['stall_tight_pre_s']:.4f} s): one "
+            f"capture's pipeline (copy, digest, persist, replicate, verify, persist replica) takes "
+            f"{m['capture_pipeline_s']:.3f} s with nothing else running, a step without GEMINI "
+            f"{m['step_off_tight_s']:.3f} s, so capturing every step cannot keep up.")
+    if not met["recovery_speedup_vs_dcp_load"]:
+        out.append(
+            f"{tag}: recover() took {m['recover_s']:.3f} s; its data path alone (receive "
+            f"{m['recover_transfer_recv_s']:.3f} s, verify {m['recover_transfer_verify_s']:.3f} s, restore "
+            f"{m['recover_transfer_restore_s']:.3f} s) "
+            f"took {m['recover_transfer_s']:.3f} s; re-reading and verifying the {m['survivor_files_verified']} "
+            f"checkpoint files the survivor holds, which recover() does before deciding, took "
+            f"{m['survivor_files_verify_s']:.3f} s when timed by itself. dcp.load: {m['dcp_load_s']:.3f} s "
+            f"(page cache), {m['dcp_load_cold_s']:.3f} s (evicted).")
+    if not met["replication_vs_gloo"]:
+        out.append(
+            f"{tag}: replicate_s {m['replicate_s']:.3f} s includes the BLAKE3 check of what arrived (digest alone: "
+            f"{m['digest_s']:.3f} s); comm.exchange by itself moves the bytes at {m['exchange_gbps']:.2f} GB/s vs "
+            f"{m['gloo_pair_gbps']:.2f} GB/s raw.")
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,8 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
     config = {k: getattr(args, k) for k in ("sizes", "steps", "batch", "overlap_factor", "reps", "quiet_captures",
                                             "chunk_bytes", "no_fsync", "quick")}
-    return {"benchmark": "gemini", "host": host_facts(), "config": config, "duration_s": time.monotonic() - t0,
-            "sizes": sizes, "notes": notes_for(args, sizes, (load0, os.getloadavg()[0])), "raw": str(raw)}
+    load = (load0, os.getloadavg()[0])
+    return {"benchmark": "gemini", "host": {**host_facts(), "load_average_1min": {"start": load[0], "end": load[1]}},
+            "config": config, "duration_s": time.monotonic() - t0, "sizes": sizes,
+            "notes": notes_for(args, sizes, load), "raw": str(raw)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,13 @@
 ``--role off`` runs the training loops of step 1 below and records peak RSS: the baseline needs a process of its
 own, because ``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
 
-1. the references on the same bytes: memcpy, BLAKE3, file write + fsync, raw gloo pair exchange; then two loops
-   without GEMINI: ``tight`` (one micro-batch per step) and ``overlap`` (enough micro-batches that forward/backward
-   outlasts the whole capture pipeline, estimated from those references, ``--overlap-factor`` times over);
-2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then quiet
-   captures (``optimizer.step()`` with no gradients: no compute competes with the checkpoint io), then peak RSS;
-3. ``comm.exchange`` of a real frame (GEMINI's transport by itself);
+1. calibration: the references once each (memcpy, BLAKE3, file write + fsync, raw gloo pair exchange of the state's
+   bytes) to estimate one capture's pipeline; then two loops without GEMINI: ``tight`` (one micro-batch per step)
+   and ``overlap`` (enough micro-batches that forward/backward outlasts that pipeline ``--overlap-factor`` times);
+2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then peak RSS;
+3. the side-by-side window: ``--quiet-captures`` rounds of one quiet capture (``optimizer.step()`` with no
+   gradients, so no compute competes with its io) followed by each reference and by ``comm.exchange`` of the real
+   frame just captured; both sides of every ratio come from the same rounds, under the same machine load;
 4. recovery from peer memory: the last rank loses its slots, the replicas it holds and its checkpoint folder (a node
    loss) and its live state is zeroed; ``session.recover()`` restores it from the replica in its peer's memory, and
    the restored state must equal the survivor's bit for bit. Then the same data path timed by itself: the peer sends
@@ -23,8 +24,10 @@ of our own (see :class:`~qualification.bench._training.HookClock`). Writes ``<ou
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
+import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -46,8 +49,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
     ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
     ap.add_argument("--overlap-factor", type=float, default=2.5)
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
-    ap.add_argument("--quiet-captures", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each DCP operation")
+    ap.add_argument("--quiet-captures", type=int, default=5, help="rounds of the side-by-side window")
     ap.add_argument("--ckpt", type=Path, required=True, help="GEMINI checkpoint folder; references write beside it")
     ap.add_argument("--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
@@ -80,15 +83,28 @@ class IoRecorder:
                 "replicate_s": [self.replicate_s[s] for s in steps if s in self.replicate_s]}
 
 
-def references_before(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
-    """The references on the same bytes, before GEMINI attaches. Their buffers (at most two states at once) are
-    freed before GEMINI allocates its four, so they never set this process's peak RSS."""
+def calibrate(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> tuple[dict[str, float], int]:
+    """Estimate one capture's pipeline (copy, digest, persist, exchange, verify, persist the replica) from the
+    references, and size the overlap loop to outlast it ``--overlap-factor`` times: the factor covers the CPU that
+    training takes from the io threads. The references' buffers are freed before GEMINI allocates its own.
+    Returns (figures, micro-batches of the overlap loop)."""
+    refs = references(args, trainer, group)
+    try:
+        refs.memcpy(), refs.gloo_pair()  # warm-up: first touch, first connection use
+        cal = {f"{name}_s": statistics.median(getattr(refs, name)() for _ in range(3))
+               for name in ("memcpy", "digest", "write", "gloo_pair")}
+    finally:
+        refs.close()
+    cal["pipeline_estimate_s"] = cal["memcpy_s"] + 2 * cal["digest_s"] + 2 * cal["write_s"] + cal["gloo_pair_s"]
+    micro, cal["micro_fwd_bwd_s"] = trainer.micro_batches_for(args.overlap_factor * cal["pipeline_estimate_s"], group)
+    return cal, micro
+
+
+def references(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup,
+               recv_nbytes: int = 0) -> _references.References:
     peer = (dist.get_rank() + 1) % dist.get_world_size()
-    out = _references.copy_digest_write_s(trainer.tensors(), args.ckpt.parent / "references", args.reps,
-                                          fsync=not args.no_fsync)
-    out["gloo_pair_s"] = _references.gloo_pair_s(trainer.state_bytes(), peer, group=group,
-                                                 chunk_bytes=args.chunk_bytes, reps=args.reps)
-    return out
+    return _references.References(trainer.tensors(), args.ckpt.parent / "references", peer=peer, group=group,
+                                  chunk_bytes=args.chunk_bytes, fsync=not args.no_fsync, recv_nbytes=recv_nbytes)
 
 
 def loops_without_gemini(args: argparse.Namespace, trainer: Trainer, micro: int, overlap_steps: int) -> dict[str, Any]:
@@ -99,23 +115,11 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     import gemscout
     from gemscout.gemini.store import list_steps, read_verified, step_file
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    peer = (rank + 1) % world
     timeout = timedelta(seconds=args.timeout_s)
-
-    def barrier() -> None:
-        dist.barrier(group=group)
-
-    # 1. without GEMINI. The overlap loop's forward/backward must outlast the whole capture pipeline (copy, digest,
-    # persist, replicate, verify, persist the replica), else captures queue for a free slot: the estimate is the sum
-    # of the references, times --overlap-factor for the CPU that training takes from the io threads meanwhile.
-    out = references_before(args, trainer, group)
-    pipeline = out["memcpy_s"] + 2 * out["digest_s"] + 2 * out["write_s"] + out["gloo_pair_s"]
-    out["pipeline_estimate_s"] = pipeline
-    micro, out["micro_fwd_bwd_s"] = trainer.micro_batches_for(args.overlap_factor * pipeline, group)
+    out: dict[str, Any] = {}
+    out["calibration"], micro = calibrate(args, trainer, group)
     loops = out["loops"] = loops_without_gemini(args, trainer, micro, args.steps)
 
-    # 2. with GEMINI
     cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="bench", chunk_bytes=args.chunk_bytes,
                                     fsync=not args.no_fsync, timeout=timeout, handle_signals=False)
     clock = HookClock()
@@ -132,50 +136,63 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
         ckpt.drain()
         loops[name]["drain_s"] = time.perf_counter() - t0
         loops[name].update(io.between(first, session.step))
-    quiet: dict[str, Any] = {"capture_return_s": [], "pipeline_s": []}
-    first = session.step + 1
-    for _ in range(args.quiet_captures):
-        barrier()
-        clock.reset()
-        t0 = time.perf_counter()
-        trainer.opt.step()  # no gradients: no update, but GEMINI's hooks capture as after any step
-        quiet["capture_return_s"].append(clock.post[0])
-        ckpt.drain()
-        quiet["pipeline_s"].append(time.perf_counter() - t0)
-    quiet.update(io.between(first, session.step))
-    out["quiet"] = quiet
+    # Every buffer GEMINI keeps (two slots, two replica buffers) exists after the first two captures.
     out["peak_rss_bytes"] = peak_rss_bytes()
 
-    # 3. GEMINI's transport on a real frame, on the same kind of group as the raw pair exchange
-    slot = ckpt.pool.newest_ready()
-    assert slot is not None, "no sealed capture after drain"
-    prefix, data = slot.frame()
-    out["frame_bytes"] = len(prefix) + data.numel()
-    out["exchange_s"] = exchange_s((prefix, data), peer, group, args, timeout)
+    out.update(side_by_side(args, trainer, group, session, clock, io))
 
-    # 4. recovery from peer memory after the last rank's node is lost
     out.update(recover_from_peer(args, trainer, session, group, timeout))
     files = [step_file(folder, s) for folder in (ckpt.paths.own, *[ckpt.paths.replicas(o) for o in
              ckpt.paths.held_owners()]) for s in list_steps(folder)]
     t0 = time.perf_counter()
     for path in files:
         read_verified(path)
-    out["own_files_verified"], out["own_files_verify_s"] = len(files), time.perf_counter() - t0
+    out["disk_files_verified"], out["disk_files_verify_s"] = len(files), time.perf_counter() - t0
     out["errors"] = list(ckpt.errors)
     session.close()
     return out
 
 
-def exchange_s(frame: tuple[bytes, torch.Tensor], peer: int, group: dist.ProcessGroup, args: argparse.Namespace,
-               timeout: timedelta) -> float:
-    """``comm.exchange`` of ``frame`` with ``peer`` (both ways, into a reused buffer), as replication calls it."""
+def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup, session: Any,
+                 clock: HookClock, io: IoRecorder) -> dict[str, Any]:
+    """``--quiet-captures`` rounds of one quiet capture followed by each reference on the same bytes and by
+    ``comm.exchange`` of the frame just captured (GEMINI's transport alone). Returns the rounds and the
+    references' medians."""
     from gemscout.gemini import comm
 
-    recv = torch.zeros(frame[1].numel(), dtype=torch.uint8)
-    return _references.timed(
-        lambda: comm.exchange(frame, peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
-                              recv_buffer=lambda n: recv),
-        args.reps, warmup=1, before=lambda: dist.barrier(group=group))
+    ckpt = session.checkpointer
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    timeout = timedelta(seconds=args.timeout_s)
+    window: dict[str, list[float]] = {k: [] for k in ("capture_return_s", "pipeline_s", "memcpy_s", "digest_s",
+                                                      "write_s", "gloo_pair_s", "exchange_s")}
+    newest = ckpt.pool.newest_ready()
+    assert newest is not None, "no sealed capture after the loops"
+    refs = references(args, trainer, group, recv_nbytes=newest.data.numel())
+    refs.memcpy(), refs.gloo_pair()  # warm-up: first touch of the buffers
+    first = session.step + 1
+    try:
+        for _ in range(args.quiet_captures):
+            dist.barrier(group=group)
+            clock.reset()
+            t0 = time.perf_counter()
+            trainer.opt.step()  # no gradients: no update, but GEMINI's hooks capture as after any step
+            window["capture_return_s"].append(clock.post[0])
+            ckpt.drain()
+            window["pipeline_s"].append(time.perf_counter() - t0)
+            for name in ("memcpy", "digest", "write", "gloo_pair"):
+                window[f"{name}_s"].append(getattr(refs, name)())
+            slot = ckpt.pool.newest_ready()
+            assert slot is not None, "no sealed capture after drain"
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            comm.exchange(slot.frame(), peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
+                          recv_buffer=lambda n: refs.recv[:n])
+            window["exchange_s"].append(time.perf_counter() - t0)
+    finally:
+        refs.close()
+    medians = {k: statistics.median(v) for k, v in window.items() if k not in ("capture_return_s", "pipeline_s")}
+    return {"window": {**window, **io.between(first, session.step)}, **medians,
+            "frame_bytes": len(slot.prefix) + slot.data.numel()}
 
 
 def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,
@@ -252,6 +269,7 @@ def main() -> None:
         if args.dcp is None:
             raise SystemExit("gemini_rank: --role on needs --dcp")
         result.update(gemini_phases(args, trainer, group))
+        gc.collect()  # GEMINI's buffers (held in reference cycles through its threads' callbacks) go before DCP's
         dist.barrier(group=group)
         result.update(_references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group))
     args.out.mkdir(parents=True, exist_ok=True)
