@@ -50,8 +50,24 @@ def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+TOPOLOGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2-tp")
+
+
+def data_rank(topology: str, rank: int) -> int:
+    """Which data shard a rank reads: tensor-parallel peers read the same batch."""
+    return {"tp": 0, "fsdp2-tp": rank // 2}.get(topology, rank)
+
+
+def _tensor_parallel(model: torch.nn.Module, tp_mesh: object) -> None:
+    """Megatron-style MLP sharding: fc1 column-wise, fc2 row-wise (attention stays replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
 def wrap(model: torch.nn.Module, topology: str, world: int) -> torch.nn.Module:
-    """DDP, FSDP2 on a 1-D mesh, or HSDP on a (replicate, shard) mesh."""
+    """DDP, FSDP2 on a 1-D mesh, HSDP on a (replicate, shard) mesh, TP, or FSDP2 x TP on a (dp, tp) mesh."""
     if topology == "ddp":
         # Without find_unused_parameters DDP rebuilds its gradient buckets after the first iteration of every
         # process; with 3+ ranks a restarted process would then reduce one step in another order (docs/gemini.md).
@@ -59,7 +75,14 @@ def wrap(model: torch.nn.Module, topology: str, world: int) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if topology == "fsdp2":
+    if topology == "tp":
+        _tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+        return model
+    if topology == "fsdp2-tp":
+        mesh2d = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        _tensor_parallel(model, mesh2d["tp"])
+        mesh = mesh2d["dp"]
+    elif topology == "fsdp2":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     elif topology == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -75,7 +98,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workload", default="tiny-causal-lm")
-    ap.add_argument("--topology", default="ddp", choices=["ddp", "fsdp2", "hsdp"])
+    ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=int, default=1)
@@ -143,7 +166,7 @@ def main() -> None:
             session.checkpointer.phase_hook = hook
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
-        x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
+        x, y = synthetic_batch(seed=args.seed, step=step, rank=data_rank(args.topology, rank))
         loss = lm_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

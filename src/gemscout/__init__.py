@@ -17,6 +17,7 @@ from gemscout.errors import (
 )
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.scout.config import ScoutConfig
 from gemscout.scout.reports import FaultReport
 from gemscout.watch import WatchConfig
 
@@ -34,6 +35,7 @@ __all__ = [
     "RecoveryMode",
     "ReplicaUnavailable",
     "RunMismatchError",
+    "ScoutConfig",
     "Session",
     "TrustState",
     "WatchConfig",

@@ -8,15 +8,13 @@ step, when a checkpoint exists.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import signal
-import threading
 import uuid
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,162 +23,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.config import TrustState
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
+from gemscout.scout.config import ScoutConfig
+from gemscout.scout.engine import Scout
 from gemscout.scout.reports import FaultReport
+from gemscout.session import LIVE, Session
 from gemscout.state.training_state import StateSources, _unwrap
 from gemscout.watch import Watch, WatchConfig
 
 log = logging.getLogger("gemscout")
-_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
-
-
-class Session:
-    """The handle returned by :func:`enable_resiliency`. Use as a context manager or call :meth:`close`."""
-
-    def __init__(self, *, sources: StateSources, interval: int, checkpointer: Checkpointer | None,
-                 rank: int, world_size: int) -> None:
-        self.sources, self.interval, self.checkpointer = sources, interval, checkpointer
-        self.rank, self.world_size = rank, world_size
-        self.watch: Watch | None = None
-        self.reports: list[FaultReport] = []
-        self.on_fault_report: Callable[[FaultReport], None] | None = None
-        self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
-        self.step = 0
-        self.resume_step = 0
-        self.last_decision: RecoveryDecision | None = None
-        self.closed = False
-        self._handles: list[Any] = []
-        self._prev_signals: dict[int, Any] = {}
-
-    # -- hooks ----------------------------------------------------------------------------------------------
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.wait_copied()
-
-    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.step += 1
-        if self.watch is not None:
-            self.watch.step(self.step)
-        if self.checkpointer is not None and self.step % self.interval == 0:
-            self.checkpointer.capture(self.step)
-
-    def _attach(self) -> None:
-        opt = self.sources.optimizer
-        self._handles = [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
-
-    # -- public ---------------------------------------------------------------------------------------------
-    def flush(self, timeout: timedelta | None = None) -> int:
-        """Persist the newest captured state (no collective). Returns the newest step on disk, or -1."""
-        return self.checkpointer.flush(timeout) if self.checkpointer else -1
-
-    def certify(self, step: int) -> list[int]:
-        """Collective: mark candidates up to ``step`` RECOVERY_VERIFIED. SCOUT drives this; callers may too."""
-        return self.checkpointer.certify(step) if self.checkpointer else []
-
-    def reject_candidates(self, reason: str) -> list[int]:
-        """Collective: reject every uncertified candidate job-wide."""
-        return self.checkpointer.reject_candidates(reason) if self.checkpointer else []
-
-    def recover(self, failure_kind: str = "restart") -> RecoveryDecision:
-        """Collective: choose and restore the newest restorable step now (e.g. after a detected fault)."""
-        if self.checkpointer is None:
-            raise ConfigError("recover() needs GEMINI: pass checkpoint=CheckpointConfig(directory=...)")
-        decision = self.checkpointer.recover(failure_kind=failure_kind)
-        self.last_decision = decision
-        if decision.step is not None and decision.mode != RecoveryMode.FRESH:
-            self.step = self.resume_step = decision.step
-        return decision
-
-    def instrument_dataloader(self, loader: Iterable[Any]) -> Iterable[Any]:
-        """Wrap ``loader`` so each fetch is timed and compared across ranks (needs ``watch=WatchConfig(...)``)."""
-        if self.watch is None:
-            raise ConfigError("instrument_dataloader needs watch=gemscout.WatchConfig(...) in enable_resiliency")
-        return self.watch.instrument_dataloader(loader)
-
-    def checkpoint_io(self, kind: str) -> Any:
-        """Context manager timing your own checkpoint ``"read"`` or ``"write"`` (needs ``watch=``)."""
-        if self.watch is None:
-            raise ConfigError("checkpoint_io needs watch=gemscout.WatchConfig(...) in enable_resiliency")
-        if kind not in ("read", "write"):
-            raise ConfigError(f"checkpoint_io: kind must be 'read' or 'write', got {kind!r}")
-        return self.watch.checkpoint_io(kind)
-
-    def _report(self, report: FaultReport) -> None:
-        self.reports.append(report)
-        if self.on_fault_report is not None:
-            try:
-                self.on_fault_report(report)
-            except Exception as exc:  # a callback must never break training or a watchdog thread
-                log.warning("gemscout: on_fault_report raised: %s", exc)
-
-    def _on_stall(self, report: FaultReport, finding: Any) -> None:
-        self._report(report)
-        if finding.recommendation == "restart_from_verified" and self.on_recovery_decision is not None:
-            ledger = self.checkpointer.ledger if self.checkpointer else None
-            floor = self.checkpointer.config.min_trust if self.checkpointer else TrustState.RECOVERY_VERIFIED
-            steps = [s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank]
-            step = max(steps) if steps else None
-            decision = RecoveryDecision(
-                report.kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
-                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None, {},
-                self.checkpointer.topology_digest if self.checkpointer else "",
-                f"{report.reason}; restart every rank from the newest {floor.value} step")
-            try:
-                self.on_recovery_decision(decision)
-            except Exception as exc:
-                log.warning("gemscout: on_recovery_decision raised: %s", exc)
-
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown."""
-        if self.closed:
-            return
-        self.closed = True
-        for h in self._handles:
-            h.remove()
-        if self.watch is not None:
-            self.watch.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close(timeout)
-        if threading.current_thread() is threading.main_thread():
-            for sig, prev in self._prev_signals.items():
-                signal.signal(sig, prev)
-        _LIVE.discard(self)
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- signals --------------------------------------------------------------------------------------------
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._prev_signals[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        try:
-            step = self.flush()
-            log.warning("gemscout: signal %d: flushed step %d", signum, step)
-        finally:
-            prev = self._prev_signals.get(signum, signal.SIG_DFL)
-            self.close(timedelta(seconds=5))
-            if callable(prev):
-                prev(signum, frame)
-            elif prev == signal.SIG_DFL:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
 
 
 def _close_all() -> None:
-    for s in list(_LIVE):
+    for s in list(LIVE):
         try:
             s.close()
         except Exception as exc:  # never let exit cleanup raise
@@ -243,6 +102,8 @@ def enable_resiliency(
     schedulers: Sequence[Any] = (),
     load_fallback: Callable[[], int] | None = None,
     on_recovery_decision: Callable[[RecoveryDecision], None] | None = None,
+    scout: ScoutConfig | None = None,
+    capture_on_inconclusive: bool = True,
     watch: WatchConfig | None = None,
     on_fault_report: Callable[[FaultReport], None] | None = None,
     group: dist.ProcessGroup | None = None,
@@ -260,6 +121,9 @@ def enable_resiliency(
       restored.
     - ``on_recovery_decision``: receives the :class:`RecoveryDecision` before anything is restored (and a
       conservative one when the watchdog finds a hang).
+    - ``scout``: SCOUT replay on data-parallel peers (:class:`ScoutConfig`); its verdicts gate GEMINI's trust.
+      ``interval`` is the shared cadence (``ScoutConfig.recipe_intervals`` may slow single recipe kinds down).
+    - ``capture_on_inconclusive``: still capture (as an uncertified candidate) when SCOUT cannot decide.
     - ``watch``: out-of-band hang / DataLoader / checkpoint-I/O watching (:class:`WatchConfig`).
     - ``on_fault_report``: receives every :class:`FaultReport` (from any thread; keep it quick).
 
@@ -295,10 +159,16 @@ def enable_resiliency(
         checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
                                     run_id=run_id, topology_digest=_topology_digest(model, world, placement),
                                     on_decision=on_recovery_decision)
+    if scout is not None and not isinstance(scout, ScoutConfig):
+        raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
+    if scout is not None and scout.interval not in (1, interval):
+        raise ConfigError(f"ScoutConfig.interval={scout.interval} differs from enable_resiliency(interval={interval}); "
+                          "set the shared cadence once, with enable_resiliency(interval=...)")
     if watch is not None and not isinstance(watch, WatchConfig):
         raise ConfigError("enable_resiliency.watch: pass a gemscout.WatchConfig(...)")
     session = Session(sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world)
     session.on_fault_report, session.on_recovery_decision = on_fault_report, on_recovery_decision
+    session.capture_on_inconclusive = capture_on_inconclusive
     if checkpointer is not None:
         decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
         session.last_decision = decision
@@ -306,6 +176,9 @@ def enable_resiliency(
             session.step = session.resume_step = decision.step
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
+    if scout is not None:
+        session.scout = Scout(dataclasses.replace(scout, interval=interval)).attach(
+            model, optimizer, group=group, first_step=session.step + 1)
     if watch is not None:
         session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)
         from torch.nn.parallel import DistributedDataParallel
@@ -313,7 +186,7 @@ def enable_resiliency(
         if watch.instrument_collectives and isinstance(model, DistributedDataParallel):
             session.watch.ddp_comm_hook(model)
     session._attach()
-    _LIVE.add(session)
+    LIVE.add(session)
     return session
 
 

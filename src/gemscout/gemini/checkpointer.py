@@ -313,7 +313,8 @@ class Checkpointer:
         proposal.update(self.ledger.summary())
         return proposal, where
 
-    def recover(self, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None) -> RecoveryDecision:
+    def recover(self, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
+                min_trust: TrustState | None = None) -> RecoveryDecision:
         """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
 
         Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
@@ -328,7 +329,7 @@ class Checkpointer:
             seen = [p.get("durable") for p in proposals]
             durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
             decision = decide(proposals, run_id=self.run_id, topology_digest=self.topology_digest,
-                              min_trust=self.config.min_trust, max_attempts=self.config.max_recovery_attempts,
+                              min_trust=min_trust or self.config.min_trust, max_attempts=self.config.max_recovery_attempts,
                               failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
             if decision.mode == RecoveryMode.RESTORE:
                 assert decision.step is not None

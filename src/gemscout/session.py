@@ -1,0 +1,225 @@
+"""The session handle: optimizer hooks that run SCOUT, gate GEMINI's captures on its verdicts, and deliver reports.
+
+Per optimizer step ``s``:
+
+- **pre-hook** (backward done, update not yet applied): wait for any background copy still reading the parameters;
+  run the SCOUT cycle of ``s`` if it is due (replay on the peers, C3 verdicts);
+- **post-hook** (update applied): count the step; publish progress out of band; then, by SCOUT's verdict on ``s``:
+  clean → GEMINI captures ``s`` and certifies what the rotation has now covered; SDC → no capture, every uncertified
+  candidate is rejected job-wide, and a FaultReport plus a RecoveryDecision naming the newest recovery-verified step
+  go to the callbacks; inconclusive → reported, captured as an uncertified candidate (``capture_on_inconclusive``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+from gemscout.config import TrustState
+from gemscout.errors import ConfigError
+from gemscout.gemini.checkpointer import Checkpointer
+from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.scout.cycle import CycleResult
+from gemscout.scout.engine import Scout
+from gemscout.scout.reports import FaultReport
+from gemscout.state.training_state import StateSources
+from gemscout.watch import Watch
+
+log = logging.getLogger("gemscout")
+LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class Session:
+    """The handle returned by :func:`enable_resiliency`. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, *, sources: StateSources, interval: int, checkpointer: Checkpointer | None,
+                 rank: int, world_size: int) -> None:
+        self.sources, self.interval, self.checkpointer = sources, interval, checkpointer
+        self.rank, self.world_size = rank, world_size
+        self.watch: Watch | None = None
+        self.scout: Scout | None = None
+        self.capture_on_inconclusive = True
+        self.last_cycle: CycleResult | None = None
+        self.reports: list[FaultReport] = []
+        self.on_fault_report: Callable[[FaultReport], None] | None = None
+        self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
+        self.step = 0
+        self.resume_step = 0
+        self.last_decision: RecoveryDecision | None = None
+        self.closed = False
+        self._handles: list[Any] = []
+        self._prev_signals: dict[int, Any] = {}
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait_copied()
+        if self.scout is not None:
+            # Parameters are still those the forward used: the update has not run yet.
+            self.last_cycle = self.scout.before_step(self.step + 1)
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        if self.watch is not None:
+            self.watch.step(self.step)
+        cycle = self.last_cycle if self.last_cycle is not None and self.last_cycle.step == self.step else None
+        self.last_cycle = None
+        if cycle is not None:
+            for report in cycle.reports:
+                self._report(report)
+            if cycle.sdc:
+                self._on_sdc(cycle)
+                return  # a contaminated step is never captured
+            if not cycle.clean and not self.capture_on_inconclusive:
+                return
+        if self.checkpointer is not None and self.step % self.interval == 0:
+            self.checkpointer.capture(self.step)
+        if cycle is not None and cycle.clean and cycle.certified_step is not None and self.checkpointer is not None:
+            self.checkpointer.certify(cycle.certified_step)
+
+    def _on_sdc(self, cycle: CycleResult) -> None:
+        """Reject every uncertified candidate job-wide and name the newest recovery-verified step."""
+        culprits = sorted(cycle.attributed_ranks)
+        reason = (f"silent data corruption at step {cycle.step}: "
+                  + (f"rank(s) {culprits} disagree with the peer majority" if culprits
+                     else "peers disagree and no majority names a culprit"))
+        if self.checkpointer is None:
+            return
+        rejected = self.checkpointer.reject_candidates(reason)
+        ledger = self.checkpointer.ledger
+        verified = [s for s, st in ledger.states.items() if st.rank >= TrustState.RECOVERY_VERIFIED.rank]
+        step = max(verified) if verified else None
+        decision = RecoveryDecision(
+            "sdc", RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+            f"{self.checkpointer.run_id}:{step}" if step is not None else None, {},
+            self.checkpointer.topology_digest,
+            f"{reason}; rejected candidates {rejected}; restore the newest recovery-verified step"
+            + ("" if step is not None else " (none exists yet)"))
+        ledger.last_decision = decision.to_dict()
+        ledger.save()
+        self.last_decision = decision
+        if self.on_recovery_decision is not None:
+            try:
+                self.on_recovery_decision(decision)
+            except Exception as exc:
+                log.warning("gemscout: on_recovery_decision raised: %s", exc)
+
+    def _attach(self) -> None:
+        opt = self.sources.optimizer
+        self._handles = [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
+
+    # -- public ---------------------------------------------------------------------------------------------
+    def flush(self, timeout: timedelta | None = None) -> int:
+        """Persist the newest captured state (no collective). Returns the newest step on disk, or -1."""
+        return self.checkpointer.flush(timeout) if self.checkpointer else -1
+
+    def certify(self, step: int) -> list[int]:
+        """Collective: mark candidates up to ``step`` RECOVERY_VERIFIED. SCOUT drives this; callers may too."""
+        return self.checkpointer.certify(step) if self.checkpointer else []
+
+    def reject_candidates(self, reason: str) -> list[int]:
+        """Collective: reject every uncertified candidate job-wide."""
+        return self.checkpointer.reject_candidates(reason) if self.checkpointer else []
+
+    def recover(self, failure_kind: str = "restart", *, min_trust: TrustState | None = None) -> RecoveryDecision:
+        """Collective: choose and restore the newest restorable step now (e.g. after an SDC report, with
+        ``min_trust=TrustState.RECOVERY_VERIFIED``). Returns the decision; ``session.step`` is the restored step."""
+        if self.checkpointer is None:
+            raise ConfigError("recover() needs GEMINI: pass checkpoint=CheckpointConfig(directory=...)")
+        decision = self.checkpointer.recover(failure_kind=failure_kind, min_trust=min_trust)
+        self.last_decision = decision
+        if decision.step is not None and decision.mode != RecoveryMode.FRESH:
+            self.step = self.resume_step = decision.step
+        if self.scout is not None:
+            self.scout.set_next_step(self.step + 1)
+        return decision
+
+    def instrument_dataloader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """Wrap ``loader`` so each fetch is timed and compared across ranks (needs ``watch=WatchConfig(...)``)."""
+        if self.watch is None:
+            raise ConfigError("instrument_dataloader needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+        return self.watch.instrument_dataloader(loader)
+
+    def checkpoint_io(self, kind: str) -> Any:
+        """Context manager timing your own checkpoint ``"read"`` or ``"write"`` (needs ``watch=``)."""
+        if self.watch is None:
+            raise ConfigError("checkpoint_io needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+        if kind not in ("read", "write"):
+            raise ConfigError(f"checkpoint_io: kind must be 'read' or 'write', got {kind!r}")
+        return self.watch.checkpoint_io(kind)
+
+    def _report(self, report: FaultReport) -> None:
+        self.reports.append(report)
+        if self.on_fault_report is not None:
+            try:
+                self.on_fault_report(report)
+            except Exception as exc:  # a callback must never break training or a watchdog thread
+                log.warning("gemscout: on_fault_report raised: %s", exc)
+
+    def _on_stall(self, report: FaultReport, finding: Any) -> None:
+        self._report(report)
+        if finding.recommendation == "restart_from_verified" and self.on_recovery_decision is not None:
+            ledger = self.checkpointer.ledger if self.checkpointer else None
+            floor = self.checkpointer.config.min_trust if self.checkpointer else TrustState.RECOVERY_VERIFIED
+            steps = [s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank]
+            step = max(steps) if steps else None
+            decision = RecoveryDecision(
+                report.kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None, {},
+                self.checkpointer.topology_digest if self.checkpointer else "",
+                f"{report.reason}; restart every rank from the newest {floor.value} step")
+            try:
+                self.on_recovery_decision(decision)
+            except Exception as exc:
+                log.warning("gemscout: on_recovery_decision raised: %s", exc)
+
+    def close(self, timeout: timedelta | None = None) -> None:
+        """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._handles:
+            h.remove()
+        if self.scout is not None:
+            self.scout.close()
+        if self.watch is not None:
+            self.watch.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close(timeout)
+        if threading.current_thread() is threading.main_thread():
+            for sig, prev in self._prev_signals.items():
+                signal.signal(sig, prev)
+        LIVE.discard(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- signals --------------------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._prev_signals[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        try:
+            step = self.flush()
+            log.warning("gemscout: signal %d: flushed step %d", signum, step)
+        finally:
+            prev = self._prev_signals.get(signum, signal.SIG_DFL)
+            self.close(timedelta(seconds=5))
+            if callable(prev):
+                prev(signum, frame)
+            elif prev == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
