@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,8 +21,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gemscout
+from gemscout.scout.comm_probe import HOST_ENV, CommProbeConfig
 from gemscout.scout.stragglers import StragglerConfig
-from qualification.faults import corrupt_module_output
+from qualification.faults import Injector, ReplayDelay, ReplayFault, corrupt_module_output
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -33,10 +36,19 @@ def main() -> None:
     ap.add_argument("--heal-step", type=int, default=10)
     ap.add_argument("--fault-block", type=int, default=1)
     ap.add_argument("--fault", default="bitflip")
+    ap.add_argument("--replay-delay-rank", type=int, default=-1, help="compute straggler: sleep in every replay")
+    ap.add_argument("--replay-delay-s", type=float, default=0.5)
+    ap.add_argument("--comm-delay-rank", type=int, default=-1, help="slow link: sleep before every probe collective")
+    ap.add_argument("--comm-delay-s", type=float, default=0.4)
+    ap.add_argument("--comm-probe-interval", type=int, default=0)
+    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="transient fault in one replay only")
+    ap.add_argument("--replay-fault-step", type=int, default=-1)
+    ap.add_argument("--replay-fault-recipe", default="hidden.0")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
+    os.environ[HOST_ENV] = f"host-{rank}"  # one simulated host per rank, so a straggler maps to its node
     torch.manual_seed(17)
     model = build_model("three-block", seed=0)
     ddp = DDP(model, find_unused_parameters=True)
@@ -50,10 +62,21 @@ def main() -> None:
                                              min_trust=gemscout.TrustState.RECOVERY_VERIFIED),
         # 4 ranks on 2 cores: scheduling alone moves replay times by tens of ms, so the compute-straggler margin is
         # raised above that noise here (the default 2 ms suits one rank per core).
-        scout=gemscout.ScoutConfig(stragglers=StragglerConfig(absolute_margin_s=0.25)),
+        scout=gemscout.ScoutConfig(
+            stragglers=StragglerConfig(absolute_margin_s=0.25),
+            comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
+                                       stragglers=StragglerConfig(absolute_margin_s=0.15))
+            if args.comm_probe_interval else None),
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()))
     assert session.scout is not None
+    injector = Injector(session.scout)
+    if rank == args.replay_delay_rank:
+        injector.set(ReplayDelay(args.replay_delay_s, rank))
+    if rank == args.replay_fault_rank:
+        injector.set(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+    if rank == args.comm_delay_rank and session.comm_probe is not None:
+        session.comm_probe.register_before_collective(lambda group: time.sleep(args.comm_delay_s))
     due = {}
     hook = None
     for step in range(1, args.steps + 1):

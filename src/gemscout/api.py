@@ -28,6 +28,7 @@ from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
+from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.engine import Scout
 from gemscout.scout.reports import FaultReport
@@ -179,6 +180,9 @@ def enable_resiliency(
     if scout is not None:
         session.scout = Scout(dataclasses.replace(scout, interval=interval)).attach(
             model, optimizer, group=group, first_step=session.step + 1)
+        if scout.comm_probe is not None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+            session.comm_probe = CommProbe(scout.comm_probe, ranks=ranks)
     if watch is not None:
         session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)
         from torch.nn.parallel import DistributedDataParallel

@@ -25,6 +25,7 @@ from gemscout.config import TrustState
 from gemscout.errors import ConfigError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
 from gemscout.scout.reports import FaultReport
@@ -44,6 +45,7 @@ class Session:
         self.rank, self.world_size = rank, world_size
         self.watch: Watch | None = None
         self.scout: Scout | None = None
+        self.comm_probe: CommProbe | None = None
         self.capture_on_inconclusive = True
         self.last_cycle: CycleResult | None = None
         self.reports: list[FaultReport] = []
@@ -63,6 +65,10 @@ class Session:
         if self.scout is not None:
             # Parameters are still those the forward used: the update has not run yet.
             self.last_cycle = self.scout.before_step(self.step + 1)
+        if self.comm_probe is not None and self.comm_probe.due(self.step + 1):
+            report = self.comm_probe.probe(self.step + 1)
+            if report is not None:
+                self._report(report)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step += 1

@@ -73,9 +73,10 @@ def test_quickstart_cell_is_the_documented_one() -> None:
     (cell,) = campaign.load("quickstart").cells
     assert cell.id == "quickstart/lifecycle-ddp-w3-sigkill-node_losstrue-phaseafter_step-rank1-step4-s0"
     assert (cell.program, cell.workload, cell.topology, cell.world_size) == ("lifecycle", "tiny-causal-lm", "ddp", 3)
-    assert cell.fault == {"kind": "sigkill", "rank": 1, "step": 4}
+    assert cell.fault == {"kind": "sigkill", "rank": 1, "step": 4, "phase": "after-step", "node_loss": True}
     assert cell.params == {"steps": 6, "interval": 1}
-    assert cell.expect == {"recovered_step": 4, "bitwise_equal": True, "final_step": 6}
+    assert cell.expect == {"recovered_step": 4, "source": "peer", "bitwise_equal": True, "losses_equal": True,
+                           "final_step": 6}
     assert cell.timeout_s == 120
 
 

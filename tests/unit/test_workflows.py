@@ -100,7 +100,8 @@ def test_ci_runs_on_push_and_pull_request_and_qualifies_the_cpu_matrix() -> None
     assert "qualify run cpu-matrix --out \"$BUNDLE\"" in tests
     assert ci["jobs"]["tests"]["env"]["BUNDLE"] == "evidence/qualification-evidence-${{ github.sha }}"
     assert ci["jobs"]["tests"]["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    assert "PIP_EXTRA_INDEX_URL" not in ci["jobs"]["sign"]["env"]  # one index in the job that holds the token
+    # One package index in the job that holds the token.
+    assert "PIP_EXTRA_INDEX_URL" not in ci["env"] and "PIP_EXTRA_INDEX_URL" not in ci["jobs"]["sign"]["env"]
     assert ci["jobs"]["sign"]["needs"] == "tests"
 
 

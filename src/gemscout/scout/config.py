@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from gemscout.config import require, strict_fields
+from gemscout.scout.comm_probe import CommProbeConfig
 from gemscout.scout.stragglers import StragglerConfig
 
 __all__ = ["RECIPE_KINDS", "ScoutConfig"]
@@ -54,6 +55,8 @@ class ScoutConfig:
     """Bound on every collective of a cycle; a peer that misses it raises ``CollectiveTimeout``."""
     stragglers: StragglerConfig | None = field(default_factory=StragglerConfig)
     """Thresholds for the compute-straggler detectors fed with replay times (one per recipe); None disables them."""
+    comm_probe: CommProbeConfig | None = None
+    """Probe collectives on overlapping groups to find communication stragglers (None: off)."""
 
     def __post_init__(self) -> None:
         c = "ScoutConfig"
