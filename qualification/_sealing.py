@@ -32,7 +32,10 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
     )
     counts = summary["counts"]
     ran = [c["cell"] for c in cells if c["verdict"] != "skipped"] or [c["cell"] for c in cells]
-    gpu = summary["campaign"]["tier"] == "gpu"
+    # Backends and devices are those of the cells that ran, not of the tier: a GPU-tier campaign whose cells train on
+    # CPU over gloo must not claim NCCL.
+    backends = tuple(sorted({str((c.get("params") or {}).get("backend", "gloo")) for c in ran}))
+    gpu = any(str((c.get("params") or {}).get("device", "cpu")).startswith("cuda") for c in ran)
     return SealInput(
         campaign=CampaignRef(name=summary["campaign"]["name"], tier=summary["campaign"]["tier"],
                              path=_campaign_file(out_dir, summary)),
@@ -40,7 +43,7 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
         summary=Summary(total=counts["total"], passed=counts["passed"], failed=counts["failed"],
                         skipped=counts["skipped"]),
         topology=Topology(hosts=1, world_size=max((c["world_size"] for c in ran), default=1),
-                          backends=("nccl", "gloo") if gpu else ("gloo",),
+                          backends=backends,
                           devices=_cuda_devices() if gpu else ("cpu",)),
         boundaries=Boundaries(validated=tuple(summary["boundaries"]["validated"]),
                               not_validated=tuple(summary["boundaries"]["not_validated"])),

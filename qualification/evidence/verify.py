@@ -7,7 +7,7 @@ check) and exit code; :func:`verify_bundle` never half-succeeds:
 2. signature    when present or required; manifest.json must equal the signed bytes                 exit 5
 3. schema       draft 2020-12 with formats asserted; schemaVersion not newer than this verifier     exit 1
 4. files        files on disk equal the subject set exactly: no missing, no extra, size + sha256    exit 1
-5. consistency  PASSED only with cells run, none failed, every exit 0; counts add up; times ordered  exit 1
+5. consistency  PASSED only with a cell passed, none failed, every exit 0; counts add up; times ordered  exit 1
 6. commit       the manifest's commit equals ``expected_commit``                                   exit 4
 
 Freshness is then reported apart from validity (see :mod:`.freshness`); it only decides the exit code of a valid
@@ -296,8 +296,8 @@ def _check_consistency(document: dict[str, Any]) -> None:
         if command["log"] not in subjects:
             raise BundleInvalid(f"consistency: log {command['log']!r} of command {command['id']!r} is not a subject")
     if predicate["result"] == "PASSED":
-        if summary["total"] == 0:
-            raise BundleInvalid("consistency: result is PASSED but no cell ran")
+        if summary["passed"] == 0:
+            raise BundleInvalid("consistency: result is PASSED but no cell passed")
         if summary["failed"]:
             raise BundleInvalid(f"consistency: result is PASSED but summary.failed is {summary['failed']}")
         for command in commands:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -71,7 +73,11 @@ def main() -> None:
         "rank": rank, "mode": args.mode, "latencies_s": latencies,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
+    # destructor holds it): every rank has written its result and passed the barrier, so leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -202,7 +203,11 @@ def main() -> None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
+    # destructor holds it): every rank has written its result and passed the barrier, so leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

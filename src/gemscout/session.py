@@ -26,6 +26,7 @@ from gemscout.errors import ConfigError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.scout.comm_probe import CommProbe
+from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
 from gemscout.scout.reports import FaultReport
@@ -48,6 +49,8 @@ class Session:
         self.comm_probe: CommProbe | None = None
         self.capture_on_inconclusive = True
         self.last_cycle: CycleResult | None = None
+        self.quarantine: set[str] = set()
+        """Recipes that disagreed and have not passed clean since: no capture while any is listed."""
         self.reports: list[FaultReport] = []
         self.on_fault_report: Callable[[FaultReport], None] | None = None
         self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
@@ -80,10 +83,16 @@ class Session:
             for report in cycle.reports:
                 self._report(report)
             if cycle.sdc:
+                self.quarantine |= {name for name, r in cycle.results.items() if r.outputs_disagree}
                 self._on_sdc(cycle)
                 return  # a contaminated step is never captured
+            self.quarantine -= {name for name, r in cycle.results.items() if r.verdict == Verdict.AGREE}
             if not cycle.clean and not self.capture_on_inconclusive:
                 return
+        if self.quarantine:
+            # The faulty recipe has not passed clean since it disagreed: the fault may still be there, so what this
+            # step holds must not become a candidate that a later clean rotation could certify.
+            return
         if self.checkpointer is not None and self.step % self.interval == 0:
             self.checkpointer.capture(self.step)
         if cycle is not None and cycle.clean and cycle.certified_step is not None and self.checkpointer is not None:

@@ -188,7 +188,7 @@ def test_duplicate_subject(sealed: tuple[Path, Path, str]) -> None:
         (lambda p: p["commands"][1].update(exitCode=2), "result is PASSED but command '001' exited 2"),
         (lambda p: p["summary"].update(passed=2, failed=1), "result is PASSED but summary.failed is 1"),
         (lambda p: p["summary"].update(total=4), "summary total 4 != passed+failed+skipped 3"),
-        (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but no cell ran"),
+        (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but no cell passed"),
         (lambda p: p["run"].update(finishedOn="2026-08-13T09:00:00Z"), "run.startedOn is after run.finishedOn"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T10:30:00Z"), "'000' startedOn is after"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T09:59:00Z"), "ran outside the run"),

@@ -1,0 +1,114 @@
+"""SCOUT cells on DDP: persistent SDC, replay-only (transient) SDC, compute straggler, communication straggler.
+
+Launches :mod:`qualification.programs.scout_rank` on ``world_size`` ranks and reads what every rank saw.
+
+``fault.kind``: ``persistent`` (``rank``, ``step``, ``heal_step``, ``block``: a forward hook corrupts that block's
+output from ``step`` until ``heal_step``), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted replay),
+``replay-delay`` (``rank``, ``seconds``: every replay of that rank sleeps), ``comm-delay`` (``rank``, ``seconds``,
+``interval``: that rank sleeps before every probe collective).
+
+Observed: ``localized_ranks`` (the ranks of the first report of the fault's kind), ``detected_step``,
+``expected_step`` (for SDC: the first step >= the fault step at which the faulty recipe was due), ``recipe``,
+``decision_before_fault`` (the SDC decision names a verified step older than the fault), ``fault_step_rejected``
+(the contaminated steps were never certified), ``certified_after`` (a step after the fault ended was certified
+again), ``sdc_reports`` / ``straggler_reports`` (counts), ``host`` (of the first straggler report), ``ranks_agree``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from qualification.launch import launch
+
+
+def _argv(cell: dict[str, Any], out: Path) -> list[str]:
+    f = cell["fault"]
+    steps = int(cell.get("params", {}).get("steps", 16))
+    argv = ["-m", "qualification.programs.scout_rank", "--out", str(out), "--steps", str(steps), "--fault-rank", "-1"]
+    kind = f["kind"]
+    if kind == "persistent":
+        argv = argv[:-2] + ["--fault-rank", str(f["rank"]), "--fault-step", str(f["step"]),
+                            "--heal-step", str(f.get("heal_step", steps + 1)), "--fault-block", str(f.get("block", 1)),
+                            "--fault", str(f.get("corruption", "bitflip"))]
+    elif kind == "replay":
+        argv += ["--replay-fault-rank", str(f["rank"]), "--replay-fault-step", str(f["step"]),
+                 "--replay-fault-recipe", str(f.get("recipe", "embedding"))]
+    elif kind == "replay-delay":
+        argv += ["--replay-delay-rank", str(f["rank"]), "--replay-delay-s", str(f.get("seconds", 0.6))]
+    elif kind == "comm-delay":
+        argv += ["--comm-delay-rank", str(f["rank"]), "--comm-delay-s", str(f.get("seconds", 0.4)),
+                 "--comm-probe-interval", str(f.get("interval", 2))]
+    elif kind != "none":
+        raise ValueError(f"scout_cell: unknown fault kind {kind!r}")
+    return argv
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    t0, wall0 = time.monotonic(), time.time()
+    world, fault = int(cell["world_size"]), cell.get("fault", {"kind": "none"})
+    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}]
+    res = launch(_argv(cell, celldir / "ranks"), world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
+                 log_dir=celldir / "logs")
+    if not res.ok:
+        return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
+                "metrics": {}, "timeline": timeline, "message": f"ranks failed: {res.returncodes}"}
+    ranks = [json.loads((celldir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
+    r0 = ranks[0]
+    kind = fault["kind"]
+    report_kind = "straggler" if kind in ("replay-delay", "comm-delay") else "sdc"
+    found = [rep for rep in r0["reports"] if rep["kind"] == report_kind]
+    obs: dict[str, Any] = {
+        "sdc_reports": sum(rep["kind"] == "sdc" for rep in r0["reports"]),
+        "straggler_reports": sum(rep["kind"] == "straggler" for rep in r0["reports"]),
+        "ranks_agree": len({json.dumps(r["reports"], sort_keys=True, default=str) for r in ranks}) == 1
+        or len({json.dumps([(x["kind"], x["step"], x["ranks"]) for x in r["reports"]]) for r in ranks}) == 1,
+        # Only a report scoped to ranks names culprits; a peer-group report (two peers) detects without one.
+        "localized_ranks": list(found[0]["ranks"]) if found and found[0]["scope"] in ("rank", "node") else [],
+        "scope": found[0]["scope"] if found else None,
+        "detected_step": found[0]["step"] if found else None,
+    }
+    trust = {int(k): v for k, v in r0["trust"].items()}
+    if found:
+        timeline.append({"t": round(found[0]["timestamp"] - wall0, 3), "event": "detection",
+                         "detail": found[0]["reason"]})
+    if report_kind == "straggler":
+        obs["host"] = found[0].get("host") if found else None
+    elif kind != "none":
+        fstep = int(fault["step"])
+        recipe = f"hidden.{fault.get('block', 1)}" if kind == "persistent" else str(fault.get("recipe", "embedding"))
+        due = {int(k): v for k, v in r0["due"].items()}
+        obs["recipe"] = found[0]["recipe"] if found else None
+        obs["expected_step"] = min((s for s, names in due.items() if s >= fstep and recipe in names), default=None)
+        sdc_decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
+        obs["decision_before_fault"] = bool(sdc_decisions) and (sdc_decisions[0]["step"] is None
+                                                                or sdc_decisions[0]["step"] < fstep)
+        end = int(fault.get("heal_step", fstep + 1))
+        obs["fault_step_rejected"] = not any(st == "recovery_verified" for s, st in trust.items() if fstep <= s < end)
+        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s >= end)
+        if sdc_decisions:
+            d = sdc_decisions[0]
+            timeline.append({"t": round(found[0]["timestamp"] - wall0 + 0.001, 3) if found else 0.0,
+                             "event": "decision", "detail": f"{d['mode']} step {d['step']}: {d['reason']}"})
+    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
+    return {"cell_id": cell["id"], "status": "passed", "observed": obs,
+            "metrics": {"duration_s": round(time.monotonic() - t0, 3)}, "timeline": timeline, "message": ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qualification.programs.scout_cell")
+    ap.add_argument("--cell", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cell = json.loads(args.cell.read_text())
+    result = run_cell(cell, args.out)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(json.dumps(result["observed"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
