@@ -34,7 +34,8 @@ from torch.utils.hooks import RemovableHandle
 from gemscout.scout.engine import Scout
 from gemscout.scout.replay import ReplayContext
 
-__all__ = ["FAULT_KINDS", "Injector", "ReplayDelay", "ReplayFault", "corrupt", "corrupt_module_output", "fail_at"]
+__all__ = ["FAULT_KINDS", "CollectiveDelay", "Injector", "ReplayDelay", "ReplayFault", "corrupt", "corrupt_module_output",
+           "fail_at"]
 
 FAULT_KINDS: tuple[str, ...] = ("bitflip", "signflip", "scale", "zero", "permute", "stale")
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -99,6 +100,22 @@ class ReplayDelay:
         return ctx.rank == self.rank and (self.recipe is None or ctx.recipe == self.recipe)
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveDelay:
+    """Sleep ``seconds`` before each collective a replay of ``recipe`` (None: any) issues on ``rank``, from step
+    ``from_step`` on: a delayed TP collective. Its TP partners wait inside the same collective; the numbers do not
+    change."""
+
+    seconds: float
+    rank: int
+    recipe: str | None = None
+    from_step: int = 0
+
+    def applies(self, ctx: ReplayContext) -> bool:
+        return (ctx.rank == self.rank and ctx.step >= self.from_step
+                and (self.recipe is None or ctx.recipe == self.recipe))
+
+
 def fail_at(kind: str, *, rank: int, step: int | None = None, recipe: str | None = None) -> ReplayFault:
     """The replay fault ``kind`` on ``rank`` at ``step`` for ``recipe``."""
     return ReplayFault(kind, rank, step, recipe)
@@ -113,16 +130,17 @@ class Injector:
     """
 
     scout: Scout
-    faults: list[ReplayFault | ReplayDelay] = field(default_factory=list)
+    faults: list[ReplayFault | ReplayDelay | CollectiveDelay] = field(default_factory=list)
     fired: list[dict[str, Any]] = field(default_factory=list)
     _previous: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _handles: list[RemovableHandle] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._handles = [self.scout.register_replay_input_hook(self._on_inputs),
-                         self.scout.register_replay_output_hook(self._on_outputs)]
+                         self.scout.register_replay_output_hook(self._on_outputs),
+                         self.scout.register_replay_collective_hook(self._on_collective)]
 
-    def set(self, *faults: ReplayFault | ReplayDelay) -> None:
+    def set(self, *faults: ReplayFault | ReplayDelay | CollectiveDelay) -> None:
         """Replace the active faults."""
         self.faults = list(faults)
 
@@ -142,10 +160,17 @@ class Injector:
                 return previous
         return None
 
+    def _on_collective(self, ctx: ReplayContext, op: str) -> None:
+        for fault in self.faults:
+            if isinstance(fault, CollectiveDelay) and fault.applies(ctx):
+                time.sleep(fault.seconds)
+                self.fired.append({"kind": "collective_delay", "recipe": ctx.recipe, "step": ctx.step,
+                                   "rank": ctx.rank, "op": op})
+
     def _on_outputs(self, ctx: ReplayContext, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         changed = None
         for fault in self.faults:
-            if not fault.applies(ctx):
+            if isinstance(fault, CollectiveDelay) or not fault.applies(ctx):
                 continue
             if isinstance(fault, ReplayDelay):
                 time.sleep(fault.seconds)

@@ -97,10 +97,10 @@ class Evidence:
         older = "" if self.current_commit else "historical, "
         if self.predicate["source"]["dirty"]:
             return f"{older}evidence from a dirty tree at commit {short}: not current qualification"
-        if self.predicate["result"] != "PASSED":
-            return f"{older}a FAILED run at commit {short}: not a qualification"
         if self.ran_cells == 0:
             return f"{older}nothing ran at commit {short} (every cell was skipped): shows nothing"
+        if self.predicate["result"] != "PASSED":
+            return f"{older}a FAILED run at commit {short}: not a qualification"
         if not self.current_commit:
             behind = f", {freshness.commits_behind} commit(s) behind {freshness.main_ref}" if state == "STALE" else ""
             return f"historical: evidence for commit {short}{behind}, not for the commit this page describes"

@@ -25,9 +25,17 @@ from typing import Any
 from qualification.launch import launch
 
 
+def _rank_program(cell: dict[str, Any]) -> str:
+    """DeepSpeed topologies (``deepspeed-zero1``, ``deepspeed-zero2``) run their own rank program: the engine owns the
+    step. Both programs take the same arguments and write the same rank<r>.json."""
+    if str(cell.get("topology", "")).startswith("deepspeed-"):
+        return "qualification.programs.ds_rank"
+    return "qualification.programs.train_rank"
+
+
 def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[str]) -> list[str]:
     p = cell.get("params", {})
-    argv = ["-m", "qualification.programs.train_rank", "--out", str(out), "--workload", cell["workload"],
+    argv = ["-m", _rank_program(cell), "--out", str(out), "--workload", cell["workload"],
             "--topology", str(cell.get("topology", "ddp")),
             "--steps", str(p.get("steps", 6)), "--seed", str(cell.get("seed", 0)),
             "--interval", str(p.get("interval", 1)), "--persist-every", str(p.get("persist_every", 1)),

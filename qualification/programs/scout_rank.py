@@ -1,9 +1,16 @@
-"""One rank of a DDP job under GEMINI + SCOUT with a persistent fault, for the persistent-SDC cell and test.
+"""One rank of a job under GEMINI + SCOUT with injected faults, for the SCOUT cells and tests.
 
 From step ``--fault-step`` to ``--heal-step`` (exclusive) rank ``--fault-rank`` runs a forward hook that corrupts the
 output of ``blocks[--fault-block]`` in every forward, training and replay alike (``qualification.faults``: the fault
 enters through an ordinary module hook). Writes ``<out>/rank<r>.json``: per step the recipes due, every FaultReport,
 every RecoveryDecision, and the trust ledger at the end.
+
+``--topology`` (default ``ddp``) wraps the model as :func:`qualification.programs.train_rank.wrap` does (FSDP2, HSDP,
+TP, FSDP2 x TP) and reads the data shard :func:`~qualification.programs.train_rank.data_rank` gives; SCOUT then finds
+its peers on the mesh. ``--baseline`` trains the same steps again without gemscout and records both state digests
+(``state_digest``, ``baseline_digest``: this rank's shards) so a test can check SCOUT left training bit for bit
+unchanged. ``--collective-delay-rank`` delays every collective of that rank's replays from
+``--collective-delay-step`` on (a slow TP collective). ``cycles`` records each step's SCOUT verdicts.
 """
 
 from __future__ import annotations
@@ -15,16 +22,39 @@ import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gemscout
 from gemscout.scout.comm_probe import HOST_ENV, CommProbeConfig
+from gemscout.scout.cycle import CycleResult
 from gemscout.scout.stragglers import StragglerConfig
-from qualification.faults import Injector, ReplayDelay, ReplayFault, corrupt_module_output
+from qualification.faults import CollectiveDelay, Injector, ReplayDelay, ReplayFault, corrupt_module_output
+from qualification.programs.train_rank import TOPOLOGIES, data_rank, state_digest, wrap
 from qualification.workloads import build_model, lm_loss, synthetic_batch
+
+
+def summary(result: CycleResult) -> dict[str, Any]:
+    """What a test needs from one cycle: verdicts (with reasons), reports, certification, communication times."""
+    return {"certified": result.certified_step, "peers": list(result.peers),
+            "peer_groups": [list(g) for g in result.peer_groups],
+            "verdicts": {n: {"verdict": r.verdict.value, "ranks": list(r.ranks), "pre_ok": r.preconditions_ok,
+                             "reason": r.reason} for n, r in result.results.items()},
+            "reports": [{"kind": p.kind.value, "scope": p.scope.value, "ranks": list(p.ranks), "recipe": p.recipe,
+                         "signal": p.evidence.get("signal")} for p in result.reports],
+            "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in result.replay_s.items()},
+            "gather_s": {n: {str(k): v for k, v in t.items()} for n, t in result.gather_s.items()},
+            "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, topology: str, rank: int) -> None:
+    x, y = synthetic_batch(seed=0, step=step, rank=data_rank(topology, rank))
+    loss = lm_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
 
 
 def main() -> None:
@@ -44,14 +74,22 @@ def main() -> None:
     ap.add_argument("--replay-fault-rank", type=int, default=-1, help="transient fault in one replay only")
     ap.add_argument("--replay-fault-step", type=int, default=-1)
     ap.add_argument("--replay-fault-recipe", default="hidden.0")
+    ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
+    ap.add_argument("--baseline", action="store_true", help="train again without gemscout; record both digests")
+    ap.add_argument("--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective")
+    ap.add_argument("--collective-delay-s", type=float, default=0.4)
+    ap.add_argument("--collective-delay-step", type=int, default=0)
+    ap.add_argument("--straggler-margin-s", type=float, default=0.25)
+    ap.add_argument("--diverge-rank", type=int, default=-1, help="corrupt this rank's own copy (its shard) of a weight")
+    ap.add_argument("--diverge-step", type=int, default=0, help="... right before this step's forward")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     os.environ[HOST_ENV] = f"host-{rank}"  # one simulated host per rank, so a straggler maps to its node
     torch.manual_seed(17)
     model = build_model("three-block", seed=0)
-    ddp = DDP(model, find_unused_parameters=True)
+    ddp = wrap(model, args.topology, world)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     reports: list[dict] = []
     decisions: list[dict] = []
@@ -63,7 +101,7 @@ def main() -> None:
         # 4 ranks on 2 cores: scheduling alone moves replay times by tens of ms, so the compute-straggler margin is
         # raised above that noise here (the default 2 ms suits one rank per core).
         scout=gemscout.ScoutConfig(
-            stragglers=StragglerConfig(absolute_margin_s=0.25),
+            stragglers=StragglerConfig(absolute_margin_s=args.straggler_margin_s),
             comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
                                        stragglers=StragglerConfig(absolute_margin_s=0.15))
             if args.comm_probe_interval else None),
@@ -73,11 +111,19 @@ def main() -> None:
     injector = Injector(session.scout)
     if rank == args.replay_delay_rank:
         injector.set(ReplayDelay(args.replay_delay_s, rank))
+    faults: list[ReplayFault | ReplayDelay | CollectiveDelay] = list(injector.faults)
     if rank == args.replay_fault_rank:
-        injector.set(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+        faults.append(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+    if rank == args.collective_delay_rank:
+        faults.append(CollectiveDelay(args.collective_delay_s, rank, from_step=args.collective_delay_step))
+    injector.set(*faults)
     if rank == args.comm_delay_rank and session.comm_probe is not None:
         session.comm_probe.register_before_collective(lambda group: time.sleep(args.comm_delay_s))
     due = {}
+    cycles: dict[int, dict[str, Any]] = {}
+    # A diverged replica changes training from then on: the baseline comparison stops the step before.
+    compared_steps = args.diverge_step - 1 if args.diverge_step > 0 else args.steps
+    digest = None
     hook = None
     for step in range(1, args.steps + 1):
         due[step] = [r.name for r in session.scout.catalog.due(step)]
@@ -86,19 +132,36 @@ def main() -> None:
         if hook is not None and step == args.heal_step:
             hook.remove()
             hook = None
-        x, y = synthetic_batch(seed=0, step=step, rank=rank)
-        loss = lm_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        if rank == args.diverge_rank and step == args.diverge_step:
+            weight = model.blocks[args.fault_block].fc1.weight
+            with torch.no_grad():  # this rank's stored copy (its local shard, under FSDP) silently changes
+                (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] += 1.0
+        train(ddp, opt, step, args.topology, rank)
+        result = session.scout.last_result
+        if result is not None and result.step == step:
+            cycles[step] = summary(result)
+        if step == compared_steps:
+            digest = state_digest(model, opt)
     assert session.checkpointer is not None
     session.checkpointer.drain()
     trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+    topology = session.scout.topology.to_dict() if session.scout.topology is not None else None
+    disabled = session.scout.disabled_reason
     session.close()
+    doc: dict[str, Any] = {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust}
+    if args.topology != "ddp" or args.baseline:
+        doc.update(topology=topology, disabled_reason=disabled, cycles=cycles, fired=injector.fired,
+                   state_digest=digest, compared_steps=compared_steps)
+    if args.baseline:
+        torch.manual_seed(17)  # the same training RNG stream, with no gemscout at all
+        plain = build_model("three-block", seed=0)
+        plain_wrapped = wrap(plain, args.topology, world)
+        plain_opt = torch.optim.AdamW(plain_wrapped.parameters(), lr=3e-3)
+        for step in range(1, compared_steps + 1):
+            train(plain_wrapped, plain_opt, step, args.topology, rank)
+        doc["baseline_digest"] = state_digest(plain, plain_opt)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust}, indent=1,
-        default=str))
+    (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(ckpt, ignore_errors=True)

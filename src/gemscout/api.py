@@ -112,6 +112,9 @@ def enable_resiliency(
 ) -> Session:
     """Attach resiliency to a training loop. Collective: every rank of ``group`` must call it.
 
+    - ``model`` / ``optimizer``: a torch ``nn.Module`` (DDP, FSDP2, HSDP, TP) and its ``torch.optim.Optimizer``, or a
+      ``DeepSpeedEngine`` (ZeRO-1/2) and ``engine.optimizer`` (see docs/torchrun.md). TorchTitan and Megatron Core
+      are detected and refused with a ConfigError until their adapters land.
     - ``interval``: capture every N optimizer steps.
     - ``checkpoint``: GEMINI settings (None disables GEMINI).
     - ``extra_state_fn`` / ``load_extra_state_fn``: caller state taken inside ``optimizer.step()`` right after the
@@ -136,14 +139,19 @@ def enable_resiliency(
         raise ConfigError(f"enable_resiliency: unknown argument {sorted(unknown)[0]!r}; see help(enable_resiliency)")
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
         raise ConfigError(f"enable_resiliency.interval: must be an int >= 1, got {interval!r}")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"enable_resiliency.model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigError("enable_resiliency.checkpoint: pass a gemscout.CheckpointConfig(directory=...)")
     if (extra_state_fn is None) != (load_extra_state_fn is None):
         raise ConfigError("enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither")
+    from gemscout.adapters.detect import resolve  # here, not at the top: importing gemscout loads no adapter
+
+    # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
+    # counters as extra state; plain PyTorch passes through; the type checks of model and optimizer live there.
+    target = resolve(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+                     schedulers=schedulers, scout=scout)
+    model, optimizer = target.model, target.optimizer
+    extra_state_fn, load_extra_state_fn, schedulers = (target.extra_state_fn, target.load_extra_state_fn,
+                                                       target.schedulers)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -175,6 +183,13 @@ def enable_resiliency(
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
             session.step = session.resume_step = decision.step
+        else:
+            # A fresh start takes step 0 now and waits for its replica: until the first step's replica lands, the
+            # initial state is the only thing a rank that loses its node can come back to. No computation has run
+            # yet, so nothing can have corrupted it: it is certified at once.
+            checkpointer.capture(0, initial=True)
+            checkpointer.drain()
+            checkpointer.certify(0)
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
     if scout is not None:

@@ -60,7 +60,9 @@ def test_randomized_sigkill_recovers_bitwise(tmp_path: Path, world: int, rank: i
     result = run_cell(cell(world, fault, steps=8), tmp_path)
     obs = result["observed"]
     assert obs["rank_exit_codes"][rank] == -9, result
-    assert obs["recovered_step"] is not None and 1 <= obs["recovered_step"] <= step, result
+    # Step 0 (taken at attach, replicated before training starts) is the floor when a rank dies before its first
+    # step's replica has landed.
+    assert obs["recovered_step"] is not None and 0 <= obs["recovered_step"] <= step, result
     if node_loss:
         assert obs["decision"]["sources"][str(rank)].startswith("peer:"), result
     assert obs["bitwise_equal"] and obs["losses_equal"], result

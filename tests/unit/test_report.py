@@ -238,7 +238,7 @@ def test_bundle_sealed_from_facts_lists_its_commands(tmp_path: Path) -> None:
     seal_bundle(bundle, make_facts(repo, exit_codes=(0, 1), failed=1), repo=repo)
     text = text_of(render(bundle).read_text())
     assert "FAILED" in text and "NOT VERIFIED" in text
-    assert "exit code 1: python -m pytest tests/distributed" in text
+    assert "exit code 1: python -m pytest tests/dist" in text
 
 
 def test_qualify_report_command_renders_beside_the_directory(sealed_run: tuple[Path, Path, str]) -> None:

@@ -81,14 +81,17 @@ class Checkpointer:
         store.clean_stale_temps(self.paths.root)
 
     # ------------------------------------------------------------------ capture
-    def capture(self, step: int) -> None:
-        """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`)."""
-        state = training_state.collect(self.sources, step)
+    def capture(self, step: int, *, initial: bool = False) -> None:
+        """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`).
+
+        ``initial``: the step-0 capture at attach, outside any optimizer step; always persisted."""
+        state = training_state.collect(self.sources, step, inside_step=not initial)
         identity = {"run_id": self.run_id, "topology": self.topology_digest, "owner": self.rank, "step": step}
         future = self.capturer.capture(state, identity, self.sources.async_pointers())
         self.stats["capture_stall_s"] = self.capturer.last_stall_s
-        self.captures += 1
-        persist_now = self.config.persist and self.captures % self.config.persist_every == 0
+        if not initial:
+            self.captures += 1
+        persist_now = self.config.persist and (initial or self.captures % self.config.persist_every == 0)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(self._io.submit(self._pipeline, future, persist_now))
@@ -398,7 +401,8 @@ class Checkpointer:
 
     def _restore_frame(self, frame: Frame) -> None:
         parsed = parse_prefix(frame[0])
-        state = decode(parsed.skeleton, parsed.layout.views(frame[1]))
+        # Clone: a frame may be a slot or replica buffer GEMINI reuses; restored state must never alias it.
+        state = decode(parsed.skeleton, [v.clone() for v in parsed.layout.views(frame[1])])
         training_state.restore(self.sources, state)
 
     def close(self, timeout: timedelta | None = None) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 

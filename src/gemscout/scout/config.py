@@ -51,6 +51,10 @@ class ScoutConfig:
     """Module path of the final norm before the head; None: the last norm module outside the blocks (if any)."""
     head: str | None = None
     """Module path of the output head; None: the last ``nn.Linear`` outside the blocks."""
+    data_parallel_dims: tuple[str, ...] | None = None
+    """On a DeviceMesh: the names of its data-parallel dims (peers differ only along them). None: the dims of every
+    ``fully_shard`` module's mesh (none when the model has no FSDP module, e.g. pure TP). Set it for a mesh used
+    without FSDP, e.g. ``("dp",)`` for DDP over the dp dim of a (dp, tp) mesh."""
     timeout: timedelta = timedelta(seconds=120)
     """Bound on every collective of a cycle; a peer that misses it raises ``CollectiveTimeout``."""
     stragglers: StragglerConfig | None = field(default_factory=StragglerConfig)
@@ -85,6 +89,12 @@ class ScoutConfig:
             value = getattr(self, name)
             require(value is None or (isinstance(value, str) and value.strip() != ""), c, name,
                     f"must be None (discover) or a module path such as 'model.layers', got {value!r}")
+        dims = self.data_parallel_dims
+        require(dims is None or (isinstance(dims, tuple | list) and len(dims) > 0
+                                 and all(isinstance(d, str) and d for d in dims)), c, "data_parallel_dims",
+                f"must be None (from fully_shard) or a non-empty tuple of mesh dim names such as ('dp',), got {dims!r}")
+        if dims is not None:
+            object.__setattr__(self, "data_parallel_dims", tuple(dims))
         require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",
                 f"must be a positive datetime.timedelta, got {self.timeout!r}")
         require(self.stragglers is None or isinstance(self.stragglers, StragglerConfig), c, "stragglers",

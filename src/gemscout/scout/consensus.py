@@ -59,6 +59,10 @@ class C3Result:
     """Why this verdict, in one sentence; for INCONCLUSIVE it names what was missing."""
     preconditions_ok: bool = True
     """False when the verdict is INCONCLUSIVE because peers disagreed on a precondition, not on the output."""
+    peer_groups: tuple[tuple[int, ...], ...] = field(default=(), hash=False)
+    """When the result combines several peer groups of a mesh (:func:`~gemscout.scout.cycle.combine_groups`): the
+    groups whose digests it holds. Digests are comparable only inside a group (groups replay different inputs or TP
+    shards). Empty for one group: every digest is comparable with every other."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
@@ -75,8 +79,11 @@ class C3Result:
 
     @property
     def outputs_disagree(self) -> bool:
-        """True when at least two peers produced different digests."""
-        return len(set(self.digests_by_rank.values())) > 1
+        """True when at least two peers (of one peer group) produced different digests."""
+        if not self.peer_groups:
+            return len(set(self.digests_by_rank.values())) > 1
+        return any(len({self.digests_by_rank[r] for r in group if r in self.digests_by_rank}) > 1
+                   for group in self.peer_groups)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (rank keys as strings), suitable as report evidence."""
@@ -89,7 +96,7 @@ class C3Result:
             "digests_by_rank": {str(rank): digest for rank, digest in self.digests_by_rank.items()},
             "reason": self.reason,
             "preconditions_ok": self.preconditions_ok,
-        }
+        } | ({"peer_groups": [list(g) for g in self.peer_groups]} if self.peer_groups else {})
 
     def fault_report(self, *, host: str | None = None) -> FaultReport | None:
         """The SDC report this result calls for, or None.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -22,8 +22,9 @@ from gemscout.scout.digests import digest_many
 from gemscout.scout.preconditions import Precondition, judge
 from gemscout.scout.recipes import Recipe
 from gemscout.scout.reports import FaultKind, FaultReport
+from gemscout.scout.rotation import is_sdc
 
-__all__ = ["CycleResult", "judge_gathered", "param_digest", "precondition_for"]
+__all__ = ["CycleResult", "combine_groups", "judge_gathered", "param_digest", "precondition_for"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +45,14 @@ class CycleResult:
     """SDC reports (attributed, or peer-group when no majority) and confirmed compute-straggler reports."""
     certified_step: int | None = None
     """The rotation tracker's answer after this cycle: the newest step every recipe has vouched for."""
+    peer_groups: tuple[tuple[int, ...], ...] = ()
+    """Every peer group judged in this cycle (one group, ``peers``, for DDP; one per model coordinate on a mesh).
+    ``results`` combine them: every rank of the job holds the same verdicts."""
+    gather_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """Seconds per recipe per rank spent gathering sharded parameters before replay (empty when nothing is sharded):
+    communication evidence, never counted as replay compute."""
+    collective_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """Seconds per recipe per rank spent in the replay's own collectives (TP); already left out of ``replay_s``."""
 
     @property
     def clean(self) -> bool:
@@ -61,13 +70,21 @@ class CycleResult:
         return tuple(sorted({r for result in self.results.values() for r in result.ranks}))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (rank keys as strings)."""
-        return {
+        """Plain-JSON form (rank keys as strings); the topology fields only when the cycle ran on a mesh."""
+        out = {
             "step": self.step, "source_rank": self.source_rank, "peers": list(self.peers),
             "results": {name: result.to_dict() for name, result in self.results.items()},
-            "replay_s": {name: {str(r): s for r, s in times.items()} for name, times in self.replay_s.items()},
+            "replay_s": _by_rank(self.replay_s),
             "reports": [report.to_dict() for report in self.reports], "certified_step": self.certified_step,
         }
+        if len(self.peer_groups) > 1 or self.gather_s or self.collective_s:
+            out.update(peer_groups=[list(g) for g in self.peer_groups], gather_s=_by_rank(self.gather_s),
+                       collective_s=_by_rank(self.collective_s))
+        return out
+
+
+def _by_rank(times: Mapping[str, Mapping[int, float]]) -> dict[str, dict[str, float]]:
+    return {name: {str(r): s for r, s in by_rank.items()} for name, by_rank in times.items()}
 
 
 def _combine(*parts: str) -> str:
@@ -101,12 +118,14 @@ def precondition_for(recipe: Recipe, step: int, captured: Captured, own_param_di
 
 
 def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[str, torch.Tensor],
-                 optimizer: torch.optim.Optimizer) -> str:
+                 optimizer: torch.optim.Optimizer, gathered: Mapping[str, torch.Tensor] | None = None) -> str:
     """Digest of this peer's *own* copy of what the replay depends on besides its inputs.
 
     Forward recipes: the parameters and buffers of the recipe's modules. Optimizer slices: the live pre-update
     parameters, hyper-parameters and optimizer class. Not the optimizer state: the replay runs on the source's state,
     never this peer's, and a peer whose state diverged shows it in its parameters one update later.
+    ``gathered``: on a sharded model, the parameters as gathered for replay (``"<path>.<name>"`` for forward recipes,
+    ``"param.<name>"`` for slices; local tensors), digested instead of this rank's shards.
     Raises ``TypeError`` for a hyper-parameter that is neither a tensor nor plain JSON.
     """
     if recipe.has_module:
@@ -114,8 +133,12 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
         for path, module in zip(recipe.modules, modules, strict=True):
             named.update({f"{path}.{n}": t for n, t in module.state_dict(keep_vars=True).items()
                           if isinstance(t, torch.Tensor)})
+        named.update(gathered or {})
         return digest_many(named)
-    own = {f"param.{name}": params[name].detach() for name in recipe.params}
+    if gathered is not None:
+        own = {f"param.{name}": gathered[f"param.{name}"] for name in recipe.params}
+    else:
+        own = {f"param.{name}": params[name].detach() for name in recipe.params}
     group = optimizer.param_groups[recipe.group_index]
     hyper = {k: v for k, v in group.items() if k != "params"}
     own.update({f"hyper.{k}": v.detach() for k, v in hyper.items() if isinstance(v, torch.Tensor)})
@@ -153,3 +176,45 @@ def judge_gathered(name: str, step: int, peers: Sequence[int],
             reason = f"a precondition record is malformed: {exc}; outputs were not compared"
     return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests, reason=reason,
                     preconditions_ok=False), times
+
+
+def combine_groups(name: str, step: int, judged: Sequence[tuple[Sequence[int], C3Result]]) -> C3Result:
+    """One verdict for recipe ``name`` from the verdicts of every peer group, identical on every rank of the job.
+
+    Peer groups on a mesh replay different things (other inputs, other TP shards), so digests are compared inside a
+    group only; what is combined are the verdicts. One group: its verdict unchanged. Otherwise, in this order:
+    any group shows SDC → SDC (ATTRIBUTED naming every culprit when each such group named one, else INCONCLUSIVE
+    over the digests of the groups that saw it, so its peer-group report names exactly those peers); any group
+    failed a precondition → INCONCLUSIVE with ``preconditions_ok=False``; any group inconclusive for another reason
+    → INCONCLUSIVE with no digests (nothing was seen to differ); else AGREE. Reasons name each group. Pure.
+    """
+    if len(judged) == 1:
+        return judged[0][1]
+
+    def said(groups: Sequence[tuple[Sequence[int], C3Result]]) -> str:
+        return "; ".join(f"peer group {list(g)}: {r.reason}" for g, r in groups)
+
+    def digests(groups: Sequence[tuple[Sequence[int], C3Result]]) -> dict[int, str]:
+        return {rank: d for _, r in groups for rank, d in r.digests_by_rank.items()}
+
+    def groups(chosen: Sequence[tuple[Sequence[int], C3Result]]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(g) for g, _ in chosen)
+
+    sdc = [(g, r) for g, r in judged if is_sdc(r)]
+    if sdc:
+        if all(r.verdict is Verdict.ATTRIBUTED for _, r in sdc):
+            return C3Result(verdict=Verdict.ATTRIBUTED, recipe=name, step=step,
+                            ranks=tuple(rank for _, r in sdc for rank in r.ranks), digests_by_rank=digests(sdc),
+                            reason=said(sdc), peer_groups=groups(sdc))
+        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests(sdc),
+                        reason=said(sdc), peer_groups=groups(sdc))
+    failed = [(g, r) for g, r in judged if not r.preconditions_ok]
+    if failed:
+        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests(judged),
+                        reason=said(failed), preconditions_ok=False, peer_groups=groups(judged))
+    undecided = [(g, r) for g, r in judged if r.verdict is not Verdict.AGREE]
+    if undecided:
+        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=said(undecided))
+    return C3Result(verdict=Verdict.AGREE, recipe=name, step=step, digests_by_rank=digests(judged),
+                    reason="every peer group agrees: " + ", ".join(str(list(g)) for g, _ in judged),
+                    peer_groups=groups(judged))

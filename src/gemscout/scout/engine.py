@@ -20,8 +20,12 @@ a collective alone; local failures become records that everyone sees):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,15 +38,20 @@ from gemscout.gemini.comm import gather_json, wait_all
 from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer, pack, unpack
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.consensus import C3Result, Verdict
-from gemscout.scout.cycle import CycleResult, judge_gathered, param_digest, precondition_for
+from gemscout.scout.cycle import CycleResult, combine_groups, judge_gathered, param_digest, precondition_for
 from gemscout.scout.digests import digest_many
+from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
+from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
 from gemscout.scout.replay import ReplayContext, ReplayHook, ReplayHooks, replay_forward, replay_optimizer
 from gemscout.scout.reports import FaultReport
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.stragglers import ComputeStragglerDetector
+from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
+
+log = logging.getLogger("gemscout")
 
 
 class Scout:
@@ -54,6 +63,7 @@ class Scout:
         self.last_result: CycleResult | None = None
         """The newest cycle's result (also returned by :meth:`before_step`)."""
         self._hooks = ReplayHooks()
+        self._collective_hooks: OrderedDict[int, Callable[[ReplayContext, str], None]] = OrderedDict()
         self._current: ReplayContext | None = None
         self._attached = False
         self._closed = False
@@ -63,14 +73,19 @@ class Scout:
 
     # -- setup ------------------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
-               first_step: int = 1) -> Scout:
-        """Find the recipes, register the capture hooks and set up the peer group. Returns ``self``.
+               topology: Topology | None = None, first_step: int = 1) -> Scout:
+        """Find the recipes, register the capture hooks and set up the peer groups. Returns ``self``.
 
-        ``group``: the data-parallel peer group, used for SCOUT's collectives only; pass a dedicated gloo group (for
-        HSDP/TP, the DP group this rank belongs to). None creates one over the whole world with
-        ``dist.new_group(backend="gloo")`` — collective: every rank must call attach then. ``first_step``: the number
-        of the next optimizer step (``resume_step + 1`` after a recovery). Raises ``ConfigError`` when the process
-        group is not initialized, the model has no boundary for an enabled recipe, or attach is called twice.
+        Peers: with neither ``group`` nor ``topology``, SCOUT reads the model. Plain parameters (DDP): every rank is a
+        peer, over a new gloo group. DTensor parameters (FSDP2, HSDP, TP, FSDP2 x TP): the peer groups come from
+        their DeviceMesh (:func:`~gemscout.scout.topology.discover`; ``ScoutConfig.data_parallel_dims`` names the
+        data-parallel dims when there is no ``fully_shard``), and a topology without data-parallel peers (pure TP)
+        leaves SCOUT attached but unable to compare: every due step is INCONCLUSIVE with the reason
+        (``disabled_reason``). ``topology``: an explicit one (:func:`~gemscout.scout.topology.from_mesh`).
+        ``group``: a ready-made peer group of replicas (not for sharded models). Collective: every rank must call
+        attach (it creates process groups). ``first_step``: the number of the next optimizer step
+        (``resume_step + 1`` after a recovery). Raises ``ConfigError`` when the process group is not initialized,
+        the model has no boundary for an enabled recipe, the mesh cannot be read, or attach is called twice.
         """
         if self._attached or self._closed:
             raise ConfigError("Scout.attach: this Scout is already attached (or closed); create a new one")
@@ -79,12 +94,36 @@ class Scout:
         root = unwrap(model)
         self.catalog: Catalog = build_catalog(root, optimizer, self.config)
         self._optimizer = optimizer
-        self._group = group if group is not None else dist.new_group(backend="gloo", timeout=self.config.timeout)
-        self.peers: tuple[int, ...] = tuple(dist.get_process_group_ranks(self._group))
         self.rank = dist.get_rank()
+        timeout = self.config.timeout
+        if group is not None and (topology is not None or has_dtensor_params(root)):
+            raise ConfigError("Scout.attach: group= is for replicated models; on a sharded or parallel model leave it "
+                              "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)")
+        if group is None and topology is None:
+            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank)
+        self.topology: Topology | None = topology
+        """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
+        self.disabled_reason: str | None = None
+        """Why SCOUT cannot compare on this topology (no data-parallel peers), or None."""
+        self._mesh: MeshCycle | None = None
+        if topology is None:
+            self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+            self.peers: tuple[int, ...] = tuple(dist.get_process_group_ranks(self._group))
+            self.peer_groups: tuple[tuple[int, ...], ...] = (self.peers,)
+        elif not topology.comparable:
+            self.disabled_reason = topology.reason
+            self._group = None
+            self.peers, self.peer_groups = (self.rank,), topology.peer_groups
+            log.warning("gemscout: SCOUT cannot compare on this %s topology: %s", topology.kind, topology.reason)
+        else:
+            domain, self._group = create_groups(topology, timeout)
+            self.peers, self.peer_groups = topology.peers, topology.peer_groups
+            self._mesh = MeshCycle(topology, domain, timeout)
         self._modules = {r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes}
         self._params = optimizer_params(root, optimizer)
         self._fingerprint = self.catalog.fingerprint()
+        if self._mesh is not None:
+            self._mesh.plan(self.catalog, self._modules)
         self._capture = CaptureHooks(self._modules, {r.name: r for r in self.catalog.recipes})
         self.rotation = RotationTracker(self.catalog.names)
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
@@ -123,13 +162,23 @@ class Scout:
             self._rewind()
         self._next_step = step
         source = self.peers[step % len(self.peers)]
-        armed = {r.name for r in self.catalog.due(step) if r.has_module} if source == self.rank else set()
+        capture = source == self.rank and self.disabled_reason is None
+        armed = {r.name for r in self.catalog.due(step) if r.has_module} if capture else set()
         self._capture.arm(step, armed)
 
     def register_replay_input_hook(self, hook: ReplayHook) -> RemovableHandle:
         """Call ``hook(ctx, inputs)`` before each replay on this rank; it may return replacement inputs. The
         precondition digests are taken before it runs. For fault injection and instrumentation."""
         return ReplayHooks.add(self._hooks.inputs, hook)
+
+    def register_replay_collective_hook(self, hook: Callable[[ReplayContext, str], None]) -> RemovableHandle:
+        """Call ``hook(ctx, op)`` on this rank right before each collective a replay issues (the TP all-reduces of a
+        TP-sharded block); ``op`` names the collective. For fault injection: a delayed collective."""
+        if not callable(hook):
+            raise TypeError(f"a replay collective hook must be callable, got {type(hook).__name__}")
+        handle = RemovableHandle(self._collective_hooks)
+        self._collective_hooks[handle.id] = hook
+        return handle
 
     def register_replay_output_hook(self, hook: ReplayHook) -> RemovableHandle:
         """Call ``hook(ctx, outputs)`` after each replay on this rank with every tensor about to be digested
@@ -173,36 +222,90 @@ class Scout:
     # -- the cycle --------------------------------------------------------------------------------------------------
     def _cycle(self, step: int, due: Sequence[Recipe]) -> CycleResult:
         source = self.peers[step % len(self.peers)]
-        received, wire_error, in_step = self._exchange(step, due, source)
-        if not in_step:
-            # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded
-            # for the rotation or the stragglers, since the peers were not even replaying the same step.
-            results = {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=str(wire_error),
-                                        preconditions_ok=False) for r in due}
-            return CycleResult(step=step, source_rank=source, peers=self.peers, results=results,
-                               replay_s={r.name: {} for r in due})
-        records = {r.name: self._replay_local(r, step, source, received.get(r.name), wire_error) for r in due}
-        gathered = gather_json({"threads": torch.get_num_threads(), "records": records}, group=self._group,
+        if self.disabled_reason is not None:
+            return self._cannot_compare(step, due)
+        mesh = self._mesh
+        slices: dict[str, tuple[Captured, float]] = {}
+        if mesh is not None:
+            # Agree on the step across the whole mesh first: what comes next gathers along the shard dims, across
+            # peer groups, and a rank that stopped while its shard partners went on would leave them waiting.
+            disagreement = mesh.agree(step, self._fingerprint)
+            if disagreement is not None:
+                return self._stopped(step, due, source, disagreement)
+            slices = {r.name: mesh.gather_slice(r, self._params, self._optimizer, step) for r in due if not r.has_module}
+        received, wire_error, in_step = self._exchange(step, due, source, {k: c for k, (c, _) in slices.items()})
+        if not in_step and mesh is None:
+            return self._stopped(step, due, source, str(wire_error))
+        blocked = mesh.blocked(due, received, wire_error) if mesh is not None else {}
+        records = {}
+        for recipe in due:
+            params, seconds = None, None
+            if mesh is not None and recipe.has_module:
+                params, seconds = mesh.materializer.gather_modules(recipe.modules, self._modules[recipe.name])
+            elif recipe.name in slices:
+                seconds = slices[recipe.name][1]
+            own = slices[recipe.name][0] if recipe.name in slices else None
+            records[recipe.name] = self._replay_local(recipe, step, source, received.get(recipe.name), wire_error,
+                                                      params=params, own_slice=own, blocked=blocked.get(recipe.name))
+            if seconds is not None:
+                records[recipe.name]["gather_s"] = seconds
+        domain = mesh.domain if mesh is not None else self._group
+        assert domain is not None  # only a topology without peers has no group, and it never gets here
+        gathered = gather_json({"threads": torch.get_num_threads(), "records": records}, group=domain,
                                timeout=self.config.timeout)
+        ranks = mesh.domain_ranks if mesh is not None else self.peers
+        by_rank = dict(zip(ranks, gathered, strict=True))
         results = {}
         times: dict[str, dict[int, float]] = {}
         for recipe in due:
-            results[recipe.name], times[recipe.name] = judge_gathered(recipe.name, step, self.peers, gathered)
+            judged = []
+            times[recipe.name] = {}
+            for group in self.peer_groups:
+                result, group_times = judge_gathered(recipe.name, step, group, [by_rank[r] for r in group])
+                judged.append((group, result))
+                times[recipe.name].update(group_times)
+            results[recipe.name] = combine_groups(recipe.name, step, judged)
         reports = [report for result in results.values() if (report := result.fault_report()) is not None]
-        reports += self._stragglers(step, results, times)
+        reports += self._stragglers(step, results, times, len(ranks))
+        extra: dict[str, Any] = {}
+        if mesh is not None:
+            reports += mesh.comm_reports(step, due, by_rank, self.config.stragglers)
+            extra = {"gather_s": mesh.side_times(due, by_rank, "gather_s"),
+                     "collective_s": mesh.side_times(due, by_rank, "collective_s")}
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
         return CycleResult(step=step, source_rank=source, peers=self.peers, results=results, replay_s=times,
-                           reports=tuple(reports), certified_step=certified)
+                           reports=tuple(reports), certified_step=certified, peer_groups=self.peer_groups, **extra)
 
-    def _exchange(self, step: int, due: Sequence[Recipe],
-                  source: int) -> tuple[dict[str, Captured], str | None, bool]:
-        """Send the source's captures to every peer. Returns (captures, error for all recipes, peers in step)."""
+    def _stopped(self, step: int, due: Sequence[Recipe], source: int, reason: str) -> CycleResult:
+        # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded for
+        # the rotation or the stragglers, since the peers were not even replaying the same step.
+        results = {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
+                                    preconditions_ok=False) for r in due}
+        return CycleResult(step=step, source_rank=source, peers=self.peers, results=results,
+                           replay_s={r.name: {} for r in due}, peer_groups=self.peer_groups)
+
+    def _cannot_compare(self, step: int, due: Sequence[Recipe]) -> CycleResult:
+        """A due step on a topology without peers: no collective, every recipe INCONCLUSIVE with the reason."""
+        reason = f"SCOUT cannot compare on this topology: {self.disabled_reason}; nothing was replayed"
+        results = {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
+                                    preconditions_ok=False) for r in due}
+        certified = self.rotation.record(step, results)
+        self._last_cycle_step = step
+        return CycleResult(step=step, source_rank=self.rank, peers=self.peers, results=results,
+                           replay_s={r.name: {} for r in due}, certified_step=certified, peer_groups=self.peer_groups)
+
+    def _exchange(self, step: int, due: Sequence[Recipe], source: int,
+                  slices: Mapping[str, Captured]) -> tuple[dict[str, Captured], str | None, bool]:
+        """Send the source's captures to every peer. Returns (captures, error for all recipes, peers in step).
+        ``slices``: optimizer slices already gathered on a sharded model (sent instead of the live shards)."""
         timeout = self.config.timeout
+        assert self._group is not None
         header, payload = b"", torch.empty(0, dtype=torch.uint8)
         if self.rank == source:
             try:
-                header, payload = pack(step, {r.name: self._capture_source(r, step) for r in due})
+                header, payload = pack(step, {r.name: slices[r.name] if r.name in slices
+                                              else self._capture_source(r, step) for r in due})
             except Exception as exc:  # the source still sends: a header that carries the error
                 failed = Captured(step=step, error=f"packing failed: {type(exc).__name__}: {exc}")
                 header, payload = pack(step, {r.name: failed for r in due})
@@ -238,7 +341,11 @@ class Scout:
             return Captured(step=step, error=str(exc))
 
     def _replay_local(self, recipe: Recipe, step: int, source: int, captured: Captured | None,
-                      wire_error: str | None) -> dict[str, Any]:
+                      wire_error: str | None, *, params: list[dict[str, torch.Tensor]] | None = None,
+                      own_slice: Captured | None = None, blocked: str | None = None) -> dict[str, Any]:
+        """Replay ``recipe`` on this rank and return its record. ``params``: the gathered parameters of a sharded
+        model (replayed on instead of the live shards, and digested for the precondition); ``own_slice``: this
+        rank's own gathered optimizer slice; ``blocked``: why the replay must not run on any rank."""
         record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
         try:
             if wire_error is not None:
@@ -247,32 +354,50 @@ class Scout:
                 raise RuntimeError(f"source rank {source} sent no inputs for {recipe.name!r}")
             if captured.error is not None:
                 raise RuntimeError(f"source rank {source} has no capture: {captured.error}")
-            own = param_digest(recipe, self._modules[recipe.name], self._params, self._optimizer)
+            if blocked is not None:
+                raise RuntimeError(blocked)
+            gathered = None
+            if params is not None:
+                gathered = {f"{path}.{n}": local_tensor(t) for path, named in zip(recipe.modules, params, strict=True)
+                            for n, t in named.items()}
+            elif own_slice is not None and own_slice.error is None:
+                gathered = own_slice.tensors
+            own = param_digest(recipe, self._modules[recipe.name], self._params, self._optimizer, gathered)
             record["precondition"] = precondition_for(recipe, step, captured, own).to_dict()
             ctx = ReplayContext(recipe=recipe.name, kind=recipe.kind.value, step=step, rank=self.rank,
                                 source_rank=source)
+            timer = None
+            if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
+                timer = CollectiveTimer([functools.partial(hook, ctx) for hook in self._collective_hooks.values()])
             self._current, self._capture.paused = ctx, True
             try:
                 if recipe.has_module:
-                    outcome = replay_forward(self._modules[recipe.name], recipe.modules, captured, ctx, self._hooks)
+                    modules = self._modules[recipe.name]
+                    with (without_wrapper_hooks(modules) if params is not None else contextlib.nullcontext(),
+                          timer if timer is not None else contextlib.nullcontext()):
+                        outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
                 else:
                     outcome = replay_optimizer(type(self._optimizer), self._optimizer.defaults, captured, ctx,
                                                self._hooks, self._params[recipe.params[0]].device)
             finally:
                 self._current, self._capture.paused = None, False
             record["digest"] = digest_many(outcome.outputs)
-            record["replay_s"] = outcome.seconds
+            # Time in the replay's own collectives is communication; compute is compared without it.
+            record["replay_s"] = outcome.seconds - (timer.seconds if timer is not None else 0.0)
+            if timer is not None:
+                record["collective_s"] = timer.seconds
         except Exception as exc:  # recorded and agreed on, never raised mid-sequence
             record["error"] = f"{type(exc).__name__}: {exc}"
         return record
 
     def _stragglers(self, step: int, results: Mapping[str, C3Result],
-                    times: Mapping[str, Mapping[int, float]]) -> list[FaultReport]:
+                    times: Mapping[str, Mapping[int, float]], ranks: int) -> list[FaultReport]:
         if self.config.stragglers is None:
             return []
         reports = []
         for name, result in results.items():
-            if result.preconditions_ok and len(times[name]) == len(self.peers):
+            # Every rank of the job replayed the same recipe at the same shapes: compare them all, across groups.
+            if result.preconditions_ok and len(times[name]) == ranks:
                 detector = self._detectors.setdefault(name, ComputeStragglerDetector(self.config.stragglers))
                 report = detector.observe(step, times[name])
                 if report is not None:
@@ -282,6 +407,8 @@ class Scout:
     def _rewind(self) -> None:
         self.rotation.reset()
         self._detectors.clear()
+        if self._mesh is not None:
+            self._mesh.reset()
         self._last_cycle_step = None
 
     def _require_attached(self) -> None:

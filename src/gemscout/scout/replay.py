@@ -125,18 +125,27 @@ def _private(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # A DTensor's bytes are its local part; digests and fault hooks work on plain tensors.
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor  # type: ignore[no-any-return]
+
+
 def _rebuild(spec: Mapping[str, Any], leaves: Mapping[str, torch.Tensor]) -> Any:
     return leaves[spec["tensor"]] if "tensor" in spec else from_json_value(spec["value"])
 
 
 def replay_forward(
-    modules: Sequence[nn.Module], paths: Sequence[str], captured: Captured, ctx: ReplayContext, hooks: ReplayHooks
+    modules: Sequence[nn.Module], paths: Sequence[str], captured: Captured, ctx: ReplayContext, hooks: ReplayHooks,
+    *, params: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> ReplayOutcome:
     """Run ``modules`` in sequence on the captured inputs, then backward from the captured output gradients.
 
     Outputs: ``output[.i]`` (forward), ``grad.input.<key>`` for floating inputs that required grad at capture,
-    ``grad.param.<path>.<name>`` for parameters (unused ones are absent on every peer alike). Raises whatever the
-    model raises; the caller records it.
+    ``grad.param.<path>.<name>`` for parameters (unused ones are absent on every peer alike); a DTensor among them
+    (the gradient of a TP-sharded weight) is given as this rank's local part. ``params``: one name→tensor dict per
+    module to run on instead of the live parameters (the gathered copies of a sharded model); buffers are always the
+    module's own. Raises whatever the model raises; the caller records it.
     """
     start = time.perf_counter()
     meta, tensors = captured.meta, captured.tensors
@@ -146,7 +155,11 @@ def replay_forward(
     wants_grad = {spec["tensor"]: spec["grad"] for spec in [*meta["args"], *meta["kwargs"].values()] if "tensor" in spec}
     leaves = {k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
               for k, t in inputs.items()}
-    params = [_private(module) for module in modules]
+    if params is None:
+        private = [_private(module) for module in modules]
+    else:
+        private = [{**{n: t.detach().requires_grad_(t.requires_grad) for n, t in given.items()},
+                    **dict(module.named_buffers())} for given, module in zip(params, modules, strict=True)]
     autocast = meta["autocast"]
     with (
         _replay_rng(tensors, device),
@@ -157,20 +170,20 @@ def replay_forward(
     ):
         args = tuple(_rebuild(spec, leaves) for spec in meta["args"])
         kwargs = {key: _rebuild(spec, leaves) for key, spec in meta["kwargs"].items()}
-        out = functional_call(modules[0], params[0], args, kwargs)
-        for module, private in zip(modules[1:], params[1:], strict=True):
-            out = functional_call(module, private, (out,))
+        out = functional_call(modules[0], private[0], args, kwargs)
+        for module, named in zip(modules[1:], private[1:], strict=True):
+            out = functional_call(module, named, (out,))
     outs = output_tensors(out)
-    results = {key: tensor.detach() for key, tensor in outs.items()}
+    results = {key: _local(tensor.detach()) for key, tensor in outs.items()}
     pairs = [(outs[k], tensors[f"grad_output.{k}"].to(device)) for k in meta["grad_outputs"]
              if k in outs and outs[k].requires_grad and f"grad_output.{k}" in tensors]
     if pairs:
         wrt = [(f"grad.input.{k}", leaf) for k, leaf in sorted(leaves.items()) if leaf.requires_grad]
-        for path, private in zip(paths, params, strict=True):
-            wrt += [(f"grad.param.{path}.{n}", t) for n, t in private.items() if t.requires_grad]
+        for path, named in zip(paths, private, strict=True):
+            wrt += [(f"grad.param.{path}.{n}", t) for n, t in named.items() if t.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt], grad_outputs=[g for _, g in pairs],
                                     allow_unused=True)
-        results.update({name: g for (name, _), g in zip(wrt, grads, strict=True) if g is not None})
+        results.update({name: _local(g) for (name, _), g in zip(wrt, grads, strict=True) if g is not None})
     results = ReplayHooks.run(hooks.outputs, ctx, results)
     return ReplayOutcome(results, time.perf_counter() - start)
 

@@ -73,10 +73,14 @@ def restore_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.clone() for s in rng["cuda"]])
 
 
-def collect(sources: StateSources, step: int) -> dict[str, Any]:
-    """Build the state object for ``step``. Tensors are referenced, not copied; RNG tensors are fresh copies."""
+def collect(sources: StateSources, step: int, *, inside_step: bool = True) -> dict[str, Any]:
+    """Build the state object for ``step``. Tensors are referenced, not copied; RNG tensors are fresh copies.
+
+    ``inside_step``: taken in the optimizer post-hook, before the loop steps its schedulers (every capture but the
+    initial one at attach); restore then replays that scheduler step."""
     return {
         "step": step,
+        "advance_schedulers": inside_step,
         "model": _unwrap(sources.model).state_dict(),
         "optimizer": sources.optimizer.state_dict(),
         "schedulers": [s.state_dict() for s in sources.schedulers],
@@ -119,10 +123,11 @@ def restore(sources: StateSources, state: dict[str, Any]) -> None:
     sources.optimizer.load_state_dict(state["optimizer"])
     for sched, sd in zip(sources.schedulers, state["schedulers"], strict=True):
         sched.load_state_dict(sd)
-        # The loop steps its schedulers after optimizer.step() returns, i.e. after the capture: replay that step.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sched.step()
+        if state.get("advance_schedulers", True):
+            # The loop steps its schedulers after optimizer.step() returns, i.e. after the capture: replay that step.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sched.step()
     if sources.load_extra_state_fn is not None and state["extra"] is not None:
         sources.load_extra_state_fn(state["extra"])
     restore_rng(state["rng"])

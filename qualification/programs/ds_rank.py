@@ -1,0 +1,224 @@
+"""One rank of a deterministic DeepSpeed ZeRO-1/2 run on CPU (gloo), with or without gemscout, with optional faults.
+
+The DeepSpeed counterpart of :mod:`qualification.programs.train_rank`: same arguments for the lifecycle driver, same
+``<out>/rank<r>.json`` (losses per step, resume step, recovery decision, ``state_digest``), plus the engine's
+``global_steps`` / ``global_samples``. ``state_digest`` is a SHA-256 over this rank's module state (every parameter:
+ZeRO-1/2 keep them all on every rank), its fp32 master partition and the optimizer state of that partition.
+
+Faults: ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank R at step S in phase ``after-step``, ``in-step``
+(between backward and engine.step), ``capture`` (inside GEMINI's capture), ``persist`` / ``replicate`` /
+``persist_replica`` (GEMINI's io thread); ``--sigterm-step S`` sends SIGTERM to rank 0 after step S. With
+``--scout``, SCOUT replays the forward recipes on the engine's module, and ``--fault-rank/--fault-step/--heal-step/
+--fault-block`` add a persistent output corruption of one block on one rank (``qualification.faults``).
+
+DeepSpeed runs with ``DS_ACCELERATOR=cpu``; the C++ ``shm_comm`` op that ``deepspeed.init_distributed`` would JIT-build
+(about 90 s with g++, used only by inference all-reduce) is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qualification.workloads import build_model, lm_loss, synthetic_batch
+
+STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2}
+MICRO_BATCH = 4  # synthetic_batch's default batch
+
+
+def import_deepspeed() -> Any:
+    """Import deepspeed for CPU and stop ``init_distributed`` from compiling the shm_comm op."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    # ``import deepspeed.comm.torch as m`` would bind torch itself (deepspeed.comm re-exports a ``torch`` name).
+    importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    return deepspeed
+
+
+def ds_config(stage: int, *, accumulation: int = 1, bf16: bool = False) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": bf16}, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(engine: Any) -> str:
+    """SHA-256 over this rank's module state, fp32 master partition and the optimizer state of that partition."""
+    h = hashlib.sha256()
+    for name, t in engine.module.state_dict().items():
+        h.update(name.encode())
+        h.update(_bytes(t))
+    inner = engine.optimizer.optimizer
+    for i, group in enumerate(inner.param_groups):
+        master = group["params"][0]
+        h.update(f"master.{i}".encode())
+        h.update(_bytes(master))
+        for key, value in sorted(inner.state.get(master, {}).items()):
+            h.update(f"state.{i}.{key}".encode())
+            h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+        h.update(repr(group.get("lr")).encode())
+    return h.hexdigest()
+
+
+def module_digest(engine: Any) -> str:
+    h = hashlib.sha256()
+    for t in engine.module.state_dict().values():
+        h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--workload", default="three-block")
+    ap.add_argument("--topology", default="deepspeed-zero1", choices=sorted(STAGES))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--bf16", action="store_true", help="bf16 module weights, fp32 master partition")
+    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument("--run-id", default="qualify")
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--kill-phase", default="after-step")
+    ap.add_argument("--kill-seed", type=int, default=0)
+    ap.add_argument("--sigterm-step", type=int, default=-1)
+    ap.add_argument("--scout", action="store_true", help="SCOUT forward recipes on the engine's module")
+    ap.add_argument("--fault-rank", type=int, default=-1)
+    ap.add_argument("--fault-step", type=int, default=-1)
+    ap.add_argument("--heal-step", type=int, default=1 << 30)
+    ap.add_argument("--fault-block", type=int, default=1)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60), verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
+    model = build_model(args.workload, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
+                                                lr_scheduler=sched, config=ds_config(
+                                                    STAGES[args.topology], accumulation=args.accumulation,
+                                                    bf16=args.bf16))
+    losses: dict[int, float] = {}
+    reports: list[dict[str, Any]] = []
+    decisions: list[dict[str, Any]] = []
+    killer = args.kill_rank == rank
+    session = None
+    decision = None
+    resume_digest = None
+    times: dict[str, float] = {}
+    if args.ckpt is not None:
+        import gemscout
+
+        def extra() -> dict[str, Any]:
+            if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return {"losses": {str(k): v for k, v in losses.items()}}
+
+        def load_extra(state: dict[str, Any]) -> None:
+            losses.clear()
+            losses.update({int(k): float(v) for k, v in state["losses"].items()})
+
+        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
+                                        persist_every=args.persist_every, timeout=timedelta(seconds=60), fsync=False)
+        scout = gemscout.ScoutConfig(recipes=("embedding", "hidden", "output"), stragglers=None) if args.scout else None
+        t_attach = time.time()
+        session = gemscout.enable_resiliency(engine, ds_opt, interval=args.interval, checkpoint=cfg, scout=scout,
+                                             extra_state_fn=extra, load_extra_state_fn=load_extra,
+                                             on_fault_report=lambda r: reports.append(r.to_dict()),
+                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        decision = session.last_decision.to_dict() if session.last_decision else None
+        resume_digest = state_digest(engine)
+        times = {"attach_wall": t_attach, "restored_wall": time.time()}
+        if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
+            def hook(phase: str, step: int) -> None:
+                if phase == args.kill_phase and step == args.kill_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            session.checkpointer.phase_hook = hook
+    fault = None
+    start = session.resume_step + 1 if session else 1
+    for step in range(start, args.steps + 1):
+        if rank == args.fault_rank and step == args.fault_step:
+            from qualification.faults import corrupt_module_output
+
+            fault = corrupt_module_output(engine.module.blocks[args.fault_block], "bitflip")
+        if fault is not None and step == args.heal_step:
+            fault.remove()
+            fault = None
+        for micro in range(args.accumulation):  # engine.step() updates the weights after the last one
+            x, y = synthetic_batch(seed=args.seed, step=step * args.accumulation + micro, rank=rank)
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            if killer and step == args.kill_step and args.kill_phase == "in-step":
+                os.kill(os.getpid(), signal.SIGKILL)
+            losses[step] = loss.item()  # before engine.step(): GEMINI takes caller state at the end of the step
+            engine.step()
+        if killer and step == args.kill_step and args.kill_phase == "after-step":
+            if session is not None and session.checkpointer is not None:
+                session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and step == args.sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler flushes and re-raises; we never get here
+    digest = state_digest(engine)
+    modules = [None] * world
+    dist.all_gather_object(modules, module_digest(engine))  # test-side comparison only; gemscout never pickles
+    trust: dict[str, str] = {}
+    if session is not None and session.checkpointer is not None:
+        session.checkpointer.drain()
+        trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+    result = {
+        "rank": rank, "world_size": world, "topology": args.topology,
+        "resume_step": session.resume_step if session else 0, "decision": decision, "resume_digest": resume_digest,
+        "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
+        "replicas_equal": len(set(modules)) == 1, "final_step": args.steps,
+        "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+        "lr": float(engine.optimizer.optimizer.param_groups[0]["lr"]),
+        "stats": session.checkpointer.stats if session and session.checkpointer else {},
+        "errors": session.checkpointer.errors if session and session.checkpointer else [],
+        "reports": reports, "decisions": decisions, "trust": trust,
+    }
+    if session:
+        session.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    dist.barrier()
+    # Like train_rank: gloo's process-group teardown can deadlock at exit, and every rank has written its result.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    from gemscout.errors import GemscoutError
+
+    try:
+        main()
+    except GemscoutError as exc:  # the documented exit code, one line, no traceback
+        print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(exc.exit_code) from None

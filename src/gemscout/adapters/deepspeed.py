@@ -1,0 +1,300 @@
+"""DeepSpeed ZeRO-1/2: what GEMINI captures from a ``DeepSpeedEngine`` and where the step hooks go.
+
+The engine owns the step: ``engine.step()`` runs the ZeRO optimizer (each rank updates its own flat fp32 partition
+with the client's torch optimizer), copies the partition into the module's parameters, all-gathers them, then steps
+the engine's lr scheduler and counters. The torch optimizer inside fires its own step hooks halfway through that
+(once per param group, before the all-gather), where the module still holds the old weights — so gemscout hooks
+``engine.step()`` itself instead: the pre-hooks run at the accumulation boundary before the update, the post-hooks
+after ``engine.step()`` has finished, when module, partition, scheduler and counters all belong to the same step.
+
+What one rank's checkpoint holds (the codec stores it without pickle):
+
+- ``model``: ``engine.module.state_dict()`` — every rank holds all parameters under ZeRO-1/2;
+- ``optimizer``: this rank's partition — the fp32 master partition of each param group, the torch optimizer's state
+  for it (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``) and the group hyper-parameters; DeepSpeed's own
+  ``state_dict()`` is not used (it holds a loss-scaler object, enums and slice mappings that need pickle);
+- ``extra``: the engine's counters (``global_steps``, ``global_samples``, ``micro_steps``, ``skipped_steps``), its lr
+  scheduler's state, and the caller's own extra state.
+
+Nothing here imports deepspeed: the adapter reads the live engine the caller built.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gemscout.errors import ConfigError, RunMismatchError
+from gemscout.state.codec import encode
+
+__all__ = ["EngineOptimizer", "SUPPORTED_STAGES", "capture_engine", "resolve_engine", "restore_engine"]
+
+SUPPORTED_STAGES = (1, 2)
+FORMAT = "gemscout.deepspeed-zero.v1"
+Hook = Callable[[Any, Any, Any], None]
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _class_names(obj: Any) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+class _Handle:
+    """Removes one hook; uninstalls the ``engine.step`` wrapper when it was the last one."""
+
+    _ids = itertools.count()
+
+    def __init__(self, owner: EngineOptimizer, table: dict[int, Hook], hook: Hook) -> None:
+        self.owner, self.table, self.id = owner, table, next(self._ids)
+        table[self.id] = hook
+
+    def remove(self) -> None:
+        self.table.pop(self.id, None)
+        self.owner._maybe_uninstall()
+
+
+class EngineOptimizer:
+    """A ZeRO-1/2 engine's optimizer as gemscout's session and GEMINI see it.
+
+    It offers the part of the ``torch.optim.Optimizer`` interface gemscout uses: ``register_step_pre_hook`` /
+    ``register_step_post_hook`` (run around ``engine.step()`` at accumulation boundaries, called as
+    ``hook(self, args, kwargs)``), ``state_dict`` / ``load_state_dict`` (this rank's partition, see the module doc),
+    and ``param_groups`` / ``state`` / ``defaults`` of the torch optimizer DeepSpeed wraps (one flat fp32 partition
+    per group).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.zero = engine.optimizer
+        self.inner: torch.optim.Optimizer = engine.optimizer.optimizer
+        self._pre: dict[int, Hook] = {}
+        self._post: dict[int, Hook] = {}
+        self._original: Callable[..., Any] | None = None
+        self._had_instance_step = False
+        self._wrapper = self._step  # one bound method, so uninstalling can recognise it
+
+    # -- the torch.optim.Optimizer subset -------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    def register_step_pre_hook(self, hook: Hook) -> _Handle:
+        """Run ``hook(self, args, kwargs)`` at the start of every ``engine.step()`` that updates the weights."""
+        handle = _Handle(self, self._pre, hook)
+        self._install()
+        return handle
+
+    def register_step_post_hook(self, hook: Hook) -> _Handle:
+        """Run ``hook(self, args, kwargs)`` when such an ``engine.step()`` has finished (scheduler and counters
+        included)."""
+        handle = _Handle(self, self._post, hook)
+        self._install()
+        return handle
+
+    def _install(self) -> None:
+        if self._original is not None:
+            return
+        self._had_instance_step = "step" in vars(self.engine)
+        self._original = self.engine.step
+        # An instance attribute shadows DeepSpeedEngine.step for every caller of engine.step(), the loop included.
+        vars(self.engine)["step"] = self._wrapper
+
+    def _maybe_uninstall(self) -> None:
+        if self._original is None or self._pre or self._post:
+            return
+        if vars(self.engine).get("step") is self._wrapper:
+            if self._had_instance_step:
+                vars(self.engine)["step"] = self._original
+            else:
+                del vars(self.engine)["step"]
+        self._original = None
+
+    def _boundary(self) -> bool:
+        """Will this ``engine.step()`` update the weights? Asked before it runs, as the engine itself does."""
+        if not self.engine.managed_gradient_accumulation():
+            return True  # the caller owns accumulation: every step() is a boundary
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._original is not None
+        boundary = self._boundary()
+        if boundary:
+            for hook in list(self._pre.values()):
+                hook(self, args, kwargs)
+        result = self._original(*args, **kwargs)
+        if boundary:
+            for hook in list(self._post.values()):
+                hook(self, args, kwargs)
+        return result
+
+    # -- this rank's partition ------------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        # The partition index is part of the layout: a partition restored on another rank (a durable promotion
+        # written by rank 0 alone, a folder copied by hand) would load cleanly and be silently wrong.
+        groups = getattr(self.zero, "real_dp_process_group", [None] * len(self.inner.param_groups))
+        index = [int(dist.get_rank(group=g)) if dist.is_initialized() else 0 for g in groups]
+        return {"zero_stage": int(self.engine.zero_optimization_stage()),
+                "partition_count": [int(c) for c in self.zero.partition_count],
+                "partition_index": index,
+                "partition_numel": [int(g["params"][0].numel()) for g in self.inner.param_groups]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's partition. Tensors are the live ones (GEMINI copies them); nothing needs pickle."""
+        groups = self.inner.param_groups
+        return {
+            "format": FORMAT,
+            **self._layout(),
+            "master": [g["params"][0] for g in groups],
+            "state": {i: dict(self.inner.state[g["params"][0]]) for i, g in enumerate(groups)
+                      if self.inner.state.get(g["params"][0])},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy a partition taken by :meth:`state_dict` into the live optimizer, bitwise.
+
+        Raises RunMismatchError when it was taken with another ZeRO stage or partitioning (world size, groups)."""
+        if state.get("format") != FORMAT:
+            raise RunMismatchError(f"the optimizer state is not a DeepSpeed ZeRO partition ({state.get('format')!r}); "
+                                   "it was taken from another kind of job")
+        here = self._layout()
+        there = {k: state.get(k) for k in here}
+        if there != here:
+            raise RunMismatchError(f"the DeepSpeed checkpoint was taken with {there}, this engine has {here}; resume "
+                                   "with the same ZeRO stage, world size and param groups, each rank from its own "
+                                   "partition")
+        with torch.no_grad():
+            for i, group in enumerate(self.inner.param_groups):
+                master = group["params"][0]
+                master.copy_(state["master"][i])
+                for key, value in state["param_groups"][i].items():
+                    group[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                live = self.inner.state[master]
+                saved = state["state"].get(i, {})
+                for key in [k for k in live if k not in saved]:
+                    del live[key]
+                for key, value in saved.items():
+                    if not isinstance(value, torch.Tensor):
+                        live[key] = value
+                    elif isinstance(live.get(key), torch.Tensor) and live[key].shape == value.shape \
+                            and live[key].dtype == value.dtype:
+                        live[key].copy_(value)  # keep the tensor DeepSpeed may have linked to its param mappings
+                    else:
+                        live[key] = value.clone()  # never alias the checkpoint's buffer
+
+
+def capture_engine(engine: Any) -> dict[str, Any]:
+    """The engine's own state after ``engine.step()``: its counters and its lr scheduler."""
+    counters = {name: int(getattr(engine, name)) for name in _COUNTERS}
+    scheduler = engine.lr_scheduler
+    return {**counters, "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+
+
+def restore_engine(engine: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_engine` took. The scheduler is not stepped: it was taken after its step."""
+    for name in _COUNTERS:
+        setattr(engine, name, int(state[name]))
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineParts:
+    """What ``enable_resiliency`` attaches to for a DeepSpeed engine."""
+
+    model: nn.Module
+    """``engine.module``: the parameters, forward hooks, SCOUT's recipes."""
+    optimizer: EngineOptimizer
+    """Step hooks around ``engine.step()`` and this rank's partition."""
+    extra_state_fn: Callable[[], Any]
+    """Engine counters + lr scheduler + the caller's extra state."""
+    load_extra_state_fn: Callable[[Any], None]
+    """The inverse of ``extra_state_fn``."""
+
+
+def _check_engine(engine: Any) -> None:
+    """Refuse what the adapter has not been built for, naming the setting to change."""
+    names = _class_names(engine)
+    for unsupported in ("PipelineEngine", "DeepSpeedHybridEngine"):
+        if unsupported in names:
+            raise ConfigError(f"enable_resiliency.model: a DeepSpeed {unsupported} is not supported; gemscout supports "
+                              "the plain DeepSpeedEngine with ZeRO stage 1 or 2")
+    stage = int(engine.zero_optimization_stage())
+    if stage not in SUPPORTED_STAGES:
+        raise ConfigError(f"DeepSpeed zero_optimization.stage={stage} is not supported; gemscout supports stages "
+                          f"{SUPPORTED_STAGES} (stage 3 partitions the parameters themselves, stage 0 has no ZeRO "
+                          "optimizer)")
+    if engine.fp16_enabled():
+        raise ConfigError("DeepSpeed fp16 is not supported (its dynamic loss scaler is not captured yet); use "
+                          "bf16 or fp32")
+    if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
+        raise ConfigError("DeepSpeed zero_optimization.offload_optimizer / offload_param is not supported yet; "
+                          "turn offloading off")
+    zero = engine.optimizer
+    if "DeepSpeedZeroOptimizer" not in _class_names(zero) or not isinstance(
+            getattr(zero, "optimizer", None), torch.optim.Optimizer):
+        raise ConfigError(f"the engine's optimizer is a {type(zero).__name__}, not a DeepSpeedZeroOptimizer around a "
+                          "torch optimizer; gemscout supports ZeRO-1/2 as built by deepspeed.initialize "
+                          "(deepspeed==0.19.8)")
+    groups = zero.optimizer.param_groups
+    if any(len(g["params"]) != 1 for g in groups) or len(groups) != len(zero.single_partition_of_fp32_groups):
+        raise ConfigError("the ZeRO optimizer does not hold one flat fp32 partition per param group; this "
+                          "DeepSpeed version is not supported (tested: deepspeed==0.19.8)")
+
+
+def resolve_engine(
+    engine: Any,
+    optimizer: Any,
+    *,
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+    schedulers: Sequence[Any],
+    scout: Any,
+) -> EngineParts:
+    """Check ``enable_resiliency``'s arguments for a DeepSpeed engine and build what it attaches to.
+
+    ``optimizer`` must be what ``deepspeed.initialize`` returned (``engine.optimizer``), the client optimizer it wraps,
+    or None. Raises ConfigError for an engine setting or argument the adapter cannot take, naming the fix.
+    """
+    _check_engine(engine)
+    zero = engine.optimizer
+    if optimizer is not None and optimizer is not zero and optimizer is not zero.optimizer:
+        raise ConfigError(f"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer (the second "
+                          f"value deepspeed.initialize returned) or None, got a {type(optimizer).__name__}")
+    if engine.lr_scheduler is not None and any(s is engine.lr_scheduler for s in schedulers):
+        raise ConfigError("enable_resiliency.schedulers: engine.lr_scheduler is stepped by engine.step() and captured "
+                          "by the DeepSpeed adapter; list only schedulers your loop steps itself")
+    recipes = getattr(scout, "recipes", ())
+    if "optimizer" in recipes:
+        raise ConfigError("ScoutConfig.recipes: the 'optimizer' recipe is not supported on DeepSpeed ZeRO (every rank "
+                          "updates a different partition, so peers hold no common slice to replay); pass "
+                          "recipes=('embedding', 'hidden', 'output')")
+    view = EngineOptimizer(engine)
+
+    def extra() -> dict[str, Any]:
+        return {"engine": capture_engine(engine), "caller": extra_state_fn() if extra_state_fn else None}
+
+    def load_extra(state: dict[str, Any]) -> None:
+        restore_engine(engine, state["engine"])
+        if load_extra_state_fn is not None and state["caller"] is not None:
+            load_extra_state_fn(state["caller"])
+
+    # Fail at attach, not inside the first engine.step(), when the scheduler holds something only pickle could store.
+    encode(capture_engine(engine), path="deepspeed.engine")
+    encode(view.state_dict(), path="deepspeed.optimizer")
+    return EngineParts(model=cast(nn.Module, engine.module), optimizer=view, extra_state_fn=extra,
+                       load_extra_state_fn=load_extra)
