@@ -5,7 +5,12 @@ Launches :mod:`qualification.programs.scout_rank` on ``world_size`` ranks and re
 ``fault.kind``: ``persistent`` (``rank``, ``step``, ``heal_step``, ``block``: a forward hook corrupts that block's
 output from ``step`` until ``heal_step``), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted replay),
 ``replay-delay`` (``rank``, ``seconds``: every replay of that rank sleeps), ``comm-delay`` (``rank``, ``seconds``,
-``interval``: that rank sleeps before every probe collective).
+``interval``: that rank sleeps before every probe collective), ``collective-delay`` (``rank``, ``seconds``, ``step``:
+from that step on, every collective of that rank's replays is delayed — a slow TP collective).
+
+``topology`` other than ``ddp`` (fsdp2, hsdp, tp, fsdp2-tp) runs the ranks on that mesh and trains the same steps
+again without gemscout, adding ``bitwise_equal`` (every rank's shards equal that run's), ``peer_groups``,
+``disabled`` (SCOUT found no data-parallel peers), ``comm_straggler_ranks`` and ``compute_straggler_reports``.
 
 Observed: ``localized_ranks`` (the ranks of the first report of the fault's kind), ``detected_step``,
 ``expected_step`` (for SDC: the first step >= the fault step at which the faulty recipe was due), ``recipe``,
@@ -42,8 +47,14 @@ def _argv(cell: dict[str, Any], out: Path) -> list[str]:
     elif kind == "comm-delay":
         argv += ["--comm-delay-rank", str(f["rank"]), "--comm-delay-s", str(f.get("seconds", 0.4)),
                  "--comm-probe-interval", str(f.get("interval", 2))]
+    elif kind == "collective-delay":
+        argv += ["--collective-delay-rank", str(f["rank"]), "--collective-delay-s", str(f.get("seconds", 0.3)),
+                 "--collective-delay-step", str(f.get("step", 1))]
     elif kind != "none":
         raise ValueError(f"scout_cell: unknown fault kind {kind!r}")
+    topology = str(cell.get("topology", "ddp"))
+    if topology != "ddp":
+        argv += ["--topology", topology, "--baseline"]
     return argv
 
 
@@ -59,7 +70,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ranks = [json.loads((celldir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
     r0 = ranks[0]
     kind = fault["kind"]
-    report_kind = "straggler" if kind in ("replay-delay", "comm-delay") else "sdc"
+    report_kind = "straggler" if kind in ("replay-delay", "comm-delay", "collective-delay") else "sdc"
     found = [rep for rep in r0["reports"] if rep["kind"] == report_kind]
     obs: dict[str, Any] = {
         "sdc_reports": sum(rep["kind"] == "sdc" for rep in r0["reports"]),
@@ -71,6 +82,14 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         "scope": found[0]["scope"] if found else None,
         "detected_step": found[0]["step"] if found else None,
     }
+    if "topology" in r0:  # a mesh run (scout_rank --topology): what the mesh gave SCOUT, and what it left alone
+        signals = [rep for rep in r0["reports"] if rep["kind"] == "straggler"]
+        comm = [rep for rep in signals if rep["evidence"].get("signal") == "communication"]
+        obs.update(
+            bitwise_equal=all(r["state_digest"] == r.get("baseline_digest") for r in ranks),
+            peer_groups=(r0["topology"] or {}).get("peer_groups"), disabled=r0["disabled_reason"] is not None,
+            comm_straggler_ranks=list(comm[0]["ranks"]) if comm else [],
+            compute_straggler_reports=sum(rep["evidence"].get("signal") == "compute" for rep in signals))
     trust = {int(k): v for k, v in r0["trust"].items()}
     if found:
         timeline.append({"t": round(found[0]["timestamp"] - wall0, 3), "event": "detection",

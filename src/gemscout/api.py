@@ -28,10 +28,11 @@ from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
+from gemscout.oob import ClassifiedHealthEvent, HealthMonitor, HealthMonitorConfig, HealthSource, NvmlHealthSource
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.engine import Scout
-from gemscout.scout.reports import FaultReport
+from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.session import LIVE, Session
 from gemscout.state.training_state import StateSources, _unwrap
 from gemscout.watch import Watch, WatchConfig
@@ -76,14 +77,20 @@ def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout:
     mine = recorded or (elastic if elastic not in ("", "none") else "") or uuid.uuid4().hex
     chosen = comm.gather_json(mine, group=group, timeout=timeout)
     run_id = next((c for c in chosen if recorded and c == recorded), chosen[0])
-    if not marker.exists():
-        from gemscout.gemini.store import write_json_atomic
-
-        try:
-            write_json_atomic(marker, {"run_id": run_id}, fsync=config.fsync)
-        except OSError:
-            pass
     return run_id, False
+
+
+def _record_run(directory: Path, run_id: str, *, fsync: bool) -> None:
+    """Mark ``directory`` as this run's (once); a later run with another explicit id is then refused up front."""
+    marker = directory / "run.json"
+    if marker.exists():
+        return
+    from gemscout.gemini.store import write_json_atomic
+
+    try:
+        write_json_atomic(marker, {"run_id": run_id}, fsync=fsync)
+    except OSError as exc:
+        log.warning("gemscout: cannot record the run id in %s: %s", marker, exc)
 
 
 def _topology_digest(model: nn.Module, world_size: int, placement: Placement) -> str:
@@ -106,6 +113,8 @@ def enable_resiliency(
     scout: ScoutConfig | None = None,
     capture_on_inconclusive: bool = True,
     watch: WatchConfig | None = None,
+    health: HealthMonitorConfig | None = None,
+    health_sources: Sequence[HealthSource] | None = None,
     on_fault_report: Callable[[FaultReport], None] | None = None,
     group: dist.ProcessGroup | None = None,
     **unknown: Any,
@@ -129,6 +138,8 @@ def enable_resiliency(
       ``interval`` is the shared cadence (``ScoutConfig.recipe_intervals`` may slow single recipe kinds down).
     - ``capture_on_inconclusive``: still capture (as an uncertified candidate) when SCOUT cannot decide.
     - ``watch``: out-of-band hang / DataLoader / checkpoint-I/O watching (:class:`WatchConfig`).
+    - ``health`` / ``health_sources``: poll hardware health (default source: NVML, when ``nvidia-ml-py`` is installed
+      and a GPU is present) on a background thread; degraded and fatal events become ``health`` FaultReports.
     - ``on_fault_report``: receives every :class:`FaultReport` (from any thread; keep it quick).
 
     If a checkpoint exists, it is restored before this returns; ``session.resume_step`` says which step.
@@ -165,6 +176,7 @@ def enable_resiliency(
         placement = Placement(world, rpn, checkpoint.replication_jump)
         run_id, explicit = _resolve_run_id(checkpoint, rep_group, timeout)
         _check_recorded_run(checkpoint.directory, run_id, explicit)
+        _record_run(checkpoint.directory, run_id, fsync=checkpoint.fsync)
         checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
                                     run_id=run_id, topology_digest=_topology_digest(model, world, placement),
                                     on_decision=on_recovery_decision)
@@ -204,9 +216,33 @@ def enable_resiliency(
 
         if watch.instrument_collectives and isinstance(model, DistributedDataParallel):
             session.watch.ddp_comm_hook(model)
+    if health is not None or health_sources:
+        session.health = _start_health(session, rank, health, health_sources)
     session._attach()
     LIVE.add(session)
     return session
+
+
+def _start_health(session: Session, rank: int, config: HealthMonitorConfig | None,
+                  sources: Sequence[HealthSource] | None) -> HealthMonitor:
+    if not sources:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("enable_resiliency.health: no health source given and no GPU for NVML; pass "
+                              "health_sources=[...] (e.g. gemscout.oob.InjectedHealthSource()) or leave health unset")
+        sources = [NvmlHealthSource()]
+
+    def deliver(event: ClassifiedHealthEvent) -> None:
+        if event.severity == "info":
+            return
+        e = event.event
+        session._report(FaultReport(
+            kind=FaultKind.HEALTH, scope=Scope.NODE, ranks=(rank,), step=session.step, recipe=None,
+            evidence={"event": e.to_dict(), "severity": event.severity}, confirmations=1,
+            reason=f"{event.severity}: {event.reason}", host=e.host or None))
+
+    return HealthMonitor(sources, config=config or HealthMonitorConfig(), callbacks=[deliver]).start()
 
 
 def _warn_ddp_bucket_rebuild(model: nn.Module, world: int) -> None:

@@ -25,6 +25,7 @@ from gemscout.config import TrustState
 from gemscout.errors import ConfigError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.oob import HealthMonitor
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
@@ -47,6 +48,7 @@ class Session:
         self.watch: Watch | None = None
         self.scout: Scout | None = None
         self.comm_probe: CommProbe | None = None
+        self.health: HealthMonitor | None = None
         self.capture_on_inconclusive = True
         self.last_cycle: CycleResult | None = None
         self.quarantine: set[str] = set()
@@ -205,6 +207,11 @@ class Session:
             self.scout.close()
         if self.watch is not None:
             self.watch.close()
+        if self.health is not None:
+            try:
+                self.health.stop()
+            except Exception as exc:
+                log.warning("gemscout: health monitor: %s", exc)
         if self.checkpointer is not None:
             self.checkpointer.close(timeout)
         if threading.current_thread() is threading.main_thread():

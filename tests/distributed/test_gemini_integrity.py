@@ -88,3 +88,15 @@ def test_every_source_corrupted_stops_with_a_report(trained) -> None:
     assert "replica of rank 1 step 5" in status["last_decision"]["reason"]
     log = (case / "logs" / "rank0.attempt0.log").read_text()
     assert "RecoveryError: recovery stopped" in log and "Traceback" not in log
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_of_another_run_are_refused_with_exit_code_2(trained) -> None:
+    root, _ = trained
+    case = root / "other-run"
+    shutil.copytree(root / "ckpt", case / "ckpt")
+    res = launch(argv(case / "out", case / "ckpt", 8) + ["--run-id", "someone-else"], world_size=WORLD,
+                 timeout_s=120, log_dir=case / "logs")
+    assert not res.ok and 2 in res.returncodes, res  # RunMismatchError.exit_code
+    log = (case / "logs" / f"rank{res.first_failed}.attempt0.log").read_text()
+    assert "RunMismatchError" in log and "resume with run_id='qualify'" in log and "Traceback" not in log

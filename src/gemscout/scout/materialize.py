@@ -21,6 +21,7 @@ local state. Their time is communication evidence, exposed per recipe and rank.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -177,7 +178,8 @@ class Materializer:
 
 
 def _owned_by_fsdp(hook: Any) -> bool:
-    owner = getattr(hook, "__self__", None)
+    # A bound method of FSDP's module state; grouped fully_shard([a, b]) wraps it with functools.wraps.
+    owner = getattr(inspect.unwrap(hook), "__self__", None)
     return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
 
 

@@ -43,6 +43,8 @@ class StateSources:
         For sharded parameters (DTensor) this is the local shard, which FSDP leaves alone during forward and backward
         (it all-gathers into separate buffers)."""
         ptrs = {_local(p).data_ptr() for p in _unwrap(self.model).parameters()}
+        # The optimizer's own parameters: the model's again under DDP/FSDP; DeepSpeed ZeRO's fp32 master partitions.
+        ptrs.update(_local(p).data_ptr() for group in self.optimizer.param_groups for p in group["params"])
         for state in self.optimizer.state.values():
             ptrs.update(_local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
         return ptrs
