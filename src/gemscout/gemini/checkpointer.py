@@ -282,6 +282,8 @@ class Checkpointer:
         own = []
         unusable: list[str] = []
         for step in store.list_steps(self.paths.own):
+            if step in memory:
+                continue  # memory is preferred for this step: reading and hashing the file would be wasted time
             path = store.step_file(self.paths.own, step)
             try:
                 parsed, _ = store.read_verified(path)
@@ -299,6 +301,8 @@ class Checkpointer:
         held: dict[str, list[int]] = {}
         for o in self.paths.held_owners():
             for step in store.list_steps(self.paths.replicas(o)):
+                if step in memory_held.get(str(o), []):
+                    continue  # the replica in memory is preferred
                 path = store.step_file(self.paths.replicas(o), step)
                 try:
                     parsed, _ = store.read_verified(path)

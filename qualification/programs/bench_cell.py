@@ -1,0 +1,64 @@
+"""Benchmark cell: runs the GEMINI benchmark (our path beside memcpy, raw gloo and DCP in one run) and puts its JSON
+in the cell directory, so the evidence bundle seals the figures with the commit that produced them.
+
+``params``: ``sizes_mib`` (default "64"), ``quick`` (bool: a ~4 MiB smoke run), ``steps``. Observed: every ratio the
+benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met). A benchmark cell
+passes when the program ran and produced every ratio: meeting a target is reported, not required, because figures
+from a shared 2-core machine are evidence to read, not a gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    p = cell.get("params", {})
+    out = celldir / "gemini-bench.json"
+    argv = [sys.executable, "-m", "qualification.bench.gemini", "--out", str(out),
+            "--scratch", str(celldir / "scratch")]
+    argv += ["--quick"] if p.get("quick") else ["--sizes-mib", str(p.get("sizes_mib", "64"))]
+    if "steps" in p:
+        argv += ["--steps", str(p["steps"])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5)
+    (celldir / "bench.log").write_text(proc.stdout + proc.stderr)
+    timeline = [{"t": 0.0, "event": "start", "detail": " ".join(argv[1:])},
+                {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"exit {proc.returncode}"}]
+    if proc.returncode != 0 or not out.exists():
+        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
+                "message": f"benchmark exited {proc.returncode}; see bench.log"}
+    doc = json.loads(out.read_text())
+    observed: dict[str, Any] = {"targets_met": 0, "targets_total": 0}
+    for size in doc["sizes"]:
+        tag = f"{size['state_mib']}MiB"
+        for name, value in size["ratios"].items():
+            observed[f"{name}@{tag}"] = value
+        for name, met in size.get("met", {}).items():
+            observed["targets_total"] += 1
+            observed["targets_met"] += bool(met)
+    return {"cell_id": cell["id"], "status": "passed", "observed": observed,
+            "metrics": {"benchmark": "gemini", "sizes": [s["state_mib"] for s in doc["sizes"]]},
+            "timeline": timeline, "message": ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qualification.programs.bench_cell")
+    ap.add_argument("--cell", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cell = json.loads(args.cell.read_text())
+    result = run_cell(cell, args.out)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(json.dumps(result["observed"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
