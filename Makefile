@@ -9,8 +9,7 @@ JOBS ?= 2
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,deepspeed]'
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install gemscout with its dev tools (torch==2.13.0 CPU)

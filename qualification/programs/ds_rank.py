@@ -98,6 +98,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--run-id", default="qualify")
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--keep-generations", type=int, default=2)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--kill-phase", default="after-step")
@@ -146,7 +147,8 @@ def main() -> None:
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
-                                        persist_every=args.persist_every, timeout=timedelta(seconds=60), fsync=False)
+                                        persist_every=args.persist_every, keep_generations=args.keep_generations,
+                                        timeout=timedelta(seconds=60), fsync=False)
         scout = gemscout.ScoutConfig(recipes=("embedding", "hidden", "output"), stragglers=None) if args.scout else None
         t_attach = time.time()
         session = gemscout.enable_resiliency(engine, ds_opt, interval=args.interval, checkpoint=cfg, scout=scout,

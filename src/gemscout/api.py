@@ -172,7 +172,8 @@ def enable_resiliency(
     if checkpoint is not None:
         timeout = checkpoint.timeout
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
-        rpn = checkpoint.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        rpn = checkpoint.ranks_per_node or int(
+            os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
         placement = Placement(world, rpn, checkpoint.replication_jump)
         run_id, explicit = _resolve_run_id(checkpoint, rep_group, timeout)
         _check_recorded_run(checkpoint.directory, run_id, explicit)

@@ -53,7 +53,13 @@ class DurableTier:
         return self.directory / f"step-{step:09d}"
 
     def promote(self, parsed: Parsed, data: torch.Tensor) -> Path:
-        """Write the verified checkpoint (``parsed`` header + ``data``) as a DCP directory with its sidecar."""
+        """Write the verified checkpoint (``parsed`` header + ``data``) as a DCP directory with its sidecar.
+
+        Only replicated state (DDP) is promoted: rank 0's checkpoint stands for every rank. A sharded state (DTensor
+        shards: FSDP2, HSDP, TP) would need every rank's shard; it is refused rather than promoted half."""
+        if _has_shards(parsed.skeleton):
+            raise IntegrityError("the durable tier holds replicated (DDP) state only; this checkpoint has sharded "
+                                 "DTensor state, which needs a collective promotion (not implemented)")
         step = int(parsed.identity["step"])
         final = self.path(step)
         if final.exists():
@@ -124,3 +130,12 @@ class DurableTier:
         dcp.load(tensors, checkpoint_id=str(self.path(step)), no_dist=True)
         state = decode(sidecar["skeleton"], [tensors[f"t{i}"] for i in range(len(tensors))])
         training_state.restore(sources, state)
+
+
+def _has_shards(skeleton: object) -> bool:
+    """True if the codec skeleton holds a DTensor shard anywhere."""
+    if isinstance(skeleton, dict):
+        return "__dt__" in skeleton or any(_has_shards(v) for v in skeleton.values())
+    if isinstance(skeleton, list):
+        return any(_has_shards(v) for v in skeleton)
+    return False

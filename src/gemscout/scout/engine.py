@@ -16,6 +16,12 @@ a collective alone; local failures become records that everyone sees):
    it produced (output, input and parameter gradients), with its precondition record;
 3. one JSON all-gather of the records; every peer then judges each recipe with the same pure function
    (:func:`~gemscout.scout.preconditions.judge`), so every peer reaches the same verdicts.
+
+On a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) there is one peer group per model-parallel coordinate or HSDP shard, found
+by :mod:`~gemscout.scout.topology`; the same steps run in each group, and :class:`~gemscout.scout.mesh_cycle.MeshCycle`
+adds what crosses groups: a mesh-wide step agreement first, the parameter gathers before replay, a readiness check
+before replays that run TP collectives, and the records gathered over the whole mesh so every rank judges every group
+and holds one combined verdict per recipe.
 """
 
 from __future__ import annotations

@@ -221,15 +221,18 @@ class CollectiveTimer(TorchDispatchMode):
     """
 
     def __init__(self, before: Sequence[CollectiveHook] = ()) -> None:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
         super().__init__()
         self.seconds = 0.0
         self.count = 0
         self._before = tuple(before)
+        self._async = AsyncCollectiveTensor
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace not in _COLLECTIVE_NAMESPACES:
-            pending = [t for t in pytree.tree_leaves((args, kwargs)) if _waiting(t)]
+        if getattr(func, "namespace", "") not in _COLLECTIVE_NAMESPACES:
+            pending = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, self._async) and not t.completed]
             if pending:
                 # The first op on a collective's result waits for the collective inside the subclass's dispatch,
                 # where this mode does not see it; wait here instead, timed as the collective it is.
@@ -240,7 +243,8 @@ class CollectiveTimer(TorchDispatchMode):
             return func(*args, **kwargs)
         start = time.perf_counter()
         try:
-            if not any(part in func.__name__ for part in ("wait", "wrap")):  # not the bookkeeping ops
+            name = getattr(func, "__name__", str(func))
+            if not any(part in name for part in ("wait", "wrap")):  # not the bookkeeping ops
                 self.count += 1
                 for hook in self._before:
                     hook(str(func))
@@ -248,8 +252,3 @@ class CollectiveTimer(TorchDispatchMode):
         finally:
             self.seconds += time.perf_counter() - start
 
-
-def _waiting(tensor: Any) -> bool:
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return isinstance(tensor, AsyncCollectiveTensor) and not tensor.completed
