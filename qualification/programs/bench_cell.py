@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +28,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     argv += ["--quick"] if p.get("quick") else ["--sizes-mib", str(p.get("sizes_mib", "64"))]
     if "steps" in p:
         argv += ["--steps", str(p["steps"])]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5)
+    (celldir / "scratch").mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5)
+    finally:
+        shutil.rmtree(celldir / "scratch", ignore_errors=True)  # benchmark checkpoints are not evidence
     (celldir / "bench.log").write_text(proc.stdout + proc.stderr)
     timeline = [{"t": 0.0, "event": "start", "detail": " ".join(argv[1:])},
                 {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"exit {proc.returncode}"}]
@@ -39,7 +44,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     for size in doc["sizes"]:
         tag = f"{size['state_mib']}MiB"
         for name, value in size["ratios"].items():
-            observed[f"{name}@{tag}"] = value
+            observed[f"{name}.{tag}"] = value
         for met in size.get("met", {}).values():
             observed["targets_total"] += 1
             observed["targets_met"] += bool(met)
