@@ -44,6 +44,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     world = int(cell["world_size"])
     thresholds = {**DEFAULT_THRESHOLDS, **p.get("thresholds", {})}
     pooled: dict[str, list[float]] = {m: [] for m in modes}
+    replay: dict[str, list[float]] = {}
     rss: dict[str, float] = {}
     timeline = [{"t": 0.0, "event": "start", "detail": f"{rounds} rounds of {', '.join(modes)} on {world} ranks"}]
     for r in range(rounds):
@@ -62,6 +63,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             # A step is as slow as its slowest rank: take the max over ranks per step.
             pooled[mode] += [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
             rss[mode] = max(rss.get(mode, 0.0), max(rk["peak_rss_mib"] for rk in ranks))
+            for rk in ranks:
+                for recipe, times in rk.get("replay_s", {}).items():
+                    replay.setdefault(recipe.split(".")[0], []).extend(times)
             timeline.append({"t": round(time.monotonic() - t0, 3), "event": "measured", "detail": f"{mode} round {r}"})
     shutil.rmtree(celldir / "ckpt", ignore_errors=True)
     stats = {}
@@ -84,7 +88,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         within &= ok
     return {"cell_id": cell["id"], "status": "passed" if within else "failed",
             "observed": {"within_thresholds": within, "overhead": overhead},
-            "metrics": {"modes": stats, "thresholds": {m: thresholds[m] for m in overhead}},
+            "metrics": {"modes": stats, "thresholds": {m: thresholds[m] for m in overhead},
+                        "replay_ms_p50": {k: round(statistics.median(v) * 1e3, 3) for k, v in sorted(replay.items())},
+                        "interval": int(p.get("interval", 1))},
             "timeline": timeline, "message": "" if within else "an overhead exceeds its threshold"}
 
 

@@ -55,6 +55,7 @@ def main() -> None:
             kwargs["scout"] = gemscout.ScoutConfig()
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
     latencies = []
+    replay: dict[str, list[float]] = {}
     total = args.warmup + args.steps
     for step in range(1, total + 1):
         x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
@@ -65,12 +66,17 @@ def main() -> None:
         opt.step()
         if step > args.warmup:
             latencies.append(time.perf_counter() - t0)
+            cycle = session.scout.last_result if session is not None and session.scout is not None else None
+            if cycle is not None and cycle.step == step:
+                for recipe, by_rank in cycle.replay_s.items():
+                    if rank in by_rank or str(rank) in by_rank:
+                        replay.setdefault(recipe, []).append(float(by_rank.get(rank, by_rank.get(str(rank)))))
     dist.barrier()
     if session is not None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "mode": args.mode, "latencies_s": latencies,
+        "rank": rank, "mode": args.mode, "latencies_s": latencies, "replay_s": replay,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
     dist.barrier()

@@ -169,7 +169,8 @@ def test_refuses_to_start_without_a_secret(
         dev = OobChannel(master, config=OobConfig(rank=0, insecure_dev=True))
     assert any("insecure_dev" in r.getMessage() for r in caplog.records)
     dev.publish("k", {"a": 1})
-    assert OobChannel(client, config=OobConfig(rank=None, insecure_dev=True)).read(0, "k") == {"a": 1}
+    reader = OobChannel(client, config=OobConfig(rank=None, insecure_dev=True))
+    assert reader.read(0, "k", timeout=timedelta(seconds=5)) == {"a": 1}
 
 
 def test_secret_from_environment(stores: tuple[dist.TCPStore, dist.TCPStore], monkeypatch: pytest.MonkeyPatch) -> None:

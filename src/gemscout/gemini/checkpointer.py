@@ -241,7 +241,8 @@ class Checkpointer:
         ok = comm.all_agree(True, group=self.group, timeout=self.config.timeout)
         changed = self.ledger.certify_through(step) if ok else []
         self.ledger.save()
-        self._verified_since_promotion += len(changed)
+        # The initial step 0 is certified at attach; it is not a verified capture worth promoting.
+        self._verified_since_promotion += len([s for s in changed if s > 0])
         if changed and self.durable is not None and self.config.durable_every and \
                 self._verified_since_promotion >= self.config.durable_every:
             self._verified_since_promotion = 0
