@@ -9,7 +9,6 @@ from a shared 2-core machine are evidence to read, not a gate.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from qualification.programs._contract import cell_main
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -54,15 +55,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qualification.programs.bench_cell")
-    ap.add_argument("--cell", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    cell = json.loads(args.cell.read_text())
-    result = run_cell(cell, args.out)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    print(json.dumps(result["observed"], indent=1))
-    return 0
+    return cell_main("qualification.programs.bench_cell", run_cell, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Observed: ``data_stall_ranks``, ``checkpoint_stall_ranks``, ``hang_ranks`` (of t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 from gemscout.oob import generate_secret
 from qualification.launch import free_port
+from qualification.programs._contract import cell_main
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -86,15 +86,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qualification.programs.hang_cell")
-    ap.add_argument("--cell", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    cell = json.loads(args.cell.read_text())
-    result = run_cell(cell, args.out)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    print(json.dumps(result["observed"], indent=1))
-    return 0
+    return cell_main("qualification.programs.hang_cell", run_cell, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ overhead chart reads them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
+from qualification.programs._contract import cell_main
 
 DEFAULT_THRESHOLDS = {
     "gemini": {"throughput_pct": -5.0, "p95_pct": 10.0},
@@ -95,16 +95,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qualification.programs.healthy_path")
-    ap.add_argument("--cell", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    cell = json.loads(args.cell.read_text())
-    result = run_cell(cell, args.out)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    print(json.dumps(result["metrics"].get("modes", {}), indent=1))
-    print(json.dumps(result["observed"], indent=1))
-    return 0
+    return cell_main("qualification.programs.healthy_path", run_cell, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ The checkpoint folder is deleted at the end: binary state does not belong in an 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -36,6 +35,7 @@ from typing import Any
 from gemscout.errors import RecoveryError
 from qualification.corruption import INJECTORS, lose_node, own_slot, replica_slot
 from qualification.launch import LaunchResult, launch
+from qualification.programs._contract import cell_main
 
 
 class _Timeline:
@@ -206,18 +206,7 @@ def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], event: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qualification.programs.integrity")
-    ap.add_argument("--cell", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    cell = json.loads(args.cell.read_text())
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = run_cell(cell, args.out)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    observed = result["observed"]
-    print(f"integrity {cell['id']}: {result['status']} mode={observed.get('decision_mode')} "
-          f"step={observed.get('recovered_step')} bitwise_equal={observed.get('bitwise_equal')} {result['message']}")
-    return 0
+    return cell_main("qualification.programs.integrity", run_cell, argv)
 
 
 if __name__ == "__main__":

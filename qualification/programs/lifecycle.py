@@ -15,7 +15,6 @@ digest of every rank equals the uninterrupted run's), ``losses_equal``, ``replic
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
+from qualification.programs._contract import cell_main
 
 
 def _rank_program(cell: dict[str, Any]) -> str:
@@ -136,17 +136,7 @@ def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], timelin
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qualification.programs.lifecycle")
-    ap.add_argument("--cell", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    cell = json.loads(args.cell.read_text())
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = run_cell(cell, args.out)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-    print(f"lifecycle {cell['id']}: {result['status']} {json.dumps(result['observed'].get('recovered_step'))} "
-          f"bitwise_equal={result['observed'].get('bitwise_equal')} {result['message']}")
-    return 0
+    return cell_main("qualification.programs.lifecycle", run_cell, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""The cell contract's entry point, shared by every cell program.
+
+``python -m qualification.programs.NAME --cell cell.json --out celldir``: read the cell, run it, write
+``celldir/result.json`` (status, observed, metrics, timeline, message) and print the observations to the cell log.
+The engine judges the cell from ``result.json``; the exit code is 0 whenever a result was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RunCell = Callable[[dict[str, Any], Path], dict[str, Any]]
+
+
+def cell_main(prog: str, run_cell: RunCell, argv: list[str] | None = None) -> int:
+    """Parse the contract's arguments, run ``run_cell(cell, celldir)`` and write its result."""
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--cell", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cell = json.loads(args.cell.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run_cell(cell, args.out)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(f"{cell['id']}: {result['status']} {result['message']}".rstrip())
+    print(json.dumps(result["observed"], indent=1, sort_keys=True))
+    return 0
