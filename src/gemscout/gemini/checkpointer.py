@@ -21,16 +21,15 @@ import torch
 import torch.distributed as dist
 
 from gemscout.config import TrustState
-from gemscout.errors import CollectiveTimeout, IntegrityError, RecoveryError, RunMismatchError
+from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
-from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
+from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
 from gemscout.state import training_state
-from gemscout.state.codec import decode
 from gemscout.state.layout import parse_prefix, verify_data
 
 log = logging.getLogger("gemscout.gemini")
@@ -147,7 +146,7 @@ class Checkpointer:
             chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for,
         )
         assert received is not None
-        step = self._verify_frame(received, owner=owner, step=None)
+        step = self.verify_frame(received, owner=owner, step=None)
         buffers.add(step, *received)
         self.stats["replicate_s"] = time.perf_counter() - t0
         if persist_now:
@@ -182,16 +181,16 @@ class Checkpointer:
             self.ledger.forget_before(steps[-1])
             self.ledger.save()
 
-    def _verify_frame(self, frame: Frame, *, owner: int, step: int | None) -> int:
+    def verify_frame(self, frame: Frame, *, owner: int, step: int | None) -> int:
         parsed = parse_prefix(frame[0])
         verify_data(parsed, frame[1])
         ident = parsed.identity
         if ident.get("owner") != owner or (step is not None and ident.get("step") != step):
             raise IntegrityError(f"replica identity mismatch: expected owner {owner} step {step}, got {ident}")
-        self._check_identity(ident, where=f"replica of rank {owner}")
+        self.check_identity(ident, where=f"replica of rank {owner}")
         return int(ident["step"])
 
-    def _check_identity(self, ident: dict[str, Any], *, where: str) -> None:
+    def check_identity(self, ident: dict[str, Any], *, where: str) -> None:
         if ident.get("run_id") != self.run_id:
             raise RunMismatchError(
                 f"{where} belongs to run {ident.get('run_id')!r}, not {self.run_id!r}; set run_id (or "
@@ -273,142 +272,15 @@ class Checkpointer:
         return rejected
 
     # ------------------------------------------------------------------ recovery
-    def _proposal(self) -> tuple[dict[str, Any], dict[tuple[str, int, int], Any]]:
-        """What this rank can load and verify, and where each item lives (for the transfers)."""
-        where: dict[tuple[str, int, int], Any] = {}
-        memory = []
-        for slot in self.pool.ready_slots():
-            memory.append(slot.step)
-            where[("memory", self.rank, slot.step)] = slot.frame()
-        own = []
-        unusable: list[str] = []
-        for step in store.list_steps(self.paths.own):
-            if step in memory:
-                continue  # memory is preferred for this step: reading and hashing the file would be wasted time
-            path = store.step_file(self.paths.own, step)
-            try:
-                parsed, _ = store.read_verified(path)
-                self._check_identity(parsed.identity, where=str(path))
-            except (IntegrityError, OSError) as exc:
-                log.warning("gemini: %s is unusable: %s", path, exc)
-                unusable.append(f"rank {self.rank} own step {step}: {exc}")
-                continue
-            own.append(step)
-            where[("local", self.rank, step)] = path
-        memory_held = {str(o): b.steps() for o, b in self.replicas.items()}
-        for o, b in self.replicas.items():
-            for s, prefix, data in b.entries:
-                where[("memory_held", o, s)] = (prefix, data)
-        held: dict[str, list[int]] = {}
-        for o in self.paths.held_owners():
-            for step in store.list_steps(self.paths.replicas(o)):
-                if step in memory_held.get(str(o), []):
-                    continue  # the replica in memory is preferred
-                path = store.step_file(self.paths.replicas(o), step)
-                try:
-                    parsed, _ = store.read_verified(path)
-                    self._check_identity(parsed.identity, where=str(path))
-                    if parsed.identity.get("owner") != o:
-                        raise IntegrityError("owner mismatch")
-                except (IntegrityError, OSError) as exc:
-                    log.warning("gemini: replica %s is unusable: %s", path, exc)
-                    unusable.append(f"rank {self.rank} replica of rank {o} step {step}: {exc}")
-                    continue
-                held.setdefault(str(o), []).append(step)
-                where[("held", o, step)] = path
-        proposal = {"rank": self.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held,
-                    "unusable": unusable, "durable": self.durable.newest_step() if self.durable else None}
-        proposal.update(self.ledger.summary())
-        return proposal, where
-
     def recover(self, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
                 min_trust: TrustState | None = None) -> RecoveryDecision:
-        """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
+        """Collectively choose and restore a step (all ranks must call); see :func:`gemscout.gemini.restore.recover`.
 
         Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
         """
-        self.drain()
-        excluded: set[int] = set()
-        for _ in range(self.config.max_recovery_attempts + 2):
-            proposal, where = self._proposal()
-            for s in excluded:
-                proposal["rejected"] = sorted(set(proposal["rejected"]) | {s})
-            proposals = comm.gather_json(proposal, group=self.group, timeout=self.config.timeout)
-            seen = [p.get("durable") for p in proposals]
-            durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
-            decision = decide(proposals, run_id=self.run_id, topology_digest=self.topology_digest,
-                              min_trust=min_trust or self.config.min_trust, max_attempts=self.config.max_recovery_attempts,
-                              failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
-            if decision.mode == RecoveryMode.RESTORE:
-                assert decision.step is not None
-                frame, err = self._fetch(decision, where)
-                if not comm.all_agree(err is None, group=self.group, timeout=self.config.timeout):
-                    log.warning("gemini: step %d failed verification somewhere (%s); trying an older one",
-                                decision.step, err or "on a peer")
-                    excluded.add(decision.step)
-                    continue
-                self._deliver(decision)
-                assert frame is not None
-                self._restore_frame(frame)
-                self.ledger.attempts[decision.step] = self.ledger.attempts.get(decision.step, 0) + 1
-            else:
-                self._deliver(decision)
-                if decision.mode == RecoveryMode.STOP:
-                    self.ledger.last_decision = decision.to_dict()
-                    self.ledger.save()
-                    raise RecoveryError(f"recovery stopped: {decision.reason}")
-                if decision.mode == RecoveryMode.DURABLE:
-                    assert self.durable is not None and decision.step is not None
-                    self.durable.load(decision.step, self.sources)
-                elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
-                    decision = _with_step(decision, fallback())
-            self.ledger.last_decision = decision.to_dict()
-            self.ledger.save()
-            return decision
-        raise RecoveryError("recovery stopped: every candidate step failed verification")
+        from gemscout.gemini.restore import recover
 
-    def _deliver(self, decision: RecoveryDecision) -> None:
-        log.info("gemini recovery decision: %s", decision.to_dict())
-        if self.on_decision is not None:
-            self.on_decision(decision)
-
-    def _fetch(self, decision: RecoveryDecision, where: dict[tuple[str, int, int], Any]) -> tuple[Frame | None, str | None]:
-        """Gather this rank's frame for the decided step: from memory, disk, or a peer. Returns (frame, error)."""
-        step = decision.step
-        assert step is not None
-        frame: Frame | None = None
-        err: str | None = None
-        for owner in sorted(decision.sources):
-            src = decision.sources[owner]
-            holder = int(src.split(":")[1]) if src.startswith("peer:") else owner
-            if src.startswith("peer:") and self.rank == holder:
-                comm.exchange(self._held_frame(where, owner, step), owner, None, group=self.group,
-                              chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout)
-            if self.rank == owner:
-                try:
-                    if src.startswith("peer:"):
-                        frame = comm.exchange(None, None, holder, group=self.group,
-                                              chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout)
-                    elif src == "memory":
-                        frame = where[("memory", owner, step)]
-                    else:
-                        frame = _split(store.read_raw(where[("local", owner, step)]))
-                    assert frame is not None
-                    self._verify_frame(frame, owner=owner, step=step)
-                except (IntegrityError, OSError, RunMismatchError) as exc:
-                    err = f"{src}: {exc}"
-        return frame, err
-
-    def _held_frame(self, where: dict[tuple[str, int, int], Any], owner: int, step: int) -> Frame:
-        if ("memory_held", owner, step) in where:
-            return where[("memory_held", owner, step)]
-        return _split(store.read_raw(where[("held", owner, step)]))
-
-    def _restore_frame(self, frame: Frame) -> None:
-        parsed = parse_prefix(frame[0])
-        # Clone: a frame may be a slot or replica buffer GEMINI reuses; restored state must never alias it.
-        state = decode(parsed.skeleton, [v.clone() for v in parsed.layout.views(frame[1])])
-        training_state.restore(self.sources, state)
+        return recover(self, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust)
 
     def close(self, timeout: timedelta | None = None) -> None:
         """Drain pending work (bounded) and stop the threads."""
@@ -419,18 +291,4 @@ class Checkpointer:
         self._io.shutdown(wait=False, cancel_futures=True)
         self.capturer.shutdown()
 
-
-def _split(raw: bytes) -> Frame:
-    parsed = parse_prefix(raw)
-    if len(raw) != parsed.data_offset + parsed.layout.data_nbytes:
-        raise IntegrityError(f"checkpoint has {len(raw)} bytes, its header says {parsed.data_offset + parsed.layout.data_nbytes}")
-    buf = bytearray(raw)
-    data = torch.frombuffer(buf, dtype=torch.uint8, offset=parsed.data_offset, count=parsed.layout.data_nbytes) \
-        if parsed.layout.data_nbytes else torch.empty(0, dtype=torch.uint8)
-    return bytes(raw[: parsed.data_offset]), data
-
-
-def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:
-    return RecoveryDecision(decision.failure_kind, decision.mode, step, decision.checkpoint_id, decision.sources,
-                            decision.topology_digest, decision.reason)
 

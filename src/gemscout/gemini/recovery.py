@@ -69,7 +69,7 @@ def decide(
     durable_step: int | None = None,
     has_fallback: bool = False,
 ) -> RecoveryDecision:
-    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see ``Session._proposal``)."""
+    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.restore.propose`)."""
     world = len(proposals)
     rejected = {s for p in proposals for s in p.get("rejected", [])}
     attempts: dict[int, int] = {}
