@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import json
 import os
 import signal
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2}
@@ -208,19 +208,8 @@ def main() -> None:
     }
     if session:
         session.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
-    dist.barrier()
-    # Like train_rank: gloo's process-group teardown can deadlock at exit, and every rank has written its result.
-    sys.stdout.flush()
-    os._exit(0)
+    finish(args.out, rank, result)
 
 
 if __name__ == "__main__":
-    from gemscout.errors import GemscoutError
-
-    try:
-        main()
-    except GemscoutError as exc:  # the documented exit code, one line, no traceback
-        print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
-        raise SystemExit(exc.exit_code) from None
+    run(main)

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -29,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -201,20 +200,8 @@ def main() -> None:
     }
     if session:
         session.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    # Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
-    # destructor holds it): every rank has written its result and passed the barrier, so leave without it.
-    sys.stdout.flush()
-    os._exit(0)
+    finish(args.out, rank, result)
 
 
 if __name__ == "__main__":
-    from gemscout.errors import GemscoutError
-
-    try:
-        main()
-    except GemscoutError as exc:  # the documented exit code, one line, no traceback
-        print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
-        raise SystemExit(exc.exit_code) from None
+    run(main)

@@ -1,0 +1,36 @@
+"""What every rank program does at its two ends: leave with the documented exit code, and leave without teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def finish(out: Path, rank: int, result: dict[str, Any]) -> None:
+    """Write ``out/rank<r>.json``, wait for every rank, and exit the process.
+
+    Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
+    destructor holds it): every rank has written its result and passed the barrier, so leave without it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run ``main``; a gemscout error ends the rank with its documented exit code and one line, no traceback."""
+    from gemscout.errors import GemscoutError
+
+    try:
+        main()
+    except GemscoutError as exc:
+        print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(exc.exit_code) from None
