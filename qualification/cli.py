@@ -184,12 +184,40 @@ def verify(
 def report(
     bundle: Annotated[Path, typer.Argument(help="A run directory or sealed bundle.")],
     out: Annotated[Path | None, typer.Option(help="HTML file to write.", show_default="BUNDLE.html")] = None,
+    expected_commit: Annotated[str | None, typer.Option(
+        help="Verify the bundle against this full SHA first and show the verdict (VALID + freshness, or INVALID).",
+    )] = None,
+    public_key: Annotated[Path | None, typer.Option(help="Public key (PEM) of a key-signed bundle.")] = None,
+    main_ref: Annotated[str, typer.Option(help="The ref that is main, for freshness (fetch first).")] = "main",
 ) -> None:
-    """Render the HTML report of a run directory or bundle."""
+    """Render the HTML report of a run directory or bundle.
+
+    With --expected-commit the bundle is verified first (the checks of `qualify verify`) and the report shows the
+    result; an invalid bundle is still rendered, marked INVALID with the reason, and the command exits with the
+    verifier's code so a pipeline cannot mistake it for evidence.
+    """
     if not (bundle / "summary.json").is_file() and not (bundle / "manifest.json").is_file():
         raise UsageError(f"{bundle} has neither summary.json nor manifest.json; is it a run directory or bundle?")
-    if not _report(bundle, out or bundle.with_name(bundle.name + ".html")):
-        raise QualificationError("the HTML report renderer (qualification.report) is not part of this build yet")
+    target = out or bundle.with_name(bundle.name + ".html")
+    if expected_commit is None:
+        if not _report(bundle, target):
+            raise QualificationError("the HTML report renderer (qualification.report) is not part of this build yet")
+        return
+    from qualification.errors import BundleInvalid
+    from qualification.evidence.verify import TrustPolicy, verify_bundle
+    from qualification.report import render
+
+    try:
+        result = verify_bundle(bundle, expected_commit=expected_commit, trust=TrustPolicy(public_key=public_key),
+                               repo=Path("."), main_ref=main_ref)
+    except BundleInvalid as exc:
+        render(bundle, target, verification_error=str(exc))
+        typer.echo(f"report: {target} (bundle INVALID: {exc})", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    render(bundle, target, verification=result)
+    typer.echo(f"report: {target} (bundle VALID, {result.freshness.state}: {result.message})", err=True)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
 
 
 def _run_with_progress(cells: list[campaigns.Cell], out_dir: Path,

@@ -223,3 +223,26 @@ def test_key_signed_run_verifies_through_qualify(tmp_path: Path) -> None:
     assert wrong.returncode == 4
     (out / "summary.json").write_text("{}")
     assert qualify("verify", str(out), "--expected-commit", commit, "--public-key", str(public)).returncode == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="sealing needs a git checkout")
+def test_report_verifies_the_bundle_it_renders(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out),
+                   "--no-report").returncode == 0
+    commit = json.loads((out / "manifest.json").read_text())["predicate"]["source"]["digest"]["gitCommit"]
+    page = tmp_path / "verified.html"
+    proc = qualify("report", str(out), "--out", str(page), "--expected-commit", commit)
+    # 0 when sealed from a clean checkout at main's head; 6 (freshness UNKNOWN) from a dirty working tree.
+    assert proc.returncode in (0, 6), proc.stderr
+    assert "VALID" in page.read_text() and "bundle VALID" in proc.stderr
+    # Another commit: the verifier's exit code (4), and the page still written, saying INVALID and why.
+    wrong = tmp_path / "wrong.html"
+    proc = qualify("report", str(out), "--out", str(wrong), "--expected-commit", "1" * 40)
+    assert proc.returncode == 4, proc.stderr
+    assert "INVALID" in wrong.read_text() and "1111111111" in wrong.read_text()
+    # A bad SHA is a usage error: one line, exit 2, no page.
+    bad = tmp_path / "bad.html"
+    proc = qualify("report", str(out), "--out", str(bad), "--expected-commit", "abc")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and not bad.exists()
