@@ -9,7 +9,7 @@ JOBS ?= 2
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev,deepspeed]'
+	$(BIN)/pip install -q -e '.[dev,deepspeed,megatron]'
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install gemscout with its dev tools (torch==2.13.0 CPU)

@@ -6,7 +6,8 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params
   ``phase`` as in :mod:`qualification.programs.train_rank`, ``node_loss`` = delete that rank's node folder before the
   relaunch, so it must recover from its peer's replica) or ``sigterm`` (``step``: rank 0 gets SIGTERM after that
   step; the restart must resume from the flushed step).
-- ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1).
+- ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1), ``schedule``
+  (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers).
 
 Observed: ``recovered_step``, ``source`` (weakest source any rank restored from), ``bitwise_equal`` (final state
 digest of every rank equals the uninterrupted run's), ``losses_equal``, ``replicas_equal``, ``final_step``,
@@ -30,6 +31,8 @@ def _rank_program(cell: dict[str, Any]) -> str:
     step. Both programs take the same arguments and write the same rank<r>.json."""
     if str(cell.get("topology", "")).startswith("deepspeed-"):
         return "qualification.programs.ds_rank"
+    if str(cell.get("topology", "")).startswith("megatron-"):  # megatron-tp1, megatron-tp2: Megatron Core GPTModel
+        return "qualification.programs.megatron_rank"
     return "qualification.programs.train_rank"
 
 
@@ -40,6 +43,10 @@ def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[s
             "--steps", str(p.get("steps", 6)), "--seed", str(cell.get("seed", 0)),
             "--interval", str(p.get("interval", 1)), "--persist-every", str(p.get("persist_every", 1)),
             "--ranks-per-node", str(p.get("ranks_per_node", 1))]
+    if "replication" in p:  # GEMINI replica placement: ring (default) or natural (HSDP replicate-group peers)
+        argv += ["--replication", str(p["replication"])]
+    if "schedule" in p:  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
+        argv += ["--schedule", str(p["schedule"])]
     if ckpt is not None:
         argv += ["--ckpt", str(ckpt)]
     return argv + extra

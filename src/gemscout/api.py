@@ -93,9 +93,20 @@ def _record_run(directory: Path, run_id: str, *, fsync: bool) -> None:
         log.warning("gemscout: cannot record the run id in %s: %s", marker, exc)
 
 
-def _topology_digest(model: nn.Module, world_size: int, placement: Placement) -> str:
-    shapes = [[n, list(p.shape), str(p.dtype)] for n, p in _unwrap(model).state_dict().items()]
-    doc = {"world_size": world_size, "ranks_per_node": placement.ranks_per_node, "model": shapes}
+def _topology_digest(model: nn.Module, world_size: int, placement: Placement, group: dist.ProcessGroup,
+                     timeout: timedelta) -> str:
+    """A digest of the job's shape: world, nodes and every rank's state names and shapes. Collective over ``group``.
+
+    Every rank's, not this rank's own: pipeline stages hold different modules, and a rank checks the replicas it
+    holds for its peers against its own digest, so the digest must be the same on every rank."""
+    from gemscout.gemini import comm
+
+    # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
+    shapes = [[n, list(p.shape), str(p.dtype)] if isinstance(p, torch.Tensor) else [n, None, type(p).__name__]
+              for n, p in _unwrap(model).state_dict().items()]
+    every = comm.gather_json(shapes, group=group, timeout=timeout)
+    doc = {"world_size": world_size, "ranks_per_node": placement.ranks_per_node,
+           "model": shapes if all(s == shapes for s in every) else every}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -122,8 +133,8 @@ def enable_resiliency(
     """Attach resiliency to a training loop. Collective: every rank of ``group`` must call it.
 
     - ``model`` / ``optimizer``: a torch ``nn.Module`` (DDP, FSDP2, HSDP, TP) and its ``torch.optim.Optimizer``, or a
-      ``DeepSpeedEngine`` (ZeRO-1/2) and ``engine.optimizer`` (see docs/torchrun.md). TorchTitan and Megatron Core
-      are detected and refused with a ConfigError until their adapters land.
+      ``DeepSpeedEngine`` (ZeRO-1/2) and ``engine.optimizer``, a Megatron Core model (or its list of chunks) and
+      its torch optimizer or MegatronOptimizer, or a TorchTitan ``Trainer`` (optimizer None). See docs/torchrun.md.
     - ``interval``: capture every N optimizer steps.
     - ``checkpoint``: GEMINI settings (None disables GEMINI).
     - ``extra_state_fn`` / ``load_extra_state_fn``: caller state taken inside ``optimizer.step()`` right after the
@@ -154,13 +165,15 @@ def enable_resiliency(
         raise ConfigError("enable_resiliency.checkpoint: pass a gemscout.CheckpointConfig(directory=...)")
     if (extra_state_fn is None) != (load_extra_state_fn is None):
         raise ConfigError("enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither")
+    if scout is not None and not isinstance(scout, ScoutConfig):
+        raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
     from gemscout.adapters.detect import resolve  # here, not at the top: importing gemscout loads no adapter
 
     # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
     # counters as extra state; plain PyTorch passes through; the type checks of model and optimizer live there.
     target = resolve(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-                     schedulers=schedulers, scout=scout)
-    model, optimizer = target.model, target.optimizer
+                     schedulers=schedulers, scout=scout, group=group)
+    model, optimizer, scout = target.model, target.optimizer, target.scout
     extra_state_fn, load_extra_state_fn, schedulers = (target.extra_state_fn, target.load_extra_state_fn,
                                                        target.schedulers)
     if not dist.is_available() or not dist.is_initialized():
@@ -179,10 +192,8 @@ def enable_resiliency(
         _check_recorded_run(checkpoint.directory, run_id, explicit)
         _record_run(checkpoint.directory, run_id, fsync=checkpoint.fsync)
         checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
-                                    run_id=run_id, topology_digest=_topology_digest(model, world, placement),
+                                    run_id=run_id, topology_digest=_topology_digest(model, world, placement, rep_group, timeout),
                                     on_decision=on_recovery_decision)
-    if scout is not None and not isinstance(scout, ScoutConfig):
-        raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
     if scout is not None and scout.interval not in (1, interval):
         raise ConfigError(f"ScoutConfig.interval={scout.interval} differs from enable_resiliency(interval={interval}); "
                           "set the shared cadence once, with enable_resiliency(interval=...)")
@@ -207,7 +218,7 @@ def enable_resiliency(
             session._install_signals()
     if scout is not None:
         session.scout = Scout(dataclasses.replace(scout, interval=interval)).attach(
-            model, optimizer, group=group, first_step=session.step + 1)
+            model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1)
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
             session.comm_probe = CommProbe(scout.comm_probe, ranks=ranks)
@@ -219,7 +230,9 @@ def enable_resiliency(
             session.watch.ddp_comm_hook(model)
     if health is not None or health_sources:
         session.health = _start_health(session, rank, health, health_sources)
+    adapter_handles = target.install_hooks() if target.install_hooks is not None else []  # before the session's
     session._attach()
+    session._handles += adapter_handles
     LIVE.add(session)
     return session
 

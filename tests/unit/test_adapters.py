@@ -117,9 +117,9 @@ def test_torch_passes_through_unchanged() -> None:
 
 
 @pytest.mark.parametrize(("model", "optimizer", "match"), [
-    (Trainer(), None, r"TorchTitan Trainer is not supported yet.*model_parts.*OptimizersContainer"),
-    ([GPTModel(), GPTModel()], None, r"Megatron Core is not supported yet.*model chunks.*DistributedOptimizer"),
-    (nn.Linear(2, 2), DistributedOptimizer(), r"Megatron Core is not supported yet"),
+    (Trainer(), None, r"enable_resiliency.model: a TorchTitan Trainer .* has no model_parts"),
+    ([GPTModel(), GPTModel()], None, r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOptimizer"),
+    (nn.Linear(2, 2), DistributedOptimizer(), r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOpt"),
     ([nn.Linear(2, 2)], None, r"expected one torch.nn.Module, got a list of 1"),
     ("model", None, r"enable_resiliency.model: expected a torch.nn.Module, got str"),
     (nn.Linear(2, 2), object(), r"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got object$"),

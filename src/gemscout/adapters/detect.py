@@ -4,8 +4,9 @@ Detection reads class modules and names along each object's MRO; it never import
 when the framework is absent and cannot fail on a broken install. The kinds:
 
 - **DeepSpeed**: a ``deepspeed…DeepSpeedEngine`` → :mod:`gemscout.adapters.deepspeed` (ZeRO-1/2);
-- **TorchTitan**: a ``torchtitan…Trainer`` (or a TorchTitan optimizers container) → not supported yet;
-- **Megatron Core**: a list of model chunks, a module or an optimizer from ``megatron…`` → not supported yet;
+- **TorchTitan**: a ``torchtitan…Trainer`` → :mod:`gemscout.adapters.torchtitan` (pass the trainer as ``model``);
+- **Megatron Core**: a list of model chunks, a module or an optimizer from ``megatron…`` →
+  :mod:`gemscout.adapters.megatron`;
 - **PyTorch**: an ``nn.Module`` (DDP, FSDP2, HSDP, DeviceMesh TP) with a ``torch.optim.Optimizer`` → used as is.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
+from gemscout.scout.topology import Topology
 
 __all__ = ["Framework", "Target", "detect", "resolve"]
 
@@ -77,19 +79,12 @@ class Target:
     """The inverse of ``extra_state_fn``."""
     schedulers: tuple[Any, ...]
     """LR schedulers the loop steps after the optimizer step (captured, replayed once on restore)."""
-
-
-_TORCHTITAN_MISSING = (
-    "a TorchTitan Trainer is not supported yet: gemscout has no TorchTitan adapter. It needs the trainer's model parts "
-    "(trainer.model_parts, one per pipeline stage), step hooks on its OptimizersContainer (trainer.optimizers), its "
-    "lr schedulers container and its dataloader state, and the parallel dims to find SCOUT's data-parallel peers"
-)
-_MEGATRON_MISSING = (
-    "Megatron Core is not supported yet: gemscout has no Megatron adapter. It needs the list of model chunks (virtual "
-    "pipeline stages), step hooks and a sharded state capture for the MegatronOptimizer / DistributedOptimizer (not a "
-    "torch.optim.Optimizer), its OptimizerParamScheduler, and megatron.core.parallel_state's data-parallel groups "
-    "for SCOUT's peers"
-)
+    scout: ScoutConfig | None = None
+    """The ScoutConfig to attach with (an adapter may fill in its framework's module paths)."""
+    scout_topology: Topology | None = None
+    """SCOUT's peers when the framework defines them (Megatron's parallel_state); None: SCOUT reads the model."""
+    install_hooks: Callable[[], list[Any]] | None = None
+    """The adapter's own step hooks, registered right before the session's (so they run first); returns handles."""
 
 
 def resolve(
@@ -100,11 +95,11 @@ def resolve(
     load_extra_state_fn: Callable[[Any], None] | None = None,
     schedulers: Sequence[Any] = (),
     scout: ScoutConfig | None = None,
+    group: Any = None,
 ) -> Target:
     """Detect the framework and return what to attach to. Imports an adapter only for a detected framework.
 
-    Raises ConfigError for an object no adapter accepts, for a framework not supported yet (naming what its adapter
-    would need), and for an argument the framework cannot take.
+    Raises ConfigError for an object no adapter accepts and for an argument the framework cannot take.
     """
     framework = detect(model, optimizer)
     if framework is Framework.DEEPSPEED:
@@ -116,14 +111,28 @@ def resolve(
         # EngineOptimizer offers exactly the optimizer interface the session, GEMINI and SCOUT's forward recipes use.
         return Target(framework=framework, model=parts.model, optimizer=cast(torch.optim.Optimizer, parts.optimizer),
                       extra_state_fn=parts.extra_state_fn, load_extra_state_fn=parts.load_extra_state_fn,
-                      schedulers=tuple(schedulers))
+                      schedulers=tuple(schedulers), scout=scout)
     if framework is Framework.TORCHTITAN:
-        raise ConfigError(f"enable_resiliency.model: {_TORCHTITAN_MISSING}")
+        from gemscout.adapters.torchtitan import resolve_trainer
+
+        tt = resolve_trainer(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+                             schedulers=schedulers, scout=scout, group=group)
+        return Target(framework=framework, model=tt.model, optimizer=cast(torch.optim.Optimizer, tt.optimizer),
+                      extra_state_fn=tt.extra_state_fn, load_extra_state_fn=tt.load_extra_state_fn,
+                      schedulers=tt.schedulers, scout=tt.scout)
     if framework is Framework.MEGATRON:
-        raise ConfigError(f"enable_resiliency.model: {_MEGATRON_MISSING}")
+        from gemscout.adapters.megatron import resolve_megatron
+
+        mc = resolve_megatron(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+                              schedulers=schedulers, scout=scout, group=group)
+        # MegatronOptimizerView offers the optimizer interface the session, GEMINI and SCOUT use (see its docstring).
+        return Target(framework=framework, model=mc.model, optimizer=cast(torch.optim.Optimizer, mc.optimizer),
+                      extra_state_fn=mc.extra_state_fn, load_extra_state_fn=mc.load_extra_state_fn,
+                      schedulers=mc.schedulers, scout=mc.scout, scout_topology=mc.topology,
+                      install_hooks=mc.install_hooks)
     if isinstance(model, list | tuple):
         raise ConfigError(f"enable_resiliency.model: expected one torch.nn.Module, got a {type(model).__name__} of "
-                          f"{len(model)}; lists of model chunks are Megatron Core's form, which is not supported yet")
+                          f"{len(model)}; a list of model chunks is accepted only from Megatron Core (its modules)")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"enable_resiliency.model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -132,4 +141,4 @@ def resolve(
         raise ConfigError(f"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got "
                           f"{type(optimizer).__name__}{hint}")
     return Target(framework=framework, model=model, optimizer=optimizer, extra_state_fn=extra_state_fn,
-                  load_extra_state_fn=load_extra_state_fn, schedulers=tuple(schedulers))
+                  load_extra_state_fn=load_extra_state_fn, schedulers=tuple(schedulers), scout=scout)

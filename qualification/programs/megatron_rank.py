@@ -1,0 +1,229 @@
+"""One rank of a deterministic Megatron Core GPTModel run on CPU (gloo), with or without gemscout, with optional faults.
+
+The model is Megatron Core's own ``GPTModel`` (local layer spec: ColumnParallel / RowParallel linears, vocab-parallel
+embedding and cross entropy) on ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=--tp)``; the
+loop is hand-written because Megatron's schedules, DDP and optimizers hard-code CUDA: gradients are averaged over the
+data-parallel group with one all-reduce per parameter, and a torch AdamW updates. Dropout is on (hidden and attention),
+so Megatron's RNG tracker is exercised (attention dropout forks it). CUDA calls Megatron makes on its CPU path are
+redirected by :mod:`qualification.programs._megatron_cpu_shims` (test-only).
+
+Writes ``<out>/rank<r>.json``: losses per step, resume step, recovery decision, ``state_digest`` (SHA-256 over the
+model state, the AdamW state and Megatron's RNG tracker streams), SCOUT's peers / topology, its reports and the trust
+states, the replay faults that fired, and whether ``destroy_model_parallel()`` closed the session (``closed_by_destroy``:
+Megatron destroys its gloo groups through ``torch.distributed.destroy_process_group``, which gemscout wraps).
+
+Takes the lifecycle driver's arguments (``--topology megatron-tp1|megatron-tp2``, ``--interval``, ``--persist-every``,
+``--ranks-per-node``, ``--sigterm-step``) and writes the keys it reads (``replicas_equal``: ranks with the same TP
+coordinate hold equal modules; ``times``; ``stats``), so campaign cells can run it.
+
+Faults: ``--kill-rank R --kill-step S`` SIGKILLs rank R after step S (its checkpoint drained first);
+``--fault-rank R --fault-step S --fault-recipe NAME`` corrupts what rank R computes when *replaying* NAME at step S
+(``qualification.faults``: SCOUT must name R; training itself is untouched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qualification.programs._rank import finish, run
+
+VOCAB, SEQ, BATCH = 128, 32, 4
+TOPOLOGIES = {"megatron-tp1": 1, "megatron-tp2": 2}
+CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 over the model state, the optimizer state and Megatron's RNG tracker streams."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            h.update(name.encode())
+            h.update(_bytes(t))
+    for i, state in sorted(opt.state_dict()["state"].items()):
+        for key, value in sorted(state.items()):
+            h.update(f"{i}.{key}".encode())
+            h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+    for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
+        h.update(name.encode())
+        h.update(_bytes(state))
+    return h.hexdigest()
+
+
+def module_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        if isinstance(t, torch.Tensor):
+            h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def build(tp: int, seed: int) -> tuple[Any, torch.nn.Module]:
+    """Model parallel state, the RNG tracker and a small GPTModel (seeded: every run builds the same weights)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=tp)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=False)
+    return ps, model
+
+
+def batch(seed: int, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, labels and positions of one step for one data-parallel rank (TP partners read the same batch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + dp_rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:].contiguous(), torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
+                    help="the lifecycle driver's name for the layout (sets --tp)")
+    ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument("--run-id", default="qualify")
+    ap.add_argument("--keep-generations", type=int, default=2)
+    ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
+    ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
+    ap.add_argument("--sigterm-step", type=int, default=-1)
+    ap.add_argument("--scout", action="store_true", help="SCOUT forward recipes on the data-parallel peers")
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--fault-rank", type=int, default=-1)
+    ap.add_argument("--fault-step", type=int, default=-1)
+    ap.add_argument("--fault-recipe", default="hidden.0")
+    ap.add_argument("--fault-kind", default="bitflip")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if args.topology is not None:
+        args.tp = TOPOLOGIES[args.topology]
+    torch.set_num_threads(1)
+    from qualification.programs import _megatron_cpu_shims
+
+    _megatron_cpu_shims.install()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ps, model = build(args.tp, args.seed)
+    dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses: dict[int, float] = {}
+    reports: list[dict[str, Any]] = []
+    decisions: list[dict[str, Any]] = []
+    session = None
+    decision = None
+    injector = None
+    topology = None
+    times: dict[str, float] = {}
+    if args.ckpt is not None:
+        import gemscout
+
+        def extra() -> dict[str, Any]:
+            return {"losses": {str(k): v for k, v in losses.items()}}
+
+        def load_extra(state: dict[str, Any]) -> None:
+            losses.clear()
+            losses.update({int(k): float(v) for k, v in state["losses"].items()})
+
+        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
+                                        persist_every=args.persist_every, keep_generations=args.keep_generations,
+                                        timeout=timedelta(seconds=60), fsync=False)
+        scout = (gemscout.ScoutConfig(recipes=("embedding", "hidden", "output", "optimizer"), stragglers=None,
+                                      timeout=timedelta(seconds=60)) if args.scout else None)
+        t_attach = time.time()
+        session = gemscout.enable_resiliency([model], opt, interval=args.interval, checkpoint=cfg, scout=scout,
+                                             extra_state_fn=extra, load_extra_state_fn=load_extra,
+                                             on_fault_report=lambda r: reports.append(r.to_dict()),
+                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        decision = session.last_decision.to_dict() if session.last_decision else None
+        times = {"attach_wall": t_attach, "restored_wall": time.time()}
+        if session.scout is not None:
+            from qualification.faults import Injector, fail_at
+
+            topology = session.scout.topology.to_dict() if session.scout.topology is not None else None
+            injector = Injector(session.scout)
+            if rank == args.fault_rank:
+                injector.set(fail_at(args.fault_kind, rank=rank, step=args.fault_step, recipe=args.fault_recipe))
+    start = session.resume_step + 1 if session else 1
+    model.train()
+    for step in range(start, args.steps + 1):
+        tokens, labels, positions = batch(args.seed, step, dp_rank)
+        opt.zero_grad(set_to_none=True)
+        # An explicit causal mask (True = masked): Megatron's default one is built on "cuda".
+        loss = model(tokens, positions, CAUSAL, labels=labels).mean()
+        loss.backward()
+        for p in model.parameters():  # Megatron's DDP is CUDA-only: average over the data-parallel group by hand
+            if p.grad is not None and dp_size > 1:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(dp_size)
+        losses[step] = loss.item()
+        opt.step()
+        if rank == args.kill_rank and step == args.kill_step:
+            if session is not None and session.checkpointer is not None:
+                session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and step == args.sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler flushes and re-raises; we never get here
+    trust: dict[str, str] = {}
+    if session is not None and session.checkpointer is not None:
+        session.checkpointer.drain()
+        trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+    # Replicas: ranks with the same TP coordinate hold the same shard (test-side comparison; gemscout never pickles).
+    shards: list[Any] = [None] * world
+    dist.all_gather_object(shards, (ps.get_tensor_model_parallel_rank(), module_digest(model)))
+    result = {
+        "rank": rank, "world_size": world, "tp": args.tp, "dp_rank": dp_rank,
+        "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_group": dist.get_process_group_ranks(dp_group),
+        "resume_step": session.resume_step if session else 0, "decision": decision,
+        "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": state_digest(model, opt),
+        "peers": list(session.scout.peers) if session and session.scout else None, "topology": topology,
+        "errors": session.checkpointer.errors if session and session.checkpointer else [],
+        "reports": reports, "decisions": decisions, "trust": trust,
+        "fired": injector.fired if injector is not None else [],
+        "replicas_equal": len({d for t, d in shards if t == ps.get_tensor_model_parallel_rank()}) == 1,
+        "times": times, "final_step": args.steps,
+        "stats": session.checkpointer.stats if session and session.checkpointer else {},
+    }
+    dist.barrier()
+    # Megatron's teardown destroys its gloo groups through torch.distributed.destroy_process_group, which gemscout
+    # wraps: the session must be closed (threads stopped, hooks removed) before the groups go away.
+    ps.destroy_model_parallel()
+    result["closed_by_destroy"] = session.closed if session is not None else None
+    finish(args.out, rank, result)
+
+
+if __name__ == "__main__":
+    run(main)

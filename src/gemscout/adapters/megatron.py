@@ -1,0 +1,381 @@
+"""Megatron Core: what GEMINI captures from a Megatron model and optimizer, and who SCOUT's peers are.
+
+What a Megatron job hands to ``enable_resiliency``:
+
+- ``model``: a Megatron module (``GPTModel``, possibly wrapped in Megatron's ``DistributedDataParallel`` /
+  ``Float16Module``, unwrapped through ``.module``) or the list of model chunks ``get_model`` returns. One chunk is
+  used as is; several chunks (virtual pipeline stages) are held in an ``nn.ModuleList`` so their state is one dict.
+- ``optimizer``: a ``torch.optim.Optimizer`` (used as is: its own step hooks), or a ``MegatronOptimizer``
+  (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``ChainedOptimizer``), which
+  is not a torch optimizer: :class:`MegatronOptimizerView` gives it step hooks around ``optimizer.step()`` and a
+  pickle-free per-rank state (see its docstring). That path is GPU-tier: Megatron's optimizers allocate on CUDA.
+
+SCOUT's peers come from ``megatron.core.parallel_state``: ranks that share this rank's tensor-, context- and
+pipeline-parallel coordinates and differ only along data parallelism (the data-parallel group). The layout is read
+as a mesh ``(pp, dp, cp, tp)`` — Megatron's default order ``tp-cp-ep-dp-pp`` — and checked against the live
+data-parallel group, so a custom order is refused instead of pairing the wrong ranks.
+
+Megatron's RNG tracker (``get_cuda_rng_tracker()``: the model-parallel, data-parallel and expert RNG streams that
+dropout inside TP regions draws from) is captured with every step and restored with it; SCOUT's replays do not move
+it (it is put back after each cycle). Nothing here imports megatron at import time; ``parallel_state`` is imported
+when a Megatron object was detected, i.e. when megatron is already loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gemscout.errors import ConfigError, RunMismatchError
+from gemscout.scout.topology import Topology, derive
+
+__all__ = ["MegatronOptimizerView", "MegatronParts", "capture_rng_tracker", "megatron_topology", "resolve_megatron",
+           "restore_rng_tracker"]
+
+FORMAT = "gemscout.megatron-optimizer.v1"
+Hook = Callable[[Any, Any, Any], None]
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+
+def _class_names(obj: Any) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+# -- RNG tracker ------------------------------------------------------------------------------------------------------
+def _tracker() -> Any:
+    """The live Megatron RNG tracker, or None when megatron's random module is not loaded or no tracker exists."""
+    module = sys.modules.get(_RANDOM)
+    tracker = getattr(module, "_CUDA_RNG_STATE_TRACKER", None) if module is not None else None
+    return tracker if tracker is not None and hasattr(tracker, "get_states") else None
+
+
+def capture_rng_tracker() -> dict[str, torch.Tensor] | None:
+    """Fresh copies of every stream of Megatron's RNG tracker (name → generator state), or None without one."""
+    tracker = _tracker()
+    if tracker is None:
+        return None
+    states = tracker.get_states()
+    if not all(isinstance(v, torch.Tensor) for v in states.values()):
+        # TransformerEngine's graph-safe tracker keeps torch.Generator objects, which cannot be stored bitwise here.
+        raise ConfigError("Megatron's RNG tracker holds generator objects (a CUDA-graph-safe or TransformerEngine "
+                          "tracker); gemscout captures the plain CudaRNGStatesTracker: initialise it with "
+                          "use_cudagraphable_rng=False and te_rng_tracker=False")
+    return {name: state.detach().clone() for name, state in states.items()}
+
+
+def restore_rng_tracker(states: dict[str, torch.Tensor] | None) -> None:
+    """Put back what :func:`capture_rng_tracker` took (copies: the checkpoint's buffers are never aliased)."""
+    tracker = _tracker()
+    if states is None or tracker is None:
+        return
+    tracker.set_states({name: state.clone() for name, state in states.items()})
+
+
+class _TrackerGuard:
+    """Keeps SCOUT's replays from moving Megatron's RNG tracker: a replay of a block forks the tracker for its dropout,
+    which would advance the training streams. Its step pre-hook runs before the session's (registered first), its
+    post-hook before the session's capture, so the restored tracker is what GEMINI takes."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] | None = None
+
+    def before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        tracker = _tracker()
+        self.saved = dict(tracker.get_states()) if tracker is not None else None
+
+    def after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        tracker = _tracker()
+        if tracker is not None and self.saved is not None:
+            tracker.set_states(self.saved)  # the tracker replaces its entries, never mutates them: no copy needed
+        self.saved = None
+
+
+# -- topology ---------------------------------------------------------------------------------------------------------
+def megatron_topology(rank: int | None = None) -> Topology:
+    """This rank's SCOUT topology from ``megatron.core.parallel_state``: mesh ``(pp, dp, cp, tp)``, peers along dp.
+
+    Raises ConfigError when model parallelism is not initialised, or when the data-parallel group is not the one the
+    default order ``tp-cp-ep-dp-pp`` gives (a custom ``order=``)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise ConfigError("Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
+                          "enable_resiliency; SCOUT reads its data-parallel groups")
+    rank = dist.get_rank() if rank is None else rank
+    sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+             "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
+    world = dist.get_world_size()
+    if sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"] != world:
+        raise ConfigError(f"Megatron: parallel sizes {sizes} do not multiply to the world size {world}")
+    dims = tuple(d for d in ("pp", "dp", "cp", "tp") if d == "dp" or sizes[d] > 1)
+    topology = derive(dims=dims, shape=[sizes[d] for d in dims], ranks=range(world), data_dims=("dp",),
+                      shard_dims=(), rank=rank)
+    live = tuple(sorted(dist.get_process_group_ranks(ps.get_data_parallel_group())))
+    if tuple(sorted(topology.peers)) != live:
+        raise ConfigError(f"Megatron: the data-parallel group of rank {rank} is {list(live)}, but the default order "
+                          f"tp-cp-ep-dp-pp gives {list(topology.peers)}; initialize_model_parallel with the default "
+                          "order (or leave scout unset)")
+    return topology
+
+
+# -- a MegatronOptimizer as gemscout sees it -------------------------------------------------------------------------
+class _Handle:
+    _ids = itertools.count()
+
+    def __init__(self, owner: MegatronOptimizerView, table: dict[int, Hook], hook: Hook) -> None:
+        self.owner, self.table, self.id = owner, table, next(self._ids)
+        table[self.id] = hook
+
+    def remove(self) -> None:
+        self.table.pop(self.id, None)
+        self.owner._maybe_uninstall()
+
+
+class MegatronOptimizerView:
+    """A ``MegatronOptimizer`` with the part of the ``torch.optim.Optimizer`` interface gemscout uses.
+
+    - ``register_step_pre_hook`` / ``register_step_post_hook``: run around ``optimizer.step()`` (an instance attribute
+      shadows the method for every caller, Megatron's ``train_step`` included), called as ``hook(self, args, kwargs)``;
+      the post-hooks run for skipped updates too (an fp16 overflow still ends the iteration);
+    - ``state_dict``: this rank's state, taken from the torch optimizer(s) inside — the main (fp32) parameters it
+      updates (the whole model for ``FP32Optimizer``, this rank's shard for ``DistributedOptimizer``), its state and
+      hyper-parameters, and the grad scaler — never Megatron's own ``state_dict()`` (which omits the sharded state of
+      the distributed optimizer and needs collectives to build it);
+    - ``param_groups`` / ``state`` / ``defaults`` of the torch optimizer(s).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.megatron = optimizer
+        self.parts: list[Any] = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        self.inner: list[torch.optim.Optimizer] = [p.optimizer for p in self.parts]
+        self._pre: dict[int, Hook] = {}
+        self._post: dict[int, Hook] = {}
+        self._original: Callable[..., Any] | None = None
+        self._had_instance_step = False
+        self._wrapper = self._step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for inner in self.inner for g in inner.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {p: s for inner in self.inner for p, s in inner.state.items()}
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner[0].defaults
+
+    def register_step_pre_hook(self, hook: Hook) -> _Handle:
+        """Run ``hook(self, args, kwargs)`` at the start of every ``optimizer.step()``."""
+        handle = _Handle(self, self._pre, hook)
+        self._install()
+        return handle
+
+    def register_step_post_hook(self, hook: Hook) -> _Handle:
+        """Run ``hook(self, args, kwargs)`` when ``optimizer.step()`` has returned."""
+        handle = _Handle(self, self._post, hook)
+        self._install()
+        return handle
+
+    def _install(self) -> None:
+        if self._original is not None:
+            return
+        self._had_instance_step = "step" in vars(self.megatron)
+        self._original = self.megatron.step
+        vars(self.megatron)["step"] = self._wrapper
+
+    def _maybe_uninstall(self) -> None:
+        if self._original is None or self._pre or self._post:
+            return
+        if vars(self.megatron).get("step") is self._wrapper:
+            if self._had_instance_step:
+                vars(self.megatron)["step"] = self._original
+            else:
+                del vars(self.megatron)["step"]
+        self._original = None
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._original is not None
+        for hook in list(self._pre.values()):
+            hook(self, args, kwargs)
+        result = self._original(*args, **kwargs)
+        for hook in list(self._post.values()):
+            hook(self, args, kwargs)
+        return result
+
+    def _layout(self) -> dict[str, Any]:
+        # Shapes of the main parameters: a DistributedOptimizer shard restored on another DP rank (or another DP
+        # size) has other shapes and would load silently wrong.
+        return {"kinds": [type(p).__name__ for p in self.parts],
+                "main_shapes": [[list(p.shape) for g in inner.param_groups for p in g["params"]]
+                                for inner in self.inner]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (live tensors; GEMINI copies them). Nothing needs pickle."""
+        parts = []
+        for part, inner in zip(self.parts, self.inner, strict=True):
+            scaler = getattr(part, "grad_scaler", None)
+            parts.append({"main": [p for g in inner.param_groups for p in g["params"]],
+                          "inner": inner.state_dict(),
+                          "grad_scaler": scaler.state_dict() if scaler is not None else None})
+        return {"format": FORMAT, **self._layout(), "parts": parts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy a state taken by :meth:`state_dict` into the live optimizer, bitwise. Raises RunMismatchError when it
+        was taken from another optimizer kind or partitioning."""
+        if state.get("format") != FORMAT:
+            raise RunMismatchError(f"the optimizer state is not a Megatron optimizer's ({state.get('format')!r}); it "
+                                   "was taken from another kind of job")
+        here = self._layout()
+        there = {k: state.get(k) for k in here}
+        if there != here:
+            raise RunMismatchError(f"the Megatron optimizer state was taken with {there}, this optimizer has {here}; "
+                                   "resume with the same optimizer and parallel layout, each rank from its own state")
+        with torch.no_grad():
+            for part, inner, saved in zip(self.parts, self.inner, state["parts"], strict=True):
+                live = [p for g in inner.param_groups for p in g["params"]]
+                for param, value in zip(live, saved["main"], strict=True):
+                    param.copy_(value)
+                inner.load_state_dict(saved["inner"])  # torch copies (and casts) every state tensor
+                scaler = getattr(part, "grad_scaler", None)
+                if scaler is not None and saved["grad_scaler"] is not None:
+                    scaler.load_state_dict(saved["grad_scaler"])
+
+
+# -- resolve ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronParts:
+    """What ``enable_resiliency`` attaches to for a Megatron job."""
+
+    model: nn.Module
+    """The model chunk (or a ModuleList of the chunks)."""
+    optimizer: Any
+    """The torch optimizer, or a :class:`MegatronOptimizerView`."""
+    extra_state_fn: Callable[[], Any]
+    """Megatron's RNG tracker + the caller's extra state."""
+    load_extra_state_fn: Callable[[Any], None]
+    """The inverse of ``extra_state_fn``."""
+    scout: Any
+    """The ScoutConfig with Megatron's module paths filled in (None when SCOUT is off)."""
+    topology: Topology | None
+    """SCOUT's peers from parallel_state (None when SCOUT is off)."""
+    schedulers: tuple[Any, ...] = ()
+    """The caller's schedulers, each OptimizerParamScheduler in a ParamSchedulerReplay."""
+    install_hooks: Callable[[], list[Any]] | None = None
+    """Registers the adapter's own step hooks (the RNG tracker guard) and returns their handles; called right before
+    the session registers its hooks, so these run first. The session removes them on close."""
+
+
+_SCOUT_PATHS = {"embedding": "embedding", "blocks": "decoder.layers", "norm": "decoder.final_layernorm",
+                "head": "output_layer"}
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):  # Megatron's DDP and Float16Module wrap the model as .module
+        model, inner = inner, getattr(inner, "module", None)
+    return model
+
+
+def _model(model: Any) -> nn.Module:
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+        raise ConfigError("enable_resiliency.model: with Megatron Core pass the model (a MegatronModule) or the list "
+                          "of model chunks get_model() returned")
+    return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+
+
+def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int) -> Any:
+    """Megatron's module paths for the recipes SCOUT looks for (GPTModel's layout), unless the caller named them."""
+    if chunks > 1 or pp > 1:
+        raise ConfigError("enable_resiliency.scout: SCOUT under Megatron pipeline parallelism (several model chunks "
+                          "or pipeline_model_parallel_size > 1) is not supported yet: stages hold different recipes; "
+                          "pass scout=None (GEMINI still covers every stage)")
+    if scout.data_parallel_dims is not None:
+        raise ConfigError("ScoutConfig.data_parallel_dims: Megatron's data-parallel peers come from "
+                          "megatron.core.parallel_state, not a DeviceMesh; leave it unset")
+    root = _unwrap(model)
+    names = dict(root.named_modules())
+    fill = {field: path for field, path in _SCOUT_PATHS.items()
+            if getattr(scout, field) is None and path in names}
+    if "blocks" in fill and not isinstance(names[fill["blocks"]], nn.ModuleList):
+        del fill["blocks"]
+    return replace(scout, **fill)
+
+
+def resolve_megatron(
+    model: Any,
+    optimizer: Any,
+    *,
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+    schedulers: Sequence[Any],
+    scout: Any,
+    group: Any,
+) -> MegatronParts:
+    """Check ``enable_resiliency``'s arguments for Megatron Core and build what it attaches to.
+
+    Raises ConfigError for an argument Megatron cannot take, naming it and the fix."""
+    module = _model(model)
+    chunks = len(module) if isinstance(module, nn.ModuleList) and isinstance(model, list | tuple) else 1
+    view: Any
+    if isinstance(optimizer, torch.optim.Optimizer):
+        view = optimizer
+    elif all(hasattr(optimizer, a) for a in ("step", "optimizer", "state_dict", "load_state_dict")) \
+            and "MegatronOptimizer" in _class_names(optimizer):
+        view = MegatronOptimizerView(optimizer)
+        if any(not isinstance(inner, torch.optim.Optimizer) for inner in view.inner):
+            raise ConfigError("enable_resiliency.optimizer: this MegatronOptimizer holds no torch optimizer on this "
+                              "rank (frozen sub-model?); gemscout needs one on every rank")
+    else:
+        raise ConfigError(f"enable_resiliency.optimizer: with Megatron Core pass a torch.optim.Optimizer or the "
+                          f"MegatronOptimizer get_megatron_optimizer() returned, got {type(optimizer).__name__}")
+    from gemscout.adapters._megatron_scheduler import ParamSchedulerReplay
+
+    # Megatron's OptimizerParamScheduler is stepped with an increment: a replay wrapper records it (see its module).
+    replays = [ParamSchedulerReplay(s) for s in schedulers if "OptimizerParamScheduler" in _class_names(s)]
+    wrapped = iter(replays)
+    schedulers = tuple(next(wrapped) if "OptimizerParamScheduler" in _class_names(s) else s for s in schedulers)
+    if group is not None:
+        raise ConfigError("enable_resiliency.group: with Megatron Core SCOUT's peers come from "
+                          "megatron.core.parallel_state's data-parallel groups; leave group unset")
+    topology = None
+    guard: _TrackerGuard | None = None
+    if scout is not None:
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        scout = _scout_config(scout, module, chunks, pp)
+        if "optimizer" in scout.recipes and isinstance(view, MegatronOptimizerView):
+            raise ConfigError("ScoutConfig.recipes: the 'optimizer' recipe is not supported with a MegatronOptimizer "
+                              "(its main parameters are not the model's, and the distributed optimizer shards "
+                              "them); pass recipes=('embedding', 'hidden', 'output')")
+        topology = megatron_topology()
+        guard = _TrackerGuard()
+
+    def install_hooks() -> list[Any]:
+        handles: list[Any] = [r.install() for r in replays]
+        if guard is not None:
+            # Registered before the session's hooks, so they run first on both sides of the update (_TrackerGuard).
+            handles += [view.register_step_pre_hook(guard.before), view.register_step_post_hook(guard.after)]
+        return handles
+
+    def extra() -> dict[str, Any]:
+        return {"megatron": {"rng_tracker": capture_rng_tracker()},
+                "caller": extra_state_fn() if extra_state_fn else None}
+
+    def load_extra(state: dict[str, Any]) -> None:
+        restore_rng_tracker(state["megatron"]["rng_tracker"])
+        if load_extra_state_fn is not None and state["caller"] is not None:
+            load_extra_state_fn(state["caller"])
+
+    return MegatronParts(model=module, optimizer=view, extra_state_fn=extra, load_extra_state_fn=load_extra,
+                         scout=scout, topology=topology, install_hooks=install_hooks, schedulers=schedulers)

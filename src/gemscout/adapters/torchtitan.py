@@ -1,0 +1,198 @@
+"""TorchTitan: what GEMINI captures from a ``Trainer`` and where the step hooks go (written against torchtitan 0.3.0).
+
+Pass the trainer itself: ``enable_resiliency(trainer, None, checkpoint=...)`` after ``Trainer(config)`` and before
+``trainer.train()``. The adapter reads the trainer's public attributes:
+
+- ``model_parts`` (one module per pipeline stage on this rank): one part is used as is, several are held in an
+  ``nn.ModuleList``; FSDP2 / TP parameters are DTensors, captured as this rank's local shards;
+- ``optimizers`` (an ``OptimizersContainer``, a ``torch.optim.Optimizer`` subclass whose ``step()`` steps every
+  part's optimizer): its step hooks fire once per ``train_step``; its state is taken from the optimizers inside, in
+  torch's own format (:class:`OptimizersView`), not from the container's ``state_dict()`` (which builds a flattened
+  distributed state dict, FQN-keyed, meant for DCP);
+- ``lr_schedulers`` (``LRSchedulersContainer``): stepped by ``train_step`` right after the optimizers, so it is
+  captured like any scheduler the loop steps after the update and advanced once on restore;
+- caller state: ``trainer.step`` (incremented *before* ``train_step``, so in the post-hook it is the step just
+  taken), ``trainer.ntokens_seen`` and the dataloader's ``state_dict()`` (a ``StatefulDataLoader``; bytes it holds
+  are stored as uint8 tensors), plus the caller's own extra state;
+- ``parallel_dims``: SCOUT reads its peers from the parameters' DeviceMesh (``fully_shard`` dims are data-parallel);
+  with DDP x TP (``dp_replicate`` > 1 without ``dp_shard``) the replicate dim is named for it. Pipeline parallelism
+  and expert parallelism are refused for SCOUT (GEMINI covers them).
+
+Nothing here imports torchtitan; a real ``Trainer`` needs a GPU (see tests/gpu/test_torchtitan.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gemscout.errors import ConfigError
+
+__all__ = ["OptimizersView", "TrainerParts", "resolve_trainer"]
+
+log = logging.getLogger("gemscout")
+
+
+def _to_storable(value: Any) -> Any:
+    """The dataloader state with ``bytes`` (StatefulDataLoader pickles its worker state) as uint8 tensors."""
+    if isinstance(value, bytes | bytearray):
+        return {"__bytes__": torch.frombuffer(bytearray(value), dtype=torch.uint8).clone()}
+    if isinstance(value, dict):
+        return {k: _to_storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_storable(v) for v in value)
+    return value
+
+
+def _from_storable(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"__bytes__"}:
+        return bytes(value["__bytes__"].numpy().tobytes())
+    if isinstance(value, dict):
+        return {k: _from_storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_from_storable(v) for v in value)
+    return value
+
+
+class OptimizersView:
+    """An ``OptimizersContainer`` as gemscout sees it: the container's own step hooks, and the state of the torch
+    optimizers inside in torch's format, their parameters numbered in order across all of them (what
+    ``param_groups`` lists)."""
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.inner: list[torch.optim.Optimizer] = list(container.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.inner for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {p: s for opt in self.inner for p, s in opt.state.items()}
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner[0].defaults
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.container.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.container.register_step_post_hook(hook)
+
+    def state_dict(self) -> dict[str, Any]:
+        """One torch-format state dict over every inner optimizer (indices offset per optimizer)."""
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for opt in self.inner:
+            sd = opt.state_dict()
+            state.update({offset + int(i): s for i, s in sd["state"].items()})
+            groups += [{**g, "params": [offset + int(i) for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in opt.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Split a :meth:`state_dict` back over the inner optimizers and load each (torch copies every tensor)."""
+        groups, offset, g = state["param_groups"], 0, 0
+        for opt in self.inner:
+            count = sum(len(group["params"]) for group in opt.param_groups)
+            mine = groups[g:g + len(opt.param_groups)]
+            g += len(opt.param_groups)
+            opt.load_state_dict({
+                "state": {int(i) - offset: s for i, s in state["state"].items() if offset <= int(i) < offset + count},
+                "param_groups": [{**group, "params": [int(i) - offset for i in group["params"]]} for group in mine]})
+            offset += count
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerParts:
+    """What ``enable_resiliency`` attaches to for a TorchTitan trainer."""
+
+    model: nn.Module
+    optimizer: OptimizersView
+    extra_state_fn: Callable[[], Any]
+    load_extra_state_fn: Callable[[Any], None]
+    schedulers: tuple[Any, ...]
+    scout: Any
+
+
+def _model(trainer: Any) -> nn.Module:
+    parts = list(getattr(trainer, "model_parts", None) or [])
+    if not parts or not all(isinstance(p, nn.Module) for p in parts):
+        raise ConfigError("enable_resiliency.model: a TorchTitan Trainer is accepted once built (its __init__ sets "
+                          "model_parts); this one has no model_parts — call enable_resiliency after Trainer(config)")
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def _scout_config(scout: Any, dims: Any, parts: int) -> Any:
+    if parts > 1 or int(getattr(dims, "pp", 1)) > 1:
+        raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism is not supported yet; "
+                          "pass scout=None (GEMINI covers every stage)")
+    if int(getattr(dims, "ep", 1)) > 1:
+        raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan expert parallelism is not supported yet; "
+                          "pass scout=None")
+    replicate_only = int(getattr(dims, "dp_replicate", 1)) > 1 and int(getattr(dims, "dp_shard", 1)) == 1
+    if scout.data_parallel_dims is None and replicate_only and int(getattr(dims, "tp", 1)) > 1:
+        return replace(scout, data_parallel_dims=("dp_replicate",))  # DDP x TP: no fully_shard names the dp dim
+    return scout
+
+
+def resolve_trainer(
+    trainer: Any,
+    optimizer: Any,
+    *,
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+    schedulers: Sequence[Any],
+    scout: Any,
+    group: Any,
+) -> TrainerParts:
+    """Check ``enable_resiliency``'s arguments for a TorchTitan trainer and build what it attaches to.
+
+    Raises ConfigError for an argument a trainer cannot take, naming it and the fix."""
+    model = _model(trainer)
+    container = trainer.optimizers
+    if optimizer is not None and optimizer is not container:
+        raise ConfigError(f"enable_resiliency.optimizer: with a TorchTitan Trainer pass None (or trainer.optimizers); "
+                          f"got a {type(optimizer).__name__}")
+    if not isinstance(container, torch.optim.Optimizer) or not hasattr(container, "optimizers"):
+        raise ConfigError("enable_resiliency.model: trainer.optimizers is not an OptimizersContainer of torch "
+                          "optimizers (optimizers-in-backward is not supported); use the default container")
+    if schedulers:
+        raise ConfigError("enable_resiliency.schedulers: trainer.lr_schedulers is stepped by train_step and captured "
+                          "by the TorchTitan adapter; leave schedulers empty")
+    if group is not None:
+        raise ConfigError("enable_resiliency.group: with a TorchTitan Trainer SCOUT's peers come from the model's "
+                          "DeviceMesh (trainer.parallel_dims); leave group unset")
+    dims = trainer.parallel_dims
+    if scout is not None:
+        scout = _scout_config(scout, dims, len(trainer.model_parts))
+    if getattr(getattr(getattr(trainer, "config", None), "checkpoint", None), "enable", False):
+        log.warning("gemscout: TorchTitan's own checkpointing is enabled; Trainer.train() loads its newest DCP "
+                    "checkpoint at start, which would replace the step gemscout restored")
+    loader = trainer.dataloader
+
+    def extra() -> dict[str, Any]:
+        # ntokens_seen exists from torchtitan 0.3.0 on; earlier trainers count only steps.
+        return {"titan": {"step": int(trainer.step), "ntokens_seen": getattr(trainer, "ntokens_seen", None),
+                          "dataloader": _to_storable(loader.state_dict())},
+                "caller": extra_state_fn() if extra_state_fn else None}
+
+    def load_extra(state: dict[str, Any]) -> None:
+        titan = state["titan"]
+        trainer.step = int(titan["step"])
+        if titan["ntokens_seen"] is not None:
+            trainer.ntokens_seen = int(titan["ntokens_seen"])
+        loader.load_state_dict(_from_storable(titan["dataloader"]))
+        if load_extra_state_fn is not None and state["caller"] is not None:
+            load_extra_state_fn(state["caller"])
+
+    return TrainerParts(model=model, optimizer=OptimizersView(container), extra_state_fn=extra,
+                        load_extra_state_fn=load_extra, schedulers=(trainer.lr_schedulers,), scout=scout)
