@@ -16,6 +16,7 @@ from rich.table import Table
 TARGETS: dict[str, tuple[str, float]] = {
     "stall_vs_memcpy": ("<=", 0.25),
     "stall_overlap_vs_memcpy": ("<=", 0.25),
+    "stall_tight_skip_vs_memcpy": ("<=", 0.25),
     "blocking_vs_async_save": ("<=", 0.1),
     "replication_vs_gloo": (">=", 0.7),
     "recovery_speedup_vs_dcp_load": (">=", 5.0),
@@ -32,6 +33,8 @@ MEASUREMENT_KEYS = (
     "state_bytes", "params", "frame_bytes", "memcpy_s", "memcpy_gbps",
     "fwd_bwd_tight_s", "step_off_tight_s", "step_on_tight_s",
     "stall_tight_s", "stall_tight_pre_s", "stall_tight_post_s", "stall_tight_max_s", "reported_stall_tight_s",
+    "step_on_tight_skip_s", "stall_tight_skip_s", "stall_tight_skip_max_s", "tight_skip_captured_fraction",
+    "tight_skip_max_steps_lost",
     "overlap_micro_batches", "fwd_bwd_overlap_s", "step_off_overlap_s", "step_on_overlap_s",
     "stall_overlap_s", "stall_overlap_pre_s", "stall_overlap_post_s", "stall_overlap_max_s",
     "reported_stall_overlap_s", "capture_return_s", "capture_pipeline_s", "pipeline_estimate_s",
@@ -70,7 +73,16 @@ def _rank_figures(r: dict[str, Any], warmup: int) -> dict[str, float]:
     t_off, o_off = _loop(r, "tight_off", warmup), _loop(r, "overlap_off", warmup)
     t_on, o_on = _loop(r, "tight_on", warmup), _loop(r, "overlap_on", warmup)
     quiet, loops = r["window"], r["loops"]
+    skip = _loop(r, "tight_skip_on", warmup)
+    steps, skipped = loops["tight_skip_on"]["steps"], set(loops["tight_skip_on"]["skipped_steps"])
+    run, lost = 0, 0
+    for s in steps:  # a failure right before a capture loses the steps since the previous one
+        run = run + 1 if s in skipped else 0
+        lost = max(lost, run + 1)
     return {
+        "step_on_tight_skip_s": skip["step"], "stall_tight_skip_s": skip["stall"],
+        "stall_tight_skip_max_s": skip["max"],
+        "tight_skip_captured_fraction": 1 - len(skipped) / max(1, len(steps)), "tight_skip_max_steps_lost": lost,
         "memcpy_s": r["memcpy_s"], "digest_s": r["digest_s"], "write_s": r["write_s"],
         "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"], "step_on_tight_s": t_on["step"],
         "stall_tight_s": t_on["stall"], "stall_tight_pre_s": t_on["pre"], "stall_tight_post_s": t_on["post"],
@@ -127,6 +139,7 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     ratios = {
         "stall_vs_memcpy": worst("stall_tight_s", "memcpy_s"),
         "stall_overlap_vs_memcpy": worst("stall_overlap_s", "memcpy_s"),
+        "stall_tight_skip_vs_memcpy": worst("stall_tight_skip_s", "memcpy_s"),
         "blocking_vs_async_save": worst("stall_overlap_s", "dcp_async_save_blocking_s"),
         "replication_vs_gloo": m["replication_gbps"] / m["gloo_pair_gbps"],
         "recovery_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_s"],
@@ -161,7 +174,11 @@ def _fmt(x: float) -> str:
 
 SHOWN = (
     ("memcpy_s", "raw memcpy of the state (s)"), ("stall_tight_s", "stall per capture, tight loop (s)"),
-    ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"), ("stall_overlap_s", "stall per capture, overlap loop (s)"),
+    ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"),
+    ("stall_tight_skip_s", "stall per capture, tight loop, when_busy=skip (s)"),
+    ("tight_skip_captured_fraction", "  steps captured, when_busy=skip"),
+    ("tight_skip_max_steps_lost", "  most steps a failure could lose, when_busy=skip"),
+    ("stall_overlap_s", "stall per capture, overlap loop (s)"),
     ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"),
     ("capture_pipeline_s", "capture pipeline, quiet: capture to drained (s)"),
     ("step_off_tight_s", "step without GEMINI, tight (s)"),

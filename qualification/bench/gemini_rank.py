@@ -7,7 +7,8 @@ own, because ``ru_maxrss`` only ever grows. ``--role on`` measures, in one proce
 1. calibration: the references once each (memcpy, BLAKE3, file write + fsync, raw gloo pair exchange of the state's
    bytes) to estimate one capture's pipeline; then two loops without GEMINI: ``tight`` (one micro-batch per step)
    and ``overlap`` (enough micro-batches that forward/backward outlasts that pipeline ``--overlap-factor`` times);
-2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then peak RSS;
+2. ``enable_resiliency`` (interval 1, product defaults otherwise), the same two loops with GEMINI, then the tight
+   loop again with ``when_busy="skip"`` (captures coalesced while the io is busy), then peak RSS;
 3. the side-by-side window: ``--quiet-captures`` rounds of one quiet capture (``optimizer.step()`` with no
    gradients, so no compute competes with its io) followed by each reference and by ``comm.exchange`` of the real
    frame just captured; both sides of every ratio come from the same rounds, under the same machine load;
@@ -136,6 +137,14 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
         ckpt.drain()
         loops[name]["drain_s"] = time.perf_counter() - t0
         loops[name].update(io.between(first, session.step))
+    # The same tight loop with when_busy="skip": a capture that would wait for a slot is skipped on every rank.
+    ckpt.set_when_busy("skip")
+    first, skipped0 = session.step + 1, len(ckpt.skipped_steps)
+    loops["tight_skip_on"] = run_loop(trainer, 1, args.steps, clock)
+    ckpt.drain()
+    ckpt.set_when_busy("wait")
+    loops["tight_skip_on"]["skipped_steps"] = ckpt.skipped_steps[skipped0:]
+    loops["tight_skip_on"]["steps"] = list(range(first, session.step + 1))
     # Every buffer GEMINI keeps (two slots, two replica buffers) exists after the first two captures.
     out["peak_rss_bytes"] = peak_rss_bytes()
 

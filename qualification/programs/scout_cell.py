@@ -8,7 +8,8 @@ output from ``step`` until ``heal_step``), ``replay`` (``rank``, ``step``, ``rec
 ``interval``: that rank sleeps before every probe collective), ``collective-delay`` (``rank``, ``seconds``, ``step``:
 from that step on, every collective of that rank's replays is delayed — a slow TP collective).
 
-``topology`` other than ``ddp`` (fsdp2, hsdp, tp, fsdp2-tp) runs the ranks on that mesh and trains the same steps
+``topology`` other than ``ddp`` (fsdp2, hsdp, tp, fsdp2-tp, pp, pp-dp, pp-dp3; ``params.schedule`` picks the
+pipeline schedule) runs the ranks on that mesh and trains the same steps
 again without gemscout, adding ``bitwise_equal`` (every rank's shards equal that run's), ``peer_groups``,
 ``disabled`` (SCOUT found no data-parallel peers), ``comm_straggler_ranks`` and ``compute_straggler_reports``.
 
@@ -55,6 +56,8 @@ def _argv(cell: dict[str, Any], out: Path) -> list[str]:
     topology = str(cell.get("topology", "ddp"))
     if topology != "ddp":
         argv += ["--topology", topology, "--baseline"]
+    if "schedule" in cell.get("params", {}):  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
+        argv += ["--schedule", str(cell["params"]["schedule"])]
     return argv
 
 
@@ -99,7 +102,10 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     elif kind != "none":
         fstep = int(fault["step"])
         recipe = f"hidden.{fault.get('block', 1)}" if kind == "persistent" else str(fault.get("recipe", "embedding"))
-        due = {int(k): v for k, v in r0["due"].items()}
+        due: dict[int, set[str]] = {}  # every rank's: pipeline stages have recipes of their own
+        for r in ranks:
+            for k, names in r["due"].items():
+                due.setdefault(int(k), set()).update(names)
         obs["recipe"] = found[0]["recipe"] if found else None
         obs["expected_step"] = min((s for s, names in due.items() if s >= fstep and recipe in names), default=None)
         sdc_decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]

@@ -11,6 +11,10 @@ its peers on the mesh. ``--baseline`` trains the same steps again without gemsco
 (``state_digest``, ``baseline_digest``: this rank's shards) so a test can check SCOUT left training bit for bit
 unchanged. ``--collective-delay-rank`` delays every collective of that rank's replays from
 ``--collective-delay-step`` on (a slow TP collective). ``cycles`` records each step's SCOUT verdicts.
+
+Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``--schedule gpipe|1f1b``): each rank trains its stage
+(:mod:`qualification.programs._pipeline`) and gives SCOUT the mesh (``ScoutConfig(mesh=..., data_parallel_dims=
+("dp",))``); recipe names carry the stage (``pp1.hidden.0``) and ``--fault-block`` indexes the stage's own blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from gemscout.scout.comm_probe import HOST_ENV, CommProbeConfig
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.stragglers import StragglerConfig
 from qualification.faults import CollectiveDelay, Injector, ReplayDelay, ReplayFault, corrupt_module_output
+from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline
 from qualification.programs.train_rank import TOPOLOGIES, data_rank, state_digest, wrap
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -49,11 +54,25 @@ def summary(result: CycleResult) -> dict[str, Any]:
             "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, topology: str, rank: int) -> None:
+def build(topology: str, world: int, schedule: str) -> tuple[torch.nn.Module, torch.nn.Module, Pipeline | None]:
+    """(the module that holds ``blocks``, what the optimizer and gemscout get, the pipeline or None)."""
+    if topology in PIPELINE_TOPOLOGIES:
+        pipe = build_pipeline(topology, "three-block", seed=0, schedule=schedule)
+        return pipe.module, pipe.module, pipe
+    model = build_model("three-block", seed=0)
+    return model, wrap(model, topology, world), None
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, topology: str, rank: int,
+          pipe: Pipeline | None = None) -> None:
     x, y = synthetic_batch(seed=0, step=step, rank=data_rank(topology, rank))
-    loss = lm_loss(model(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if pipe is not None:
+        opt.zero_grad(set_to_none=True)
+        pipe.step(x, y)
+    else:
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
     opt.step()
 
 
@@ -75,6 +94,7 @@ def main() -> None:
     ap.add_argument("--replay-fault-step", type=int, default=-1)
     ap.add_argument("--replay-fault-recipe", default="hidden.0")
     ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
+    ap.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)")
     ap.add_argument("--baseline", action="store_true", help="train again without gemscout; record both digests")
     ap.add_argument("--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective")
     ap.add_argument("--collective-delay-s", type=float, default=0.4)
@@ -88,8 +108,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ[HOST_ENV] = f"host-{rank}"  # one simulated host per rank, so a straggler maps to its node
     torch.manual_seed(17)
-    model = build_model("three-block", seed=0)
-    ddp = wrap(model, args.topology, world)
+    model, ddp, pipe = build(args.topology, world, args.schedule)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     reports: list[dict] = []
     decisions: list[dict] = []
@@ -104,7 +123,8 @@ def main() -> None:
             stragglers=StragglerConfig(absolute_margin_s=args.straggler_margin_s),
             comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
                                        stragglers=StragglerConfig(absolute_margin_s=0.15))
-            if args.comm_probe_interval else None),
+            if args.comm_probe_interval else None,
+            mesh=pipe.mesh if pipe is not None else None, data_parallel_dims=pipe.data_dims if pipe else None),
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()))
     assert session.scout is not None
@@ -136,7 +156,7 @@ def main() -> None:
             weight = model.blocks[args.fault_block].fc1.weight
             with torch.no_grad():  # this rank's stored copy (its local shard, under FSDP) silently changes
                 (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] += 1.0
-        train(ddp, opt, step, args.topology, rank)
+        train(ddp, opt, step, args.topology, rank, pipe)
         result = session.scout.last_result
         if result is not None and result.step == step:
             cycles[step] = summary(result)
@@ -154,11 +174,10 @@ def main() -> None:
                    state_digest=digest, compared_steps=compared_steps)
     if args.baseline:
         torch.manual_seed(17)  # the same training RNG stream, with no gemscout at all
-        plain = build_model("three-block", seed=0)
-        plain_wrapped = wrap(plain, args.topology, world)
+        plain, plain_wrapped, plain_pipe = build(args.topology, world, args.schedule)
         plain_opt = torch.optim.AdamW(plain_wrapped.parameters(), lr=3e-3)
         for step in range(1, compared_steps + 1):
-            train(plain_wrapped, plain_opt, step, args.topology, rank)
+            train(plain_wrapped, plain_opt, step, args.topology, rank, plain_pipe)
         doc["baseline_digest"] = state_digest(plain, plain_opt)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -9,6 +9,9 @@ Faults (all real): ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank 
 ``capture`` (inside the capture, from the caller-state callback), ``persist``, ``replicate``, ``persist_replica``
 (on GEMINI's io thread, through its phase hook), or ``random:<max_ms>`` (a timer fires a random delay after step S,
 wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test).
+
+Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``; ``--schedule gpipe|1f1b``): each rank builds and trains only its
+stage (:mod:`qualification.programs._pipeline`) and hands that stage module and its optimizer to gemscout unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline
 from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -50,11 +54,30 @@ def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-TOPOLOGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2-tp")
+def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 over the whole (unsharded) parameters and optimizer state: equal across meshes of any size.
+    Collective under sharding (DTensor.full_tensor): every rank calls it at the same point."""
+    def full(t: torch.Tensor) -> bytes:
+        return _bytes(t.full_tensor() if hasattr(t, "full_tensor") else t)
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(full(p))
+    for idx, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{idx}.{k}".encode())
+            h.update(full(v) if torch.is_tensor(v) else repr(v).encode())
+    return h.hexdigest()
+
+
+TOPOLOGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2-tp", *PIPELINE_TOPOLOGIES)
 
 
 def data_rank(topology: str, rank: int) -> int:
-    """Which data shard a rank reads: tensor-parallel peers read the same batch."""
+    """Which data shard a rank reads: tensor-parallel peers read the same batch, and so do the stages of one
+    pipeline (its replica index along dp)."""
+    if topology in PIPELINE_TOPOLOGIES:
+        return rank % PIPELINE_TOPOLOGIES[topology][1]
     return {"tp": 0, "fsdp2-tp": rank // 2}.get(topology, rank)
 
 
@@ -116,6 +139,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
     ap.add_argument("--durable-every", type=int, default=0)
     ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
+    ap.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)")
+    ap.add_argument("--replication", default="ring", choices=("ring", "natural"),
+                    help="GEMINI replica placement (natural: HSDP replicate-group peers)")
+    ap.add_argument("--when-busy", default="wait", choices=("wait", "skip"), help="GEMINI when every slot is busy")
+    ap.add_argument("--io-delay-ms", type=int, default=0,
+                    help="sleep this long on GEMINI's io thread before each replication (a slow network)")
+    ap.add_argument("--full-digest", action="store_true",
+                    help="also record mesh-independent digests of the whole state at resume and at the end")
     return ap.parse_args()
 
 
@@ -125,8 +156,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
-    model = build_model(args.workload, seed=args.seed)
-    ddp = wrap(model, args.topology, world)
+    pipe: Pipeline | None = None
+    if args.topology in PIPELINE_TOPOLOGIES:
+        pipe = build_pipeline(args.topology, args.workload, seed=args.seed, schedule=args.schedule)
+        model = ddp = pipe.module  # the stage module is what gemscout gets
+    else:
+        model = build_model(args.workload, seed=args.seed)
+        ddp = wrap(model, args.topology, world)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     losses: dict[int, float] = {}
@@ -134,6 +170,7 @@ def main() -> None:
     session = None
     decision = None
     resume_digest = None
+    resume_full_digest = None
     times: dict[str, float] = {}
     if args.ckpt is not None:
         import gemscout
@@ -151,14 +188,22 @@ def main() -> None:
             directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
             persist_every=args.persist_every, async_copy=not args.no_async, chunk_bytes=args.chunk_bytes,
             timeout=timedelta(seconds=60), fsync=False,
-            durable_directory=args.durable, durable_every=args.durable_every,
+            durable_directory=args.durable, durable_every=args.durable_every, replication=args.replication,
+            when_busy=args.when_busy,
         )
         t_attach = time.time()
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg, schedulers=[sched],
                                              extra_state_fn=extra, load_extra_state_fn=load_extra)
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(model, opt)
+        if args.full_digest:
+            resume_full_digest = full_state_digest(model, opt)
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
+        if args.io_delay_ms and session.checkpointer:
+            def slow(phase: str, step: int) -> None:
+                if phase == "replicate":
+                    time.sleep(args.io_delay_ms / 1000)
+            session.checkpointer.phase_hook = slow
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
@@ -167,9 +212,13 @@ def main() -> None:
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
         x, y = synthetic_batch(seed=args.seed, step=step, rank=data_rank(args.topology, rank))
-        loss = lm_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if pipe is not None:
+            opt.zero_grad(set_to_none=True)
+            loss = pipe.step(x, y)  # every micro-batch's forward and backward, then the dp gradient average
+        else:
+            loss = lm_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         if killer and step == args.kill_step and args.kill_phase == "in-step":
             os.kill(os.getpid(), signal.SIGKILL)
         losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
@@ -189,6 +238,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # the handler flushes and re-raises; we never get here
     digest = state_digest(model, opt)
+    full_digest = full_state_digest(model, opt) if args.full_digest else None
     digests = [None] * world
     dist.all_gather_object(digests, digest)  # test-side comparison only; gemscout itself never pickles
     result = {
@@ -197,6 +247,8 @@ def main() -> None:
         "replicas_equal": len(set(digests)) == 1 if args.topology == "ddp" else True, "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
+        "skipped_steps": session.checkpointer.skipped_steps if session and session.checkpointer else [],
+        "full_digest": full_digest, "resume_full_digest": resume_full_digest,
     }
     if session:
         session.close()

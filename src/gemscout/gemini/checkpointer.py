@@ -23,6 +23,7 @@ import torch.distributed as dist
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
+from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
@@ -30,6 +31,7 @@ from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
 from gemscout.state import training_state
+from gemscout.state.codec import _is_dtensor
 from gemscout.state.layout import parse_prefix, verify_data
 
 log = logging.getLogger("gemscout.gemini")
@@ -55,6 +57,10 @@ class Checkpointer:
         self.sources, self.config, self.group, self.rank = sources, config, group, rank
         self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
         self.on_decision = on_decision
+        if config.replication == "natural" and config.replicate and placement.enabled:
+            from gemscout.gemini.natural import natural_placement
+
+            self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
         self.pool = SlotPool(config.slots)
         self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
@@ -70,20 +76,60 @@ class Checkpointer:
         self.frontier = -1
         """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
         self.errors: list[str] = []
-        self.stats: dict[str, float] = {"capture_stall_s": 0.0, "replicate_s": 0.0, "persist_s": 0.0}
+        self.stats: dict[str, float] = {"capture_stall_s": 0.0, "replicate_s": 0.0, "persist_s": 0.0,
+                                        "replicate_sent_bytes": 0, "replicate_sent_tensors": 0,
+                                        "natural_divergent_shards": 0, "skipped_captures": 0}
+        """Timings of the last capture; ``replicate_*`` and ``natural_divergent_shards`` add up over the run."""
         self.phase_hook: Callable[[str, int], None] | None = None
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
         "persist_replica" (on the io thread) before each happens. The harness uses it to kill at a phase."""
-        self.durable = (DurableTier(config.durable_directory, run_id=run_id, fsync=config.fsync)
-                        if config.durable_directory is not None else None)
+        self.sharded = any(_is_dtensor(p) for p in sources.model.parameters())
+        """DTensor parameters (FSDP2, HSDP, TP): durable promotions are collective, on a group of their own."""
+        durable_group = None
+        if config.durable_directory is not None and self.sharded:
+            # Collective (every rank builds the same Checkpointer). Its own group: a promotion's DCP collectives
+            # never interleave with the replication exchange, and its timeout bounds every wait.
+            durable_group = dist.new_group(backend="gloo", timeout=config.timeout)
+        self.durable = (DurableTier(config.durable_directory, run_id=run_id, fsync=config.fsync, group=durable_group,
+                                    rank=rank) if config.durable_directory is not None else None)
         self._verified_since_promotion = 0
+        self.when_busy = "wait"
+        self._vote: FreeSlotVote | None = None
+        self.skipped_steps: list[int] = []
+        """Steps whose capture was skipped (``when_busy="skip"``) because some rank's io still held every slot."""
+        self.set_when_busy(config.when_busy)
         store.clean_stale_temps(self.paths.root)
 
     # ------------------------------------------------------------------ capture
-    def capture(self, step: int, *, initial: bool = False) -> None:
-        """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`).
+    def set_when_busy(self, mode: str) -> None:
+        """Switch between ``"wait"`` and ``"skip"`` (see CheckpointConfig.when_busy). Collective: every rank calls
+        it at the same point (the first ``"skip"`` creates the vote's group)."""
+        if mode not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {mode!r}")
+        if self._vote is not None:
+            self._vote.settle()
+        if mode == "skip" and self._vote is None:
+            # Its own group: the vote belongs to the training thread, the io thread's collectives to another.
+            group = dist.new_group(backend="gloo", timeout=self.config.timeout) \
+                if self.placement.world_size > 1 else None
+            self._vote = FreeSlotVote(self.pool, group, self.config.timeout)
+        self.when_busy = mode
 
-        ``initial``: the step-0 capture at attach, outside any optimizer step; always persisted."""
+    def capture(self, step: int, *, initial: bool = False) -> None:
+        """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`); with
+        ``when_busy="skip"`` it first agrees with every rank whether to capture at all.
+
+        ``initial``: the step-0 capture at attach, outside any optimizer step; always taken and persisted."""
+        skipping = not initial and self.when_busy == "skip" and self._vote is not None
+        if skipping:
+            assert self._vote is not None
+            t0 = time.perf_counter()
+            if self._vote.should_skip():
+                self.skipped_steps.append(step)
+                self.stats["skipped_captures"] += 1
+                self._vote.post()
+                self.stats["capture_stall_s"] = time.perf_counter() - t0
+                return
         state = training_state.collect(self.sources, step, inside_step=not initial)
         identity = {"run_id": self.run_id, "topology": self.topology_digest, "owner": self.rank, "step": step}
         future = self.capturer.capture(state, identity, self.sources.async_pointers())
@@ -94,6 +140,9 @@ class Checkpointer:
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(self._io.submit(self._pipeline, future, persist_now))
+        if skipping:
+            assert self._vote is not None
+            self._vote.post()  # after this capture took its slot: the vote is about the next capture
 
     def wait_copied(self) -> None:
         """Block until no capture reads live tensors. The optimizer pre-step hook calls this."""
@@ -141,12 +190,27 @@ class Checkpointer:
         t0 = time.perf_counter()
         owner = self.placement.source(self.rank)
         buffers = self.replicas.setdefault(owner, ReplicaBuffers(keep=self.config.slots))
-        received = comm.exchange(
-            slot.frame(), self.placement.target(self.rank), owner, group=self.group,
-            chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for,
-        )
-        assert received is not None
-        step = self.verify_frame(received, owner=owner, step=None)
+        if self.config.replication == "natural":
+            from gemscout.gemini import natural
+
+            received, counters = natural.exchange(
+                slot.frame(), target=self.placement.target(self.rank), source=owner, group=self.group,
+                chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for)
+            self.stats["replicate_sent_bytes"] += counters["sent_bytes"]
+            self.stats["replicate_sent_tensors"] += counters["sent_tensors"]
+            self.stats["natural_divergent_shards"] += counters["divergent_shards"]
+            self._check_identity_of(received, owner)
+        else:
+            exchanged = comm.exchange(
+                slot.frame(), self.placement.target(self.rank), owner, group=self.group,
+                chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for,
+            )
+            assert exchanged is not None
+            received = exchanged
+            self.stats["replicate_sent_bytes"] += len(slot.prefix) + slot.data.numel()
+            self.stats["replicate_sent_tensors"] += len(slot.views)
+            self.verify_frame(received, owner=owner, step=None)
+        step = int(parse_prefix(received[0]).identity["step"])
         buffers.add(step, *received)
         self.stats["replicate_s"] = time.perf_counter() - t0
         if persist_now:
@@ -180,6 +244,13 @@ class Checkpointer:
         if steps:
             self.ledger.forget_before(steps[-1])
             self.ledger.save()
+
+    def _check_identity_of(self, frame: Frame, owner: int) -> None:
+        """Identity only (the natural exchange checked the data digest by digest)."""
+        ident = parse_prefix(frame[0]).identity
+        if ident.get("owner") != owner:
+            raise IntegrityError(f"replica identity mismatch: expected owner {owner}, got {ident}")
+        self.check_identity(ident, where=f"replica of rank {owner}")
 
     def verify_frame(self, frame: Frame, *, owner: int, step: int | None) -> int:
         parsed = parse_prefix(frame[0])
@@ -245,22 +316,48 @@ class Checkpointer:
         if changed and self.durable is not None and self.config.durable_every and \
                 self._verified_since_promotion >= self.config.durable_every:
             self._verified_since_promotion = 0
-            if self.rank == 0:
+            # Sharded state: every rank holds a part, so every rank promotes (collectively, queued in the same
+            # order on every rank since certify is collective). Replicated state: rank 0's copy stands for all.
+            if self.sharded or self.rank == 0:
+                likes = self._live_shards() if self.sharded else {}
                 with self._lock:
-                    self._pending.append(self._io.submit(self._promote, max(changed)))
+                    self._pending.append(self._io.submit(self._promote, max(changed), likes))
         return changed
 
-    def _promote(self, step: int) -> None:
-        """Promote this rank's verified checkpoint of ``step`` to the durable tier (rank 0, on the io thread)."""
+    def _live_shards(self) -> dict[str, Any]:
+        from gemscout.gemini import durable_sharded
+
+        return durable_sharded.live_shards(self.sources)  # here, on the training thread (see its docstring)
+
+    def _promote(self, step: int, likes: dict[str, Any]) -> None:
+        """Promote this rank's verified checkpoint of ``step`` to the durable tier (on the io thread): rank 0 alone
+        for replicated state, every rank together for sharded state."""
         assert self.durable is not None
         try:
-            parsed, data = store.read_verified(store.step_file(self.paths.own, step))
-            self.durable.promote(parsed, data)
+            if self.sharded:
+                self._promote_sharded(step, likes)
+            else:
+                parsed, data = store.read_verified(store.step_file(self.paths.own, step))
+                self.durable.promote(parsed, data)
             self.ledger.mark(step, TrustState.DURABLE)
             self.ledger.save()
         except Exception as exc:
             self.errors.append(f"durable promotion of step {step} failed: {exc}")
             log.error("gemini: durable promotion of step %d failed: %s", step, exc)
+
+    def _promote_sharded(self, step: int, likes: dict[str, Any]) -> None:
+        from gemscout.gemini import durable_sharded
+
+        assert self.durable is not None and self.durable.group is not None
+        frame = None
+        try:
+            frame = store.read_verified(store.step_file(self.paths.own, step))
+            self.check_identity(frame[0].identity, where=f"own checkpoint of step {step}")
+        except (IntegrityError, OSError, RunMismatchError) as exc:
+            log.warning("gemini: cannot promote step %d: %s", step, exc)
+            frame = None  # still joins the collective, which then fails on every rank
+        durable_sharded.promote(self.durable, step, frame, likes, group=self.durable.group, rank=self.rank,
+                                timeout=self.config.timeout)
 
     def reject_candidates(self, reason: str) -> list[int]:
         """Collectively mark every uncertified candidate REJECTED (all ranks must call)."""

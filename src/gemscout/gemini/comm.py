@@ -71,9 +71,10 @@ def exchange(
     wait_all(works, timeout, "replica size exchange")
     works = []
     rprefix = torch.zeros(int(sizes[0]), dtype=torch.uint8)
-    if send is not None:
+    # An empty prefix (a data-only message) moves no header: both sides know its size from the exchange above.
+    if send is not None and send[0]:
         works.append(dist.isend(torch.frombuffer(bytearray(send[0]), dtype=torch.uint8), dst, group=group))
-    if src is not None:
+    if src is not None and rprefix.numel():
         works.append(dist.irecv(rprefix, src, group=group))
     wait_all(works, timeout, "replica header exchange")
     rdata: torch.Tensor | None = None

@@ -22,6 +22,10 @@ class CheckpointConfig:
     """In-memory slots per rank (>= 2): the newest checkpoint plus one that may still be in flight to a peer."""
     replicate: bool = True
     """Send every capture to a peer's memory (and the peer's disk when ``persist``)."""
+    replication: str = "ring"
+    """Where replicas go. ``"ring"``: the same local rank ``replication_jump`` nodes further on, the whole checkpoint
+    sent. ``"natural"`` (HSDP): the next rank of the own replicate group, which already holds the identical shard and
+    optimizer state; only the tensors whose digests differ (caller state) are sent (see gemini/natural.py)."""
     replication_jump: int = 1
     """Replicas go ``jump`` nodes further on the ring (same local rank); 1 .. nodes-1."""
     ranks_per_node: int | None = None
@@ -32,6 +36,12 @@ class CheckpointConfig:
     """Write own checkpoints and held replicas to ``directory``."""
     persist_every: int = 1
     """Persist every N-th capture (a SIGTERM flush persists the newest capture regardless)."""
+    when_busy: str = "wait"
+    """What a capture does when every slot is still pinned by an earlier capture's io. ``"wait"``: block until one
+    is free (bounded by ``timeout``) — every due step is captured, so a failure loses at most ``interval`` steps.
+    ``"skip"``: the ranks agree (one small all-reduce on a group of its own) and all skip this capture (newest
+    wins; counted in ``stats["skipped_captures"]``) — the training thread never waits for the io, and a failure loses
+    at most the steps of one capture pipeline (its duration over the step time, plus one)."""
     keep_generations: int = 2
     """Generations kept on disk per owner (>= 1)."""
     fsync: bool = True
@@ -64,12 +74,16 @@ class CheckpointConfig:
         if self.durable_directory is not None:
             object.__setattr__(self, "durable_directory", Path(self.durable_directory))
         require(isinstance(self.slots, int) and self.slots >= 2, c, "slots", f"must be an int >= 2, got {self.slots!r}")
+        require(self.replication in ("ring", "natural"), c, "replication",
+                f"must be 'ring' or 'natural' (HSDP replicate-group peers), got {self.replication!r}")
         require(isinstance(self.replication_jump, int) and self.replication_jump >= 1, c, "replication_jump",
                 f"must be an int >= 1, got {self.replication_jump!r}")
         require(self.ranks_per_node is None or (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1),
                 c, "ranks_per_node", f"must be None or an int >= 1, got {self.ranks_per_node!r}")
         require(isinstance(self.chunk_bytes, int) and 256 * KiB <= self.chunk_bytes <= 64 * MiB, c, "chunk_bytes",
                 f"must be between 262144 (256 KiB) and 67108864 (64 MiB), got {self.chunk_bytes!r}")
+        require(self.when_busy in ("wait", "skip"), c, "when_busy",
+                f"must be 'wait' (backpressure) or 'skip' (coalesce captures while io is busy), got {self.when_busy!r}")
         require(isinstance(self.persist_every, int) and self.persist_every >= 1, c, "persist_every",
                 f"must be an int >= 1, got {self.persist_every!r}")
         require(isinstance(self.keep_generations, int) and self.keep_generations >= 1, c, "keep_generations",

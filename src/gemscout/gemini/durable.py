@@ -7,7 +7,9 @@ missing, extra or altered file is refused (fail closed).
 
 With DDP every rank holds the same model and optimizer state, so rank 0 promotes its own checkpoint alone
 (``no_dist``), off the training thread; any world size can load it, which is how a job resumes on another size.
-The directory is written under a temporary name and renamed into place, so a reader never sees half a promotion.
+Sharded state (DTensor shards) is promoted by every rank together on a dedicated group
+(:mod:`gemscout.gemini.durable_sharded`). The directory is written under a temporary name and renamed into place,
+so a reader never sees half a promotion.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gemscout.errors import IntegrityError
@@ -46,8 +49,11 @@ def _sha256(path: Path) -> str:
 class DurableTier:
     """Promotions under ``directory`` (shared by every rank)."""
 
-    def __init__(self, directory: Path, *, run_id: str, fsync: bool = True) -> None:
+    def __init__(self, directory: Path, *, run_id: str, fsync: bool = True, group: dist.ProcessGroup | None = None,
+                 rank: int = 0) -> None:
         self.directory, self.run_id, self.fsync = Path(directory), run_id, fsync
+        self.group, self.rank = group, rank
+        """``group``: the dedicated gloo group of collective (sharded) promotions and loads; None for DDP state."""
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}"
@@ -119,8 +125,14 @@ class DurableTier:
         return None
 
     def load(self, step: int, sources: training_state.StateSources) -> None:
-        """Verify, then restore the promotion of ``step`` into the live objects (any world size)."""
+        """Verify, then restore the promotion of ``step`` into the live objects (any world size). A sharded
+        promotion loads collectively: every rank of ``group`` calls (recovery decisions are collective)."""
         sidecar = self.verify(step)
+        if sidecar.get("sharded"):
+            from gemscout.gemini import durable_sharded
+
+            durable_sharded.load(self.path(step), sidecar, sources, group=self.group, rank=self.rank)
+            return
         reader = dcp.FileSystemReader(str(self.path(step)))
         meta = reader.read_metadata()
         tensors: dict[str, torch.Tensor] = {}

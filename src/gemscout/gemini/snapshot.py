@@ -75,6 +75,12 @@ class SlotPool:
                 slot.views = layout.views(slot.data)
             return slot
 
+    def has_free(self) -> bool:
+        """True if :meth:`acquire` would not block now (only the io thread frees slots, so it stays true until the
+        caller acquires)."""
+        with self._cond:
+            return any(s.pins == 0 for s in self._slots)
+
     def pin(self, slot: Slot) -> None:
         with self._cond:
             slot.pins += 1

@@ -36,6 +36,7 @@ __all__ = ["CaptureHooks", "Captured", "capture_optimizer", "pack", "unpack"]
 
 WIRE_VERSION = 1
 _ALIGN = 64  # payload offsets are aligned so every tensor can be viewed in place with its own dtype
+_ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
 _DTYPES = {str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
 
 
@@ -222,21 +223,23 @@ def capture_optimizer(
 def pack(step: int, captures: Mapping[str, Captured]) -> tuple[bytes, torch.Tensor]:
     """Serialize captures to ``(header JSON bytes, flat uint8 payload)``; tensors are copied into the payload."""
     entries: dict[str, Any] = {}
-    layout: list[tuple[int, torch.Tensor]] = []
+    parts: list[torch.Tensor] = []
     offset = 0
     for name, captured in captures.items():
         table = []
         for key in sorted(captured.tensors):
             tensor = captured.tensors[key].detach()
-            nbytes = tensor.numel() * tensor.element_size()
+            flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+            nbytes = flat.numel()
             table.append([key, str(tensor.dtype), list(tensor.shape), offset, nbytes])
-            layout.append((offset, tensor))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            parts.append(flat)
+            padded = -(-nbytes // _ALIGN) * _ALIGN
+            if padded > nbytes:  # zeroed: the alignment padding is sent (and digested) too
+                parts.append(_ZEROS[: padded - nbytes])
+            offset += padded
         entries[name] = {"error": captured.error, "meta": captured.meta, "tensors": table}
-    payload = torch.zeros(offset, dtype=torch.uint8)  # zeroed: the alignment padding is sent too
-    for start, tensor in layout:
-        flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
-        payload[start : start + flat.numel()].copy_(flat)
+    # One copy of everything: a copy per tensor costs more than the bytes when an optimizer slice holds hundreds.
+    payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     header = {"version": WIRE_VERSION, "step": step, "recipes": entries}
     return json.dumps(header, sort_keys=True, allow_nan=False).encode(), payload
 
@@ -252,20 +255,46 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
                          f"expected version {WIRE_VERSION} for step {step}")
     out: dict[str, Captured] = {}
     raw = payload.numpy().data
+    # Offsets are multiples of 64, so every tensor is a strided view of the payload seen as its dtype (one call each).
+    typed: dict[torch.dtype, torch.Tensor] = {}
     for name, entry in doc["recipes"].items():
         captured = Captured(step=step, meta=entry["meta"], error=entry["error"])
         # One pass over the received bytes (cheaper than digesting hundreds of small tensors one by one): the
-        # layout (names, dtypes, shapes) and then each input's bytes, in the sender's sorted order.
-        hasher = blake3.blake3(b"gemscout.scout.received.v1\0")
+        # layout (names, dtypes, shapes) and then the inputs' bytes, in the sender's sorted order, each run of
+        # adjacent inputs (alignment padding included: it is zeroed by the sender) in one update.
+        hasher = blake3.blake3(b"gemscout.scout.received.v2\0")
         inputs = [row for row in entry["tensors"] if not row[0].startswith("rng.")]
         hasher.update(json.dumps([row[:3] for row in inputs]).encode())
+        run_start = run_end = -1
         for key, dtype_name, shape, offset, nbytes in entry["tensors"]:
             dtype = _DTYPES.get(dtype_name)
-            if dtype is None or offset < 0 or offset + nbytes > payload.numel():
+            if dtype is None or offset < 0 or offset % _ALIGN or offset + nbytes > payload.numel():
                 raise ValueError(f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})")
-            captured.tensors[key] = payload[offset : offset + nbytes].view(dtype).reshape(shape)
-            if not key.startswith("rng."):
-                hasher.update(raw[offset : offset + nbytes])
+            size = dtype.itemsize
+            view = typed.get(dtype)
+            if view is None:
+                view = typed[dtype] = payload[: payload.numel() // size * size].view(dtype)
+            # as_strided counts from the start of the storage, not of the view: add where the view begins.
+            captured.tensors[key] = view.as_strided(shape, _contiguous_strides(shape),
+                                                    view.storage_offset() + offset // size)
+            if key.startswith("rng."):
+                continue
+            if run_start >= 0 and offset == -(-run_end // _ALIGN) * _ALIGN:
+                run_end = offset + nbytes  # adjacent to the previous input: one run
+                continue
+            if run_start >= 0:
+                hasher.update(raw[run_start:run_end])
+            run_start, run_end = offset, offset + nbytes
+        if run_start >= 0:
+            hasher.update(raw[run_start:run_end])
         captured.received_digest = f"blake3:{hasher.hexdigest()}"
         out[name] = captured
     return out
+
+
+def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

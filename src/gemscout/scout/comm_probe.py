@@ -8,15 +8,28 @@ which intersects the slow groups (suspects = ranks in every slow group and no fa
 the rank to its host (scope ``node`` when one host holds every suspect).
 
 The probe runs outside the replay, so a slow network path never shows up as a compute straggler or as SDC.
+
+The job's own collectives are evidence too (:class:`JobCollectiveTimer`): a DDP comm hook times each gradient
+bucket's all-reduce on every rank, from the moment this rank enters it until its future completes. Inside one group
+an all-reduce finishes for everyone only when the last rank has entered it, so the rank that arrives late waits the
+least and every other rank waits about as long as it was late. The SCOUT cycle carries each rank's summed wait in its
+record row (no collective of its own) and turns it into one timing per rank, its *lateness* (the longest wait of the
+group minus its own), which goes through the same :class:`~gemscout.scout.stragglers.CommStragglerDetector`:
+suspects are the ranks common to every slow timing and in no fast one, confirmed over rounds, mapped to their host.
+What one group cannot tell apart: a rank late because its own forward/backward is slow looks the same (the replay
+times say whether its compute is slow), and a slow link inside a ring slows every member alike (the probe groups
+above localize that).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +38,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.config import require, strict_fields
+from gemscout.errors import ConfigError
 from gemscout.gemini.comm import gather_json, wait_all
 from gemscout.scout.reports import FaultReport
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
@@ -100,3 +114,96 @@ class CommProbe:
         timings = {name: GroupTiming(members, max(g.get(name, 0.0) for g in gathered))
                    for name, (members, _) in self.groups.items()}
         return self.detector.observe(step, timings, self.rank_to_host)
+
+
+def gather_hosts(group: dist.ProcessGroup, timeout: timedelta) -> dict[int, str]:
+    """Every member's host name (``GEMSCOUT_HOSTNAME`` or the socket's), by global rank. Collective on ``group``."""
+    hosts = gather_json(os.environ.get(HOST_ENV) or socket.gethostname(), group=group, timeout=timeout)
+    return dict(zip(dist.get_process_group_ranks(group), hosts, strict=True))
+
+
+class JobCollectiveTimer:
+    """Times a DDP model's own gradient all-reduces (a comm hook doing what DDP's default all-reduce hook does).
+
+    Construct on every rank (it gathers host names over ``group``). Raises ``ConfigError`` when the model already
+    has a comm hook (DDP takes one). :meth:`take` returns this rank's summed wait since the last call.
+    """
+
+    def __init__(self, ddp: torch.nn.Module, *, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        pg = getattr(ddp, "process_group", None) or dist.group.WORLD
+        assert isinstance(pg, dist.ProcessGroup)  # DDP always has one; WORLD exists once the job is initialized
+        self.process_group: dist.ProcessGroup = pg
+        self.rank_to_host = gather_hosts(group, timeout)
+        self._lock = threading.Lock()
+        self._wait_s = 0.0
+        self._buckets = 0
+        self._before: OrderedDict[int, Callable[[int], None]] = OrderedDict()
+        timer = self
+
+        # No annotations: DDP compares them literally, and this module's are strings (postponed evaluation).
+        def hook(pg, bucket):  # type: ignore[no-untyped-def]
+            for fn in list(timer._before.values()):
+                fn(bucket.index())
+            tensor = bucket.buffer()
+            tensor.div_(pg.size())
+            # Started after the seam: a rank that enters late is measured from its entry, so it waits the least.
+            start = time.perf_counter()
+            fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
+
+            def done(f):  # type: ignore[no-untyped-def]
+                waited = time.perf_counter() - start
+                with timer._lock:  # completes on the backend's thread
+                    timer._wait_s += waited
+                    timer._buckets += 1
+                return f.value()[0]
+
+            return fut.then(done)
+
+        register = getattr(ddp, "register_comm_hook", None)
+        if register is None:
+            raise ConfigError("time_job_collectives: the model is not a DistributedDataParallel module")
+        try:
+            register(self.process_group, hook)
+        except RuntimeError as exc:
+            raise ConfigError(f"time_job_collectives: DDP already has a comm hook ({exc}); it takes only one") from exc
+
+    def register_before_collective(self, fn: Callable[[int], None]) -> RemovableHandle:
+        """Fault-injection seam: ``fn(bucket_index)`` runs on this rank right before it enters a bucket's
+        all-reduce (a delay here is a late arrival, as a rank stuck before the collective would be)."""
+        handle = RemovableHandle(self._before)
+        self._before[handle.id] = fn
+        return handle
+
+    def take(self) -> float | None:
+        """Seconds this rank waited in the job's all-reduces since the last call (None when none ran); resets."""
+        with self._lock:
+            waited, buckets = self._wait_s, self._buckets
+            self._wait_s, self._buckets = 0.0, 0
+        return waited if buckets else None
+
+
+def lateness_timings(waits: Mapping[int, float | None]) -> dict[str, GroupTiming] | None:
+    """One timing per rank from the ranks' summed waits in the same collectives: how much later than the most
+    punctual rank it arrived (the longest wait minus its own). None unless every rank has a finite wait."""
+    if not waits or any(w is None or not math.isfinite(w) for w in waits.values()):
+        return None
+    longest = max(w for w in waits.values() if w is not None)
+    return {f"rank-{r}-late": GroupTiming(frozenset((r,)), max(0.0, longest - (w or 0.0))) for r, w in waits.items()}
+
+
+def job_comm_report(detector: CommStragglerDetector, step: int, by_rank: Mapping[int, Mapping[str, object]],
+                    rank_to_host: Mapping[int, str]) -> FaultReport | None:
+    """The communication-straggler report (or None) from one cycle's gathered entries, whose ``"comm_s"`` hold each
+    rank's wait in the job's own collectives. A round where some rank has no wait (no all-reduce ran) is skipped."""
+    waits = {r: entry.get("comm_s") for r, entry in by_rank.items()}
+    timings = lateness_timings({r: float(w) if isinstance(w, int | float) else None for r, w in waits.items()})
+    if timings is None:
+        return None
+    report = detector.observe(step, timings, rank_to_host)
+    if report is None:
+        return None
+    evidence = {**report.evidence, "source": "job collectives (DDP gradient all-reduce, lateness per rank)",
+                "wait_s": {str(r): w for r, w in waits.items()}}
+    return FaultReport(kind=report.kind, scope=report.scope, ranks=report.ranks, step=report.step, evidence=evidence,
+                       confirmations=report.confirmations, reason="late to the job's all-reduces: " + report.reason,
+                       host=report.host)

@@ -6,6 +6,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from gemscout.config import require, strict_fields
 from gemscout.scout.comm_probe import CommProbeConfig
@@ -55,6 +56,11 @@ class ScoutConfig:
     """On a DeviceMesh: the names of its data-parallel dims (peers differ only along them). None: the dims of every
     ``fully_shard`` module's mesh (none when the model has no FSDP module, e.g. pure TP). Set it for a mesh used
     without FSDP, e.g. ``("dp",)`` for DDP over the dp dim of a (dp, tp) mesh."""
+    mesh: Any = field(default=None, hash=False, compare=False)
+    """The DeviceMesh of a job whose model has plain (non-DTensor) parameters on a mesh: a pipeline stage, replicated
+    along ``data_parallel_dims`` by DDP or an all-reduce (None: read the mesh from DTensor parameters, or none). Its
+    other dims are pipeline dims: ranks with different coordinates there hold different modules, so recipe names are
+    qualified by the stage (``pp1.hidden.0``) and only ranks of the same stage are compared (docs/torchrun.md)."""
     timeout: timedelta = timedelta(seconds=120)
     """Bound on every collective of a cycle; a peer that misses it raises ``CollectiveTimeout``."""
     stragglers: StragglerConfig | None = field(default_factory=StragglerConfig)
@@ -93,6 +99,8 @@ class ScoutConfig:
         require(dims is None or (isinstance(dims, tuple | list) and len(dims) > 0
                                  and all(isinstance(d, str) and d for d in dims)), c, "data_parallel_dims",
                 f"must be None (from fully_shard) or a non-empty tuple of mesh dim names such as ('dp',), got {dims!r}")
+        require(self.mesh is None or (hasattr(self.mesh, "mesh_dim_names") and hasattr(self.mesh, "mesh")), c, "mesh",
+                f"must be None or a torch DeviceMesh (init_device_mesh(...)), got {type(self.mesh).__name__}")
         if dims is not None:
             object.__setattr__(self, "data_parallel_dims", tuple(dims))
         require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",

@@ -24,7 +24,7 @@ from gemscout.scout.recipes import Recipe
 from gemscout.scout.reports import FaultKind, FaultReport
 from gemscout.scout.rotation import is_sdc
 
-__all__ = ["CycleResult", "combine_groups", "judge_gathered", "param_digest", "precondition_for"]
+__all__ = ["CycleResult", "combine_groups", "inconclusive", "judge_gathered", "param_digest", "precondition_for"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,6 +146,12 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
                  "hyper": {k: to_json_value(v, f"hyper-parameter {k!r}") for k, v in hyper.items()
                            if not isinstance(v, torch.Tensor)}}
     return _combine(digest_many(own), _canonical(described))
+
+
+def inconclusive(due: Sequence[Recipe], step: int, reason: str) -> dict[str, C3Result]:
+    """Every due recipe INCONCLUSIVE with ``reason`` and ``preconditions_ok=False`` (nothing was compared)."""
+    return {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
+                             preconditions_ok=False) for r in due}
 
 
 def judge_gathered(name: str, step: int, peers: Sequence[int],

@@ -1,33 +1,31 @@
-"""The SCOUT cycle for data-parallel peers: capture on the source, broadcast, replay everywhere, agree, judge.
+"""The SCOUT cycle for data-parallel peers: capture on the source, replay everywhere, judge.
 
 Where the cycle runs: in the optimizer step **pre**-hook of a due step ``s``. Backward has finished, so the output
 gradients are captured, and the update has not run, so the live parameters are still those the forward used: the
-forward recipes can be replayed on them directly, and the optimizer recipe's inputs (pre-update parameters, effective
-gradients, state) can be read there. The optimizer recipe is replayed on private copies, so it does not need the live
-update. The verdict for ``s`` is therefore known before the update of ``s``, and the session reads it in its post-hook
-to gate GEMINI's capture of ``s``.
+forward recipes replay on them directly, and the optimizer recipe's inputs (pre-update parameters, effective
+gradients, state) can be read there; it replays on private copies. The verdict for ``s`` is known before the update
+of ``s``; the session reads it in its post-hook to gate GEMINI's capture of ``s``.
 
 One cycle, on every peer, always the same collectives in the same order whatever the local state (a rank never skips
-a collective alone; local failures become records that everyone sees):
+a collective alone; local failures become records that everyone sees). The collectives live in
+:mod:`~gemscout.scout.exchange`; this module does what lies between them:
 
-1. the step's source peer (``peers[s % n]``) packs the captured inputs of the due recipes (or the errors that stopped
-   it); broadcast of the sizes, the JSON header and the flat payload;
+1. the step's source peer (``peers[s % n]``) collects the captured inputs of the due recipes (or the errors that
+   stopped it); hello all-gather and one broadcast of them (:meth:`PeerExchange.send_inputs`);
 2. every peer replays each due recipe on its own parameters from the source's inputs and RNG state and digests what
    it produced (output, input and parameter gradients), with its precondition record;
-3. one JSON all-gather of the records; every peer then judges each recipe with the same pure function
-   (:func:`~gemscout.scout.preconditions.judge`), so every peer reaches the same verdicts.
+3. one fixed-size all-gather of the records (:meth:`PeerExchange.gather_records`); every peer then judges each
+   recipe with the same pure function (:func:`~gemscout.scout.preconditions.judge`): the same verdicts everywhere.
 
-On a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) there is one peer group per model-parallel coordinate or HSDP shard, found
-by :mod:`~gemscout.scout.topology`; the same steps run in each group, and :class:`~gemscout.scout.mesh_cycle.MeshCycle`
-adds what crosses groups: a mesh-wide step agreement first, the parameter gathers before replay, a readiness check
-before replays that run TP collectives, and the records gathered over the whole mesh so every rank judges every group
-and holds one combined verdict per recipe.
+On a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) there is one peer group per model-parallel coordinate or HSDP shard
+(:mod:`~gemscout.scout.topology`); :class:`~gemscout.scout.mesh_cycle.MeshCycle` adds what crosses groups: a
+mesh-wide step agreement, parameter gathers before replay, a readiness check before replays that run TP collectives,
+and the records gathered over the whole mesh so every rank judges every group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections import OrderedDict
@@ -40,19 +38,25 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.errors import ConfigError
-from gemscout.gemini.comm import gather_json, wait_all
-from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer, pack, unpack
+from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer
+from gemscout.scout.comm_probe import JobCollectiveTimer, job_comm_report
 from gemscout.scout.config import ScoutConfig
-from gemscout.scout.consensus import C3Result, Verdict
-from gemscout.scout.cycle import CycleResult, combine_groups, judge_gathered, param_digest, precondition_for
+from gemscout.scout.cycle import (
+    CycleResult,
+    combine_groups,
+    inconclusive,
+    judge_gathered,
+    param_digest,
+    precondition_for,
+)
 from gemscout.scout.digests import digest_many
+from gemscout.scout.exchange import PeerExchange
 from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
 from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
 from gemscout.scout.replay import ReplayContext, ReplayHook, ReplayHooks, replay_forward, replay_optimizer
-from gemscout.scout.reports import FaultReport
 from gemscout.scout.rotation import RotationTracker
-from gemscout.scout.stragglers import ComputeStragglerDetector
+from gemscout.scout.stragglers import CommStragglerDetector, ComputeStragglerDetector, compute_reports
 from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
@@ -98,7 +102,6 @@ class Scout:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("Scout.attach: call torch.distributed.init_process_group() first")
         root = unwrap(model)
-        self.catalog: Catalog = build_catalog(root, optimizer, self.config)
         self._optimizer = optimizer
         self.rank = dist.get_rank()
         timeout = self.config.timeout
@@ -106,7 +109,11 @@ class Scout:
             raise ConfigError("Scout.attach: group= is for replicated models; on a sharded or parallel model leave it "
                               "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)")
         if group is None and topology is None:
-            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank)
+            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank,
+                                mesh=self.config.mesh)
+        # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0).
+        self.catalog: Catalog = build_catalog(root, optimizer, self.config,
+                                              stage=topology.stage_label if topology is not None else "")
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
         self.disabled_reason: str | None = None
@@ -125,15 +132,20 @@ class Scout:
             domain, self._group = create_groups(topology, timeout)
             self.peers, self.peer_groups = topology.peers, topology.peer_groups
             self._mesh = MeshCycle(topology, domain, timeout)
+        self._exchange: PeerExchange | None = None
+        if self._group is not None:
+            self._exchange = PeerExchange(self._group, self.peers, self.rank, timeout)
         self._modules = {r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes}
         self._params = optimizer_params(root, optimizer)
         self._fingerprint = self.catalog.fingerprint()
         if self._mesh is not None:
             self._mesh.plan(self.catalog, self._modules)
         self._capture = CaptureHooks(self._modules, {r.name: r for r in self.catalog.recipes})
-        self.rotation = RotationTracker(self.catalog.names)
+        self.rotation = RotationTracker(self._mesh.job_names if self._mesh is not None else self.catalog.names)
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
+        self._job_timer: JobCollectiveTimer | None = None
+        self._comm_detector = CommStragglerDetector(self.config.stragglers)
         self._attached = True
         self.set_next_step(first_step)
         return self
@@ -191,6 +203,20 @@ class Scout:
         (``output``, ``grad.*``; ``param.*``/``state.*`` for optimizer slices); it may return replacements."""
         return ReplayHooks.add(self._hooks.outputs, hook)
 
+    def time_job_collectives(self, ddp: nn.Module) -> JobCollectiveTimer:
+        """Time ``ddp``'s own gradient all-reduces as communication-straggler evidence (a DDP comm hook; see
+        :class:`~gemscout.scout.comm_probe.JobCollectiveTimer`). Every cycle then carries each peer's wait in its
+        record row and reports a rank that is late to them (kind ``straggler``, evidence signal ``communication``)
+        after ``config.stragglers.confirmations`` rounds. Collective on the peer group (host names are gathered):
+        call on every rank, after :meth:`attach`. Raises ``ConfigError`` when DDP already has a comm hook, stragglers
+        are disabled, or the model is not replicated over the peer group."""
+        self._require_attached()
+        if self._exchange is None or self._mesh is not None or self.config.stragglers is None:
+            raise ConfigError("Scout.time_job_collectives: needs a replicated (DDP) model with ScoutConfig.stragglers")
+        if self._job_timer is None:
+            self._job_timer = JobCollectiveTimer(ddp, group=self._exchange.group, timeout=self.config.timeout)
+        return self._job_timer
+
     # -- the step hook ----------------------------------------------------------------------------------------------
     def step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An ``optimizer.register_step_pre_hook`` hook: ``before_step(self.next_step)``; result in ``last_result``."""
@@ -239,7 +265,7 @@ class Scout:
             if disagreement is not None:
                 return self._stopped(step, due, source, disagreement)
             slices = {r.name: mesh.gather_slice(r, self._params, self._optimizer, step) for r in due if not r.has_module}
-        received, wire_error, in_step = self._exchange(step, due, source, {k: c for k, (c, _) in slices.items()})
+        received, wire_error, in_step = self._send_inputs(step, due, source, {k: c for k, (c, _) in slices.items()})
         if not in_step and mesh is None:
             return self._stopped(step, due, source, str(wire_error))
         blocked = mesh.blocked(due, received, wire_error) if mesh is not None else {}
@@ -255,24 +281,32 @@ class Scout:
                                                       params=params, own_slice=own, blocked=blocked.get(recipe.name))
             if seconds is not None:
                 records[recipe.name]["gather_s"] = seconds
-        domain = mesh.domain if mesh is not None else self._group
-        assert domain is not None  # only a topology without peers has no group, and it never gets here
-        gathered = gather_json({"threads": torch.get_num_threads(), "records": records}, group=domain,
-                               timeout=self.config.timeout)
-        ranks = mesh.domain_ranks if mesh is not None else self.peers
-        by_rank = dict(zip(ranks, gathered, strict=True))
+        assert self._exchange is not None  # only a topology without peers has none, and it never gets here
+        names = [r.name for r in due]
+        if mesh is not None and mesh.topology.stage_dims:
+            by_rank = mesh.gather_records(records)  # pipeline stages record different recipes
+        elif mesh is not None:
+            by_rank = self._exchange.gather_records(names, records, group=mesh.domain, ranks=mesh.domain_ranks)
+        else:
+            comm_s = self._job_timer.take() if self._job_timer is not None else None
+            by_rank = self._exchange.gather_records(names, records, comm_s=comm_s)
+        ranks = tuple(by_rank)
         results = {}
         times: dict[str, dict[int, float]] = {}
-        for recipe in due:
+        # Every rank judges the same recipes (with pipeline stages, every stage's) over the groups that replayed them.
+        for name in mesh.judged_names(due, by_rank) if mesh is not None else names:
             judged = []
-            times[recipe.name] = {}
-            for group in self.peer_groups:
-                result, group_times = judge_gathered(recipe.name, step, group, [by_rank[r] for r in group])
+            times[name] = {}
+            for group in mesh.holding(name, self.peer_groups, by_rank) if mesh is not None else self.peer_groups:
+                result, group_times = judge_gathered(name, step, group, [by_rank[r] for r in group])
                 judged.append((group, result))
-                times[recipe.name].update(group_times)
-            results[recipe.name] = combine_groups(recipe.name, step, judged)
+                times[name].update(group_times)
+            results[name] = combine_groups(name, step, judged)
         reports = [report for result in results.values() if (report := result.fault_report()) is not None]
-        reports += self._stragglers(step, results, times, len(ranks))
+        reports += compute_reports(self._detectors, self.config.stragglers, step, results, times, len(ranks))
+        if self._job_timer is not None and (late := job_comm_report(
+                self._comm_detector, step, by_rank, self._job_timer.rank_to_host)) is not None:
+            reports.append(late)
         extra: dict[str, Any] = {}
         if mesh is not None:
             reports += mesh.comm_reports(step, due, by_rank, self.config.stragglers)
@@ -286,57 +320,31 @@ class Scout:
     def _stopped(self, step: int, due: Sequence[Recipe], source: int, reason: str) -> CycleResult:
         # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded for
         # the rotation or the stragglers, since the peers were not even replaying the same step.
-        results = {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
-                                    preconditions_ok=False) for r in due}
-        return CycleResult(step=step, source_rank=source, peers=self.peers, results=results,
+        return CycleResult(step=step, source_rank=source, peers=self.peers, results=inconclusive(due, step, reason),
                            replay_s={r.name: {} for r in due}, peer_groups=self.peer_groups)
 
     def _cannot_compare(self, step: int, due: Sequence[Recipe]) -> CycleResult:
         """A due step on a topology without peers: no collective, every recipe INCONCLUSIVE with the reason."""
-        reason = f"SCOUT cannot compare on this topology: {self.disabled_reason}; nothing was replayed"
-        results = {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
-                                    preconditions_ok=False) for r in due}
+        results = inconclusive(due, step, f"SCOUT cannot compare on this topology: {self.disabled_reason}; "
+                               "nothing was replayed")
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
         return CycleResult(step=step, source_rank=self.rank, peers=self.peers, results=results,
                            replay_s={r.name: {} for r in due}, certified_step=certified, peer_groups=self.peer_groups)
 
-    def _exchange(self, step: int, due: Sequence[Recipe], source: int,
-                  slices: Mapping[str, Captured]) -> tuple[dict[str, Captured], str | None, bool]:
-        """Send the source's captures to every peer. Returns (captures, error for all recipes, peers in step).
-        ``slices``: optimizer slices already gathered on a sharded model (sent instead of the live shards)."""
-        timeout = self.config.timeout
-        assert self._group is not None
-        header, payload = b"", torch.empty(0, dtype=torch.uint8)
+    def _send_inputs(self, step: int, due: Sequence[Recipe], source: int,
+                     slices: Mapping[str, Captured]) -> tuple[dict[str, Captured], str | None, bool]:
+        """The source's captures to every peer (:meth:`PeerExchange.send_inputs`). ``slices``: optimizer slices
+        already gathered on a sharded model (sent instead of the live shards)."""
+        assert self._exchange is not None
+        captures = None
         if self.rank == source:
             try:
-                header, payload = pack(step, {r.name: slices[r.name] if r.name in slices
-                                              else self._capture_source(r, step) for r in due})
+                captures = {r.name: slices[r.name] if r.name in slices else self._capture_source(r, step) for r in due}
             except Exception as exc:  # the source still sends: a header that carries the error
-                failed = Captured(step=step, error=f"packing failed: {type(exc).__name__}: {exc}")
-                header, payload = pack(step, {r.name: failed for r in due})
-        # A gather, not a broadcast, comes first: peers that disagree on the step would disagree on the source, and a
-        # broadcast from two different roots never completes. Here every peer sees every step and stops together.
-        hello = torch.tensor([step, self._fingerprint, len(header), payload.numel()], dtype=torch.int64)
-        hellos = [torch.zeros(4, dtype=torch.int64) for _ in self.peers]
-        wait_all([dist.all_gather(hellos, hello, group=self._group, async_op=True)], timeout, "scout hello")
-        steps = {rank: int(h[0]) for rank, h in zip(self.peers, hellos, strict=True)}
-        if len(set(steps.values())) > 1 or len({int(h[1]) for h in hellos}) > 1:
-            what = "step" if len(set(steps.values())) > 1 else "recipe catalog"
-            return {}, f"peers disagree on the {what} (steps by rank {steps}); nothing was replayed", False
-        sizes = hellos[self.peers.index(source)]
-        if self.rank != source:
-            header_t = torch.empty(int(sizes[2]), dtype=torch.uint8)
-            payload = torch.empty(int(sizes[3]), dtype=torch.uint8)
-        else:
-            header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        wait_all([dist.broadcast(header_t, source, group=self._group, async_op=True)], timeout, "scout header")
-        if payload.numel() > 0:
-            wait_all([dist.broadcast(payload, source, group=self._group, async_op=True)], timeout, "scout payload")
-        try:
-            return unpack(bytes(header_t.numpy()), payload, step), None, True
-        except (ValueError, KeyError, TypeError) as exc:
-            return {}, f"the inputs from source rank {source} could not be read: {exc}", True
+                failed = Captured(step=step, error=f"capture failed: {type(exc).__name__}: {exc}")
+                captures = {r.name: failed for r in due}
+        return self._exchange.send_inputs(step, self._fingerprint, source, captures)
 
     def _capture_source(self, recipe: Recipe, step: int) -> Captured:
         if recipe.has_module:
@@ -396,23 +404,10 @@ class Scout:
             record["error"] = f"{type(exc).__name__}: {exc}"
         return record
 
-    def _stragglers(self, step: int, results: Mapping[str, C3Result],
-                    times: Mapping[str, Mapping[int, float]], ranks: int) -> list[FaultReport]:
-        if self.config.stragglers is None:
-            return []
-        reports = []
-        for name, result in results.items():
-            # Every rank of the job replayed the same recipe at the same shapes: compare them all, across groups.
-            if result.preconditions_ok and len(times[name]) == ranks:
-                detector = self._detectors.setdefault(name, ComputeStragglerDetector(self.config.stragglers))
-                report = detector.observe(step, times[name])
-                if report is not None:
-                    reports.append(dataclasses.replace(report, recipe=name))
-        return reports
-
     def _rewind(self) -> None:
         self.rotation.reset()
         self._detectors.clear()
+        self._comm_detector.reset()
         if self._mesh is not None:
             self._mesh.reset()
         self._last_cycle_step = None

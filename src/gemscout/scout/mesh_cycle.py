@@ -11,6 +11,11 @@ every rank of the mesh (the *domain*) takes part, in the same order, in:
    rank or on none, so a TP partner is never left waiting inside a collective;
 4. the all-gather of every rank's records, from which every rank judges every group (same verdicts everywhere).
 
+Pipeline stages (``Topology.stage_dims``) hold different catalogs: each rank replays only its stage's recipes, but
+every rank judges every recipe of every stage from the gathered records (:meth:`MeshCycle.judged_names`, each over
+the peer groups that hold it, :meth:`MeshCycle.holding`) and tracks certification over the job-wide catalog
+(:attr:`MeshCycle.job_names`), so verdicts, reports, rejections and certified steps are identical on every rank.
+
 Communication evidence: the seconds each rank spent gathering, and inside the replay's collectives, are compared per
 group of the dim they ran along (shard groups for gathers, model-parallel groups for replay collectives). A group's
 time is its *fastest* member's: a member that arrived late (slow at compute) makes the others wait but itself waits
@@ -29,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.gemini.comm import wait_all
+from gemscout.errors import ConfigError
+from gemscout.gemini.comm import gather_json, wait_all
 from gemscout.scout.capture import Captured, capture_optimizer
 from gemscout.scout.materialize import Materializer, local_tensor, uses_model_dims
 from gemscout.scout.recipes import Catalog, Recipe
@@ -55,9 +61,25 @@ class MeshCycle:
         """Recipes whose replay runs collectives (parameters placed on a model-parallel dim)."""
         self._model_dims: dict[str, tuple[str, ...]] = {}
         self._detectors: dict[str, CommStragglerDetector] = {}
+        self.job_names: tuple[str, ...] = ()
+        """Every recipe id of every rank's catalog (this rank's own on a mesh without pipeline stages), in a fixed
+        order: what certification must see clean."""
 
     def plan(self, catalog: Catalog, modules: Mapping[str, Sequence[nn.Module]]) -> None:
-        """Note which recipes replay with collectives, and along which model-parallel dims."""
+        """Note which recipes replay with collectives, and along which model-parallel dims. With pipeline stages,
+        collective over the mesh: gather every rank's recipe ids into :attr:`job_names`. Raises ``ConfigError`` when
+        the stages would disagree on which steps are due (a step due on one stage only would run the cycle's
+        collectives on part of the mesh)."""
+        self.job_names = catalog.names
+        if self.topology.stage_dims:
+            cadences = sorted({catalog.config.interval_of(r.kind.value) for r in catalog.recipes})
+            everyone = gather_json({"names": list(catalog.names), "cadences": cadences}, group=self.domain,
+                                   timeout=self.timeout)
+            if len({tuple(doc["cadences"]) for doc in everyone}) > 1:
+                raise ConfigError("ScoutConfig.recipe_intervals: pipeline stages hold different recipe kinds, and with "
+                                  f"these cadences they would be due at different steps ({[d['cadences'] for d in everyone]}"
+                                  "); give every recipe kind the same interval")
+            self.job_names = tuple(dict.fromkeys(name for doc in everyone for name in doc["names"]))
         for recipe in catalog.recipes:
             params = [p for m in modules[recipe.name] for p in m.parameters()]
             if recipe.has_module and uses_model_dims(params, self.topology):
@@ -67,6 +89,30 @@ class MeshCycle:
                     names.update(mesh.mesh_dim_names or () if mesh is not None else ())
                 self._model_dims[recipe.name] = tuple(d for d in self.topology.model_dims if d in names)
         self.collective_recipes = frozenset(self._model_dims)
+
+    def gather_records(self, records: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
+        """Collective over the mesh, for pipeline stages: every rank's ``{"threads", "records"}`` by global rank.
+
+        JSON, not the fixed-size rows of :class:`~gemscout.scout.exchange.PeerExchange`: a row's layout is the
+        recipe list, and stages record different recipes."""
+        gathered = gather_json({"threads": torch.get_num_threads(), "records": dict(records)}, group=self.domain,
+                               timeout=self.timeout)
+        return dict(zip(self.domain_ranks, gathered, strict=True))
+
+    def judged_names(self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+        """The recipes this cycle judges: those due here and, with pipeline stages, every recipe any rank recorded
+        (the other stages'), in :attr:`job_names` order. Pure, from the gathered records: equal on every rank."""
+        if not self.topology.stage_dims:
+            return [r.name for r in due]
+        recorded = {name for entry in by_rank.values() for name in entry["records"]}
+        return [name for name in self.job_names if name in recorded]
+
+    def holding(self, name: str, groups: Sequence[Sequence[int]],
+                by_rank: Mapping[int, Mapping[str, Any]]) -> list[Sequence[int]]:
+        """The peer groups that replayed ``name`` (some member recorded it): another stage's groups never did."""
+        if not self.topology.stage_dims:
+            return list(groups)
+        return [g for g in groups if any(name in by_rank[r]["records"] for r in g)]
 
     def reset(self) -> None:
         """Forget the communication baselines (after a rewind)."""

@@ -9,12 +9,17 @@
 * ``optimizer.<j>`` — slice ``j`` of the parameters (whole parameters, at most ``optimizer_slice_numel`` elements,
   never across param groups): one update on private copies.
 
+On a pipeline stage (``stage`` given, e.g. ``"pp1"``) the model is one stage's module: a recipe kind whose boundary
+the stage does not hold is left out (stage 0 has no head, the last stage no embedding), and every name is qualified
+by the stage (``pp1.hidden.0``, ``pp0.optimizer.0``) so recipes of different stages never share a name.
+
 The catalog is a pure function of the model's module tree, the optimizer's param groups and the config, so every
 peer builds the same one; :meth:`Catalog.due` is a pure function of the step, so every peer picks the same recipes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -67,6 +72,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(inner, nn.Module):
         model, inner = inner, getattr(inner, "module", None)
     return model
+
+
+def _has(model: nn.Module, path: str | None) -> bool:
+    if path is None:
+        return False
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _resolve(model: nn.Module, path: str, field: str) -> nn.Module:
@@ -146,16 +161,37 @@ def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound:
     return slices
 
 
-def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig) -> Catalog:
+def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig,
+                  stage: str = "") -> Catalog:
     """Find the recipe boundaries in ``model`` (DDP's ``.module`` is unwrapped) and list every recipe.
 
-    Raises ``ConfigError`` naming the field to set when an enabled recipe kind has no boundary in the model, when an
-    override path does not exist, or when ``optimizer`` is None but the optimizer recipe is enabled.
+    ``stage``: this rank's pipeline stage label (``Topology.stage_label``); non-empty means ``model`` is one stage:
+    kinds it has no boundary for are skipped and names are qualified by the label. Raises ``ConfigError`` naming the
+    field to set when an enabled recipe kind has no boundary in the model (outside a pipeline), when an override path
+    does not exist, when ``optimizer`` is None but the optimizer recipe is enabled, or when a stage has no recipe.
     """
     model = unwrap(model)
     enabled = set(config.recipes)
+    if stage:
+        # A stage holds part of the model: a kind is skipped when its override path is not in this stage, or when no
+        # boundary for it is found here.
+        if config.blocks is not None and not _has(model, config.blocks):
+            enabled.discard("hidden")
+        for kind, path in (("embedding", config.embedding), ("output", config.head)):
+            if path is not None and not _has(model, path):
+                enabled.discard(kind)
     recipes: list[Recipe] = []
-    blocks = _find_blocks(model, config) if "hidden" in enabled or config.blocks else None
+    find_blocks = "hidden" in enabled or bool(config.blocks)
+    if stage:  # always, when the stage has them: they bound where the embedding and the head are looked for
+        find_blocks = config.blocks is None or _has(model, config.blocks)
+    blocks = _find_blocks(model, config) if find_blocks else None
+    if stage:
+        if blocks is None:
+            enabled.discard("hidden")
+        if config.embedding is None and _find_first(model, (nn.Embedding,), blocks) is None:
+            enabled.discard("embedding")
+        if config.head is None and _find_last(model, (nn.Linear,), blocks) is None:
+            enabled.discard("output")
     if "embedding" in enabled:
         path = config.embedding or _find_first(model, (nn.Embedding,), blocks)
         if path is None:
@@ -185,6 +221,11 @@ def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, con
         if optimizer is None:
             raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
         recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel)
+    if stage:
+        if not recipes:
+            raise ConfigError(f"ScoutConfig.recipes: pipeline stage {stage} holds none of the recipe kinds "
+                              f"{list(config.recipes)}; enable 'optimizer' (every stage has parameters)")
+        recipes = [dataclasses.replace(r, name=f"{stage}.{r.name}") for r in recipes]
     return Catalog(tuple(recipes), config)
 
 

@@ -19,6 +19,7 @@ reports again with the growing count. Detectors keep state across rounds and are
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -29,7 +30,7 @@ from typing import Any
 from gemscout.errors import ConfigError
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
-__all__ = ["CommStragglerDetector", "ComputeStragglerDetector", "GroupTiming", "StragglerConfig"]
+__all__ = ["CommStragglerDetector", "ComputeStragglerDetector", "GroupTiming", "StragglerConfig", "compute_reports"]
 
 
 def _is_number(value: object) -> bool:
@@ -370,3 +371,20 @@ class CommStragglerDetector:
             reason=reason,
             host=host,
         )
+
+
+def compute_reports(detectors: dict[str, ComputeStragglerDetector], config: StragglerConfig | None, step: int,
+                    results: Mapping[str, Any], times: Mapping[str, Mapping[int, float]],
+                    ranks: int) -> list[FaultReport]:
+    """One SCOUT cycle's compute-straggler reports: each recipe whose preconditions held and that every one of the
+    ``ranks`` replayed feeds its own detector (created in ``detectors`` on first use). ``config`` None: none."""
+    if config is None:
+        return []
+    reports = []
+    for name, result in results.items():
+        # Every rank of the job replayed the same recipe at the same shapes: compare them all, across groups.
+        if result.preconditions_ok and len(times[name]) == ranks:
+            report = detectors.setdefault(name, ComputeStragglerDetector(config)).observe(step, times[name])
+            if report is not None:
+                reports.append(dataclasses.replace(report, recipe=name))
+    return reports

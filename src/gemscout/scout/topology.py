@@ -20,6 +20,12 @@ The peer group of a rank is the set of ranks that share its coordinates on every
 Which dims are data-parallel comes from ``fully_shard``: the dims of every FSDP module's mesh. A mesh used without
 FSDP (DDP over a sub-mesh, a hand-written TP + DP layout) needs ``ScoutConfig.data_parallel_dims``.
 
+**Pipeline stages** have plain parameters, so the mesh cannot be read from them: ``ScoutConfig.mesh`` gives it, and
+every dim that is not data-parallel is a *stage dim* — ranks with different coordinates there hold different modules
+(stage 0 the embedding and first blocks, the last stage the remaining blocks and the head). Peers then keep the stage
+coordinate, and :attr:`Topology.stage_label` (``pp1``) qualifies recipe names so that a recipe of one stage is never
+compared with, or combined with, another stage's.
+
 :func:`derive` is pure (no process group) so the whole rule is unit-tested; :func:`discover` reads the model and
 :func:`create_groups` makes the gloo groups (collective: every rank creates every group in the same order).
 """
@@ -62,13 +68,16 @@ class Topology:
     """Dims along which this rank's peers differ (empty: no peers)."""
     rank: int
     """This rank (global)."""
+    stage_dims: tuple[str, ...] = ()
+    """Model dims along which ranks hold different modules (pipeline stages); empty unless the mesh came from
+    ``ScoutConfig.mesh`` for a model with plain parameters."""
 
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.shape) or len(set(self.dims)) != len(self.dims):
             raise ValueError(f"Topology: dims {self.dims} and shape {self.shape} do not match")
         if math.prod(self.shape) != len(self.ranks) or len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"Topology: {len(self.ranks)} ranks do not fill a mesh of shape {self.shape}")
-        for name in ("data_dims", "shard_dims", "peer_dims"):
+        for name in ("data_dims", "shard_dims", "peer_dims", "stage_dims"):
             unknown = [d for d in getattr(self, name) if d not in self.dims]
             if unknown:
                 raise ValueError(f"Topology.{name}: {unknown} are not mesh dims {self.dims}")
@@ -80,6 +89,20 @@ class Topology:
     def model_dims(self) -> tuple[str, ...]:
         """Dims that are not data-parallel (tp, pp, cp, ep, ...): peers keep this rank's coordinate on them."""
         return tuple(d for d in self.dims if d not in self.data_dims)
+
+    @property
+    def stage_label(self) -> str:
+        """This rank's coordinates along the stage dims, e.g. ``pp1`` (empty when there are none): the prefix that
+        makes recipe names unique across pipeline stages."""
+        coord = self._coords()
+        return "-".join(f"{d}{coord[self.dims.index(d)]}" for d in self.stage_dims)
+
+    def _coords(self) -> tuple[int, ...]:
+        flat, out = self.ranks.index(self.rank), []
+        for size in reversed(self.shape):
+            flat, c = divmod(flat, size)
+            out.append(c)
+        return tuple(reversed(out))
 
     @property
     def replicate_dims(self) -> tuple[str, ...]:
@@ -133,6 +156,10 @@ class Topology:
     @property
     def reason(self) -> str:
         """One sentence: who the peers are and why, or why SCOUT cannot compare here."""
+        if not self.peer_dims and self.stage_dims:
+            return (f"no data-parallel dim in mesh {self._mesh_text()} (pipeline stages along {list(self.stage_dims)}): "
+                    "each rank runs its own stage and no other rank holds it, so no rank has a peer whose computation "
+                    "it can replay; SCOUT cannot compare here (replicate the pipeline along a dp dim)")
         if not self.peer_dims:
             return (f"no data-parallel dim in mesh {self._mesh_text()} (every dim is model-parallel: "
                     f"{list(self.model_dims)}): each rank holds its own shard and sees the same data as its partners, "
@@ -148,6 +175,8 @@ class Topology:
             text += f"; each peer gathers its own replica's shards along {list(self.shard_dims)} before replay"
         if len(self.peers) == 2:
             text += "; with two peers a mismatch is detected but no culprit can be named"
+        if self.stage_dims:
+            text += f"; recipes are this stage's ({self.stage_label}) only"
         return text
 
     def _mesh_text(self) -> str:
@@ -158,13 +187,17 @@ class Topology:
         return {"kind": self.kind, "dims": list(self.dims), "shape": list(self.shape), "ranks": list(self.ranks),
                 "data_dims": list(self.data_dims), "shard_dims": list(self.shard_dims),
                 "model_dims": list(self.model_dims), "peer_dims": list(self.peer_dims), "rank": self.rank,
-                "peers": list(self.peers), "peer_groups": [list(g) for g in self.peer_groups], "reason": self.reason}
+                "peers": list(self.peers), "peer_groups": [list(g) for g in self.peer_groups], "reason": self.reason,
+                "stage_dims": list(self.stage_dims), "stage_label": self.stage_label}
 
 
 def derive(*, dims: Sequence[str], shape: Sequence[int], ranks: Sequence[int], data_dims: Sequence[str],
-           shard_dims: Sequence[str], rank: int) -> Topology:
-    """The topology of a mesh for ``rank``, from its dim names, shape, row-major ranks, the data-parallel dims and
-    the data dims some parameter is sharded over. Pure; raises ``ValueError`` for inconsistent inputs."""
+           shard_dims: Sequence[str], rank: int, stage_dims: Sequence[str] = ()) -> Topology:
+    """The topology of a mesh for ``rank``, from its dim names, shape, row-major ranks, the data-parallel dims, the
+    data dims some parameter is sharded over and the pipeline stage dims (model dims along which modules differ).
+    Pure; raises ``ValueError`` for inconsistent inputs (a stage dim that is also data-parallel)."""
+    if any(d in data_dims for d in stage_dims):
+        raise ValueError(f"stage dims {list(stage_dims)} overlap the data-parallel dims {list(data_dims)}")
     data = tuple(d for d in dims if d in data_dims)
     shard = tuple(d for d in data if d in shard_dims)
     replicate = tuple(d for d in data if d not in shard)
@@ -173,7 +206,8 @@ def derive(*, dims: Sequence[str], shape: Sequence[int], ranks: Sequence[int], d
     part = "" if not data else ("hsdp" if shard and replicate else "fsdp" if shard else "dp")
     kind = "+".join(([part] if part else []) + model) or "dp"
     return Topology(kind=kind, dims=tuple(dims), shape=tuple(int(n) for n in shape), ranks=tuple(ranks),
-                    data_dims=data, shard_dims=shard, peer_dims=peer_dims, rank=rank)
+                    data_dims=data, shard_dims=shard, peer_dims=peer_dims, rank=rank,
+                    stage_dims=tuple(d for d in dims if d in stage_dims))
 
 
 def _mesh_facts(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
@@ -185,16 +219,17 @@ def _mesh_facts(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int,
 
 
 def from_mesh(mesh: Any, *, data_dims: Sequence[str], shard_dims: Sequence[str] = (),
-              rank: int | None = None) -> Topology:
+              rank: int | None = None, stage_dims: Sequence[str] = ()) -> Topology:
     """The topology of an explicit DeviceMesh: ``data_dims`` name the data-parallel dims, ``shard_dims`` those of
-    them over which parameters are sharded. Raises ``ConfigError`` for a name that is not a mesh dim."""
+    them over which parameters are sharded, ``stage_dims`` the pipeline dims. Raises ``ConfigError`` for a name that
+    is not a mesh dim."""
     names, shape, ranks = _mesh_facts(mesh)
-    for field, value in (("data_dims", data_dims), ("shard_dims", shard_dims)):
+    for field, value in (("data_dims", data_dims), ("shard_dims", shard_dims), ("stage_dims", stage_dims)):
         unknown = [d for d in value if d not in names]
         if unknown:
             raise ConfigError(f"SCOUT topology: {field} {unknown} are not dims of the mesh {list(names)}")
     return derive(dims=names, shape=shape, ranks=ranks, data_dims=data_dims, shard_dims=shard_dims,
-                  rank=dist.get_rank() if rank is None else rank)
+                  rank=dist.get_rank() if rank is None else rank, stage_dims=stage_dims)
 
 
 def has_dtensor_params(model: nn.Module) -> bool:
@@ -230,9 +265,14 @@ def _fsdp_data_dims(model: nn.Module) -> set[str] | None:
     return found
 
 
-def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: int | None = None) -> Topology | None:
+def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: int | None = None,
+             mesh: Any = None) -> Topology | None:
     """The topology of ``model`` from its DTensor parameters, or None when it has none (DDP or a plain module:
     every rank is a replica, the classic case).
+
+    ``mesh``: the DeviceMesh of a model with plain parameters (a pipeline stage, ``ScoutConfig.mesh``): its
+    ``data_dims`` are the data-parallel dims (none: a pure pipeline, no peers) and every other dim is a stage dim.
+    Raises ``ConfigError`` when ``mesh`` is given for a model whose parameters are DTensors (they bring their mesh).
 
     ``data_dims``: the data-parallel mesh dim names; None derives them from ``fully_shard`` (the dims of every FSDP
     module's mesh; none at all when the model has no FSDP module, e.g. pure TP). Raises ``ConfigError`` when the
@@ -246,15 +286,22 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
-        mesh = param.device_mesh
-        this_root = mesh._get_root_mesh()
+        param_mesh = param.device_mesh
+        this_root = param_mesh._get_root_mesh()
         if root is None:
             root = this_root
         elif this_root is not root and _mesh_facts(this_root) != _mesh_facts(root):
             raise ConfigError(f"SCOUT: parameter {name!r} lives on another device mesh than the others; one mesh "
                               "per model is supported")
-        names, _, _ = _mesh_facts(mesh)
+        names, _, _ = _mesh_facts(param_mesh)
         placements.append((names, param.placements))
+    if mesh is not None:
+        if root is not None:
+            raise ConfigError("ScoutConfig.mesh is for models with plain parameters (pipeline stages); this model's "
+                              "parameters are DTensors and bring their own mesh: leave ScoutConfig.mesh unset")
+        names, _, _ = _mesh_facts(mesh)
+        data = tuple(data_dims or ())
+        return from_mesh(mesh, data_dims=data, rank=rank, stage_dims=[d for d in names if d not in data])
     if root is None:
         return None
     if data_dims is None:

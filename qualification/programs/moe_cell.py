@@ -1,0 +1,113 @@
+"""Expert- and context-parallel cells: GEMINI + SCOUT (+ the AllToAll check on MoE) on a (dp=2, ep|cp=2) mesh.
+
+Launches :mod:`qualification.programs.moe_rank` on 4 ranks. ``workload``: ``moe`` (mesh ("dp", "ep")) or ``cp``
+(mesh ("dp", "cp")); ``topology`` is a label only. ``params.steps`` (default 8).
+
+``fault.kind``: ``none`` (healthy), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted SCOUT replay),
+``alltoall`` (``rank``, ``step``: that rank corrupts its replayed ``balanced`` AllToAll send after digesting it; MoE
+only), ``sigkill`` (``rank``, ``step``: SIGKILL after that step, then a relaunch recovers).
+
+Observed: ``bitwise_equal`` / ``losses_equal`` (every rank's final state and losses equal the same steps trained
+without gemscout), ``peer_groups``, ``model_dims``, ``sdc_reports`` (SCOUT recipe reports on rank 0),
+``scope`` / ``group_ranks`` / ``detected_step`` (the first of them), ``decision_before_fault``,
+``fault_step_rejected``, ``certified_after``, ``a2a_checks`` / ``a2a_clean`` (AllToAll checks run / clean, over every
+rank and step), ``a2a_pairs`` (the [sender, receiver] pairs named, job-wide), ``a2a_step``, ``a2a_step_rejected`` (that step's capture rejected), ``resume_step``,
+``killed_exit_code``, ``ranks_agree`` (trust ledgers equal on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from qualification.launch import launch
+from qualification.programs._contract import cell_main
+
+WORLD = 4
+
+
+def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dict[str, Any]]]:
+    steps = int(cell.get("params", {}).get("steps", 8))
+    res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", str(cell["workload"]),
+                  "--steps", str(steps), *extra], world_size=WORLD, timeout_s=float(cell.get("timeout_s", 200)),
+                 log_dir=out / "logs")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)] if res.ok else []
+    return res, ranks
+
+
+def _observe(ranks: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
+    r0 = ranks[0]
+    sdc = [rep for rep in r0["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
+    a2a = [res for r in ranks for results in r["a2a"].values() for res in results]
+    pairs = sorted({tuple(rep["ranks"]) for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
+    a2a_steps = sorted({rep["step"] for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
+    obs: dict[str, Any] = {
+        "bitwise_equal": all(r["state_digest"] == r["baseline_digest"] for r in ranks),
+        "losses_equal": all(r["losses"] == r["baseline_losses"] for r in ranks),
+        "peer_groups": r0["topology"]["peer_groups"], "model_dims": r0["topology"]["model_dims"],
+        "sdc_reports": len(sdc), "scope": sdc[0]["scope"] if sdc else None,
+        "group_ranks": sdc[0]["ranks"] if sdc else [], "detected_step": sdc[0]["step"] if sdc else None,
+        "a2a_checks": len(a2a), "a2a_clean": sum(res["verdict"] == "clean" for res in a2a),
+        "a2a_pairs": [list(p) for p in pairs], "a2a_step": a2a_steps[0] if a2a_steps else None,
+        "resume_step": r0["resume_step"],
+        "ranks_agree": len({json.dumps(r["trust"], sort_keys=True) for r in ranks}) == 1,
+    }
+    trust = {int(k): v for k, v in r0["trust"].items()}
+    if fault["kind"] == "alltoall":  # the job-wide flag made every rank reject the uncertified captures
+        obs["a2a_step_rejected"] = trust.get(int(fault["step"])) == "rejected"
+        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > int(fault["step"]))
+    if fault["kind"] == "replay":
+        fstep = int(fault["step"])
+        decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
+        obs["decision_before_fault"] = bool(decisions) and decisions[0]["step"] is not None \
+            and decisions[0]["step"] < fstep
+        obs["fault_step_rejected"] = trust.get(fstep) != "recovery_verified"
+        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > fstep)
+    return obs
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    fault = cell.get("fault", {"kind": "none"})
+    kind = fault["kind"]
+    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{cell['workload']}, fault {fault}"}]
+    ckpt = celldir / "ckpt"
+    extra = ["--ckpt", str(ckpt), "--baseline"]
+    killed_code = None
+    if kind == "replay":
+        extra += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
+                  "--replay-fault-recipe", str(fault.get("recipe", "hidden.1"))]
+    elif kind == "alltoall":
+        extra += ["--a2a-corrupt-rank", str(fault["rank"]), "--a2a-corrupt-step", str(fault["step"])]
+    elif kind == "sigkill":
+        res, _ = _launch(cell, celldir / "killed", "--ckpt", str(ckpt), "--kill-rank", str(fault["rank"]),
+                         "--kill-step", str(fault["step"]))
+        killed_code = res.returncodes[int(fault["rank"])]
+        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "fault",
+                         "detail": f"rank {fault['rank']} exited {killed_code}; relaunching"})
+    elif kind != "none":
+        raise ValueError(f"moe_cell: unknown fault kind {kind!r}")
+    res, ranks = _launch(cell, celldir / "ranks", *extra)
+    if not res.ok:
+        return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
+                "metrics": {}, "timeline": timeline, "message": f"ranks failed: {res.returncodes}"}
+    obs = _observe(ranks, fault)
+    if killed_code is not None:
+        obs["killed_exit_code"] = killed_code
+    a2a_s = sorted(res_["seconds"] for r in ranks for results in r["a2a"].values() for res_ in results)
+    metrics: dict[str, Any] = {"duration_s": round(time.monotonic() - t0, 3)}
+    if a2a_s:
+        metrics["a2a_check_median_s"] = round(a2a_s[len(a2a_s) // 2], 4)
+    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {ranks[0]['trust']}"})
+    return {"cell_id": cell["id"], "status": "passed", "observed": obs, "metrics": metrics, "timeline": timeline,
+            "message": ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cell_main("qualification.programs.moe_cell", run_cell, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

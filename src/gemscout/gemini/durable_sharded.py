@@ -1,0 +1,196 @@
+"""Collective promotion of sharded state (FSDP2, HSDP, TP DTensors) to the durable tier, and its collective load.
+
+A sharded checkpoint is only whole when every rank's shards of the same step are in it, so promotion is a
+collective on a dedicated gloo group (its own timeout; never the replication group, never the training thread):
+
+1. every rank reads and verifies its own checkpoint of the step; all ranks agree that every rank could;
+2. every rank writes its shards into one ``torch.distributed.checkpoint`` directory under a temporary name. DTensor
+   shards are saved as the global tensor they belong to (key ``s/<path>``), so DCP stores each element once (HSDP's
+   replicate dimension is deduplicated) and can reshard on load; everything else (caller state, RNG, step counters)
+   is the rank's own (key ``r<rank>/<path>``);
+3. all ranks agree that every write succeeded; rank 0 hashes every file into the sidecar (with each rank's JSON
+   skeleton and keys), renames the directory into place and fsyncs; all ranks agree that the commit happened.
+
+Any failure on any rank is recorded and voted on, so a rank never leaves a collective alone and a half-written
+promotion never gets its final name. Loading verifies the sidecar first (see :class:`DurableTier.verify`), then
+every rank loads collectively; on another world size, shards are resharded by DCP onto the live mesh and per-rank
+entries come from rank ``r % old_world_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from gemscout.errors import IntegrityError
+from gemscout.gemini import comm
+from gemscout.gemini.store import _fsync_dir, write_json_atomic
+from gemscout.state import training_state
+from gemscout.state.codec import _is_dtensor, decode
+from gemscout.state.layout import Parsed
+
+log = logging.getLogger("gemscout.gemini")
+
+Entry = tuple[str, list[int] | None, list[int] | None]
+"""(DCP key, global shape, global stride) per tensor index; shape and stride only for DTensor shards."""
+
+
+def tensor_entries(skeleton: Any, rank: int) -> list[Entry]:
+    """A DCP key per tensor of a codec skeleton, in tensor-index order (see the module docstring)."""
+    found: dict[int, Entry] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+            return
+        if not isinstance(node, dict):
+            return
+        if len(node) == 1:
+            ((key, value),) = node.items()
+            if key == "__dt__":
+                found[int(value[0])] = (f"s{path}", list(value[1]), list(value[2]))
+                return
+            if key in ("__t__", "__np__"):
+                found[int(value)] = (f"r{rank}{path}", None, None)
+                return
+            if key == "__tuple__":
+                walk(value, path)
+                return
+            if key == "__dict__":
+                for k, v in value:
+                    walk(v, f"{path}/{k}")
+                return
+        for k, v in node.items():
+            walk(v, f"{path}/{k}")
+
+    walk(skeleton, "")
+    if sorted(found) != list(range(len(found))):
+        raise IntegrityError("checkpoint skeleton does not reference its tensors 0..n-1 exactly once")
+    return [found[i] for i in range(len(found))]
+
+
+def live_shards(sources: training_state.StateSources) -> dict[str, Any]:
+    """The live DTensors a stored shard is rebuilt like, by key prefix: ``/model/<name>`` and
+    ``/optimizer/state/<index>`` (an optimizer state entry shards like its parameter).
+
+    Call on the training thread between steps: ``state_dict()`` runs FSDP's hooks, and during a forward FSDP
+    registers unsharded parameters; the io thread only reads the mesh, placements and local shape of what this
+    returns."""
+    likes: dict[str, Any] = {}
+    for name, value in training_state._unwrap(sources.model).state_dict().items():
+        if _is_dtensor(value):
+            likes[f"/model/{name}"] = value
+    flat = [p for g in sources.optimizer.param_groups for p in g["params"]]
+    for idx, p in enumerate(flat):
+        if _is_dtensor(p):
+            likes[f"/optimizer/state/{idx}"] = p
+    return likes
+
+
+def _like(likes: dict[str, Any], key: str) -> Any:
+    path = key[1:]  # drop the "s"
+    parts = path.split("/")
+    like = likes.get(path) if parts[1] == "model" else likes.get("/".join(parts[:4]))
+    if like is None:
+        raise IntegrityError(f"durable checkpoint has a sharded entry {key!r} with no live DTensor to shard it like")
+    return like
+
+
+def _dtensor(local: torch.Tensor, like: Any, shape: list[int], stride: list[int]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
+
+
+def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *, group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
+    """Collectively promote ``step`` (all ranks of ``group`` call, each with its own verified checkpoint, or None
+    when it has none; ``likes`` from :func:`live_shards`). Returns the promotion's path; raises IntegrityError on every rank if any rank failed."""
+    final, tmp = tier.path(step), tier.directory / f".tmp-collective-step-{step:09d}"
+    if comm.all_agree(final.exists(), group=group, timeout=timeout):
+        return final  # promoted before (e.g. a resumed job certified the same step again)
+    state: dict[str, Any] = {}
+    mine: dict[str, Any] = {}
+    err = "" if frame is not None else "no verified checkpoint of this step on disk"
+    if frame is not None:
+        try:
+            parsed, data = frame
+            entries = tensor_entries(parsed.skeleton, rank)
+            for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
+                state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
+            mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries}
+        except Exception as exc:  # recorded and voted on below: a rank never skips the collective
+            err = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt's files would be mixed into this one
+    if not comm.all_agree(not err, group=group, timeout=timeout):  # doubles as the barrier after the cleanup
+        raise IntegrityError(f"durable step {step}: a rank could not prepare its shards ({err or 'on a peer'})")
+    try:
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    except Exception as exc:
+        err = f"DCP save failed: {exc}"
+    if not comm.all_agree(not err, group=group, timeout=timeout):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise IntegrityError(f"durable step {step}: a rank could not write its shards ({err or 'on a peer'})")
+    ranks = comm.gather_json(mine, group=group, timeout=timeout)
+    committed = True
+    if rank == 0:
+        try:
+            _commit(tier, step, tmp, final, ranks)
+        except Exception as exc:
+            err, committed = f"commit failed: {exc}", False
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not comm.all_agree(committed, group=group, timeout=timeout):
+        raise IntegrityError(f"durable step {step}: {err or 'rank 0 could not commit the promotion'}")
+    log.info("gemini: promoted step %d (sharded, %d ranks) to %s", step, len(ranks), final)
+    return final
+
+
+def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, Any]]) -> None:
+    from gemscout.gemini.durable import SIDECAR, _sha256
+
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}
+    write_json_atomic(tmp / SIDECAR, {
+        "format": 2, "sharded": True, "run_id": tier.run_id, "step": step, "world_size": len(ranks),
+        "identity": ranks[0]["identity"], "ranks": ranks, "files": files,
+    }, fsync=tier.fsync)
+    tmp.rename(final)
+    if tier.fsync:
+        _fsync_dir(tier.directory)
+
+
+def load(folder: Path, sidecar: dict[str, Any], sources: training_state.StateSources, *,
+         group: dist.ProcessGroup | None, rank: int) -> None:
+    """Collectively load a verified sharded promotion into the live objects (every rank of ``group`` calls)."""
+    if group is None:
+        raise IntegrityError("this durable promotion holds sharded (DTensor) state; only a job whose model is "
+                             "sharded (FSDP2, HSDP, TP) can load it")
+    saved = sidecar["ranks"]
+    src = saved[rank % len(saved)]  # per-rank entries (caller state, RNG) on another world size: rank r % old
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    targets: dict[str, Any] = {}
+    likes = live_shards(sources)
+    entries: list[Entry] = [(k, s, st) for k, s, st in src["entries"]]
+    for key, shape, stride in entries:
+        if key not in meta:
+            raise IntegrityError(f"durable promotion lacks {key!r}")
+        md: Any = meta[key]
+        dtype = md.properties.dtype
+        if shape is None:
+            targets[key] = torch.empty(md.size, dtype=dtype)
+        else:
+            like = _like(likes, key)
+            local_shape = like.to_local().shape  # a state entry shards exactly like its parameter
+            targets[key] = _dtensor(torch.empty(local_shape, dtype=dtype), like, shape, stride or [])
+    dcp.load(targets, checkpoint_id=str(folder), process_group=group)
+    tensors = [targets[k] if s is None else targets[k].to_local() for k, s, _ in entries]
+    training_state.restore(sources, decode(src["skeleton"], tensors))

@@ -1,0 +1,78 @@
+"""SCOUT on pipeline stages, without a process group: the peer rule on a (pp, dp) mesh, the stage label that
+qualifies recipe names, and the catalog each stage's module yields (stage 0: embedding + blocks, last stage: blocks +
+output, every stage its optimizer slices). The distributed behaviour is in tests/distributed/test_topologies_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemscout.errors import ConfigError
+from gemscout.scout.config import ScoutConfig
+from gemscout.scout.recipes import RecipeKind, build_catalog
+from gemscout.scout.topology import derive
+from qualification.workloads.pipeline import block_split, build_stage
+
+
+def pipeline(shape: tuple[int, ...], rank: int, *, dp: bool = True):
+    dims = ("pp", "dp") if dp else ("pp",)
+    n = 1
+    for size in shape:
+        n *= size
+    return derive(dims=dims, shape=shape, ranks=range(n), data_dims=("dp",) if dp else (), shard_dims=(), rank=rank,
+                  stage_dims=("pp",))
+
+
+@pytest.mark.timeout(30)
+def test_pp_dp_peers_are_the_replicas_of_one_stage() -> None:
+    for rank, peers, label in ((0, (0, 1), "pp0"), (1, (0, 1), "pp0"), (2, (2, 3), "pp1"), (3, (2, 3), "pp1")):
+        t = pipeline((2, 2), rank)
+        assert (t.peers, t.stage_label, t.kind, t.peer_dims) == (peers, label, "dp+pp", ("dp",))
+    assert t.peer_groups == ((0, 1), (2, 3))
+    assert "two peers" in t.reason and "pp1" in t.reason
+    t3 = pipeline((2, 3), 4)
+    assert t3.peers == (3, 4, 5) and t3.stage_label == "pp1" and "culprit" not in t3.reason
+
+
+@pytest.mark.timeout(30)
+def test_pure_pipeline_has_no_peers_and_says_why() -> None:
+    t = pipeline((2,), 1, dp=False)
+    assert not t.comparable and t.peer_groups == ((0,), (1,)) and t.stage_label == "pp1"
+    assert "pipeline stages" in t.reason and "cannot compare" in t.reason
+
+
+@pytest.mark.timeout(30)
+def test_a_stage_dim_cannot_be_data_parallel() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        derive(dims=("pp", "dp"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0,
+               stage_dims=("dp",))
+
+
+@pytest.mark.timeout(30)
+def test_each_stage_finds_its_own_recipes() -> None:
+    assert block_split(3, 2) == [range(0, 2), range(2, 3)]
+    config = ScoutConfig()
+    stages = [build_stage("three-block", seed=0, stage=s, n_stages=2) for s in range(2)]
+    catalogs = [build_catalog(m, torch.optim.AdamW(m.parameters()), config, stage=f"pp{s}")
+                for s, m in enumerate(stages)]
+    kinds = [{r.kind for r in c.recipes} for c in catalogs]
+    assert kinds[0] == {RecipeKind.EMBEDDING, RecipeKind.HIDDEN, RecipeKind.OPTIMIZER}
+    assert kinds[1] == {RecipeKind.HIDDEN, RecipeKind.OUTPUT, RecipeKind.OPTIMIZER}
+    assert [r.name for r in catalogs[0].recipes if r.kind is RecipeKind.HIDDEN] == ["pp0.hidden.0", "pp0.hidden.1"]
+    assert catalogs[1]["pp1.output"].modules == ("norm", "head")
+    assert not set(catalogs[0].names) & set(catalogs[1].names)  # no name is shared across stages
+    # The stage holds exactly the unsplit model's blocks: stage 1's first block is the model's block 2.
+    whole = build_stage("three-block", seed=0, stage=0, n_stages=1)
+    assert torch.equal(stages[1].blocks[0].fc1.weight, whole.blocks[2].fc1.weight)
+    # Outside a pipeline a missing boundary is still an error naming the field.
+    with pytest.raises(ConfigError, match="ScoutConfig.embedding"):
+        build_catalog(stages[1], None, ScoutConfig(recipes=("embedding",)))
+    with pytest.raises(ConfigError, match="holds none of the recipe kinds"):
+        build_catalog(stages[0], None, ScoutConfig(recipes=("output",)), stage="pp0")
+
+
+@pytest.mark.timeout(30)
+def test_mesh_field_is_checked() -> None:
+    with pytest.raises(ConfigError, match="ScoutConfig.mesh"):
+        ScoutConfig(mesh="pp")
