@@ -109,6 +109,15 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--fault-step", type=int, default=-1)
     ap.add_argument("--heal-step", type=int, default=1 << 30)
     ap.add_argument("--fault-block", type=int, default=1)
+    ap.add_argument("--scout-recipes", default="embedding,hidden,output",
+                    help="SCOUT recipe kinds (comma-separated); 'optimizer' replays the ZeRO partition owner's update")
+    ap.add_argument("--optimizer-slice-numel", type=int, default=1 << 16)
+    ap.add_argument("--optimizer-slices-per-cycle", type=int, default=1, help="0: every slice of the owner")
+    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="corrupt this rank's optimizer-slice replay")
+    ap.add_argument("--replay-fault-steps", default="", help="comma-separated steps of the replay fault")
+    ap.add_argument("--update-fault-rank", type=int, default=-1,
+                    help="flip a bit of this rank's fp32 master partition right after its real update")
+    ap.add_argument("--update-fault-step", type=int, default=-1)
     return ap.parse_args()
 
 
@@ -149,7 +158,10 @@ def main() -> None:
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
                                         persist_every=args.persist_every, keep_generations=args.keep_generations,
                                         timeout=timedelta(seconds=60), fsync=False)
-        scout = gemscout.ScoutConfig(recipes=("embedding", "hidden", "output"), stragglers=None) if args.scout else None
+        kinds = tuple(args.scout_recipes.split(","))
+        per_cycle = args.optimizer_slices_per_cycle or None
+        scout = gemscout.ScoutConfig(recipes=kinds, stragglers=None, optimizer_slice_numel=args.optimizer_slice_numel,
+                                     optimizer_slices_per_cycle=per_cycle) if args.scout else None
         t_attach = time.time()
         session = gemscout.enable_resiliency(engine, ds_opt, interval=args.interval, checkpoint=cfg, scout=scout,
                                              extra_state_fn=extra, load_extra_state_fn=load_extra,
@@ -163,6 +175,27 @@ def main() -> None:
                 if phase == args.kill_phase and step == args.kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
             session.checkpointer.phase_hook = hook
+    if session is not None and session.scout is not None and args.replay_fault_steps:
+        from qualification.faults import Injector, fail_at
+
+        zero_due = getattr(session.scout, "zero_due", None)
+        assert zero_due is not None, "--replay-fault-* needs --scout-recipes with 'optimizer'"
+        steps = [int(s) for s in args.replay_fault_steps.split(",")]
+        Injector(session.scout).set(*(fail_at("bitflip", rank=args.replay_fault_rank, step=s,
+                                              recipe=zero_due(s)[0].name) for s in steps))
+    if rank == args.update_fault_rank and session is not None:
+        live = session
+
+        def flip(optimizer: Any, *_: Any) -> None:
+            # A real update fault: the owner's own fp32 master partition goes wrong after the optimizer ran.
+            if live.step + 1 == args.update_fault_step:
+                master = optimizer.param_groups[0]["params"][0]
+                with torch.no_grad():
+                    bits = master[1:2].view(torch.int32)
+                    bits ^= 1 << 20
+
+        engine.optimizer.optimizer.register_step_post_hook(flip)
+    cycles: dict[str, dict[str, Any]] = {}
     fault = None
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
@@ -181,6 +214,10 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             losses[step] = loss.item()  # before engine.step(): GEMINI takes caller state at the end of the step
             engine.step()
+        cycle = session.scout.last_result if session is not None and session.scout is not None else None
+        if cycle is not None and cycle.step == step:
+            cycles[str(step)] = {"source": cycle.source_rank, "certified": cycle.certified_step,
+                                 "results": {n: [r.verdict.value, list(r.ranks)] for n, r in cycle.results.items()}}
         if killer and step == args.kill_step and args.kill_phase == "after-step":
             if session is not None and session.checkpointer is not None:
                 session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
@@ -204,7 +241,7 @@ def main() -> None:
         "lr": float(engine.optimizer.optimizer.param_groups[0]["lr"]),
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
-        "reports": reports, "decisions": decisions, "trust": trust,
+        "reports": reports, "decisions": decisions, "trust": trust, "cycles": cycles,
     }
     if session:
         session.close()

@@ -7,7 +7,8 @@ Launches :mod:`qualification.programs.moe_rank` on 4 ranks. ``workload``: ``moe`
 ``alltoall`` (``rank``, ``step``: that rank corrupts its replayed ``balanced`` AllToAll send after digesting it; MoE
 only), ``sigkill`` (``rank``, ``step``: SIGKILL after that step, then a relaunch recovers).
 
-Observed: ``bitwise_equal`` / ``losses_equal`` (every rank's final state and losses equal the same steps trained
+Observed: ``unexpected_verdicts`` (SCOUT verdicts other than AGREE, over every rank and step, except the injected
+recipe at the injected step), ``bitwise_equal`` / ``losses_equal`` (every rank's final state and losses equal the same steps trained
 without gemscout), ``peer_groups``, ``model_dims``, ``sdc_reports`` (SCOUT recipe reports on rank 0),
 ``scope`` / ``group_ranks`` / ``detected_step`` (the first of them), ``decision_before_fault``,
 ``fault_step_rejected``, ``certified_after``, ``a2a_checks`` / ``a2a_clean`` (AllToAll checks run / clean, over every
@@ -43,7 +44,12 @@ def _observe(ranks: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, An
     a2a = [res for r in ranks for results in r["a2a"].values() for res in results]
     pairs = sorted({tuple(rep["ranks"]) for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
     a2a_steps = sorted({rep["step"] for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
+    fstep, frecipe = (int(fault["step"]), str(fault.get("recipe", "hidden.1"))) if fault["kind"] == "replay" else (0, "")
+    unexpected = [f"{step}:{name}" for r in ranks for step, cycle in r["cycles"].items()
+                  for name, v in cycle["verdicts"].items()
+                  if v["verdict"] != "agree" and (int(step), name) != (fstep, frecipe)]
     obs: dict[str, Any] = {
+        "unexpected_verdicts": len(unexpected),
         "bitwise_equal": all(r["state_digest"] == r["baseline_digest"] for r in ranks),
         "losses_equal": all(r["losses"] == r["baseline_losses"] for r in ranks),
         "peer_groups": r0["topology"]["peer_groups"], "model_dims": r0["topology"]["model_dims"],

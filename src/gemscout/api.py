@@ -217,7 +217,8 @@ def enable_resiliency(
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
     if scout is not None:
-        session.scout = Scout(dataclasses.replace(scout, interval=interval)).attach(
+        scout_cls = target.scout_factory or Scout
+        session.scout = scout_cls(dataclasses.replace(scout, interval=interval)).attach(
             model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1)
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))

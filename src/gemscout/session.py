@@ -79,6 +79,10 @@ class Session:
         self.step += 1
         if self.watch is not None:
             self.watch.step(self.step)
+        settled = self.scout.last_result if self.scout is not None else None
+        if self.last_cycle is not None and settled is not None and settled.step == self.last_cycle.step:
+            # A Scout may settle the verdict after the update (DeepSpeed ZeRO's optimizer slices): take its newest.
+            self.last_cycle = settled
         cycle = self.last_cycle if self.last_cycle is not None and self.last_cycle.step == self.step else None
         self.last_cycle = None
         if cycle is not None:

@@ -224,6 +224,8 @@ class EngineParts:
     """Engine counters + lr scheduler + the caller's extra state."""
     load_extra_state_fn: Callable[[Any], None]
     """The inverse of ``extra_state_fn``."""
+    scout_factory: Callable[[Any], Any] | None = None
+    """The Scout class to attach (``ZeroScout`` when the optimizer recipe is enabled), or None for the default."""
 
 
 def _check_engine(engine: Any) -> None:
@@ -278,11 +280,13 @@ def resolve_engine(
     if engine.lr_scheduler is not None and any(s is engine.lr_scheduler for s in schedulers):
         raise ConfigError("enable_resiliency.schedulers: engine.lr_scheduler is stepped by engine.step() and captured "
                           "by the DeepSpeed adapter; list only schedulers your loop steps itself")
-    recipes = getattr(scout, "recipes", ())
-    if "optimizer" in recipes:
-        raise ConfigError("ScoutConfig.recipes: the 'optimizer' recipe is not supported on DeepSpeed ZeRO (every rank "
-                          "updates a different partition, so peers hold no common slice to replay); pass "
-                          "recipes=('embedding', 'hidden', 'output')")
+    scout_factory = None
+    if "optimizer" in getattr(scout, "recipes", ()):
+        # Each rank updates a different partition: the optimizer recipe replays the partition owner's update
+        # (adapters/deepspeed_scout.py) instead of the DDP one.
+        from gemscout.adapters.deepspeed_scout import ZeroScout
+
+        scout_factory = ZeroScout
     view = EngineOptimizer(engine)
 
     def extra() -> dict[str, Any]:
@@ -297,4 +301,4 @@ def resolve_engine(
     encode(capture_engine(engine), path="deepspeed.engine")
     encode(view.state_dict(), path="deepspeed.optimizer")
     return EngineParts(model=cast(nn.Module, engine.module), optimizer=view, extra_state_fn=extra,
-                       load_extra_state_fn=load_extra)
+                       load_extra_state_fn=load_extra, scout_factory=scout_factory)

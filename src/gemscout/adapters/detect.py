@@ -85,6 +85,8 @@ class Target:
     """SCOUT's peers when the framework defines them (Megatron's parallel_state); None: SCOUT reads the model."""
     install_hooks: Callable[[], list[Any]] | None = None
     """The adapter's own step hooks, registered right before the session's (so they run first); returns handles."""
+    scout_factory: Callable[[ScoutConfig], Any] | None = None
+    """The Scout class to attach when the framework needs its own (DeepSpeed ZeRO's optimizer recipe); None: Scout."""
 
 
 def resolve(
@@ -111,7 +113,7 @@ def resolve(
         # EngineOptimizer offers exactly the optimizer interface the session, GEMINI and SCOUT's forward recipes use.
         return Target(framework=framework, model=parts.model, optimizer=cast(torch.optim.Optimizer, parts.optimizer),
                       extra_state_fn=parts.extra_state_fn, load_extra_state_fn=parts.load_extra_state_fn,
-                      schedulers=tuple(schedulers), scout=scout)
+                      schedulers=tuple(schedulers), scout=scout, scout_factory=parts.scout_factory)
     if framework is Framework.TORCHTITAN:
         from gemscout.adapters.torchtitan import resolve_trainer
 

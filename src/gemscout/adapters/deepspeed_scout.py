@@ -1,0 +1,344 @@
+"""SCOUT's optimizer recipe on DeepSpeed ZeRO-1/2: source-broadcast replay against the partitioned optimizer.
+
+Under ZeRO-1/2 the fp32 master partition and its optimizer state live on one rank only, so the DDP recipe (every peer
+updates the same slice of its own replica) has nothing common to replay. Here the source of a slice is its
+**partition owner**:
+
+* the catalog lists, for every rank of the data-parallel group, slices of that rank's flat fp32 partition (at most
+  ``optimizer_slice_numel`` elements, starts aligned to :data:`ALIGN` elements so the replay runs the same vector /
+  scalar split of the elementwise kernels as the live update — a slice replayed from another offset can differ in the
+  last bit where a compiler contracts the scalar tail into an FMA);
+* at a due step the owner is ``peers[(s // every) % n]`` (the rotation walks over owners, then over their slices);
+  during ``engine.step()`` the inner torch optimizer's step pre-hook copies, on the owner, the slice's pre-update
+  master values, the reduced (unscaled, clipped) gradient partition, the optimizer state and the hyper-parameters;
+* after ``engine.step()`` (an ``EngineOptimizer`` post-hook that runs before the session's) the owner broadcasts
+  that capture, every rank replays the update on private copies, and each rank's vote is gathered: a non-owner votes
+  with its replay, the owner with its **actual** post-update slice (master values and state) — or, when its own
+  replay does not reproduce its actual update, with a value no one else holds, since either way the owner computed
+  something wrong. Strict majority (C3): a real update that deviates names the owner; a replay-only fault names the
+  replaying rank.
+
+The verdict settles after the update, so :class:`ZeroScout` defers the rotation's bookkeeping of the step until the
+optimizer slices are judged, and replaces its ``last_result`` with the settled cycle; the session reads that before
+gating GEMINI's capture. Forward recipes run unchanged (the base :class:`~gemscout.scout.engine.Scout` cycle).
+Nothing here imports deepspeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from gemscout.errors import ConfigError
+from gemscout.scout.capture import Captured, to_json_value
+from gemscout.scout.consensus import C3Result
+from gemscout.scout.cycle import CycleResult, judge_gathered, precondition_for
+from gemscout.scout.digests import digest_many
+from gemscout.scout.engine import Scout
+from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
+from gemscout.scout.replay import ReplayContext, replay_optimizer
+from gemscout.scout.rotation import RotationTracker
+
+__all__ = ["ALIGN", "ZeroScout", "ZeroSlice", "plan_slices"]
+
+ALIGN = 64
+"""Slice starts are multiples of this many elements (twice the widest float32 SIMD vector, AVX-512)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroSlice:
+    """Elements ``[start, stop)`` of param group ``group``'s fp32 partition held by global rank ``owner``."""
+
+    name: str
+    owner: int
+    group: int
+    start: int
+    stop: int
+
+    @property
+    def key(self) -> str:
+        """The parameter name used on the wire and in digests (same on every rank)."""
+        return f"group{self.group}[{self.start}:{self.stop}]"
+
+    @property
+    def recipe(self) -> Recipe:
+        return Recipe(name=self.name, kind=RecipeKind.OPTIMIZER, params=(self.key,), group_index=self.group)
+
+
+def plan_slices(peers: tuple[int, ...], partition_numel: list[int], bound: int) -> dict[int, list[ZeroSlice]]:
+    """Every owner's slices, by global rank. Pure: equal on every rank given the same partition sizes."""
+    step = max(ALIGN, bound // ALIGN * ALIGN)
+    plan: dict[int, list[ZeroSlice]] = {}
+    for owner in peers:
+        slices: list[ZeroSlice] = []
+        for group, numel in enumerate(partition_numel):
+            for start in range(0, numel, step):
+                slices.append(ZeroSlice(name=f"optimizer.rank{owner}.{len(slices)}", owner=owner, group=group,
+                                        start=start, stop=min(numel, start + step)))
+        plan[owner] = slices
+    return plan
+
+
+class _DeferredRotation(RotationTracker):
+    """The base cycle records its forward verdicts here in the pre-hook; they are held until the optimizer slices of
+    the same step are judged after the update, then recorded together (a step is recorded once)."""
+
+    def __init__(self, catalog: tuple[str, ...]) -> None:
+        super().__init__(catalog)
+        self.held: tuple[int, dict[str, C3Result]] | None = None
+
+    def record(self, step: int, results: Mapping[str, C3Result]) -> int | None:
+        self.held = (step, dict(results))
+        return None
+
+    def settle(self, step: int, results: Mapping[str, C3Result]) -> int | None:
+        held = self.held[1] if self.held is not None and self.held[0] == step else {}
+        self.held = None
+        return super().record(step, {**held, **results})
+
+    def reset(self) -> None:
+        super().reset()
+        self.held = None
+
+
+def _blake3(*parts: str) -> str:
+    """A ``blake3:<hex>`` digest over length-prefixed texts (the form SCOUT's record rows carry compactly)."""
+    hasher = blake3.blake3(b"gemscout.deepspeed_scout.v1\0")
+    for part in parts:
+        data = part.encode()
+        hasher.update(len(data).to_bytes(8, "little") + data)
+    return f"blake3:{hasher.hexdigest()}"
+
+
+def _hyper(group: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    plain, tensors = {}, {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value.detach().clone()
+        else:
+            plain[key] = to_json_value(value, f"hyper-parameter {key!r}")
+    return plain, tensors
+
+
+class ZeroScout(Scout):
+    """:class:`~gemscout.scout.engine.Scout` for a DeepSpeed ZeRO-1/2 engine with the optimizer recipe.
+
+    ``attach(model, optimizer)`` takes the adapter's :class:`~gemscout.adapters.deepspeed.EngineOptimizer` as
+    ``optimizer``. Same contract as the base class otherwise; the optimizer slices' collectives (one broadcast of the
+    owner's capture, one all-gather of the records) run after ``engine.step()`` on every rank of the group.
+    """
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
+               topology: Any = None, first_step: int = 1) -> ZeroScout:
+        view: Any = optimizer
+        zero, inner = getattr(view, "zero", None), getattr(view, "inner", None)
+        if zero is None or not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigError("ZeroScout.attach: optimizer must be the DeepSpeed adapter's EngineOptimizer "
+                              "(enable_resiliency builds it from the engine)")
+        super().attach(model, optimizer, group=group, topology=topology, first_step=first_step)
+        if self._exchange is None or self._mesh is not None:
+            raise ConfigError("ScoutConfig.recipes: the ZeRO optimizer recipe needs the data-parallel ranks as peers")
+        self._zero, self._inner = zero, inner
+        groups = list(getattr(zero, "real_dp_process_group", [None] * len(inner.param_groups)))
+        for g, pg in enumerate(groups):
+            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(dist.get_world_size()))
+            if sorted(ranks) != sorted(self.peers):
+                raise ConfigError(f"ScoutConfig.recipes: ZeRO param group {g} is partitioned over ranks {list(ranks)}"
+                                  f", SCOUT's peers are {list(self.peers)}; the optimizer recipe needs them equal "
+                                  "(no model parallelism), or drop 'optimizer' from ScoutConfig.recipes")
+        numel = [int(g["params"][0].numel()) for g in inner.param_groups]
+        self._plan = plan_slices(self.peers, numel, self.config.optimizer_slice_numel)
+        # The forward recipes stay with the base cycle; the base catalog's DDP slices (of this rank's own partition,
+        # which no peer holds) are dropped.
+        self.catalog = Catalog(tuple(r for r in self.catalog.recipes if r.has_module), self.config)
+        self._fingerprint = self.catalog.fingerprint()
+        names = [*self.catalog.names, *(s.name for owner in self.peers for s in self._plan[owner])]
+        self.rotation = _DeferredRotation(tuple(names))
+        text = json.dumps([[s.name, s.group, s.start, s.stop] for o in self.peers for s in self._plan[o]])
+        self._zero_fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        self._pending: tuple[int, list[ZeroSlice]] | None = None
+        self._captured: dict[str, Captured] = {}
+        self._own_hyper: dict[int, str] = {}
+        self._settle_step: int | None = None
+        self._zero_handles: list[RemovableHandle] = [
+            inner.register_step_pre_hook(self._capture_partition),
+            view.register_step_post_hook(self._settle_hook),
+        ]
+        return self
+
+    def close(self) -> None:
+        for handle in getattr(self, "_zero_handles", []):
+            handle.remove()
+        super().close()
+
+    # -- schedule -----------------------------------------------------------------------------------------------
+    def zero_due(self, step: int) -> list[ZeroSlice]:
+        """The optimizer slices to check at ``step`` (all of one owner). Pure: every rank gets the same answer."""
+        every = self.config.interval_of("optimizer")
+        if step % every:
+            return []
+        turn = step // every
+        owner = self.peers[turn % len(self.peers)]
+        members = self._plan[owner]
+        take = self.config.optimizer_slices_per_cycle
+        if take is None or take >= len(members):
+            return list(members)
+        start = (turn // len(self.peers)) * take
+        return [members[(start + j) % len(members)] for j in range(take)]
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def before_step(self, step: int) -> CycleResult | None:
+        """The base cycle for the forward recipes, then arm the optimizer slices due at ``step``; the verdict is
+        provisional until the post-hook after ``engine.step()`` settles it (``last_result``)."""
+        if self._last_cycle_step is not None and step <= self._last_cycle_step:
+            self._rewind()
+        due = self.zero_due(step)
+        self._pending = (step, due) if due else None
+        self._captured = {}
+        # Every rank digests its own hyper-parameters now: after engine.step() its lr scheduler has moved on.
+        self._own_hyper = {s.group: self._hyper_digest(s.group) for s in due}
+        result = super().before_step(step)
+        self._settle_step = step
+        if due and result is None:
+            result = CycleResult(step=step, source_rank=due[0].owner, peers=self.peers, results={}, replay_s={},
+                                 peer_groups=self.peer_groups)
+        if result is not None:
+            self.last_result = result
+            self._last_cycle_step = step
+        return result
+
+    def _hyper_digest(self, group: int) -> str:
+        plain, tensors = _hyper(self._inner.param_groups[group])
+        described = json.dumps({"class": type(self._inner).__qualname__, "hyper": plain}, sort_keys=True)
+        return _blake3(digest_many({f"hyper.{k}": t for k, t in tensors.items()}), described)
+
+    def _capture_partition(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Inner optimizer step pre-hook (DeepSpeed steps it once per param group, that group alone): on the owner,
+        copy the due slices of this group before the update. No collective: only the owner runs this part."""
+        pending = self._pending
+        if pending is None or not optimizer.param_groups:
+            return
+        step, due = pending
+        master = optimizer.param_groups[0]["params"][0]
+        for g, group in enumerate(self._inner.param_groups):
+            if group["params"][0] is not master:
+                continue
+            for piece in (s for s in due if s.group == g and s.owner == self.rank):
+                try:
+                    self._captured[piece.name] = self._take(piece, optimizer.param_groups[0], master, step)
+                except Exception as exc:  # the owner still sends: a capture that carries the error
+                    self._captured[piece.name] = Captured(step=step, error=f"capture failed: {exc}")
+
+    def _take(self, piece: ZeroSlice, group: Mapping[str, Any], master: torch.Tensor, step: int) -> Captured:
+        captured = Captured(step=step)
+        plain, tensors = _hyper(group)
+        captured.tensors.update({f"hyper.{k}": t for k, t in tensors.items()})
+        key = piece.key
+        captured.tensors[f"param.{key}"] = master.detach()[piece.start:piece.stop].clone()
+        if master.grad is not None:
+            captured.tensors[f"grad.{key}"] = master.grad.detach()[piece.start:piece.stop].clone()
+        values: dict[str, Any] = {}
+        for name, value in self._inner.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor):
+                captured.tensors[f"state.{key}#{name}"] = self._part(value, master, piece).clone()
+            else:
+                values[name] = to_json_value(value, f"optimizer state {name!r}")
+        captured.meta.update(optimizer=type(self._inner).__qualname__, hyper=plain,
+                             state_values={key: values} if values else {}, params=[key], on_device=[])
+        return captured
+
+    @staticmethod
+    def _part(value: torch.Tensor, master: torch.Tensor, piece: ZeroSlice) -> torch.Tensor:
+        # Per-element state (exp_avg, exp_avg_sq) is sliced with the partition; a scalar (AdamW's step) is whole.
+        return value.detach()[piece.start:piece.stop] if value.shape == master.shape else value.detach()
+
+    def _actual(self, piece: ZeroSlice) -> dict[str, torch.Tensor]:
+        """The owner's live slice after the update, keyed as a replay's outputs are."""
+        master = self._inner.param_groups[piece.group]["params"][0]
+        out = {f"param.{piece.key}": master.detach()[piece.start:piece.stop]}
+        for name, value in self._inner.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"state.{piece.key}#{name}"] = self._part(value, master, piece)
+        return out
+
+    def _settle_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        step, self._settle_step = self._settle_step, None
+        pending, self._pending = self._pending, None
+        assert isinstance(self.rotation, _DeferredRotation)
+        if step is None or (pending is None and self.rotation.held is None):
+            return
+        due = pending[1] if pending is not None and pending[0] == step else []
+        results: dict[str, C3Result] = {}
+        times: dict[str, dict[int, float]] = {}
+        if due:
+            results, times = self._zero_cycle(step, due)
+        certified = self.rotation.settle(step, results)
+        base = self.last_result
+        if base is None or base.step != step:
+            return
+        reports = tuple(r for r in (res.fault_report() for res in results.values()) if r is not None)
+        self.last_result = dataclasses.replace(base, results={**base.results, **results},
+                                               replay_s={**base.replay_s, **times}, reports=base.reports + reports,
+                                               certified_step=certified)
+
+    def _zero_cycle(self, step: int, due: list[ZeroSlice]) -> tuple[dict[str, C3Result], dict[str, dict[int, float]]]:
+        assert self._exchange is not None
+        owner = due[0].owner
+        captures = None
+        if self.rank == owner:
+            captures = {s.name: self._captured.get(s.name) or Captured(
+                step=step, error=f"engine.step() never reached param group {s.group} on the owner") for s in due}
+        received, wire_error, _ = self._exchange.send_inputs(step, self._zero_fingerprint, owner, captures)
+        self._captured = {}
+        records = {s.name: self._record(s, step, received.get(s.name), wire_error) for s in due}
+        names = [s.name for s in due]
+        by_rank = self._exchange.gather_records(names, records)
+        results, times = {}, {}
+        for name in names:
+            results[name], times[name] = judge_gathered(name, step, self.peers, [by_rank[r] for r in self.peers])
+        return results, times
+
+    def _record(self, piece: ZeroSlice, step: int, captured: Captured | None, wire_error: str | None) -> dict[str, Any]:
+        """Replay ``piece`` here; the vote is the replay (a peer) or the actual update (the owner)."""
+        record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
+        try:
+            if wire_error is not None:
+                raise RuntimeError(wire_error)
+            if captured is None or captured.error is not None:
+                why = "sent nothing" if captured is None else f"has no capture: {captured.error}"
+                raise RuntimeError(f"owner rank {piece.owner} {why}")
+            recipe = piece.recipe
+            record["precondition"] = precondition_for(recipe, step, captured, self._own_hyper[piece.group]).to_dict()
+            ctx = ReplayContext(recipe=piece.name, kind=RecipeKind.OPTIMIZER.value, step=step, rank=self.rank,
+                                source_rank=piece.owner)
+            self._current = ctx
+            try:
+                start = time.perf_counter()
+                outcome = replay_optimizer(type(self._inner), self._inner.defaults, captured, ctx, self._hooks)
+                replayed = digest_many(outcome.outputs)
+                record["replay_s"] = time.perf_counter() - start
+            finally:
+                self._current = None
+            if self.rank != piece.owner:
+                record["digest"] = replayed
+            else:
+                actual = digest_many(self._actual(piece))
+                # The owner's replay disagreeing with its own update means the owner computed one of them wrongly:
+                # a vote that matches no peer names it.
+                record["digest"] = actual if replayed == actual else _blake3("self-inconsistent", actual, replayed)
+        except Exception as exc:  # recorded and agreed on, never raised mid-sequence
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        return record

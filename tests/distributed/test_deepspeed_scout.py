@@ -1,0 +1,105 @@
+"""SCOUT's optimizer recipe on DeepSpeed ZeRO-1/2: the partition owner's update replayed by every rank.
+
+Real gloo ranks on DeepSpeed's CPU accelerator (``[deepspeed]`` extra), 3 ranks, fp32, the rank program
+``qualification.programs.ds_rank`` (it skips DeepSpeed's shm_comm JIT build). Each rank's fp32 partition is cut into 3
+slices (``--optimizer-slice-numel 20000``: aligned starts, the last one ending at the partition's end); at step ``s``
+the owner ``s % 3`` broadcasts all of its slices and every rank replays them.
+
+- healthy: every slice AGREEs at every due step (and ``hidden.*`` beside it), no report, the rotation certifies, and
+  the run equals a DeepSpeed run without gemscout bit for bit (state digest: module, master partition, AdamW state);
+- a replay-only bit flip on rank 2, once while rank 1 owns the slices (a peer's replay) and once while rank 2 owns
+  them (the owner's own replay disagreeing with its update): both ATTRIBUTED to rank 2 and nothing else, candidates
+  rejected with a decision naming a verified step before the fault, certification resumes after the last fault, and
+  training is untouched (bitwise equal to the baseline);
+- a fault in the owner's real update (a bit flipped in its fp32 master partition right after the optimizer ran) is
+  ATTRIBUTED to the owner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qualification.launch import launch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+WORLD, STEPS, SLICES = 3, 12, 3
+SCOUT = ["--scout", "--scout-recipes", "hidden,optimizer", "--optimizer-slice-numel", "20000",
+         "--optimizer-slices-per-cycle", "0", "--keep-generations", "16"]
+
+
+def run(tmp: Path, name: str, topology: str, extra: list[str]) -> list[dict[str, Any]]:
+    argv = ["-m", "qualification.programs.ds_rank", "--out", str(tmp / name), "--topology", topology,
+            "--steps", str(STEPS), *extra]
+    res = launch(argv, world_size=WORLD, timeout_s=240, log_dir=tmp / "logs" / name)
+    assert res.ok, res
+    return [json.loads((tmp / name / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def slices(step: int) -> list[str]:
+    return [f"optimizer.rank{step % WORLD}.{j}" for j in range(SLICES)]
+
+
+def sdc(result: dict[str, Any]) -> list[tuple[int, str, list[int]]]:
+    return [(r["step"], r["recipe"], list(r["ranks"])) for r in result["reports"] if r["kind"] == "sdc"]
+
+
+def check_cycles(result: dict[str, Any], faults: dict[int, str]) -> None:
+    """Every step was due: each slice of its owner AGREEs, except the faulted one, ATTRIBUTED to rank 2."""
+    cycles = result["cycles"]
+    assert sorted(map(int, cycles)) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        verdicts = {n: v for n, v in cycles[str(step)]["results"].items() if n.startswith("optimizer.")}
+        assert sorted(verdicts) == slices(step), (step, verdicts)
+        for name, (verdict, ranks) in verdicts.items():
+            expected = ["attributed", [2]] if faults.get(step) == name else ["agree", []]
+            assert [verdict, ranks] == expected, (step, name, verdict, ranks)
+        hidden = [v for n, v in cycles[str(step)]["results"].items() if n.startswith("hidden.")]
+        assert hidden == [["agree", []]], (step, hidden)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("topology", ["deepspeed-zero1", "deepspeed-zero2"])
+def test_zero_optimizer_recipe_agrees_and_attributes_replay_faults(tmp_path: Path, topology: str) -> None:
+    baseline = run(tmp_path, "baseline", topology, [])
+    healthy = run(tmp_path, "healthy", topology, ["--ckpt", str(tmp_path / "ckpt-healthy"), *SCOUT])
+    for r, base in zip(healthy, baseline, strict=True):
+        check_cycles(r, {})
+        assert r["reports"] == [] and [d for d in r["decisions"] if d["failure_kind"] != "none"] == []
+        assert (r["state_digest"], r["losses"]) == (base["state_digest"], base["losses"])
+        assert r["cycles"][str(STEPS)]["certified"] == STEPS - WORLD + 1  # every owner's slices within 3 steps
+        assert r["trust"][str(STEPS - WORLD + 1)] == "recovery_verified"
+
+    fault_steps = (4, 8)  # owners: rank 1 (rank 2 is a peer), then rank 2 itself
+    faulty = run(tmp_path, "faulty", topology, ["--ckpt", str(tmp_path / "ckpt-faulty"), *SCOUT,
+                                                "--replay-fault-rank", "2", "--replay-fault-steps", "4,8"])
+    faults = {s: slices(s)[0] for s in fault_steps}
+    for r, base in zip(faulty, baseline, strict=True):
+        check_cycles(r, faults)
+        assert sdc(r) == [(s, faults[s], [2]) for s in fault_steps]
+        assert (r["state_digest"], r["losses"]) == (base["state_digest"], base["losses"]), "replay touched training"
+        first = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
+        assert first["failure_kind"] == "sdc" and first["mode"] == "restore" and first["step"] < fault_steps[0]
+        trust = {int(k): v for k, v in r["trust"].items()}
+        assert trust[first["step"]] == "recovery_verified"
+        # Candidates taken from the first fault on were rejected or never taken until the rotation came clean.
+        assert all(trust.get(s) != "recovery_verified" for s in range(first["step"] + 1, fault_steps[1] + 1)), trust
+        assert any(st == "recovery_verified" for s, st in trust.items() if s > fault_steps[1]), trust  # resumed
+    assert len({json.dumps(r["trust"], sort_keys=True) for r in faulty}) == 1, "ranks disagree on trust states"
+
+
+@pytest.mark.timeout(400)
+def test_zero2_owner_update_fault_is_attributed_to_the_owner(tmp_path: Path) -> None:
+    step = 5  # owner: rank 2; the flipped element (index 1) lies in its first slice
+    results = run(tmp_path, "run", "deepspeed-zero2", ["--ckpt", str(tmp_path / "ckpt"), *SCOUT,
+                                                       "--update-fault-rank", "2", "--update-fault-step", str(step)])
+    for r in results:
+        assert sdc(r) == [(step, "optimizer.rank2.0", [2])], r["reports"]
+        verdicts = r["cycles"][str(step)]["results"]
+        assert verdicts["optimizer.rank2.1"] == verdicts["optimizer.rank2.2"] == ["agree", []]
