@@ -217,7 +217,8 @@ def main() -> None:
         cycle = session.scout.last_result if session is not None and session.scout is not None else None
         if cycle is not None and cycle.step == step:
             cycles[str(step)] = {"source": cycle.source_rank, "certified": cycle.certified_step,
-                                 "results": {n: [r.verdict.value, list(r.ranks)] for n, r in cycle.results.items()}}
+                                 "results": {n: [r.verdict.value, list(r.ranks)] for n, r in cycle.results.items()},
+                                 "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in cycle.replay_s.items()}}
         if killer and step == args.kill_step and args.kill_phase == "after-step":
             if session is not None and session.checkpointer is not None:
                 session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next

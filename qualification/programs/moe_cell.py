@@ -12,7 +12,7 @@ recipe at the injected step), ``bitwise_equal`` / ``losses_equal`` (every rank's
 without gemscout), ``peer_groups``, ``model_dims``, ``sdc_reports`` (SCOUT recipe reports on rank 0),
 ``scope`` / ``group_ranks`` / ``detected_step`` (the first of them), ``decision_before_fault``,
 ``fault_step_rejected``, ``certified_after``, ``a2a_checks`` / ``a2a_clean`` (AllToAll checks run / clean, over every
-rank and step), ``a2a_pairs`` (the [sender, receiver] pairs named, job-wide), ``a2a_step``, ``a2a_step_rejected`` (that step's capture rejected), ``resume_step``,
+rank and step), ``a2a_pairs`` (the [sender, receiver] pairs named, job-wide), ``a2a_step``, ``a2a_step_gated`` (that step not captured, and an ``alltoall`` RecoveryDecision naming an older step), ``resume_step``,
 ``killed_exit_code``, ``ranks_agree`` (trust ledgers equal on every rank).
 """
 
@@ -61,8 +61,11 @@ def _observe(ranks: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, An
         "ranks_agree": len({json.dumps(r["trust"], sort_keys=True) for r in ranks}) == 1,
     }
     trust = {int(k): v for k, v in r0["trust"].items()}
-    if fault["kind"] == "alltoall":  # the job-wide flag made every rank reject the uncertified captures
-        obs["a2a_step_rejected"] = trust.get(int(fault["step"])) == "rejected"
+    if fault["kind"] == "alltoall":  # the job-wide flag gated that step's capture on every rank, like SDC
+        astep = int(fault["step"])
+        gate = [d for d in r0["decisions"] if d["failure_kind"] == "alltoall"]
+        obs["a2a_step_gated"] = trust.get(astep) is None and bool(gate) and gate[0]["step"] is not None \
+            and gate[0]["step"] < astep
         obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > int(fault["step"]))
     if fault["kind"] == "replay":
         fstep = int(fault["step"])

@@ -90,7 +90,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     import gemscout
-    from gemscout.scout.alltoall import AllToAllCheck, AllToAllConfig
+    from gemscout.scout.alltoall import AllToAllConfig
     from gemscout.scout.stragglers import StragglerConfig
     from qualification.faults import Injector, ReplayFault
     from qualification.programs.scout_rank import summary
@@ -120,9 +120,9 @@ def main() -> None:
     a2a: dict[int, list[dict[str, Any]]] = {}
     check = None
     if args.workload == "moe":
-        check = AllToAllCheck(AllToAllConfig(), on_report=lambda r: reports.append(r.to_dict()))
-        for block in model.blocks:  # type: ignore[union-attr]
-            check.install(block.moe)
+        # The session runs the check in its optimizer pre-hook and gates the step's capture on it (job-wide).
+        check = session.check_alltoall(*[block.moe for block in model.blocks],  # type: ignore[union-attr]
+                                       config=AllToAllConfig())
         if rank == args.a2a_corrupt_rank:
             def corrupt(case: str, step: int, buffer: torch.Tensor) -> torch.Tensor | None:
                 if case != "balanced" or step != args.a2a_corrupt_step:
@@ -137,11 +137,8 @@ def main() -> None:
     cycles: dict[int, dict[str, Any]] = {}
     for step in range(start, args.steps + 1):
         job.step(model, opt, step, losses)
-        if check is not None:  # after the session's cycle and capture: it checks this step's recorded AllToAlls
-            found = check.before_step(step)
-            a2a[step] = [r.to_dict() for r in found or []]
-            if check.job_mismatch:  # every rank learns it (job-wide flag): reject the uncertified captures together
-                session.checkpointer.reject_candidates(f"AllToAll check mismatch at step {step}")
+        if check is not None:  # the session checked this step's recorded AllToAlls before its update
+            a2a[step] = [r.to_dict() for r in check.last_results]
         result = session.scout.last_result
         if result is not None and result.step == step:
             cycles[step] = summary(result)

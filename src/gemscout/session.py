@@ -8,6 +8,10 @@ Per optimizer step ``s``:
   clean → GEMINI captures ``s`` and certifies what the rotation has now covered; SDC → no capture, every uncertified
   candidate is rejected job-wide, and a FaultReport plus a RecoveryDecision naming the newest recovery-verified step
   go to the callbacks; inconclusive → reported, captured as an uncertified candidate (``capture_on_inconclusive``).
+
+With :meth:`Session.check_alltoall` the pre-hook also replays and verifies the step's recorded AllToAlls (MoE
+dispatch/combine); a mismatch anywhere in the job gates the step like SDC, and nothing is certified past the newest
+step whose AllToAll check came back clean.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from gemscout.errors import ConfigError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.oob import HealthMonitor
+from gemscout.scout.alltoall import AllToAllCheck, AllToAllConfig
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
@@ -49,6 +54,9 @@ class Session:
         self.scout: Scout | None = None
         self.comm_probe: CommProbe | None = None
         self.health: HealthMonitor | None = None
+        self.alltoall: AllToAllCheck | None = None
+        self._a2a_mismatch_step = -1
+        self._a2a_clean_step = -1
         self.capture_on_inconclusive = True
         self.last_cycle: CycleResult | None = None
         self.quarantine: set[str] = set()
@@ -70,6 +78,11 @@ class Session:
         if self.scout is not None:
             # Parameters are still those the forward used: the update has not run yet.
             self.last_cycle = self.scout.before_step(self.step + 1)
+        if self.alltoall is not None and self.alltoall.before_step(self.step + 1) is not None:
+            if self.alltoall.job_mismatch:
+                self._a2a_mismatch_step = self.step + 1
+            else:
+                self._a2a_clean_step = self.step + 1
         if self.comm_probe is not None and self.comm_probe.due(self.step + 1):
             report = self.comm_probe.probe(self.step + 1)
             if report is not None:
@@ -95,6 +108,11 @@ class Session:
             self.quarantine -= {name for name, r in cycle.results.items() if r.verdict == Verdict.AGREE}
             if not cycle.clean and not self.capture_on_inconclusive:
                 return
+        if self._a2a_mismatch_step == self.step:
+            self._reject_and_decide("alltoall", f"AllToAll replay mismatch at step {self.step}: "
+                                    + "; ".join(r.reason for r in self.alltoall.last_results  # type: ignore[union-attr]
+                                                if r.verdict == "mismatch"))
+            return  # what crossed a faulty AllToAll at this step is never captured
         if self.quarantine:
             # The faulty recipe has not passed clean since it disagreed: the fault may still be there, so what this
             # step holds must not become a candidate that a later clean rotation could certify.
@@ -102,7 +120,11 @@ class Session:
         if self.checkpointer is not None and self.step % self.interval == 0:
             self.checkpointer.capture(self.step)
         if cycle is not None and cycle.clean and cycle.certified_step is not None and self.checkpointer is not None:
-            self.checkpointer.certify(cycle.certified_step)
+            certified = cycle.certified_step
+            if self.alltoall is not None:  # nothing is verified past the newest clean AllToAll check
+                certified = min(certified, self._a2a_clean_step)
+            if certified >= 0:
+                self.checkpointer.certify(certified)
 
     def _on_sdc(self, cycle: CycleResult) -> None:
         """Reject every uncertified candidate job-wide and name the newest recovery-verified step."""
@@ -110,6 +132,11 @@ class Session:
         reason = (f"silent data corruption at step {cycle.step}: "
                   + (f"rank(s) {culprits} disagree with the peer majority" if culprits
                      else "peers disagree and no majority names a culprit"))
+        self._reject_and_decide("sdc", reason)
+
+    def _reject_and_decide(self, kind: str, reason: str) -> None:
+        """Collective: reject every uncertified candidate job-wide and deliver a RecoveryDecision of ``kind`` naming
+        the newest recovery-verified step (STOP when none exists yet)."""
         if self.checkpointer is None:
             return
         rejected = self.checkpointer.reject_candidates(reason)
@@ -117,7 +144,7 @@ class Session:
         verified = [s for s, st in ledger.states.items() if st.rank >= TrustState.RECOVERY_VERIFIED.rank]
         step = max(verified) if verified else None
         decision = RecoveryDecision(
-            "sdc", RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+            kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
             f"{self.checkpointer.run_id}:{step}" if step is not None else None, {},
             self.checkpointer.topology_digest,
             f"{reason}; rejected candidates {rejected}; restore the newest recovery-verified step"
@@ -160,6 +187,29 @@ class Session:
         if self.scout is not None:
             self.scout.set_next_step(self.step + 1)
         return decision
+
+    def check_alltoall(self, *modules: Any, config: AllToAllConfig | None = None) -> AllToAllCheck:
+        """Verify the AllToAlls that the forwards of ``modules`` issue (an MoE layer's token dispatch and combine).
+
+        Each ``dist.all_to_all_single`` inside those forwards is recorded (group, dtype, row shape, split sizes; no
+        payload). At every due step (``config.interval``), before the update, every rank of each EP group replays a
+        bounded representative set (the largest recorded call with its own splits, a balanced split and a cyclic
+        permutation) with deterministic payloads and compares digests: a wrong send names the sender, bytes changed on
+        the way name the (sender, receiver) pair. A mismatch anywhere in the job is treated like SDC: the step is not
+        captured, every uncertified candidate is rejected job-wide, a FaultReport and a RecoveryDecision go to the
+        callbacks; and nothing is certified past the newest clean check. Collective: every rank calls it, with the
+        same config, after ``enable_resiliency`` and before its first step. Returns the check (its
+        ``last_results`` hold the newest due step's verdicts)."""
+        if not modules:
+            raise ConfigError("check_alltoall: pass the module(s) whose forward issues the AllToAlls (e.g. each MoE "
+                              "layer)")
+        if self.alltoall is not None:
+            raise ConfigError("check_alltoall: already enabled on this session; pass every module in one call")
+        check = AllToAllCheck(config, on_report=self._report)
+        for module in modules:
+            self._handles.append(check.install(module))
+        self.alltoall = check
+        return check
 
     def instrument_dataloader(self, loader: Iterable[Any]) -> Iterable[Any]:
         """Wrap ``loader`` so each fetch is timed and compared across ranks (needs ``watch=WatchConfig(...)``)."""

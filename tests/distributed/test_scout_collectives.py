@@ -9,7 +9,8 @@ One launch, each rank running every phase in a loop (the three-block model, the 
 * ``late``: ``Scout.time_job_collectives`` times DDP's own gradient all-reduce; rank 2 enters it 0.4 s late at three
   consecutive steps (a sleep at the comm hook's fault seam, before the collective). Expected: a communication
   straggler report naming rank 2 and its host (``GEMSCOUT_HOSTNAME`` gives each rank its own), confirmed after
-  ``confirmations`` rounds, and no compute-straggler or SDC report; the clean rounds before it report nothing.
+  ``confirmations`` rounds, and no compute-straggler or SDC report; the clean rounds before it report nothing; and
+  the timed training is bitwise equal to the same steps of DDP without SCOUT or the hook.
 
 Nothing is mocked: real processes, real gloo, real DDP comm hook. Run as a script (``python
 test_scout_collectives.py RANK WORLD PORT OUT``) this file is the rank program.
@@ -41,6 +42,7 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gemscout.scout import CycleResult, Scout, ScoutConfig, StragglerConfig
+    from gemscout.scout.digests import digest_many
     from qualification.faults import Injector, fail_at
     from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -109,6 +111,7 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
             time.sleep(LATE_S)
 
     timer.register_before_collective(arrive_late)
+    first_late_phase_step = step + 1
     for i in range(CLEAN + LATE_ROUNDS):
         step += 1
         late["on"] = i >= CLEAN
@@ -118,7 +121,20 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
         opt.zero_grad()
         cells.append(summary(scout.last_result, phase="late", late=late["on"]))
     scout.close()
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cells": cells}))
+    timed_digest = digest_many(dict(model.state_dict()))
+    # The same steps without SCOUT and without the timing hook: timing must not change a bit of training (DDP
+    # scales by the reciprocal of the world size; with 3 ranks x / 3 and x * (1/3) differ).
+    torch.manual_seed(7)
+    plain = DDP(build_model("three-block", seed=0))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for s in range(first_late_phase_step, step + 1):
+        inputs, targets = synthetic_batch(seed=0, step=s, rank=rank)
+        lm_loss(plain(inputs), targets).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    untimed_digest = digest_many(dict(plain.state_dict()))
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cells": cells, "timed_digest": timed_digest,
+                                                      "untimed_digest": untimed_digest}))
     dist.destroy_process_group()
 
 
@@ -175,6 +191,8 @@ def test_autocast_bf16_replay_and_late_collectives(tmp_path: Path) -> None:
             assert all(v["verdict"] == "agree" for n, v in c["verdicts"].items() if n != c["recipe"]), c
             assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"]] == [("sdc", "rank", [1])], c
 
+    for r in ranks:  # the timing hook left training bitwise equal to DDP without it
+        assert r["timed_digest"] == r["untimed_digest"], f"rank {r['rank']}: the timing hook changed training"
     late = [c for c in first if c["phase"] == "late"]
     assert all(c["reports"] == [] for c in late if not c["late"]), late
     delayed = [c for c in late if c["late"]]

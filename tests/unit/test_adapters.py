@@ -151,8 +151,9 @@ def test_deepspeed_argument_rules() -> None:
         resolve(engine, other)
     with pytest.raises(ConfigError, match=r"enable_resiliency.schedulers: engine.lr_scheduler is stepped by"):
         resolve(engine, engine.optimizer, schedulers=[engine.lr_scheduler])
-    with pytest.raises(ConfigError, match=r"ScoutConfig.recipes: the 'optimizer' recipe is not supported on DeepSpeed"):
-        resolve(engine, engine.optimizer, scout=ScoutConfig())
+    # The optimizer recipe replays the partition owner's update (ZeroScout); forward recipes alone use Scout.
+    assert resolve(engine, engine.optimizer, scout=ScoutConfig()).scout_factory.__name__ == "ZeroScout"
+    assert resolve(engine, engine.optimizer, scout=ScoutConfig(recipes=("hidden",))).scout_factory is None
     for accepted in (engine.optimizer, engine.optimizer.optimizer, None):
         target = resolve(engine, accepted, scout=ScoutConfig(recipes=("embedding", "hidden", "output")))
         assert target.framework is Framework.DEEPSPEED and target.model is engine.module

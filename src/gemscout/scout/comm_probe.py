@@ -123,7 +123,7 @@ def gather_hosts(group: dist.ProcessGroup, timeout: timedelta) -> dict[int, str]
 
 
 class JobCollectiveTimer:
-    """Times a DDP model's own gradient all-reduces (a comm hook doing what DDP's default all-reduce hook does).
+    """Times a DDP model's own gradient all-reduces (a comm hook doing what DDP does without one, bit for bit).
 
     Construct on every rank (it gathers host names over ``group``). Raises ``ConfigError`` when the model already
     has a comm hook (DDP takes one). :meth:`take` returns this rank's summed wait since the last call.
@@ -145,7 +145,9 @@ class JobCollectiveTimer:
             for fn in list(timer._before.values()):
                 fn(bucket.index())
             tensor = bucket.buffer()
-            tensor.div_(pg.size())
+            # DDP without a hook scales each gradient by the reciprocal as it fills the bucket; x * (1/n) is not x / n
+            # bit for bit (n = 3), and timing must not change the training numbers.
+            tensor.mul_(1.0 / pg.size())
             # Started after the seam: a rank that enters late is measured from its entry, so it waits the least.
             start = time.perf_counter()
             fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
