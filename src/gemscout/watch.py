@@ -154,7 +154,9 @@ class Watch:
         def hook(state, bucket):  # type: ignore[no-untyped-def]
             tensor = bucket.buffer()
             publisher.enter_collective("all_reduce", "world", [list(tensor.shape)])
-            tensor.div_(dist.get_world_size())
+            # DDP without a hook scales by the reciprocal; x * (1/n) is not x / n bit for bit (n = 3), and watching
+            # must not change the training numbers.
+            tensor.mul_(1.0 / dist.get_world_size())
             fut = dist.all_reduce(tensor, async_op=True).get_future()
 
             def done(f):  # type: ignore[no-untyped-def]

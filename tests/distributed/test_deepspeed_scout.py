@@ -107,3 +107,18 @@ def test_zero2_owner_update_fault_is_attributed_to_the_owner(tmp_path: Path) -> 
         assert sdc(r) == [(step, "optimizer.rank2.0", [2])], r["reports"]
         verdicts = r["cycles"][str(step)]["results"]
         assert verdicts["optimizer.rank2.1"] == verdicts["optimizer.rank2.2"] == ["agree", []]
+
+
+@pytest.mark.timeout(400)
+def test_zero2_bf16_accumulation_optimizer_recipe_alone_is_bitwise(tmp_path: Path) -> None:
+    """bf16 module weights (fp32 master partition), 2 micro-batches per step, the optimizer recipe as the only one."""
+    common = ["--bf16", "--accumulation", "2"]
+    baseline = run(tmp_path, "baseline", "deepspeed-zero2", common)
+    scout = [*SCOUT[:2], "optimizer", *SCOUT[3:]]
+    results = run(tmp_path, "run", "deepspeed-zero2", [*common, "--ckpt", str(tmp_path / "ckpt"), *scout])
+    for r, base in zip(results, baseline, strict=True):
+        assert r["reports"] == []
+        assert sorted(map(int, r["cycles"])) == list(range(1, STEPS + 1))
+        for step, cycle in r["cycles"].items():
+            assert cycle["results"] == {name: ["agree", []] for name in slices(int(step))}, (step, cycle)
+        assert (r["state_digest"], r["losses"]) == (base["state_digest"], base["losses"])
