@@ -28,8 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,8 +53,9 @@ from gemscout.scout.exchange import PeerExchange
 from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
 from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
-from gemscout.scout.replay import ReplayContext, ReplayHook, ReplayHooks, replay_forward, replay_optimizer
+from gemscout.scout.replay import ReplayContext, replay_forward, replay_optimizer
 from gemscout.scout.rotation import RotationTracker
+from gemscout.scout.seams import ReplaySeams
 from gemscout.scout.stragglers import CommStragglerDetector, ComputeStragglerDetector, compute_reports
 from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
@@ -64,17 +64,15 @@ __all__ = ["CycleResult", "Scout"]
 log = logging.getLogger("gemscout")
 
 
-class Scout:
+class Scout(ReplaySeams):
     """SCOUT for one model and optimizer on one data-parallel peer group. Create, :meth:`attach`, then call
     :meth:`before_step` in the optimizer step pre-hook of every step (or :meth:`register_step_hook` once)."""
 
     def __init__(self, config: ScoutConfig | None = None) -> None:
+        super().__init__()
         self.config = config if config is not None else ScoutConfig()
         self.last_result: CycleResult | None = None
         """The newest cycle's result (also returned by :meth:`before_step`)."""
-        self._hooks = ReplayHooks()
-        self._collective_hooks: OrderedDict[int, Callable[[ReplayContext, str], None]] = OrderedDict()
-        self._current: ReplayContext | None = None
         self._attached = False
         self._closed = False
         self._step_handle: RemovableHandle | None = None
@@ -161,11 +159,6 @@ class Scout:
 
     # -- public state and seams -------------------------------------------------------------------------------------
     @property
-    def current_replay(self) -> ReplayContext | None:
-        """The replay running on this rank right now (recipe, step, rank, source), or None outside replay."""
-        return self._current
-
-    @property
     def next_step(self) -> int:
         """The step number the next forward belongs to (what capture is armed for)."""
         return self._next_step
@@ -183,25 +176,6 @@ class Scout:
         capture = source == self.rank and self.disabled_reason is None
         armed = {r.name for r in self.catalog.due(step) if r.has_module} if capture else set()
         self._capture.arm(step, armed)
-
-    def register_replay_input_hook(self, hook: ReplayHook) -> RemovableHandle:
-        """Call ``hook(ctx, inputs)`` before each replay on this rank; it may return replacement inputs. The
-        precondition digests are taken before it runs. For fault injection and instrumentation."""
-        return ReplayHooks.add(self._hooks.inputs, hook)
-
-    def register_replay_collective_hook(self, hook: Callable[[ReplayContext, str], None]) -> RemovableHandle:
-        """Call ``hook(ctx, op)`` on this rank right before each collective a replay issues (the TP all-reduces of a
-        TP-sharded block); ``op`` names the collective. For fault injection: a delayed collective."""
-        if not callable(hook):
-            raise TypeError(f"a replay collective hook must be callable, got {type(hook).__name__}")
-        handle = RemovableHandle(self._collective_hooks)
-        self._collective_hooks[handle.id] = hook
-        return handle
-
-    def register_replay_output_hook(self, hook: ReplayHook) -> RemovableHandle:
-        """Call ``hook(ctx, outputs)`` after each replay on this rank with every tensor about to be digested
-        (``output``, ``grad.*``; ``param.*``/``state.*`` for optimizer slices); it may return replacements."""
-        return ReplayHooks.add(self._hooks.outputs, hook)
 
     def time_job_collectives(self, ddp: nn.Module) -> JobCollectiveTimer:
         """Time ``ddp``'s own gradient all-reduces as communication-straggler evidence (a DDP comm hook; see
