@@ -223,12 +223,22 @@ def enable_resiliency(
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
             session.comm_probe = CommProbe(scout.comm_probe, ranks=ranks)
+    from torch.nn.parallel import DistributedDataParallel
+
+    job_timer = None
+    if session.scout is not None and scout is not None and scout.job_collectives \
+            and isinstance(model, DistributedDataParallel):
+        try:
+            job_timer = session.scout.time_job_collectives(model)
+        except ConfigError as exc:  # a caller's own comm hook wins: DDP takes one
+            log.info("gemscout: job-collective timing not installed: %s", exc)
     if watch is not None:
         session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)
-        from torch.nn.parallel import DistributedDataParallel
-
         if watch.instrument_collectives and isinstance(model, DistributedDataParallel):
-            session.watch.ddp_comm_hook(model)
+            if job_timer is not None:  # DDP takes one comm hook: the watch rides SCOUT's timer
+                session.watch.ride(job_timer)
+            else:
+                session.watch.ddp_comm_hook(model)
     if health is not None or health_sources:
         session.health = _start_health(session, rank, health, health_sources)
     adapter_handles = target.install_hooks() if target.install_hooks is not None else []  # before the session's

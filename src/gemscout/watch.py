@@ -170,6 +170,13 @@ class Watch:
         except RuntimeError as exc:  # a hook is already registered: keep the caller's
             log.info("gemscout watch: DDP comm hook not installed (%s)", exc)
 
+    def ride(self, timer: Any) -> None:
+        """Fingerprint DDP's gradient all-reduces through SCOUT's job-collective timer (which holds DDP's one comm
+        hook) instead of a comm hook of the watch's own."""
+        publisher = self.publisher
+        timer.register_around_collective(lambda shape: publisher.enter_collective("all_reduce", "world", [shape]),
+                                         publisher.exit_collective)
+
     def _patch_collectives(self) -> None:
         publisher = self.publisher
         for name in _COLLECTIVES:

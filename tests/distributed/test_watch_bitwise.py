@@ -1,5 +1,7 @@
 """Watching must not change the training numbers: DDP on 3 real gloo ranks with gemscout's out-of-band watch (its DDP
-comm hook fingerprints every gradient all-reduce) trains bit for bit like DDP without it.
+comm hook fingerprints every gradient all-reduce) trains bit for bit like DDP without it — and so does DDP with SCOUT's
+job-collective timer (``ScoutConfig(job_collectives=True)``), which then holds DDP's one comm hook while the watch
+rides it (every all-reduce still fingerprinted out of band, every wait timed).
 
 Three ranks, because with two ``x / 2`` and ``x * 0.5`` agree bit for bit and a wrong scaling would go unseen. Both
 models train in the same processes, on the same batches, so the comparison is exact.
@@ -31,9 +33,12 @@ def build():
 
 plain, watched = DDP(build()), DDP(build())
 opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, watched)]
-session = gemscout.enable_resiliency(watched, opts[1], interval=1,
+both = sys.argv[2] == "both"
+scout = gemscout.ScoutConfig(job_collectives=True, recipes=("optimizer",)) if both else None
+session = gemscout.enable_resiliency(watched, opts[1], interval=1, scout=scout,
                                      watch=gemscout.WatchConfig(insecure_dev=True, stall_threshold=timedelta(seconds=30)))
 assert session.watch is not None
+timer = session.scout._job_timer if both else None
 for step in range(6):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 48, generator=g)
@@ -42,8 +47,9 @@ for step in range(6):
         model(x).pow(2).mean().backward()
         opt.step()
 same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), watched.parameters()))
+fingerprinted = session.watch.publisher._group_seqs.get("world", 0)
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-    json.dump({"same": same, "hooked": session.watch is not None}, f)
+    json.dump({"same": same, "timed": timer is not None, "fingerprinted": fingerprinted}, f)
 session.close()
 dist.barrier()
 os._exit(0)
@@ -51,11 +57,15 @@ os._exit(0)
 
 
 @pytest.mark.timeout(150)
-def test_watched_ddp_trains_bitwise_like_plain_ddp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["watch", "both"])
+def test_watched_ddp_trains_bitwise_like_plain_ddp(tmp_path: Path, mode: str) -> None:
     program = tmp_path / "rank.py"
     program.write_text(RANK_PROGRAM)
-    res = launch([str(program), str(tmp_path)], world_size=3, timeout_s=120, log_dir=tmp_path / "logs")
+    res = launch([str(program), str(tmp_path), mode], world_size=3, timeout_s=120, log_dir=tmp_path / "logs")
     assert res.ok, res
     for r in range(3):
         doc = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert doc["same"], f"rank {r}: the watched DDP model diverged from plain DDP"
+        assert doc["timed"] == (mode == "both")
+        # 6 steps, at least one gradient bucket each: every all-reduce was fingerprinted either way.
+        assert doc["fingerprinted"] >= 6, doc

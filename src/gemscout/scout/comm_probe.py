@@ -138,6 +138,7 @@ class JobCollectiveTimer:
         self._wait_s = 0.0
         self._buckets = 0
         self._before: OrderedDict[int, Callable[[int], None]] = OrderedDict()
+        self._around: OrderedDict[int, tuple[Callable[[list[int]], None], Callable[[], None]]] = OrderedDict()
         timer = self
 
         # No annotations: DDP compares them literally, and this module's are strings (postponed evaluation).
@@ -145,6 +146,8 @@ class JobCollectiveTimer:
             for fn in list(timer._before.values()):
                 fn(bucket.index())
             tensor = bucket.buffer()
+            for enter, _ in list(timer._around.values()):
+                enter(list(tensor.shape))
             # DDP without a hook scales each gradient by the reciprocal as it fills the bucket; x * (1/n) is not x / n
             # bit for bit (n = 3), and timing must not change the training numbers.
             tensor.mul_(1.0 / pg.size())
@@ -157,6 +160,8 @@ class JobCollectiveTimer:
                 with timer._lock:  # completes on the backend's thread
                     timer._wait_s += waited
                     timer._buckets += 1
+                for _, leave in list(timer._around.values()):
+                    leave()
                 return f.value()[0]
 
             return fut.then(done)
@@ -174,6 +179,15 @@ class JobCollectiveTimer:
         all-reduce (a delay here is a late arrival, as a rank stuck before the collective would be)."""
         handle = RemovableHandle(self._before)
         self._before[handle.id] = fn
+        return handle
+
+    def register_around_collective(self, enter: Callable[[list[int]], None],
+                                   leave: Callable[[], None]) -> RemovableHandle:
+        """Observers of each bucket's all-reduce: ``enter(shape)`` as this rank enters it, ``leave()`` when it has
+        completed (on the backend's thread). How the out-of-band watch fingerprints DDP's collectives when this
+        timer holds DDP's one comm hook."""
+        handle = RemovableHandle(self._around)
+        self._around[handle.id] = (enter, leave)
         return handle
 
     def take(self) -> float | None:

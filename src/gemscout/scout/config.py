@@ -67,6 +67,12 @@ class ScoutConfig:
     """Thresholds for the compute-straggler detectors fed with replay times (one per recipe); None disables them."""
     comm_probe: CommProbeConfig | None = None
     """Probe collectives on overlapping groups to find communication stragglers (None: off)."""
+    job_collectives: bool = False
+    """Time the job's own gradient all-reduces (a DDP comm hook that scales and reduces exactly as DDP does) and report
+    a rank that is late to them as a communication straggler with its host, judged with ``stragglers``' margins
+    (``enable_resiliency`` installs it on a DDP model; DDP takes one comm hook, so it is skipped, with a log line,
+    when the model already has one). Off by default: on a loaded host, scheduling noise alone makes ranks late by
+    more than the default 2 ms margin — raise ``StragglerConfig.absolute_margin_s`` to what your network's jitter is."""
 
     def __post_init__(self) -> None:
         c = "ScoutConfig"
@@ -107,6 +113,10 @@ class ScoutConfig:
                 f"must be a positive datetime.timedelta, got {self.timeout!r}")
         require(self.stragglers is None or isinstance(self.stragglers, StragglerConfig), c, "stragglers",
                 f"must be a StragglerConfig or None, got {type(self.stragglers).__name__}")
+        require(type(self.job_collectives) is bool, c, "job_collectives",
+                f"must be True or False, got {self.job_collectives!r}")
+        require(not self.job_collectives or self.stragglers is not None, c, "job_collectives",
+                "needs stragglers=StragglerConfig(...) (its margins judge who is late); stragglers is None")
 
     def interval_of(self, kind: str) -> int:
         """The cadence of ``kind``: its override, else :attr:`interval`."""
