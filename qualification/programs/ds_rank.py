@@ -10,6 +10,10 @@ Faults: ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank R at step S
 ``persist_replica`` (GEMINI's io thread); ``--sigterm-step S`` sends SIGTERM to rank 0 after step S. With
 ``--scout``, SCOUT replays the forward recipes on the engine's module, and ``--fault-rank/--fault-step/--heal-step/
 --fault-block`` add a persistent output corruption of one block on one rank (``qualification.faults``).
+``--scout-recipes ...,optimizer`` adds the ZeRO optimizer recipe (the partition owner's update replayed by every
+rank); ``--replay-fault-rank/--replay-fault-steps`` corrupt that rank's replay of the first due slice,
+``--update-fault-rank/--update-fault-step`` flip a bit of that rank's master partition after its real update, and
+``<out>/rank<r>.json`` gains ``cycles`` (per step: verdicts, certified step, replay seconds).
 
 DeepSpeed runs with ``DS_ACCELERATOR=cpu``; the C++ ``shm_comm`` op that ``deepspeed.init_distributed`` would JIT-build
 (about 90 s with g++, used only by inference all-reduce) is skipped.
@@ -118,6 +122,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--update-fault-rank", type=int, default=-1,
                     help="flip a bit of this rank's fp32 master partition right after its real update")
     ap.add_argument("--update-fault-step", type=int, default=-1)
+    ap.add_argument("--param-groups", type=int, default=1, choices=(1, 2))
     return ap.parse_args()
 
 
@@ -129,7 +134,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
     model = build_model(args.workload, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if args.param_groups == 2:  # no weight decay on vectors (norms, biases): two ZeRO partitions per rank
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        flat = [p for p in model.parameters() if p.dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay}, {"params": flat, "weight_decay": 0.0}], lr=3e-3,
+                                weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
                                                 lr_scheduler=sched, config=ds_config(
@@ -188,8 +199,8 @@ def main() -> None:
 
         def flip(optimizer: Any, *_: Any) -> None:
             # A real update fault: the owner's own fp32 master partition goes wrong after the optimizer ran.
-            if live.step + 1 == args.update_fault_step:
-                master = optimizer.param_groups[0]["params"][0]
+            master = optimizer.param_groups[0]["params"][0]  # DeepSpeed steps one group at a time
+            if live.step + 1 == args.update_fault_step and master is engine.optimizer.single_partition_of_fp32_groups[0]:
                 with torch.no_grad():
                     bits = master[1:2].view(torch.int32)
                     bits ^= 1 << 20

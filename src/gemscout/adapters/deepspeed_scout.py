@@ -152,6 +152,9 @@ class ZeroScout(Scout):
         if self._exchange is None or self._mesh is not None:
             raise ConfigError("ScoutConfig.recipes: the ZeRO optimizer recipe needs the data-parallel ranks as peers")
         self._zero, self._inner = zero, inner
+        # Inside engine.step() DeepSpeed swaps the inner optimizer's param_groups for one group at a time; the masters
+        # are told apart by identity, never by their position in that temporary list.
+        self._masters = [g["params"][0] for g in inner.param_groups]
         groups = list(getattr(zero, "real_dp_process_group", [None] * len(inner.param_groups)))
         for g, pg in enumerate(groups):
             ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(dist.get_world_size()))
@@ -233,8 +236,8 @@ class ZeroScout(Scout):
             return
         step, due = pending
         master = optimizer.param_groups[0]["params"][0]
-        for g, group in enumerate(self._inner.param_groups):
-            if group["params"][0] is not master:
+        for g, known in enumerate(self._masters):
+            if known is not master:
                 continue
             for piece in (s for s in due if s.group == g and s.owner == self.rank):
                 try:
@@ -267,7 +270,7 @@ class ZeroScout(Scout):
 
     def _actual(self, piece: ZeroSlice) -> dict[str, torch.Tensor]:
         """The owner's live slice after the update, keyed as a replay's outputs are."""
-        master = self._inner.param_groups[piece.group]["params"][0]
+        master = self._masters[piece.group]
         out = {f"param.{piece.key}": master.detach()[piece.start:piece.stop]}
         for name, value in self._inner.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
