@@ -176,6 +176,10 @@ def enable_resiliency(
     model, optimizer, scout = target.model, target.optimizer, target.scout
     extra_state_fn, load_extra_state_fn, schedulers = (target.extra_state_fn, target.load_extra_state_fn,
                                                        target.schedulers)
+    if target.framework.value == "deepspeed" and checkpoint is not None and checkpoint.durable_every > 0:
+        raise ConfigError("CheckpointConfig.durable_every: the durable tier does not take DeepSpeed ZeRO partitions "
+                          "yet (every rank holds a different partition, and a promotion is either rank 0's checkpoint "
+                          "or DTensor shards); set durable_every=0 and keep the peer-replicated tiers")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
