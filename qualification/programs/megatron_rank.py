@@ -18,7 +18,11 @@ coordinate hold equal modules; ``times``; ``stats``), so campaign cells can run 
 
 Faults: ``--kill-rank R --kill-step S`` SIGKILLs rank R after step S (its checkpoint drained first);
 ``--fault-rank R --fault-step S --fault-recipe NAME`` corrupts what rank R computes when *replaying* NAME at step S
-(``qualification.faults``: SCOUT must name R; training itself is untouched).
+(``qualification.faults``: SCOUT must name R; training itself is untouched); ``--drop-capture-rank R
+--drop-capture-step S`` throws away what rank R captured in the forward/backward of step S, right before its update
+(``Scout.set_next_step(S)`` re-arms capture for S: the public seam), so R, the source of its peer group at S, has no
+inputs for the forward recipes while the other peer groups do. ``cycles`` records each step's SCOUT verdicts and
+the seconds each rank spent in its replays' collectives.
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--fault-step", type=int, default=-1)
     ap.add_argument("--fault-recipe", default="hidden.0")
     ap.add_argument("--fault-kind", default="bitflip")
+    ap.add_argument("--drop-capture-rank", type=int, default=-1)
+    ap.add_argument("--drop-capture-step", type=int, default=-1)
     return ap.parse_args()
 
 
@@ -147,6 +153,7 @@ def main() -> None:
     injector = None
     topology = None
     times: dict[str, float] = {}
+    cycles: dict[str, dict[str, Any]] = {}
     if args.ckpt is not None:
         import gemscout
 
@@ -189,7 +196,15 @@ def main() -> None:
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad.div_(dp_size)
         losses[step] = loss.item()
+        if session is not None and session.scout is not None and rank == args.drop_capture_rank \
+                and step == args.drop_capture_step:
+            session.scout.set_next_step(step)  # this rank's captures of the step are gone; training is untouched
         opt.step()
+        result = session.scout.last_result if session is not None and session.scout is not None else None
+        if result is not None and result.step == step:
+            cycles[str(step)] = {
+                "verdicts": {n: {"verdict": r.verdict.value, "reason": r.reason} for n, r in result.results.items()},
+                "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
         if rank == args.kill_rank and step == args.kill_step:
             if session is not None and session.checkpointer is not None:
                 session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
@@ -214,7 +229,7 @@ def main() -> None:
         "reports": reports, "decisions": decisions, "trust": trust,
         "fired": injector.fired if injector is not None else [],
         "replicas_equal": len({d for t, d in shards if t == ps.get_tensor_model_parallel_rank()}) == 1,
-        "times": times, "final_step": args.steps,
+        "times": times, "final_step": args.steps, "cycles": cycles,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
     }
     dist.barrier()

@@ -13,6 +13,9 @@ covered in tests/gpu/test_megatron_gpu.py).
   Megatron's RNG tracker streams included; ``destroy_model_parallel()`` closes the session first.
 - A SIGKILL plus the loss of that rank's node, TP=2: recovered from the peer's replica, bitwise equal to the baseline.
 - DP=3: a fault in what one rank computes when replaying a block is attributed to that rank.
+- TP=2 x DP=2, one rank's captures of a step thrown away: its TP blocks all-reduce in replay, so they replay on every
+  rank or on none; every rank agrees on INCONCLUSIVE (with the reason) for them at that step, nothing hangs or is
+  reported as SDC, the other recipes still agree, and training stays bitwise equal to the run without gemscout.
 
 Skipped, with the reason, where megatron-core is not installed.
 """
@@ -98,3 +101,40 @@ def test_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
         assert decision["mode"] == "restore" and decision["step"] < fault_step, decision
     assert results[fault_rank]["fired"] and all(not r["fired"] for r in results if r["rank"] != fault_rank)
+
+
+@pytest.mark.timeout(600)
+def test_tp2_dp2_a_missing_capture_stops_the_tp_replay_on_every_rank(tmp_path: Path) -> None:
+    # Rank 0 is the source of peer group [0, 2] at even steps; at drop_step it has no inputs for the forward recipes
+    # (embedding, hidden.0, output: all TP-sharded), while rank 1, source of [1, 3], has them. Were [1, 3] to replay,
+    # their RowParallel all-reduces would wait for TP partners 0 and 2, which skipped the replay: a hang until the
+    # timeout. The readiness all-gather must stop those replays on every rank instead.
+    world, drop_rank, drop_step = 4, 0, 4
+    _run(tmp_path, "base", world, ["--tp", "2"])
+    _run(tmp_path, "run", world, ["--tp", "2", "--ckpt", str(tmp_path / "ckpt"), "--scout",
+                                  "--drop-capture-rank", str(drop_rank), "--drop-capture-step", str(drop_step)])
+    base, run = ranks(tmp_path / "base", world), ranks(tmp_path / "run", world)
+    for r, (b, g) in enumerate(zip(base, run, strict=True)):
+        assert g["state_digest"] == b["state_digest"] and g["losses"] == b["losses"], f"rank {r}: training changed"
+        assert [rep for rep in g["reports"] if rep["kind"] == "sdc"] == [] and g["errors"] == []
+        assert sorted(g["cycles"]) == [str(s) for s in range(1, STEPS + 1)], "a cycle is missing"
+        for step, cycle in g["cycles"].items():
+            verdicts = cycle["verdicts"]
+            forward = {n: v for n, v in verdicts.items() if not n.startswith("optimizer")}
+            assert "hidden.0" in forward or "hidden.1" in forward, verdicts
+            assert all(v["verdict"] == "agree" for n, v in verdicts.items() if n not in forward), verdicts
+            if int(step) != drop_step:
+                assert all(v["verdict"] == "agree" for v in forward.values()), (step, verdicts)
+                # Megatron's TP blocks replay with their all-reduces, timed on every rank as communication.
+                hidden = next(n for n in forward if n.startswith("hidden."))
+                assert sorted(cycle["collective_s"][hidden]) == ["0", "1", "2", "3"], cycle
+                assert all(s > 0 for s in cycle["collective_s"][hidden].values()), cycle
+                continue
+            assert forward.keys() & cycle["collective_s"].keys() == set(), cycle  # no rank entered a replay
+            assert "hidden.0" in forward, verdicts
+            for name, v in forward.items():
+                assert v["verdict"] == "inconclusive", (name, v)
+                # Group [1, 3] had the inputs and was stopped by the readiness check; [0, 2] had none.
+                assert "not replayed on any rank: ranks [0, 2] have no inputs" in v["reason"], (name, v)
+                assert "['tp']" in v["reason"] and f"source rank {drop_rank} has no capture" in v["reason"], v
+        assert g["cycles"] == run[0]["cycles"], f"rank {r} judged otherwise than rank 0"

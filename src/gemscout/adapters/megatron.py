@@ -13,7 +13,10 @@ What a Megatron job hands to ``enable_resiliency``:
 SCOUT's peers come from ``megatron.core.parallel_state``: ranks that share this rank's tensor-, context- and
 pipeline-parallel coordinates and differ only along data parallelism (the data-parallel group). The layout is read
 as a mesh ``(pp, dp, cp, tp)`` — Megatron's default order ``tp-cp-ep-dp-pp`` — and checked against the live
-data-parallel group, so a custom order is refused instead of pairing the wrong ranks.
+data-parallel group, so a custom order is refused instead of pairing the wrong ranks. Megatron's TP shards (plain
+tensors flagged ``tensor_model_parallel``) lie on that mesh's ``tp`` dim
+(:func:`~gemscout.scout.materialize.param_model_dims`), so a block whose replay all-reduces with its TP partners
+replays on every rank or on none.
 
 Megatron's RNG tracker (``get_cuda_rng_tracker()``: the model-parallel, data-parallel and expert RNG streams that
 dropout inside TP regions draws from) is captured with every step and restored with it; SCOUT's replays do not move

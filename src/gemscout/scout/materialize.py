@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gemscout.gemini.comm import wait_all
 from gemscout.scout.topology import Topology
 
-__all__ = ["CollectiveTimer", "Materializer", "local_tensor", "uses_model_dims", "without_wrapper_hooks"]
+__all__ = ["CollectiveTimer", "Materializer", "local_tensor", "param_model_dims", "uses_model_dims",
+           "without_wrapper_hooks"]
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
@@ -54,10 +55,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined, no-any-return]
 
 
-def uses_model_dims(params: Sequence[torch.Tensor], topology: Topology) -> bool:
-    """True when some parameter is placed on a model-parallel mesh dim, so replaying it runs collectives."""
+def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
+    """The topology's model-parallel dims ``param`` is placed on: those its replay runs collectives along.
+
+    A DTensor says so through its mesh's dim names. A plain tensor flagged ``tensor_model_parallel`` is Megatron
+    Core's TP shard (ColumnParallel / RowParallel linears, the vocab-parallel embedding): its module all-reduces over
+    Megatron's TP group, the topology's ``tp`` dim (how :func:`~gemscout.adapters.megatron.megatron_topology` names
+    it). Anything else is replicated along every model dim. Pure; no framework is imported."""
     model = set(topology.model_dims)
-    return any(_is_dtensor(p) and model & set(p.device_mesh.mesh_dim_names or ()) for p in params)  # type: ignore[attr-defined]
+    if _is_dtensor(param):
+        return model & set(param.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
+    return model & {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
+
+
+def uses_model_dims(params: Sequence[torch.Tensor], topology: Topology) -> bool:
+    """True when some parameter is placed on a model-parallel dim, so replaying it runs collectives."""
+    return any(param_model_dims(p, topology) for p in params)
 
 
 class Materializer:

@@ -37,7 +37,7 @@ from torch import nn
 from gemscout.errors import ConfigError
 from gemscout.gemini.comm import gather_json, wait_all
 from gemscout.scout.capture import Captured, capture_optimizer
-from gemscout.scout.materialize import Materializer, local_tensor, uses_model_dims
+from gemscout.scout.materialize import Materializer, local_tensor, param_model_dims, uses_model_dims
 from gemscout.scout.recipes import Catalog, Recipe
 from gemscout.scout.reports import FaultReport
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
@@ -58,7 +58,8 @@ class MeshCycle:
         self.materializer = Materializer(topology, timeout)
         self.timeout = timeout
         self.collective_recipes: frozenset[str] = frozenset()
-        """Recipes whose replay runs collectives (parameters placed on a model-parallel dim)."""
+        """Recipes whose replay runs collectives (parameters placed on a model-parallel dim: DTensors, or Megatron's
+        ``tensor_model_parallel`` tensors, :func:`~gemscout.scout.materialize.param_model_dims`)."""
         self._model_dims: dict[str, tuple[str, ...]] = {}
         self._detectors: dict[str, CommStragglerDetector] = {}
         self.job_names: tuple[str, ...] = ()
@@ -83,10 +84,7 @@ class MeshCycle:
         for recipe in catalog.recipes:
             params = [p for m in modules[recipe.name] for p in m.parameters()]
             if recipe.has_module and uses_model_dims(params, self.topology):
-                names: set[str] = set()
-                for param in params:
-                    mesh = getattr(param, "device_mesh", None)
-                    names.update(mesh.mesh_dim_names or () if mesh is not None else ())
+                names = set().union(*(param_model_dims(p, self.topology) for p in params))
                 self._model_dims[recipe.name] = tuple(d for d in self.topology.model_dims if d in names)
         self.collective_recipes = frozenset(self._model_dims)
 
