@@ -21,7 +21,6 @@ Nothing here imports deepspeed: the adapter reads the live engine the caller bui
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.state.codec import encode
 
@@ -37,26 +37,11 @@ __all__ = ["EngineOptimizer", "SUPPORTED_STAGES", "capture_engine", "resolve_eng
 
 SUPPORTED_STAGES = (1, 2)
 FORMAT = "gemscout.deepspeed-zero.v1"
-Hook = Callable[[Any, Any, Any], None]
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
 def _class_names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
-
-
-class _Handle:
-    """Removes one hook; uninstalls the ``engine.step`` wrapper when it was the last one."""
-
-    _ids = itertools.count()
-
-    def __init__(self, owner: EngineOptimizer, table: dict[int, Hook], hook: Hook) -> None:
-        self.owner, self.table, self.id = owner, table, next(self._ids)
-        table[self.id] = hook
-
-    def remove(self) -> None:
-        self.table.pop(self.id, None)
-        self.owner._maybe_uninstall()
 
 
 class EngineOptimizer:
@@ -73,11 +58,7 @@ class EngineOptimizer:
         self.engine = engine
         self.zero = engine.optimizer
         self.inner: torch.optim.Optimizer = engine.optimizer.optimizer
-        self._pre: dict[int, Hook] = {}
-        self._post: dict[int, Hook] = {}
-        self._original: Callable[..., Any] | None = None
-        self._had_instance_step = False
-        self._wrapper = self._step  # one bound method, so uninstalling can recognise it
+        self._hooks = StepHooks(self, engine, when=self._boundary)
 
     # -- the torch.optim.Optimizer subset -------------------------------------------------------------------------
     @property
@@ -92,54 +73,20 @@ class EngineOptimizer:
     def defaults(self) -> dict[str, Any]:
         return self.inner.defaults
 
-    def register_step_pre_hook(self, hook: Hook) -> _Handle:
+    def register_step_pre_hook(self, hook: Hook) -> Any:
         """Run ``hook(self, args, kwargs)`` at the start of every ``engine.step()`` that updates the weights."""
-        handle = _Handle(self, self._pre, hook)
-        self._install()
-        return handle
+        return self._hooks.add_pre(hook)
 
-    def register_step_post_hook(self, hook: Hook) -> _Handle:
+    def register_step_post_hook(self, hook: Hook) -> Any:
         """Run ``hook(self, args, kwargs)`` when such an ``engine.step()`` has finished (scheduler and counters
         included)."""
-        handle = _Handle(self, self._post, hook)
-        self._install()
-        return handle
-
-    def _install(self) -> None:
-        if self._original is not None:
-            return
-        self._had_instance_step = "step" in vars(self.engine)
-        self._original = self.engine.step
-        # An instance attribute shadows DeepSpeedEngine.step for every caller of engine.step(), the loop included.
-        vars(self.engine)["step"] = self._wrapper
-
-    def _maybe_uninstall(self) -> None:
-        if self._original is None or self._pre or self._post:
-            return
-        if vars(self.engine).get("step") is self._wrapper:
-            if self._had_instance_step:
-                vars(self.engine)["step"] = self._original
-            else:
-                del vars(self.engine)["step"]
-        self._original = None
+        return self._hooks.add_post(hook)
 
     def _boundary(self) -> bool:
         """Will this ``engine.step()`` update the weights? Asked before it runs, as the engine itself does."""
         if not self.engine.managed_gradient_accumulation():
             return True  # the caller owns accumulation: every step() is a boundary
         return bool(self.engine.is_gradient_accumulation_boundary())
-
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._original is not None
-        boundary = self._boundary()
-        if boundary:
-            for hook in list(self._pre.values()):
-                hook(self, args, kwargs)
-        result = self._original(*args, **kwargs)
-        if boundary:
-            for hook in list(self._post.values()):
-                hook(self, args, kwargs)
-        return result
 
     # -- this rank's partition ------------------------------------------------------------------------------------
     def _layout(self) -> dict[str, Any]:

@@ -26,7 +26,6 @@ when a Megatron object was detected, i.e. when megatron is already loaded.
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.topology import Topology, derive
 
@@ -43,7 +43,6 @@ __all__ = ["MegatronOptimizerView", "MegatronParts", "capture_rng_tracker", "meg
            "restore_rng_tracker"]
 
 FORMAT = "gemscout.megatron-optimizer.v1"
-Hook = Callable[[Any, Any, Any], None]
 _RANDOM = "megatron.core.tensor_parallel.random"
 
 
@@ -129,18 +128,6 @@ def megatron_topology(rank: int | None = None) -> Topology:
 
 
 # -- a MegatronOptimizer as gemscout sees it -------------------------------------------------------------------------
-class _Handle:
-    _ids = itertools.count()
-
-    def __init__(self, owner: MegatronOptimizerView, table: dict[int, Hook], hook: Hook) -> None:
-        self.owner, self.table, self.id = owner, table, next(self._ids)
-        table[self.id] = hook
-
-    def remove(self) -> None:
-        self.table.pop(self.id, None)
-        self.owner._maybe_uninstall()
-
-
 class MegatronOptimizerView:
     """A ``MegatronOptimizer`` with the part of the ``torch.optim.Optimizer`` interface gemscout uses.
 
@@ -158,11 +145,7 @@ class MegatronOptimizerView:
         self.megatron = optimizer
         self.parts: list[Any] = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
         self.inner: list[torch.optim.Optimizer] = [p.optimizer for p in self.parts]
-        self._pre: dict[int, Hook] = {}
-        self._post: dict[int, Hook] = {}
-        self._original: Callable[..., Any] | None = None
-        self._had_instance_step = False
-        self._wrapper = self._step
+        self._hooks = StepHooks(self, optimizer)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -176,43 +159,13 @@ class MegatronOptimizerView:
     def defaults(self) -> dict[str, Any]:
         return self.inner[0].defaults
 
-    def register_step_pre_hook(self, hook: Hook) -> _Handle:
+    def register_step_pre_hook(self, hook: Hook) -> Any:
         """Run ``hook(self, args, kwargs)`` at the start of every ``optimizer.step()``."""
-        handle = _Handle(self, self._pre, hook)
-        self._install()
-        return handle
+        return self._hooks.add_pre(hook)
 
-    def register_step_post_hook(self, hook: Hook) -> _Handle:
+    def register_step_post_hook(self, hook: Hook) -> Any:
         """Run ``hook(self, args, kwargs)`` when ``optimizer.step()`` has returned."""
-        handle = _Handle(self, self._post, hook)
-        self._install()
-        return handle
-
-    def _install(self) -> None:
-        if self._original is not None:
-            return
-        self._had_instance_step = "step" in vars(self.megatron)
-        self._original = self.megatron.step
-        vars(self.megatron)["step"] = self._wrapper
-
-    def _maybe_uninstall(self) -> None:
-        if self._original is None or self._pre or self._post:
-            return
-        if vars(self.megatron).get("step") is self._wrapper:
-            if self._had_instance_step:
-                vars(self.megatron)["step"] = self._original
-            else:
-                del vars(self.megatron)["step"]
-        self._original = None
-
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._original is not None
-        for hook in list(self._pre.values()):
-            hook(self, args, kwargs)
-        result = self._original(*args, **kwargs)
-        for hook in list(self._post.values()):
-            hook(self, args, kwargs)
-        return result
+        return self._hooks.add_post(hook)
 
     def _layout(self) -> dict[str, Any]:
         # Shapes of the main parameters: a DistributedOptimizer shard restored on another DP rank (or another DP
