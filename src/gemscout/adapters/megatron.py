@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.topology import Topology, derive
@@ -128,7 +129,7 @@ def megatron_topology(rank: int | None = None) -> Topology:
 
 
 # -- a MegatronOptimizer as gemscout sees it -------------------------------------------------------------------------
-class MegatronOptimizerView:
+class MegatronOptimizerView(InnerOptimizers):
     """A ``MegatronOptimizer`` with the part of the ``torch.optim.Optimizer`` interface gemscout uses.
 
     - ``register_step_pre_hook`` / ``register_step_post_hook``: run around ``optimizer.step()`` (an instance attribute
@@ -146,18 +147,6 @@ class MegatronOptimizerView:
         self.parts: list[Any] = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
         self.inner: list[torch.optim.Optimizer] = [p.optimizer for p in self.parts]
         self._hooks = StepHooks(self, optimizer)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for inner in self.inner for g in inner.param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:
-        return {p: s for inner in self.inner for p, s in inner.state.items()}
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.inner[0].defaults
 
     def register_step_pre_hook(self, hook: Hook) -> Any:
         """Run ``hook(self, args, kwargs)`` at the start of every ``optimizer.step()``."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.errors import ConfigError
 
 __all__ = ["OptimizersView", "TrainerParts", "resolve_trainer"]
@@ -59,7 +60,7 @@ def _from_storable(value: Any) -> Any:
     return value
 
 
-class OptimizersView:
+class OptimizersView(InnerOptimizers):
     """An ``OptimizersContainer`` as gemscout sees it: the container's own step hooks, and the state of the torch
     optimizers inside in torch's format, their parameters numbered in order across all of them (what
     ``param_groups`` lists)."""
@@ -67,18 +68,6 @@ class OptimizersView:
     def __init__(self, container: Any) -> None:
         self.container = container
         self.inner: list[torch.optim.Optimizer] = list(container.optimizers)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.inner for g in opt.param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:
-        return {p: s for opt in self.inner for p, s in opt.state.items()}
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.inner[0].defaults
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
         return self.container.register_step_pre_hook(hook)
