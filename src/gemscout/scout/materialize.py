@@ -21,7 +21,6 @@ local state. Their time is communication evidence, exposed per recipe and rank.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -191,9 +190,18 @@ class Materializer:
 
 
 def _owned_by_fsdp(hook: Any) -> bool:
-    # A bound method of FSDP's module state; grouped fully_shard([a, b]) wraps it with functools.wraps.
-    owner = getattr(inspect.unwrap(hook), "__self__", None)
-    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
+    """Whether ``hook`` is FSDP's: a bound method of its module state (``FSDPState._pre_forward``), or a
+    ``functools.wraps`` wrapper of one (grouped ``fully_shard([a, b])``).
+
+    Every link is looked at: FSDP decorates those methods itself, and ``inspect.unwrap`` of a bound method follows
+    its function's ``__wrapped__`` to the plain function, which has no ``__self__`` left to recognize."""
+    candidate, seen = hook, 0
+    while candidate is not None and seen < 16:  # each link of the __wrapped__ chain, bound methods included
+        owner = getattr(candidate, "__self__", None)
+        if owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp"):
+            return True
+        candidate, seen = getattr(candidate, "__wrapped__", None), seen + 1
+    return False
 
 
 @contextmanager
