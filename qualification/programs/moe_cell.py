@@ -1,6 +1,7 @@
-"""Expert- and context-parallel cells: GEMINI + SCOUT (+ the AllToAll check on MoE) on a (dp=2, ep|cp=2) mesh.
+"""Expert- and context-parallel cells: GEMINI + SCOUT (+ the AllToAll check on MoE) on a (dp, ep|cp=2) mesh.
 
-Launches :mod:`qualification.programs.moe_rank` on 4 ranks. ``workload``: ``moe`` (mesh ("dp", "ep")) or ``cp``
+Launches :mod:`qualification.programs.moe_rank` on ``world_size`` ranks (4: dp=2, 6: dp=3, where a replay fault is
+attributed to exactly its rank). ``workload``: ``moe`` (mesh ("dp", "ep")) or ``cp``
 (mesh ("dp", "cp")); ``topology`` is a label only. ``params.steps`` (default 8).
 
 ``fault.kind``: ``none`` (healthy), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted SCOUT replay),
@@ -26,15 +27,14 @@ from typing import Any
 from qualification.launch import launch
 from qualification.programs._contract import cell_main
 
-WORLD = 4
-
 
 def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dict[str, Any]]]:
     steps = int(cell.get("params", {}).get("steps", 8))
+    world = int(cell.get("world_size", 4))  # a (world/2) x 2 mesh: 4 ranks for dp=2, 6 for dp=3
     res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", str(cell["workload"]),
-                  "--steps", str(steps), *extra], world_size=WORLD, timeout_s=float(cell.get("timeout_s", 200)),
+                  "--steps", str(steps), *extra], world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
                  log_dir=out / "logs")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)] if res.ok else []
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
     return res, ranks
 
 

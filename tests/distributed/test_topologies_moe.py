@@ -12,6 +12,9 @@ SCOUT, on 4 real gloo ranks (qualification/programs/moe_rank.py). For each workl
   runs the check in its optimizer pre-hook, ``session.check_alltoall``) gates step 7 job-wide like SDC: no capture on
   any rank, an ``alltoall`` RecoveryDecision naming an older step;
 * SIGKILL of rank 1 after step 4, relaunch: every rank recovers and ends bitwise equal to the uninterrupted run.
+
+And MoE on a 3x2 mesh (6 ranks, three replicas of each expert): the same replay fault, on rank 4, is attributed to
+exactly rank 4 by strict majority within its dp group {0, 2, 4}, while the other EP coordinate's group agrees.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ STEPS, FAULT_RANK, FAULT_STEP, RECIPE = 9, 2, 5, "hidden.1"  # hidden.1 is due a
 A2A_RANK, A2A_STEP = 3, 7  # the first capture after the quarantine of hidden.1 ends
 
 
-def run(out: Path, workload: str, *extra: str) -> tuple[bool, list[int], list[dict[str, Any]]]:
+def run(out: Path, workload: str, *extra: str, world: int = 4,
+        steps: int = STEPS) -> tuple[bool, list[int], list[dict[str, Any]]]:
     res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", workload,
-                  "--steps", str(STEPS), *extra], world_size=4, timeout_s=200, log_dir=out / "logs")
-    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)] if res.ok else []
+                  "--steps", str(steps), *extra], world_size=world, timeout_s=300, log_dir=out / "logs")
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
     return res.ok, res.returncodes, docs
 
 
@@ -110,3 +114,25 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
         assert r["resume_step"] >= 3, r["resume_step"]
         assert r["state_digest"] == r["baseline_digest"] == first["baseline_digest"]
         assert r["losses"] == r["baseline_losses"]
+
+
+@pytest.mark.timeout(420)
+def test_moe_dp3_attributes_the_exact_rank(tmp_path: Path) -> None:
+    steps, fault_rank = 6, 4
+    ok, codes, ranks = run(tmp_path, "moe", "--ckpt", str(tmp_path / "ckpt"), "--baseline",
+                           "--replay-fault-rank", str(fault_rank),
+                           "--replay-fault-step", str(FAULT_STEP), "--replay-fault-recipe", RECIPE,
+                           world=6, steps=steps)
+    assert ok, codes
+    for r in ranks:
+        assert r["topology"]["peer_groups"] == [[0, 2, 4], [1, 3, 5]], r["topology"]
+        assert r["state_digest"] == r["baseline_digest"], f"rank {r['rank']}: gemscout changed training"
+        sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
+        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == \
+               [(FAULT_STEP, RECIPE, "rank", [fault_rank])], sdc
+        verdict = r["cycles"][str(FAULT_STEP)]["verdicts"][RECIPE]
+        assert verdict["verdict"] == "attributed" and verdict["ranks"] == [fault_rank], verdict
+        decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
+        assert decision["mode"] == "restore" and decision["step"] < FAULT_STEP
+        assert not [rep for rep in r["reports"] if rep["kind"] != "sdc"], r["reports"]
+    assert len({json.dumps(r["trust"]) for r in ranks}) == 1, "ranks disagree on trust"
