@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout.scout import StragglerConfig
 from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -123,6 +124,10 @@ def parse() -> argparse.Namespace:
                     help="flip a bit of this rank's fp32 master partition right after its real update")
     ap.add_argument("--update-fault-step", type=int, default=-1)
     ap.add_argument("--param-groups", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--straggler-margin-s", type=float, default=0.0,
+                    help="> 0: compute-straggler detection with this absolute margin (0: off)")
+    ap.add_argument("--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays")
+    ap.add_argument("--replay-delay-s", type=float, default=0.25)
     return ap.parse_args()
 
 
@@ -171,7 +176,10 @@ def main() -> None:
                                         timeout=timedelta(seconds=60), fsync=False)
         kinds = tuple(args.scout_recipes.split(","))
         per_cycle = args.optimizer_slices_per_cycle or None
-        scout = gemscout.ScoutConfig(recipes=kinds, stragglers=None, optimizer_slice_numel=args.optimizer_slice_numel,
+        stragglers = (StragglerConfig(absolute_margin_s=args.straggler_margin_s)
+                      if args.straggler_margin_s > 0 else None)
+        scout = gemscout.ScoutConfig(recipes=kinds, stragglers=stragglers,
+                                     optimizer_slice_numel=args.optimizer_slice_numel,
                                      optimizer_slices_per_cycle=per_cycle) if args.scout else None
         t_attach = time.time()
         session = gemscout.enable_resiliency(engine, ds_opt, interval=args.interval, checkpoint=cfg, scout=scout,
@@ -194,6 +202,10 @@ def main() -> None:
         steps = [int(s) for s in args.replay_fault_steps.split(",")]
         Injector(session.scout).set(*(fail_at("bitflip", rank=args.replay_fault_rank, step=s,
                                               recipe=zero_due(s)[0].name) for s in steps))
+    if session is not None and session.scout is not None and args.replay_delay_rank >= 0:
+        from qualification.faults import Injector, ReplayDelay
+
+        Injector(session.scout).set(ReplayDelay(args.replay_delay_s, args.replay_delay_rank))
     if rank == args.update_fault_rank and session is not None:
         live = session
 

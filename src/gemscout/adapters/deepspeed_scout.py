@@ -16,7 +16,8 @@ updates the same slice of its own replica) has nothing common to replay. Here th
   with its replay, the owner with its **actual** post-update slice (master values and state) — or, when its own
   replay does not reproduce its actual update, with a value no one else holds, since either way the owner computed
   something wrong. Strict majority (C3): a real update that deviates names the owner; a replay-only fault names the
-  replaying rank.
+  replaying rank. The slices' replay times feed the compute-straggler detector like a forward recipe's (one detector
+  per slice size: every rank replays the same slices of one owner in a round).
 
 The verdict settles after the update, so :class:`ZeroScout` defers the rotation's bookkeeping of the step until the
 optimizer slices are judged, and replaces its ``last_result`` with the settled cycle; the session reads that before
@@ -48,7 +49,9 @@ from gemscout.scout.digests import digest_many
 from gemscout.scout.engine import Scout
 from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
 from gemscout.scout.replay import ReplayContext, replay_optimizer
+from gemscout.scout.reports import FaultReport
 from gemscout.scout.rotation import RotationTracker
+from gemscout.scout.stragglers import ComputeStragglerDetector
 
 __all__ = ["ALIGN", "ZeroScout", "ZeroSlice", "plan_slices"]
 
@@ -293,9 +296,29 @@ class ZeroScout(Scout):
         if base is None or base.step != step:
             return
         reports = tuple(r for r in (res.fault_report() for res in results.values()) if r is not None)
+        reports += self._compute_reports(step, due, results, times)
         self.last_result = dataclasses.replace(base, results={**base.results, **results},
                                                replay_s={**base.replay_s, **times}, reports=base.reports + reports,
                                                certified_step=certified)
+
+    def _compute_reports(self, step: int, due: list[ZeroSlice], results: Mapping[str, C3Result],
+                         times: Mapping[str, Mapping[int, float]]) -> tuple[FaultReport, ...]:
+        """Compute stragglers over the optimizer slices: every rank replayed the same slices of one owner, so their
+        summed times are the same work. Slices rotate over owners from one cycle to the next; the detector is keyed
+        by the total element count (equal-sized slices are the same work whoever owns them), so consecutive rounds
+        compare like with like and the per-rank baseline is never fed a different amount of work."""
+        if not due or self.config.stragglers is None:
+            return ()
+        if not all(results[s.name].preconditions_ok and len(times.get(s.name, {})) == len(self.peers) for s in due):
+            return ()
+        totals = {rank: sum(times[s.name][rank] for s in due) for rank in self.peers}
+        numel = sum(s.stop - s.start for s in due)
+        detector = self._detectors.setdefault(f"optimizer-slices[{numel}]",
+                                              ComputeStragglerDetector(self.config.stragglers))
+        report = detector.observe(step, totals)
+        if report is None:
+            return ()
+        return (dataclasses.replace(report, recipe=due[0].name if len(due) == 1 else "optimizer"),)
 
     def _zero_cycle(self, step: int, due: list[ZeroSlice]) -> tuple[dict[str, C3Result], dict[str, dict[int, float]]]:
         assert self._exchange is not None
