@@ -77,7 +77,7 @@ def module_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def build(tp: int, seed: int) -> tuple[Any, torch.nn.Module]:
+def build(tp: int, seed: int, ep: int = 1) -> tuple[Any, torch.nn.Module]:
     """Model parallel state, the RNG tracker and a small GPTModel (seeded: every run builds the same weights)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -85,7 +85,7 @@ def build(tp: int, seed: int) -> tuple[Any, torch.nn.Module]:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
@@ -106,6 +106,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (SCOUT refuses > 1)")
     ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
                     help="the lifecycle driver's name for the layout (sets --tp)")
     ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
@@ -142,7 +143,7 @@ def main() -> None:
     _megatron_cpu_shims.install()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    ps, model = build(args.tp, args.seed)
+    ps, model = build(args.tp, args.seed, args.ep)
     dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses: dict[int, float] = {}

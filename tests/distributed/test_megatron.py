@@ -138,3 +138,18 @@ def test_tp2_dp2_a_missing_capture_stops_the_tp_replay_on_every_rank(tmp_path: P
                 assert "not replayed on any rank: ranks [0, 2] have no inputs" in v["reason"], (name, v)
                 assert "['tp']" in v["reason"] and f"source rank {drop_rank} has no capture" in v["reason"], v
         assert g["cycles"] == run[0]["cycles"], f"rank {r} judged otherwise than rank 0"
+
+
+@pytest.mark.timeout(300)
+def test_scout_refuses_expert_parallelism_with_exit_code_2(tmp_path: Path) -> None:
+    # expert_model_parallel_size=2 on 2 ranks (a dense GPTModel: Megatron allows it, and the refusal must not depend
+    # on the model having experts): expert weights would have other replicas than SCOUT's data-parallel peers.
+    res = launch(["-m", "qualification.programs.megatron_rank", "--out", str(tmp_path / "ep"), "--steps", "2",
+                  "--ep", "2", "--scout", "--ckpt", str(tmp_path / "ckpt")], world_size=2, timeout_s=200,
+                 log_dir=tmp_path / "logs")
+    # The first rank to fail exits 2; the launcher then stops the other (2 as well, or -9 if it was still starting).
+    assert not res.ok and res.returncodes[res.first_failed] == 2 and set(res.returncodes) <= {2, -9}, res
+    log = (tmp_path / "logs" / f"rank{res.first_failed}.attempt0.log").read_text(errors="replace")
+    assert "SCOUT does not support expert parallelism" in log and "Traceback" not in log, log[-2000:]
+    written = sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+    assert written == [], f"refused before anything was written: {written}"

@@ -104,13 +104,21 @@ class _TrackerGuard:
 def megatron_topology(rank: int | None = None) -> Topology:
     """This rank's SCOUT topology from ``megatron.core.parallel_state``: mesh ``(pp, dp, cp, tp)``, peers along dp.
 
-    Raises ConfigError when model parallelism is not initialised, or when the data-parallel group is not the one the
-    default order ``tp-cp-ep-dp-pp`` gives (a custom ``order=``)."""
+    Raises ConfigError when model parallelism is not initialised, when expert parallelism is on (expert weights have
+    other replicas than the data-parallel group), or when the data-parallel group is not the one the default order
+    ``tp-cp-ep-dp-pp`` gives (a custom ``order=``)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         raise ConfigError("Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
                           "enable_resiliency; SCOUT reads its data-parallel groups")
+    experts = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+               "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
+    if any(size > 1 for size in experts.values()):
+        raise ConfigError(f"Megatron: SCOUT does not support expert parallelism yet ({experts}): expert weights are "
+                          "replicated over the expert-data-parallel group, not the data-parallel group its peers "
+                          "come from, so a replayed MoE layer would be compared against ranks holding other experts; "
+                          "pass scout=None (GEMINI alone works) or initialize_model_parallel without expert parallelism")
     rank = dist.get_rank() if rank is None else rank
     sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
              "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
