@@ -1,7 +1,9 @@
 """Benchmark cell: runs the GEMINI benchmark (our path beside memcpy, raw gloo and DCP in one run) and puts its JSON
 in the cell directory, so the evidence bundle seals the figures with the commit that produced them.
 
-``params``: ``sizes_mib`` (default "64"), ``quick`` (bool: a ~4 MiB smoke run), ``steps``. Observed: every ratio the
+``params``: ``bench`` (``gemini``, default: 2 CPU ranks; ``gemini_cuda``: the capture on one GPU vs the raw pinned
+copy, ``device`` "cuda" or "cpu" for a dry run), ``sizes_mib`` (default "64"; "256,1024" for ``gemini_cuda``),
+``quick`` (bool: a ~4 MiB smoke run of ``gemini``), ``steps``. Observed: every ratio the
 benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met). A benchmark cell
 passes when the program ran and produced every ratio: meeting a target is reported, not required, because figures
 from a shared 2-core machine are evidence to read, not a gate.
@@ -19,16 +21,25 @@ from typing import Any
 
 from qualification.programs._contract import cell_main
 
+BENCHES = ("gemini", "gemini_cuda")
+
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     p = cell.get("params", {})
-    out = celldir / "gemini-bench.json"
-    argv = [sys.executable, "-m", "qualification.bench.gemini", "--out", str(out),
-            "--scratch", str(celldir / "scratch")]
-    argv += ["--quick"] if p.get("quick") else ["--sizes-mib", str(p.get("sizes_mib", "64"))]
-    if "steps" in p:
-        argv += ["--steps", str(p["steps"])]
+    bench = str(p.get("bench", "gemini"))
+    if bench not in BENCHES:
+        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": [],
+                "message": f"params.bench: {bench!r} is not one of {list(BENCHES)}"}
+    out = celldir / f"{bench.replace('_', '-')}-bench.json"
+    argv = [sys.executable, "-m", f"qualification.bench.{bench}", "--out", str(out)]
+    if bench == "gemini":
+        argv += ["--scratch", str(celldir / "scratch")]
+        argv += ["--quick"] if p.get("quick") else ["--sizes-mib", str(p.get("sizes_mib", "64"))]
+        if "steps" in p:
+            argv += ["--steps", str(p["steps"])]
+    else:
+        argv += ["--sizes-mib", str(p.get("sizes_mib", "256,1024")), "--device", str(p.get("device", "cuda"))]
     (celldir / "scratch").mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5)
@@ -50,7 +61,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             observed["targets_total"] += 1
             observed["targets_met"] += bool(met)
     return {"cell_id": cell["id"], "status": "passed", "observed": observed,
-            "metrics": {"benchmark": "gemini", "sizes": [s["state_mib"] for s in doc["sizes"]]},
+            "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
             "timeline": timeline, "message": ""}
 
 
