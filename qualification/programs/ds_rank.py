@@ -124,6 +124,9 @@ def parse() -> argparse.Namespace:
                     help="flip a bit of this rank's fp32 master partition right after its real update")
     ap.add_argument("--update-fault-step", type=int, default=-1)
     ap.add_argument("--param-groups", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument("--durable-every", type=int, default=0)
+    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
     ap.add_argument("--straggler-margin-s", type=float, default=0.0,
                     help="> 0: compute-straggler detection with this absolute margin (0: off)")
     ap.add_argument("--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays")
@@ -173,7 +176,8 @@ def main() -> None:
 
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
                                         persist_every=args.persist_every, keep_generations=args.keep_generations,
-                                        timeout=timedelta(seconds=60), fsync=False)
+                                        timeout=timedelta(seconds=60), fsync=False, durable_directory=args.durable,
+                                        durable_every=args.durable_every)
         kinds = tuple(args.scout_recipes.split(","))
         per_cycle = args.optimizer_slices_per_cycle or None
         stragglers = (StragglerConfig(absolute_margin_s=args.straggler_margin_s)
@@ -237,6 +241,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             losses[step] = loss.item()  # before engine.step(): GEMINI takes caller state at the end of the step
             engine.step()
+        if session is not None and args.certify:
+            session.certify(session.step)
         cycle = session.scout.last_result if session is not None and session.scout is not None else None
         if cycle is not None and cycle.step == step:
             cycles[str(step)] = {"source": cycle.source_rank, "certified": cycle.certified_step,

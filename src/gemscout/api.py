@@ -176,15 +176,13 @@ def enable_resiliency(
     model, optimizer, scout = target.model, target.optimizer, target.scout
     extra_state_fn, load_extra_state_fn, schedulers = (target.extra_state_fn, target.load_extra_state_fn,
                                                        target.schedulers)
-    if target.framework.value == "deepspeed" and checkpoint is not None and checkpoint.durable_every > 0:
-        raise ConfigError("CheckpointConfig.durable_every: the durable tier does not take DeepSpeed ZeRO partitions "
-                          "yet (every rank holds a different partition, and a promotion is either rank 0's checkpoint "
-                          "or DTensor shards); set durable_every=0 and keep the peer-replicated tiers")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
     _warn_ddp_bucket_rebuild(model, world)
-    sources = StateSources(model, optimizer, extra_state_fn, load_extra_state_fn, tuple(schedulers))
+    # DeepSpeed ZeRO: each rank's partition is its own, so the durable tier promotes collectively (every rank's).
+    sources = StateSources(model, optimizer, extra_state_fn, load_extra_state_fn, tuple(schedulers),
+                           rank_local=target.framework.value == "deepspeed")
     checkpointer = None
     if checkpoint is not None:
         timeout = checkpoint.timeout

@@ -111,3 +111,47 @@ def test_scout_attributes_a_faulty_rank_on_zero2(tmp_path: Path) -> None:
         assert all(trust.get(s) != "recovery_verified" for s in range(decision["step"] + 1, heal_step)), trust
         assert any(st == "recovery_verified" for s, st in trust.items() if s >= heal_step), trust  # healed
     assert len({json.dumps(r["trust"], sort_keys=True) for r in results}) == 1, "ranks disagree on trust states"
+
+
+@pytest.mark.timeout(600)
+def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_path: Path) -> None:
+    """Every rank's own partition is promoted collectively into one DCP directory (keys per rank, SHA-256 sidecar);
+    with every node's local folder deleted, a relaunch resumes from the durable tier bitwise, and a world size that
+    does not match the partitions is refused with the reason."""
+    import shutil
+
+    from gemscout.gemini.durable import SIDECAR
+
+    world, durable = 2, tmp_path / "durable"
+
+    def go(name: str, ckpt: str | None, steps: int, *extra: str, n: int = world) -> Any:
+        tiers = ["--ckpt", str(tmp_path / ckpt), "--durable", str(durable)] if ckpt else []  # none: no gemscout
+        argv = ["-m", "qualification.programs.ds_rank", "--out", str(tmp_path / name), "--topology",
+                "deepspeed-zero2", "--steps", str(steps), *tiers, *extra]
+        return launch(argv, world_size=n, timeout_s=240, log_dir=tmp_path / "logs" / name)
+
+    res = go("a", "local-a", 6, "--durable-every", "2", "--certify")
+    assert res.ok, res
+    a = ranks(tmp_path / "a", world)
+    assert all(r["errors"] == [] for r in a), [r["errors"] for r in a]
+    assert sorted(p.name for p in durable.iterdir()) == ["step-000000002", "step-000000004", "step-000000006"]
+    sidecar = json.loads((durable / "step-000000006" / SIDECAR).read_text())
+    assert sidecar["world_size"] == world and len(sidecar["ranks"]) == world
+    assert all(r["trust"]["6"] == "durable" for r in a), a[0]["trust"]
+    shutil.rmtree(tmp_path / "local-a")  # every node's local folder is gone
+
+    res = go("b", "local-b", 8)
+    assert res.ok, res
+    b = ranks(tmp_path / "b", world)
+    res = go("base", None, 8)  # the uninterrupted run of 8 steps, without gemscout
+    assert res.ok, res
+    base = ranks(tmp_path / "base", world)
+    for rb, rbase in zip(b, base, strict=True):
+        assert rb["decision"]["mode"] == "durable" and rb["decision"]["step"] == 6, rb["decision"]
+        assert rb["state_digest"] == rbase["state_digest"], f"rank {rb['rank']}: resumed trajectory is not bitwise"
+        assert rb["losses"] == rbase["losses"] and rb["global_steps"] == 8
+
+    res = go("c", "local-c", 8, n=3)  # three ranks cannot take two ranks' partitions
+    assert not res.ok
+    logs = " ".join(p.read_text(errors="replace") for p in (tmp_path / "logs" / "c").glob("*.log"))
+    assert "restores on 2 ranks only, not 3" in logs and "Traceback" not in logs, logs[-3000:]

@@ -252,14 +252,3 @@ def test_partition_state_refuses_another_layout() -> None:
         EngineOptimizer(other).load_state_dict(taken["opt"])
     with pytest.raises(RunMismatchError, match=r"not a DeepSpeed ZeRO partition"):
         EngineOptimizer(engine).load_state_dict({"state": {}, "param_groups": []})
-
-
-def test_deepspeed_refuses_the_durable_tier_up_front(tmp_path: Any) -> None:
-    import gemscout
-
-    engine = DeepSpeedEngine()
-    config = gemscout.CheckpointConfig(directory=tmp_path / "ckpt", durable_directory=tmp_path / "durable",
-                                       durable_every=2)
-    with pytest.raises(ConfigError, match=r"CheckpointConfig.durable_every: the durable tier does not take DeepSpeed"):
-        gemscout.enable_resiliency(engine, engine.optimizer, checkpoint=config)
-    assert not (tmp_path / "durable").exists() and not (tmp_path / "ckpt").exists()

@@ -83,8 +83,9 @@ class Checkpointer:
         self.phase_hook: Callable[[str, int], None] | None = None
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
         "persist_replica" (on the io thread) before each happens. The harness uses it to kill at a phase."""
-        self.sharded = any(_is_dtensor(p) for p in sources.model.parameters())
-        """DTensor parameters (FSDP2, HSDP, TP): durable promotions are collective, on a group of their own."""
+        self.sharded = sources.rank_local or any(_is_dtensor(p) for p in sources.model.parameters())
+        """DTensor parameters (FSDP2, HSDP, TP) or rank-local state (DeepSpeed ZeRO partitions): durable promotions
+        are collective, on a group of their own."""
         durable_group = None
         if config.durable_directory is not None and self.sharded:
             # Collective (every rank builds the same Checkpointer). Its own group: a promotion's DCP collectives

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gemscout.errors import IntegrityError
+from gemscout.errors import IntegrityError, RunMismatchError
 from gemscout.gemini import comm
 from gemscout.gemini.store import _fsync_dir, write_json_atomic
 from gemscout.state import training_state
@@ -172,9 +172,13 @@ def load(folder: Path, sidecar: dict[str, Any], sources: training_state.StateSou
          group: dist.ProcessGroup | None, rank: int) -> None:
     """Collectively load a verified sharded promotion into the live objects (every rank of ``group`` calls)."""
     if group is None:
-        raise IntegrityError("this durable promotion holds sharded (DTensor) state; only a job whose model is "
-                             "sharded (FSDP2, HSDP, TP) can load it")
+        raise IntegrityError("this durable promotion holds sharded or rank-local state; only a job whose model is "
+                             "sharded (FSDP2, HSDP, TP) or a DeepSpeed ZeRO job can load it")
     saved = sidecar["ranks"]
+    world = dist.get_world_size(group)
+    if sources.rank_local and len(saved) != world:
+        raise RunMismatchError(f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
+                               f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}")
     src = saved[rank % len(saved)]  # per-rank entries (caller state, RNG) on another world size: rank r % old
     meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     targets: dict[str, Any] = {}

@@ -36,6 +36,10 @@ class StateSources:
     extra_state_fn: Callable[[], Any] | None = None
     load_extra_state_fn: Callable[[Any], None] | None = None
     schedulers: Sequence[Any] = field(default_factory=tuple)
+    rank_local: bool = False
+    """Every rank's state is its own even without DTensors (DeepSpeed ZeRO's fp32 master partition and optimizer
+    state): a durable promotion is then collective, each rank writing its own entries, and loads on the same world
+    size only."""
 
     def async_pointers(self) -> set[int]:
         """Storage addresses of tensors that change only inside ``optimizer.step()``: safe to copy in background.
