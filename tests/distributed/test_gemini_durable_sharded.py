@@ -1,7 +1,8 @@
 """Sharded durable tier with real FSDP2 (2 ranks) and HSDP (2x2) launches on gloo: every rank writes its shards of
 the same step into one DCP directory, committed with a SHA-256 sidecar only when all ranks succeeded. With every
 rank's local folder deleted, the job resumes from the durable tier bitwise (the same final state and losses as the
-uninterrupted run); FSDP2 also resumes on 4 ranks through DCP resharding, and a tampered promotion is refused."""
+uninterrupted run); FSDP2 also resumes on 4 ranks and HSDP (2x2) on FSDP2 over 2 ranks through DCP resharding, and a
+tampered promotion is refused."""
 
 from __future__ import annotations
 
@@ -80,14 +81,24 @@ def test_fsdp2_durable_resume_same_and_other_mesh_and_refuse_tampering(tmp_path:
 
 
 @pytest.mark.timeout(400)
-def test_hsdp_durable_resume_after_all_local_storage_is_lost(tmp_path: Path) -> None:
+def test_hsdp_durable_resume_after_all_local_storage_is_lost_and_on_another_mesh(tmp_path: Path) -> None:
     durable, a = first_run(tmp_path, "hsdp", 4)
     shutil.rmtree(tmp_path / "local-a")
-    res = launch(argv(tmp_path / "b", tmp_path / "local-b", durable, 8, "hsdp"), world_size=4, timeout_s=150,
-                 log_dir=tmp_path / "logs", attempt=1)
+    res = launch(argv(tmp_path / "b", tmp_path / "local-b", durable, 8, "hsdp", "--full-digest"), world_size=4,
+                 timeout_s=150, log_dir=tmp_path / "logs", attempt=1)
     assert res.ok, res
     b = ranks(tmp_path / "b", 4)
     assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in b)
     for ra, rb in zip(a, b, strict=True):
         assert rb["state_digest"] == ra["state_digest"], f"rank {ra['rank']}: resumed trajectory is not bitwise"
         assert rb["losses"] == ra["losses"]
+    at_six = {r["resume_full_digest"] for r in b}
+    assert len(at_six) == 1
+
+    # The HSDP (2x2) promotion on another mesh: FSDP2 over 2 ranks; DCP reshards the global tensors onto it.
+    res = launch(argv(tmp_path / "c", tmp_path / "local-c", durable, 6, "fsdp2", "--full-digest"), world_size=2,
+                 timeout_s=150, log_dir=tmp_path / "logs", attempt=2)
+    assert res.ok, res
+    c = ranks(tmp_path / "c", 2)
+    assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in c)
+    assert {r["resume_full_digest"] for r in c} == at_six, "the HSDP state restored on FSDP2 x 2 is not bitwise"
