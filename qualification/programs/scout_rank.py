@@ -12,9 +12,10 @@ its peers on the mesh. ``--baseline`` trains the same steps again without gemsco
 unchanged. ``--collective-delay-rank`` delays every collective of that rank's replays from
 ``--collective-delay-step`` on (a slow TP collective). ``cycles`` records each step's SCOUT verdicts.
 
-Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``--schedule gpipe|1f1b``): each rank trains its stage
-(:mod:`qualification.programs._pipeline`) and gives SCOUT the mesh (``ScoutConfig(mesh=..., data_parallel_dims=
-("dp",))``); recipe names carry the stage (``pp1.hidden.0``) and ``--fault-block`` indexes the stage's own blocks.
+Pipeline topologies (:data:`qualification.programs._pipeline.PIPELINE_TOPOLOGIES`, ``--schedule``): each rank trains
+its stage(s) (:mod:`qualification.programs._pipeline`) and gives SCOUT the mesh (``ScoutConfig(mesh=...,
+data_parallel_dims=("dp",))``); recipe names carry the stage (``pp1.hidden.0``) and ``--fault-block`` indexes the
+stage's own blocks (one stage per rank, no DDP wrapper).
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ def main() -> None:
     ap.add_argument("--straggler-margin-s", type=float, default=0.25)
     ap.add_argument("--diverge-rank", type=int, default=-1, help="corrupt this rank's own copy (its shard) of a weight")
     ap.add_argument("--diverge-step", type=int, default=0, help="... right before this step's forward")
+    ap.add_argument("--recover-on-sdc", action="store_true",
+                    help="after a step whose SDC decision says restore, session.recover() to the newest verified "
+                         "step and train on from there (the fault is injected once)")
+    ap.add_argument("--optimizer-slice-numel", type=int, default=1 << 16,
+                    help="ScoutConfig.optimizer_slice_numel (smaller: more slices, a longer certification rotation)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -121,6 +127,7 @@ def main() -> None:
         # raised above that noise here (the default 2 ms suits one rank per core).
         scout=gemscout.ScoutConfig(
             stragglers=StragglerConfig(absolute_margin_s=args.straggler_margin_s),
+            optimizer_slice_numel=args.optimizer_slice_numel,
             comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
                                        stragglers=StragglerConfig(absolute_margin_s=0.15))
             if args.comm_probe_interval else None,
@@ -141,18 +148,25 @@ def main() -> None:
         session.comm_probe.register_before_collective(lambda group: time.sleep(args.comm_delay_s))
     due = {}
     cycles: dict[int, dict[str, Any]] = {}
-    # A diverged replica changes training from then on: the baseline comparison stops the step before.
-    compared_steps = args.diverge_step - 1 if args.diverge_step > 0 else args.steps
+    # A diverged replica changes training from then on: the baseline comparison stops the step before (unless the
+    # job rolls back to a verified step, which must take it back onto the fault-free trajectory).
+    compared_steps = args.diverge_step - 1 if args.diverge_step > 0 and not args.recover_on_sdc else args.steps
     digest = None
     hook = None
-    for step in range(1, args.steps + 1):
+    diverged = False
+    recoveries: list[dict[str, Any]] = []
+    seen_decisions = 0
+    step = 0
+    while step < args.steps:
+        step += 1
         due[step] = [r.name for r in session.scout.catalog.due(step)]
         if rank == args.fault_rank and step == args.fault_step:
             hook = corrupt_module_output(model.blocks[args.fault_block], args.fault)
         if hook is not None and step == args.heal_step:
             hook.remove()
             hook = None
-        if rank == args.diverge_rank and step == args.diverge_step:
+        if rank == args.diverge_rank and step == args.diverge_step and not diverged:
+            diverged = True
             weight = model.blocks[args.fault_block].fc1.weight
             with torch.no_grad():  # this rank's stored copy (its local shard, under FSDP) silently changes
                 (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] += 1.0
@@ -162,13 +176,20 @@ def main() -> None:
             cycles[step] = summary(result)
         if step == compared_steps:
             digest = state_digest(model, opt)
+        fresh, seen_decisions = decisions[seen_decisions:], len(decisions)
+        if args.recover_on_sdc and any(d["failure_kind"] == "sdc" and d["mode"] == "restore" for d in fresh):
+            decision = session.recover("sdc", min_trust=gemscout.TrustState.RECOVERY_VERIFIED)
+            recoveries.append({"at": step, "to": session.step, "sources": decision.to_dict().get("sources")})
+            seen_decisions = len(decisions)
+            step = session.step  # train on from the restored step
     assert session.checkpointer is not None
     session.checkpointer.drain()
     trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
     topology = session.scout.topology.to_dict() if session.scout.topology is not None else None
     disabled = session.scout.disabled_reason
     session.close()
-    doc: dict[str, Any] = {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust}
+    doc: dict[str, Any] = {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust,
+                           "recoveries": recoveries}
     if args.topology != "ddp" or args.baseline:
         doc.update(topology=topology, disabled_reason=disabled, cycles=cycles, fired=injector.fired,
                    state_digest=digest, compared_steps=compared_steps)

@@ -60,7 +60,10 @@ def test_agreeing_records_pass_and_c3_decides() -> None:
     assert result.preconditions_ok
 
 
-@pytest.mark.parametrize("field", PRECONDITION_FIELDS)
+STARTS_FROM = tuple(f for f in PRECONDITION_FIELDS if f != "param_digest")  # what the replay starts from
+
+
+@pytest.mark.parametrize("field", STARTS_FROM)
 @pytest.mark.parametrize(("n", "odd_rank"), [(3, 0), (4, 2), (5, 4), (8, 5)])
 def test_each_disagreeing_field_is_named_and_blocks_attribution(field: str, n: int, odd_rank: int) -> None:
     peers = records(n, {odd_rank: {field: OTHER[field]}})
@@ -80,7 +83,7 @@ def test_each_disagreeing_field_is_named_and_blocks_attribution(field: str, n: i
     assert dict(result.digests_by_rank) == digests  # the digests are kept as evidence all the same
 
 
-@pytest.mark.parametrize("field", PRECONDITION_FIELDS)
+@pytest.mark.parametrize("field", STARTS_FROM)
 def test_disagreeing_preconditions_never_attribute_whatever_the_digests(field: str) -> None:
     n = 4
     for size in range(1, n):
@@ -90,6 +93,34 @@ def test_disagreeing_preconditions_never_attribute_whatever_the_digests(field: s
                 result = judge(peers, dict(enumerate(labels)), recipe=BASE.recipe, step=BASE.step)
                 assert result.verdict is Verdict.INCONCLUSIVE, (field, odd_ranks, labels)
                 assert result.ranks == ()
+
+
+@pytest.mark.parametrize(("n", "odd_rank"), [(3, 0), (4, 2), (5, 4), (8, 5)])
+def test_diverged_parameters_are_attributed_by_majority_whatever_the_outputs(n: int, odd_rank: int) -> None:
+    peers = records(n, {odd_rank: {"param_digest": OTHER["param_digest"]}})
+    for outputs in ({r: GOOD for r in range(n)}, {r: BAD if r == odd_rank else GOOD for r in range(n)}):
+        result = judge(peers, outputs, recipe=BASE.recipe, step=BASE.step)
+        assert result.verdict is Verdict.ATTRIBUTED and result.ranks == (odd_rank,), result
+        assert result.preconditions_ok and "parameters diverged" in result.reason
+        assert dict(result.digests_by_rank) == {r: p.param_digest for r, p in peers.items()}
+        report = result.fault_report()
+        assert report is not None and report.scope.value == "rank" and report.ranks == (odd_rank,)
+
+
+@pytest.mark.parametrize(("n", "odd"), [(2, (1,)), (4, (2, 3))])
+def test_diverged_parameters_without_a_majority_are_detected_without_a_culprit(n: int, odd: tuple[int, ...]) -> None:
+    peers = records(n, {rank: {"param_digest": OTHER["param_digest"]} for rank in odd})
+    result = judge(peers, {r: GOOD for r in range(n)}, recipe=BASE.recipe, step=BASE.step)
+    assert result.verdict is Verdict.INCONCLUSIVE and result.ranks == () and result.preconditions_ok
+    assert "detection without a culprit" in result.reason
+    report = result.fault_report()
+    assert report is not None and report.scope.value == "peer_group" and report.ranks == tuple(range(n))
+
+
+def test_an_earlier_field_wins_over_diverged_parameters() -> None:
+    peers = records(4, {1: {"input_digest": OTHER["input_digest"], "param_digest": OTHER["param_digest"]}})
+    result = judge(peers, {r: GOOD for r in range(4)}, recipe=BASE.recipe, step=BASE.step)
+    assert result.verdict is Verdict.INCONCLUSIVE and not result.preconditions_ok and "'input_digest'" in result.reason
 
 
 def test_the_first_disagreeing_field_is_named() -> None:

@@ -1,10 +1,13 @@
 """Preconditions: what peers must agree on before their outputs may be compared.
 
 C3 compares outputs, and an output differs for many innocent reasons: a peer replayed another step, another recipe,
-inputs of another shape, another input batch, another RNG state (dropout), or parameters that were already
-different before the replay. Attributing any of those to "the odd rank out" would name an innocent rank, so
-:func:`judge` checks every precondition first and answers ``INCONCLUSIVE`` — never ``ATTRIBUTED`` — when one
-disagrees, with a reason naming the field and how the ranks split.
+inputs of another shape, another input batch or another RNG state (dropout). Attributing any of those to "the odd
+rank out" would name an innocent rank, so :func:`judge` checks every precondition first and answers
+``INCONCLUSIVE`` — never ``ATTRIBUTED`` — when one disagrees, with a reason naming the field and how the ranks split.
+
+The parameters are the exception. Peers are replicas, so their own parameters must be bitwise equal; when everything
+else agrees and they differ, nothing innocent explains it: a parameter was corrupted in memory, or a rank's update
+went wrong earlier. That divergence is judged by strict majority over the parameter digests, like an output.
 
 Records travel between peers as JSON (:meth:`Precondition.to_dict` / :meth:`Precondition.from_dict`); nothing here
 is ever pickled.
@@ -12,6 +15,7 @@ is ever pickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -184,8 +188,10 @@ def judge(
     """Check preconditions, then apply :func:`~gemscout.scout.consensus.c3` to the output digests.
 
     The verdict is ``INCONCLUSIVE`` with ``preconditions_ok=False`` — whatever the digests say — when a rank sent a
-    digest but no record or the reverse, when the records disagree on any field (the reason names the first one and
-    the ranks), or when the agreed records are for another ``step`` or ``recipe`` than the one being judged.
+    digest but no record or the reverse, when the records disagree on a field the replay starts from (the reason
+    names the first one and the ranks), or when the agreed records are for another ``step`` or ``recipe`` than the
+    one being judged. When they disagree only on ``param_digest``, the replicas' own parameters diverged: that is
+    judged by strict majority over the parameter digests (:func:`_diverged`), an attribution like an output's.
     Pure and non-blocking. Raises ``ValueError`` for the inputs :func:`c3` rejects and ``TypeError`` for a record that
     is not a :class:`Precondition`.
     """
@@ -206,7 +212,7 @@ def judge(
             f"no output digest from ranks {sorted(record_ranks - digest_ranks)}; outputs were not compared",
         )
     mismatch = find_precondition_mismatch(records_by_rank)
-    if mismatch is not None:
+    if mismatch is not None and mismatch.field != "param_digest":
         return _inconclusive(recipe, step, digests_by_rank, mismatch.reason)
     agreed = next(iter(records_by_rank.values()))
     for name, expected in (("step", step), ("recipe", recipe)):
@@ -219,4 +225,26 @@ def judge(
                 f"precondition '{name}' does not match the verdict being made: peers agree on {held!r} but "
                 f"{expected!r} was asked for (all ranks {sorted(record_ranks)}); outputs were not compared",
             )
+    if mismatch is not None:
+        return _diverged(records_by_rank, mismatch, recipe=recipe, step=step)
     return c3(digests_by_rank, recipe=recipe, step=step)
+
+
+def _diverged(records_by_rank: Mapping[int, Precondition], mismatch: PreconditionMismatch, *, recipe: str,
+              step: int) -> C3Result:
+    """Peers agree on everything they replay from (step, recipe, shapes, inputs, RNG) but hold different parameters.
+
+    Peers are replicas: their own parameters (and buffers, and for an optimizer slice its hyper-parameters) must be
+    bitwise equal, so a difference *is* the fault — a parameter corrupted in memory, or a wrong update on that rank
+    earlier. It is judged like an output, by strict majority over the parameter digests: the odd rank is named, and
+    with no majority (two peers, a tie) the corruption is detected without a culprit. The outputs are not compared
+    (they differ because the parameters do). The result's digests are the parameter digests."""
+    result = c3({rank: record.param_digest for rank, record in records_by_rank.items()}, recipe=recipe, step=step)
+    split = " | ".join(str(list(group)) for group in mismatch.groups)
+    if result.verdict is Verdict.ATTRIBUTED:
+        reason = (f"parameters diverged: ranks {list(result.ranks)} hold parameters of {recipe!r} that differ from the "
+                  f"majority's (ranks by parameter digest: {split}); outputs were not compared")
+    else:
+        reason = (f"parameters diverged without a strict majority (ranks by parameter digest: {split}): detection "
+                  "without a culprit; outputs were not compared")
+    return dataclasses.replace(result, reason=reason)
