@@ -1,7 +1,7 @@
 """One rank of the healthy-path performance suite: the reference workload in one mode, timed step by step.
 
 Modes: ``baseline`` (no gemscout), ``gemini`` (GEMINI only), ``scout`` (SCOUT only), ``combined``. Every mode uses
-the same seed, workload, DDP settings and thread count. Writes ``<out>/rank<r>.json`` with per-step latencies of the
+the same seed, workload, DDP settings and thread count; ``--device cuda`` puts the model and batches on the GPU. Writes ``<out>/rank<r>.json`` with per-step latencies of the
 measured steps (after warm-up), throughput and peak RSS.
 """
 
@@ -35,12 +35,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     torch.manual_seed(args.seed + 17)
-    model = build_model(args.workload, seed=args.seed)
+    device = torch.device(args.device)
+    model = build_model(args.workload, seed=args.seed).to(device)
     ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     session = None
@@ -58,12 +61,14 @@ def main() -> None:
     replay: dict[str, list[float]] = {}
     total = args.warmup + args.steps
     for step in range(1, total + 1):
-        x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
+        x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank))
         t0 = time.perf_counter()
         loss = lm_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # a step ends when its kernels do
         if step > args.warmup:
             latencies.append(time.perf_counter() - t0)
             cycle = session.scout.last_result if session is not None and session.scout is not None else None
