@@ -1,38 +1,71 @@
 """Pipeline parallelism for the rank programs: ``torch.distributed.pipelining`` stages, optionally replicated along dp.
 
-Topologies (two stages each): ``pp`` — one pipeline over every rank (a 1-D ``("pp",)`` mesh); ``pp-dp`` and
-``pp-dp3`` — 2 or 3 data-parallel replicas of the pipeline on a ``("pp", "dp")`` mesh (rank = stage * dp + replica).
-Each rank builds only its stage (:func:`qualification.workloads.pipeline.build_stage`), runs GPipe or 1F1B with
-:data:`MICROBATCHES` micro-batches, and — with replicas — averages its stage's gradients over the dp group with one
+Topologies (:data:`PIPELINE_TOPOLOGIES`; rank = pp coordinate * dp + replica):
+
+* ``pp``, ``pp-dp``, ``pp-dp3`` — two stages, 1, 2 or 3 data-parallel replicas; ``pp3``, ``pp3-dp2`` — three stages
+  (the middle one has neither embedding nor head), 1 or 2 replicas. One stage per rank: GPipe or 1F1B.
+* ``pp-virtual``, ``pp-virtual-dp`` — four stages over two pp ranks, two per rank in the looped order the
+  multi-stage schedules use (rank ``c`` holds stages ``c`` and ``c + 2``), 1 or 2 replicas: Interleaved 1F1B or
+  Looped BFS. The rank's stage modules are held in one ``nn.ModuleList`` (one optimizer, one gemscout session).
+* ``pp-dp-ddp`` — ``pp-dp`` with each stage module wrapped in ``DistributedDataParallel`` over its dp group (DDP
+  reduces the accumulated gradients once, in the last micro-batch's backward; no hand-written average).
+
+Each rank builds only its stage(s) (:func:`qualification.workloads.pipeline.build_stage`), runs its schedule with
+:data:`MICROBATCHES` micro-batches and — with replicas and no DDP — averages its gradients over the dp group with one
 all-reduce of a flat buffer (deterministic: gloo's all-reduce leaves the same bits on every member, run after run).
-The loss exists on the last stage only; it is broadcast along the pipeline so every rank records it.
+The loss exists on the rank of the last stage only; it is broadcast along the pipeline so every rank records it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from qualification.workloads import lm_loss
-from qualification.workloads.pipeline import StageModule, build_stage
+from qualification.workloads.pipeline import build_stage
 
-__all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Pipeline", "build_pipeline"]
+__all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Layout", "Pipeline", "build_pipeline"]
 
-PIPELINE_TOPOLOGIES: dict[str, tuple[int, int]] = {"pp": (2, 1), "pp-dp": (2, 2), "pp-dp3": (2, 3)}
-"""Topology name → (stages, data-parallel replicas)."""
-SCHEDULES = ("gpipe", "1f1b")
+
+class Layout(NamedTuple):
+    """How a pipeline topology cuts the job."""
+
+    stages: int
+    """Pipeline stages in all (virtual stages with ``per_rank`` > 1)."""
+    replicas: int
+    """Data-parallel replicas of the whole pipeline (the dp dim; 1: a pure pipeline)."""
+    per_rank: int = 1
+    """Stages each rank holds."""
+    ddp: bool = False
+    """Wrap each stage module in DistributedDataParallel over its dp group."""
+
+
+PIPELINE_TOPOLOGIES: dict[str, Layout] = {
+    "pp": Layout(2, 1), "pp-dp": Layout(2, 2), "pp-dp3": Layout(2, 3),
+    "pp3": Layout(3, 1), "pp3-dp2": Layout(3, 2),
+    "pp-virtual": Layout(4, 1, per_rank=2), "pp-virtual-dp": Layout(4, 2, per_rank=2),
+    "pp-dp-ddp": Layout(2, 2, ddp=True),
+}
+"""Topology name → layout. ``PIPELINE_TOPOLOGIES[name][1]`` is the replica count."""
+SINGLE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
+SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
 MICROBATCHES = 4
 
 
 @dataclass
 class Pipeline:
-    """This rank's stage, its schedule and its groups. ``step`` runs one training step's forward and backward."""
+    """This rank's stage(s), its schedule and its groups. ``step`` runs one training step's forward and backward."""
 
-    module: StageModule
-    stage: int
+    module: nn.Module
+    """What the optimizer and gemscout get: the stage module, the ``nn.ModuleList`` of this rank's stage modules
+    (several stages per rank), or the DDP wrapper of the stage module."""
+    stages: tuple[int, ...]
+    """The stage indices this rank runs, in ``module`` order."""
     n_stages: int
     replica: int
     """This rank's coordinate along dp: the data shard it reads."""
@@ -42,8 +75,14 @@ class Pipeline:
     schedule: Any
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
+    """The group this rank averages its gradients over by hand (None: a pure pipeline, or DDP does it)."""
     last_rank: int
     """Global rank of the last stage of this rank's pipeline (the rank that computes the loss)."""
+
+    @property
+    def stage(self) -> int:
+        """The first stage this rank runs (its pp coordinate)."""
+        return self.stages[0]
 
     @property
     def data_dims(self) -> tuple[str, ...] | None:
@@ -54,12 +93,9 @@ class Pipeline:
         """Forward and backward of one batch through the pipeline, then the dp gradient average. Returns the mean
         micro-batch loss (every rank of the pipeline gets the last stage's value)."""
         losses: list[torch.Tensor] = []
-        if self.stage == 0:
-            self.schedule.step(x)
-        elif self.stage == self.n_stages - 1:
-            self.schedule.step(target=y, losses=losses)
-        else:
-            self.schedule.step()
+        args = (x,) if 0 in self.stages else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.n_stages - 1 in self.stages else {}
+        self.schedule.step(*args, **kwargs)
         loss = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         if self.dp_group is not None:
@@ -77,31 +113,60 @@ class Pipeline:
             offset += g.numel()
 
 
+def _schedule(name: str, stages: list[Any], layout: Layout) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+    if layout.per_rank == 1:
+        kind = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+        return kind(stages[0], n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+    multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
+    return multi(stages, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+
+
 def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) -> Pipeline:
-    """Build the mesh, this rank's stage and its schedule. Collective over every rank (it creates the mesh groups).
-    Raises ``SystemExit`` naming the fix for an unknown topology or schedule or a world size that does not fit."""
+    """Build the mesh, this rank's stage(s) and the schedule. Collective over every rank (it creates the mesh groups,
+    and DDP broadcasts its module). Raises ``SystemExit`` naming the fix for an unknown topology or schedule, a
+    schedule that does not fit the stages per rank, or a world size that does not fit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     if topology not in PIPELINE_TOPOLOGIES:
         raise SystemExit(f"unknown pipeline topology {topology!r}; choose one of {sorted(PIPELINE_TOPOLOGIES)}")
     if schedule not in SCHEDULES:
         raise SystemExit(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-    n_stages, replicas = PIPELINE_TOPOLOGIES[topology]
+    layout = PIPELINE_TOPOLOGIES[topology]
+    if (layout.per_rank > 1) != (schedule in MULTI_SCHEDULES):
+        fits = MULTI_SCHEDULES if layout.per_rank > 1 else SINGLE_SCHEDULES
+        raise SystemExit(f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank); "
+                         f"choose one of {fits}")
+    pp_size, replicas = layout.stages // layout.per_rank, layout.replicas
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != n_stages * replicas:
-        raise SystemExit(f"topology {topology} needs {n_stages * replicas} ranks, the job has {world}")
+    if world != pp_size * replicas:
+        raise SystemExit(f"topology {topology} needs {pp_size * replicas} ranks, the job has {world}")
     if replicas == 1:
-        mesh = init_device_mesh("cpu", (n_stages,), mesh_dim_names=("pp",))
+        mesh = init_device_mesh("cpu", (pp_size,), mesh_dim_names=("pp",))
         pp_mesh, dp_group, replica = mesh, None, 0
     else:
-        mesh = init_device_mesh("cpu", (n_stages, replicas), mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh("cpu", (pp_size, replicas), mesh_dim_names=("pp", "dp"))
         pp_mesh, dp_group, replica = mesh["pp"], mesh["dp"].get_group(), rank % replicas
-    stage = rank // replicas
-    module = build_stage(workload, seed=seed, stage=stage, n_stages=n_stages)
+    coord = rank // replicas
+    stage_ids = tuple(coord + i * pp_size for i in range(layout.per_rank))  # the looped order of multi schedules
+    mods: list[nn.Module] = [build_stage(workload, seed=seed, stage=s, n_stages=layout.stages) for s in stage_ids]
+    if layout.ddp:
+        assert dp_group is not None  # every ddp layout has replicas
+        mods = [DDP(m, process_group=dp_group) for m in mods]
+        for m in mods:
+            # The schedule arms DDP's reducer itself before the last micro-batch's backward (no_sync before it). Left
+            # on, every forward arms it too, and a fresh DDP's first step then also all-reduces an earlier
+            # micro-batch's gradients (torch 2.13: two all-reduces in a process's first step, one after): a relaunch
+            # would differ from the uninterrupted run in the last bits. Off, every step reduces once, bitwise alike.
+            m.require_backward_grad_sync = False
     pp_group = pp_mesh.get_group()
-    pipe_stage = PipelineStage(module, stage, n_stages, torch.device("cpu"), group=pp_group)
-    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return Pipeline(module=module, stage=stage, n_stages=n_stages, replica=replica, replicas=replicas, mesh=mesh,
-                    schedule=kind(pipe_stage, n_microbatches=MICROBATCHES, loss_fn=lm_loss), pp_group=pp_group,
-                    dp_group=dp_group, last_rank=(n_stages - 1) * replicas + replica)
+    pipe_stages = [PipelineStage(m, s, layout.stages, torch.device("cpu"), group=pp_group)
+                   for m, s in zip(mods, stage_ids, strict=True)]
+    last_coord = (layout.stages - 1) % pp_size
+    return Pipeline(module=mods[0] if len(mods) == 1 else nn.ModuleList(mods), stages=stage_ids,
+                    n_stages=layout.stages, replica=replica, replicas=replicas, mesh=mesh,
+                    schedule=_schedule(schedule, pipe_stages, layout), pp_group=pp_group,
+                    dp_group=None if layout.ddp else dp_group, last_rank=last_coord * replicas + replica)

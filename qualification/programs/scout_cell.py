@@ -56,8 +56,10 @@ def _argv(cell: dict[str, Any], out: Path) -> list[str]:
     topology = str(cell.get("topology", "ddp"))
     if topology != "ddp":
         argv += ["--topology", topology, "--baseline"]
-    if "schedule" in cell.get("params", {}):  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
+    if "schedule" in cell.get("params", {}):  # pipeline topologies (_pipeline.PIPELINE_TOPOLOGIES)
         argv += ["--schedule", str(cell["params"]["schedule"])]
+    if "optimizer_slice_numel" in cell.get("params", {}):  # a longer certification rotation
+        argv += ["--optimizer-slice-numel", str(cell["params"]["optimizer_slice_numel"])]
     return argv
 
 

@@ -6,7 +6,8 @@ the last stage its blocks, the final norm and the head; a middle stage only bloc
 looks for (``embed``, ``blocks``, ``norm``, ``head``), so each stage's recipes are found in the stage alone: stage 0
 has ``embedding`` and ``hidden.*``, the last stage ``hidden.*`` and ``output``. Block indices are the stage's own
 (``blocks[0]`` of stage 1 is the model's block ``n0``). The loss is not part of any stage: the schedule's ``loss_fn``
-computes it on the last stage's logits.
+computes it on the last stage's logits. A cut into more stages than the workload has blocks (four virtual stages of
+``three-block``) builds the workload with one block per stage instead, so every stage runs at least one block.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class StageModule(nn.Module):
 
 
 def build_stage(name: str, *, seed: int, stage: int, n_stages: int) -> StageModule:
-    """Stage ``stage`` of ``n_stages`` of workload ``name``, with the unsplit model's parameters drawn from ``seed``."""
+    """Stage ``stage`` of ``n_stages`` of workload ``name``, with the unsplit model's parameters drawn from ``seed``
+    (the workload widened to ``n_stages`` blocks when it has fewer)."""
     model = build_model(name, seed=seed)
+    if len(model.blocks) < n_stages:
+        model = build_model(name, seed=seed, n_blocks=n_stages)
     split = block_split(len(model.blocks), n_stages)
     return StageModule(model, split[stage], first=stage == 0, last=stage == n_stages - 1)

@@ -1,14 +1,20 @@
-"""GEMINI and SCOUT on pipeline parallelism (``torch.distributed.pipelining``, two stages, 4 micro-batches) with real
-gloo ranks: each rank builds only its stage (stage 0: embedding + blocks 0-1; stage 1: block 2 + norm + head, the loss
-in the schedule's loss_fn) and hands that stage module and its optimizer to ``enable_resiliency`` unchanged.
+"""GEMINI and SCOUT on pipeline parallelism (``torch.distributed.pipelining``, 4 micro-batches) with real gloo ranks:
+each rank builds only its stage(s) of the three-block workload and hands that stage module (an ``nn.ModuleList`` of
+its stage modules when it holds several, the DDP wrapper when DDP replicates it) and its optimizer to
+``enable_resiliency`` unchanged. Topologies: :data:`qualification.programs._pipeline.PIPELINE_TOPOLOGIES`.
 
-* GEMINI, ``pp`` (2 ranks, 1F1B) and ``pp-dp`` (2 stages x 2 replicas, GPipe): the healthy trajectory with GEMINI is
-  bitwise the baseline without gemscout; a SIGKILL of a stage-1 rank in the replication phase plus the loss of its
-  node is recovered from its peer's replica and every rank's stage ends bitwise equal to the uninterrupted run.
-* SCOUT, ``pp-dp`` (1F1B): the peers are the two replicas of one stage; each stage replays its own recipes
-  (``pp0.embedding``/``pp0.hidden.*``, ``pp1.hidden.0``/``pp1.output``) and every rank judges every stage's; the
-  healthy steps are clean; a replay-only fault on one rank is detected in its stage's dp pair without a culprit
+* GEMINI (one parametrized test, 4 launches each: baseline, killed, relaunch, healthy): ``pp`` 1F1B, ``pp-dp`` GPipe,
+  ``pp3`` 1F1B (three stages; the middle stage's rank is killed), ``pp-virtual`` (four stages over two ranks) with
+  Looped BFS and with Interleaved 1F1B, ``pp-dp-ddp`` 1F1B (DDP over each stage's dp pair). The healthy trajectory
+  with GEMINI is bitwise the baseline without gemscout; a SIGKILL in the replication phase plus the loss of the rank's
+  node is recovered from its peer's replica and every rank's stages end bitwise equal to the uninterrupted run.
+* SCOUT on ``pp-dp`` and ``pp-dp-ddp`` (1F1B): the peers are the two replicas of one stage; each stage replays its own
+  recipes (``pp0.embedding``/``pp0.hidden.*``, ``pp1.hidden.0``/``pp1.output``) and every rank judges every stage's;
+  the healthy steps are clean; a replay-only fault on one rank is detected in its stage's dp pair without a culprit
   (two peers); candidates are rejected job-wide; certification resumes; training is bitwise unchanged.
+* SCOUT on ``pp3-dp2`` (6 ranks): the same with the fault in the middle stage (one block, no embedding, no head).
+* SCOUT on ``pp-virtual-dp`` (Interleaved 1F1B, pp=2 x dp=2, four stages): each recipe is named by its own stage
+  (``pp0``/``pp2`` on pp coordinate 0, ``pp1``/``pp3`` on 1) and judged over that stage's pair.
 * SCOUT, ``pp-dp3`` (6 ranks, one launch): three replicas per stage, so the faulty rank is named exactly.
 * SCOUT, ``pp`` (no dp dim): no peers; every verdict INCONCLUSIVE with the reason, nothing reported or vouched for.
 """
@@ -22,6 +28,7 @@ from typing import Any
 import pytest
 
 from qualification.launch import launch
+from qualification.programs._pipeline import PIPELINE_TOPOLOGIES
 from qualification.programs.lifecycle import _rank_argv, run_cell
 
 
@@ -36,7 +43,9 @@ def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("topology", "world", "schedule", "killed_rank"),
-                         [("pp", 2, "1f1b", 1), ("pp-dp", 4, "gpipe", 2)])
+                         [("pp", 2, "1f1b", 1), ("pp-dp", 4, "gpipe", 2), ("pp3", 3, "1f1b", 1),
+                          ("pp-virtual", 2, "looped-bfs", 1), ("pp-virtual", 2, "interleaved-1f1b", 0),
+                          ("pp-dp-ddp", 4, "1f1b", 3)])
 def test_gemini_on_a_pipeline_is_bitwise(tmp_path: Path, topology: str, world: int, schedule: str,
                                          killed_rank: int) -> None:
     fault = {"kind": "sigkill", "rank": killed_rank, "step": 4, "phase": "replicate", "node_loss": True}
@@ -50,11 +59,14 @@ def test_gemini_on_a_pipeline_is_bitwise(tmp_path: Path, topology: str, world: i
     assert killed["status"] == "passed"
 
     baseline = ranks_of(tmp_path / "killed" / "baseline", world)
-    replicas = world // 2
-    for r in range(world):  # each rank holds its own stage; the stages of one pipeline see the same loss
+    replicas = PIPELINE_TOPOLOGIES[topology].replicas
+    for r in range(world):  # each rank holds its own stage(s); the stages of one pipeline see the same loss
         partner = (r + replicas) % world
         assert baseline[r]["state_digest"] != baseline[partner]["state_digest"]
         assert baseline[r]["losses"] == baseline[partner]["losses"] and len(baseline[r]["losses"]) == 6
+        if replicas > 1:  # replicas of one stage end equal (DDP or the hand-written average)
+            twin = r - r % replicas + (r + 1) % replicas
+            assert baseline[r]["state_digest"] == baseline[twin]["state_digest"]
 
     # The healthy run with GEMINI, compared with the same baseline.
     res = launch(_rank_argv(tmp_path / "healthy", spec, tmp_path / "ckpt-healthy", []), world_size=world,
@@ -96,9 +108,10 @@ def check_fault_handled(ranks: list[dict[str, Any]], fault_step: int, recipe: st
 
 
 @pytest.mark.timeout(300)
-def test_scout_on_pp_dp_detects_in_the_stage_pair(tmp_path: Path) -> None:
+@pytest.mark.parametrize("topology", ["pp-dp", "pp-dp-ddp"])
+def test_scout_on_pp_dp_detects_in_the_stage_pair(tmp_path: Path, topology: str) -> None:
     fault_rank, fault_step, recipe = 1, 7, "pp0.hidden.1"  # stage 0's second block is due at odd steps
-    ranks = scout(tmp_path, "pp-dp", 4, 12, "--schedule", "1f1b", "--replay-fault-rank", str(fault_rank),
+    ranks = scout(tmp_path, topology, 4, 12, "--schedule", "1f1b", "--replay-fault-rank", str(fault_rank),
                   "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
     check_fault_handled(ranks, fault_step, recipe)
     for r in ranks:
@@ -134,15 +147,73 @@ def test_scout_on_pp_dp3_names_the_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_scout_on_a_pure_pipeline_has_no_peers_and_says_so(tmp_path: Path) -> None:
-    ranks = scout(tmp_path, "pp", 2, 4, "--replay-fault-rank", "1", "--replay-fault-step", "2",
-                  "--replay-fault-recipe", "pp1.hidden.0")
+@pytest.mark.parametrize(("topology", "schedule"), [("pp", "gpipe"), ("pp-virtual", "looped-bfs")])
+def test_scout_on_a_pure_pipeline_has_no_peers_and_says_so(tmp_path: Path, topology: str, schedule: str) -> None:
+    ranks = scout(tmp_path, topology, 2, 4, "--schedule", schedule, "--replay-fault-rank", "1",
+                  "--replay-fault-step", "2", "--replay-fault-recipe", "pp1.hidden.0")
     for r in ranks:
         assert r["state_digest"] == r["baseline_digest"]
         assert r["topology"]["peer_groups"] == [[0], [1]] and r["topology"]["stage_label"] == f"pp{r['rank']}"
         assert "pipeline stages" in r["disabled_reason"]
         assert r["reports"] == [] and r["fired"] == []  # nothing replayed, nothing claimed
+        own = {name.split(".")[0] for names in r["due"].values() for name in names}
+        assert own == ({f"pp{r['rank']}", f"pp{r['rank'] + 2}"} if topology == "pp-virtual" else {f"pp{r['rank']}"})
         for c in r["cycles"].values():
             for v in c["verdicts"].values():
                 assert v["verdict"] == "inconclusive" and not v["pre_ok"] and "cannot compare" in v["reason"]
         assert {st for s, st in r["trust"].items() if int(s) >= 1} == {"candidate"}, r["trust"]
+
+
+def check_stage_pairs(ranks: list[dict[str, Any]], fault_rank: int, fault_step: int, recipe: str,
+                      groups: list[list[int]], stages_of: dict[int, set[str]]) -> None:
+    """Peers are each pp coordinate's dp pair; a rank replays only its own stages' recipes; every rank judges every
+    stage's; the fault's stage pair is reported without a culprit; only the faulty recipe is INCONCLUSIVE."""
+    pair = next(g for g in groups if fault_rank in g)
+    for r in ranks:
+        coord = r["rank"] // 2
+        assert r["topology"]["peer_groups"] == groups and r["disabled_reason"] is None
+        assert r["topology"]["stage_label"] == f"pp{coord}" and r["topology"]["peers"] == groups[coord]
+        own = {name.split(".")[0] for names in r["due"].values() for name in names}
+        assert own == stages_of[coord], (r["rank"], own)
+        sdc = next(rep for rep in r["reports"] if rep["kind"] == "sdc")
+        assert (sdc["scope"], sdc["ranks"]) == ("peer_group", pair)
+        assert "detection without a culprit" in sdc["reason"]
+    every, judged = set().union(*stages_of.values()), set()
+    for step, c in {int(s): c for s, c in ranks[0]["cycles"].items()}.items():
+        judged |= {n.split(".")[0] for n in c["verdicts"]}  # (several stages per rank: they take turns)
+        assert {n.split(".")[0] for n in c["verdicts"]} <= every, (step, c["verdicts"])
+        bad = {n: v["verdict"] for n, v in c["verdicts"].items() if v["verdict"] != "agree"}
+        assert bad == ({recipe: "inconclusive"} if step == fault_step else {}), (step, bad)
+    assert judged == every, judged
+
+
+@pytest.mark.timeout(400)
+def test_scout_on_pp3_dp2_detects_in_the_middle_stage(tmp_path: Path) -> None:
+    """Three stages x two replicas (6 ranks): the middle stage holds one block and no embedding or head; a replay
+    fault on one of its ranks is detected in its pair. Optimizer slices of 20000 elements make the certification
+    rotation span 4 steps, so candidates exist between the newest certified step and the fault."""
+    fault_rank, fault_step, recipe = 3, 6, "pp1.hidden.0"
+    ranks = scout(tmp_path, "pp3-dp2", 6, 10, "--schedule", "1f1b", "--optimizer-slice-numel", "20000",
+                  "--replay-fault-rank", str(fault_rank), "--replay-fault-step", str(fault_step),
+                  "--replay-fault-recipe", recipe)
+    check_fault_handled(ranks, fault_step, recipe)
+    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3], [4, 5]], {0: {"pp0"}, 1: {"pp1"}, 2: {"pp2"}})
+    middle = {name for names in ranks[2]["due"].values() for name in names}
+    assert {n.split(".")[1] for n in middle} == {"hidden", "optimizer"}, middle  # no embedding, no output
+    assert {"pp0.embedding", "pp2.output"} <= set(ranks[0]["cycles"][str(fault_step)]["verdicts"])
+
+
+@pytest.mark.timeout(300)
+def test_scout_on_interleaved_stages_names_each_stage(tmp_path: Path) -> None:
+    """Four stages over pp=2 x dp=2 with Interleaved 1F1B: each rank gives gemscout an nn.ModuleList of its two
+    stage modules (pp coordinate c holds stages c and c + 2); every recipe is named by its own stage and judged over
+    that stage's dp pair; a replay fault in the last stage's block is detected in pair [2, 3]."""
+    fault_rank, fault_step, recipe = 3, 5, "pp3.hidden.0"  # pp1's blocks alternate: pp3.hidden.0 at odd steps
+    ranks = scout(tmp_path, "pp-virtual-dp", 4, 8, "--schedule", "interleaved-1f1b", "--replay-fault-rank",
+                  str(fault_rank), "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    check_fault_handled(ranks, fault_step, recipe)
+    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3]], {0: {"pp0", "pp2"}, 1: {"pp1", "pp3"}})
+    due = {name for names in ranks[0]["due"].values() for name in names}
+    assert {"pp0.embedding", "pp0.hidden.0", "pp2.hidden.0", "pp0.optimizer.0", "pp2.optimizer.0"} == due
+    last = {name for names in ranks[3]["due"].values() for name in names}
+    assert {"pp1.hidden.0", "pp3.hidden.0", "pp3.output", "pp1.optimizer.0", "pp3.optimizer.0"} == last

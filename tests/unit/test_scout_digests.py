@@ -215,3 +215,29 @@ def test_digest_many_rejects_bad_names_and_values() -> None:
         digest_many({"a": 1.0})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="mapping"):
         digest_many([("a", torch.zeros(1))])  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_fast_path_digests_the_same_bytes_as_the_general_path() -> None:
+    """Dense CPU tensors are hashed straight from numpy's buffer; everything numpy or a byte cast refuses (bfloat16,
+    float8, complex, a pending conjugate or negation, strided and expanded views, tensors that require grad) takes the
+    general path. Both must digest the same dtype, shape and row-major bytes."""
+    import blake3
+
+    from gemscout.scout import digests
+
+    def general(t: torch.Tensor) -> str:
+        hasher = blake3.blake3()
+        hasher.update(digests._prefix(t))
+        hasher.update(digests._cpu_bytes(t).numpy().data)
+        return f"blake3:{hasher.hexdigest()}"
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 5, generator=g)
+    cases = [torch.tensor(2.5), base, base.t(), base[1:4, ::2], torch.randn(5, generator=g).expand(3, 5),
+             torch.randn(1, 5, generator=g)[:, 1:3], base.to(torch.bfloat16), base.to(torch.float16),
+             base.to(torch.float8_e4m3fn), torch.randn(3, dtype=torch.complex64, generator=g).conj(),
+             base._neg_view(), base.clone().requires_grad_(), torch.nn.Parameter(base.clone()), torch.empty(0),
+             torch.empty(0, 3), torch.arange(7, dtype=torch.int8), base > 0, base.to(torch.float64)]
+    for t in cases:
+        assert tensor_digest(t) == general(t), (t.dtype, tuple(t.shape), t.stride())

@@ -76,3 +76,44 @@ def test_each_stage_finds_its_own_recipes() -> None:
 def test_mesh_field_is_checked() -> None:
     with pytest.raises(ConfigError, match="ScoutConfig.mesh"):
         ScoutConfig(mesh="pp")
+
+
+@pytest.mark.timeout(30)
+def test_several_stages_per_rank_are_named_by_their_own_stage() -> None:
+    """Interleaved / looped schedules: pp coordinate c of a pp=2 mesh holds stages c and c + 2 (torch's looped order);
+    the rank's nn.ModuleList of stage modules yields each module's recipes under its own stage, paths through the
+    list, and optimizer slices that never span two stages."""
+    assert [pipeline((2, 2), r).chunk_labels(2) for r in range(4)] == [("pp0", "pp2")] * 2 + [("pp1", "pp3")] * 2
+    assert pipeline((2,), 1, dp=False).chunk_labels(3) == ("pp1", "pp3", "pp5")
+    config = ScoutConfig(optimizer_slice_numel=20000)
+    for coord in (0, 1):
+        mods = torch.nn.ModuleList(build_stage("three-block", seed=0, stage=s, n_stages=4) for s in (coord, coord + 2))
+        opt = torch.optim.AdamW(mods.parameters())
+        catalog = build_catalog(mods, opt, config, stage=f"pp{coord}", chunk_labels=(f"pp{coord}", f"pp{coord + 2}"))
+        forward = {r.name: r.modules for r in catalog.recipes if r.kind is not RecipeKind.OPTIMIZER}
+        if coord == 0:
+            assert forward == {"pp0.embedding": ("0.embed",), "pp0.hidden.0": ("0.blocks.0",),
+                               "pp2.hidden.0": ("1.blocks.0",)}
+        else:
+            assert forward == {"pp1.hidden.0": ("0.blocks.0",), "pp3.hidden.0": ("1.blocks.0",),
+                               "pp3.output": ("1.norm", "1.head")}
+        slices = [r for r in catalog.recipes if r.kind is RecipeKind.OPTIMIZER]
+        for r in slices:  # a slice's parameters all belong to the stage module its name says
+            chunk = {p.split(".")[0] for p in r.params}
+            assert chunk == {"0" if r.name.startswith(f"pp{coord}.") else "1"}, r
+        assert {r.name.rsplit(".", 2)[0] for r in slices} == {f"pp{coord}", f"pp{coord + 2}"}
+        covered = [p for r in slices for p in r.params]
+        assert covered == [n for n, _ in mods.named_parameters()]  # every parameter once, in optimizer order
+    # Four stages of three-block: the workload is widened to one block per stage.
+    assert len(build_stage("three-block", seed=0, stage=3, n_stages=4).blocks) == 1
+
+
+@pytest.mark.timeout(30)
+def test_several_stages_per_rank_need_one_stage_dim_and_a_module_list() -> None:
+    two_stage_dims = derive(dims=("pp", "cp", "dp"), shape=(2, 1, 2), ranks=range(4), data_dims=("dp",),
+                            shard_dims=(), rank=0, stage_dims=("pp", "cp"))
+    with pytest.raises(ConfigError, match="exactly one pipeline dim"):
+        two_stage_dims.chunk_labels(2)
+    stage = build_stage("three-block", seed=0, stage=0, n_stages=4)
+    with pytest.raises(ConfigError, match="nn.ModuleList of that many"):
+        build_catalog(stage, None, ScoutConfig(recipes=("hidden",)), stage="pp0", chunk_labels=("pp0", "pp2"))

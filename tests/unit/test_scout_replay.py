@@ -3,6 +3,7 @@ live parameters, gradients, RNG stream and module modes exactly as they were."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,3 +113,109 @@ def test_replay_hooks_replace_inputs_and_outputs_and_can_be_removed() -> None:
     again = replay_forward(s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), seams)
     assert torch.equal(again.outputs["output"], clean.outputs["output"]) and len(seen) == 1
     assert ctx("hidden.1").role == "source"
+
+
+@pytest.mark.timeout(60)
+def test_consuming_optimizer_replay_equals_the_copying_one_and_spares_what_a_hook_returned() -> None:
+    """``consume=True`` (what the engine passes: its received inputs are views nobody reads again) updates the
+    received tensors in place instead of cloning them; the outputs must be bitwise those of the copying replay, and an
+    input a hook replaced (the hook may keep it) must stay untouched."""
+    s = live_step()
+    model: nn.Module = s["model"]  # type: ignore[assignment]
+    opt: torch.optim.Optimizer = s["opt"]  # type: ignore[assignment]
+    params = optimizer_params(model, opt)
+    opt.step()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.02)
+    recipe = s["catalog"]["optimizer.1"]  # type: ignore[index]
+    copying = replay_optimizer(type(opt), opt.defaults, over_the_wire(capture_optimizer(recipe, params, opt, STEP),
+                               "optimizer.1"), ctx("optimizer.1"), ReplayHooks())
+    received = over_the_wire(capture_optimizer(recipe, params, opt, STEP), "optimizer.1")
+    first = recipe.params[0]
+    kept = {}
+
+    def keep_first(c: ReplayContext, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        kept["param"] = t[f"param.{first}"].clone()
+        return {**t, f"param.{first}": kept["param"]}
+
+    hooks = ReplayHooks()
+    ReplayHooks.add(hooks.inputs, keep_first)
+    before = {k: t.clone() for k, t in received.tensors.items()}  # type: ignore[attr-defined]
+    consumed = replay_optimizer(type(opt), opt.defaults, received, ctx("optimizer.1"), hooks,  # type: ignore[arg-type]
+                                consume=True)
+    kept_before = before[f"param.{first}"]
+    assert set(consumed.outputs) == set(copying.outputs)
+    for key, tensor in copying.outputs.items():
+        assert torch.equal(consumed.outputs[key], tensor), key
+    assert torch.equal(kept["param"], kept_before)  # what the hook returned was copied, not updated
+    second = recipe.params[1]
+    assert not torch.equal(received.tensors[f"param.{second}"], before[f"param.{second}"])  # type: ignore[attr-defined]
+    assert torch.equal(received.tensors[f"grad.{second}"], before[f"grad.{second}"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_pack_into_a_given_buffer_writes_the_same_payload() -> None:
+    """The exchange packs the payload straight into its send buffer: the bytes and header must be those of a plain
+    pack, and unpacking them must give the same tensors and the same received digest."""
+    s = live_step()
+    hooks: CaptureHooks = s["hooks"]  # type: ignore[assignment]
+    captures = {name: hooks.take(name, STEP) for name in ("embedding", "hidden.1", "output")}
+    header, payload = pack(STEP, captures)
+    buffer = torch.full((payload.numel() + 256,), 7, dtype=torch.uint8)
+    asked = []
+
+    def out(header_bytes: int, payload_bytes: int) -> torch.Tensor:
+        asked.append((header_bytes, payload_bytes))
+        return buffer[128:128 + payload_bytes]
+
+    header2, written = pack(STEP, captures, out=out)
+    assert header2 == header and asked == [(len(header), payload.numel())]
+    assert written.data_ptr() == buffer[128:].data_ptr() and torch.equal(written, payload)
+    a, b = unpack(header, payload, STEP), unpack(header2, written, STEP)
+    for name in captures:
+        assert a[name].received_digest == b[name].received_digest
+        assert all(torch.equal(a[name].tensors[k], b[name].tensors[k]) for k in a[name].tensors)
+
+
+@pytest.mark.timeout(60)
+def test_flat_optimizer_slice_replays_the_live_update_and_falls_back_per_kind() -> None:
+    """``capture_optimizer(flat=True)`` (what the engine sends) copies each kind of per-parameter tensor into one flat
+    tensor; replayed over the wire and consumed in place, its flat outputs must be the live update bit for bit, and a
+    kind that cannot be flattened (a missing gradient) must stay per parameter and still replay."""
+    s = live_step()
+    model: nn.Module = s["model"]  # type: ignore[assignment]
+    opt: torch.optim.Optimizer = s["opt"]  # type: ignore[assignment]
+    params = optimizer_params(model, opt)
+    opt.step()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.03)
+    recipe = s["catalog"]["optimizer.1"]  # type: ignore[index]
+    flat = capture_optimizer(recipe, params, opt, STEP, flat=True)
+    assert {k for k in flat.tensors if not k.startswith("hyper.")} == {
+        "flat.param", "flat.grad", "flat.state#exp_avg", "flat.state#exp_avg_sq", "flat.state#step"}
+    live_before = {n: params[n].detach().clone() for n in recipe.params}
+    first = recipe.params[0]
+    flat.tensors["flat.param"][0] += 1.0  # the flat tensor is a copy: writing it never reaches the live parameter
+    flat.tensors["flat.param"][0] -= 1.0
+    assert torch.equal(params[first], live_before[first])
+    wire = over_the_wire(flat, "optimizer.1")
+    outcome = replay_optimizer(type(opt), opt.defaults, wire, ctx("optimizer.1"), ReplayHooks(),  # type: ignore[arg-type]
+                               consume=True)
+    assert all(torch.equal(params[n], live_before[n]) for n in recipe.params)
+    # Consumed: the update ran in the received flat tensors, which are the outputs (nothing copied).
+    assert outcome.outputs["flat.param"].data_ptr() == wire.tensors["flat.param"].data_ptr()  # type: ignore[attr-defined]
+    opt.step()
+    names = recipe.params
+    assert torch.equal(outcome.outputs["flat.param"], torch.cat([params[n].detach().reshape(-1) for n in names]))
+    assert torch.equal(outcome.outputs["flat.state#exp_avg"],
+                       torch.cat([opt.state[params[n]]["exp_avg"].reshape(-1) for n in names]))
+    assert set(outcome.outputs) == {"flat.param", "flat.state#exp_avg", "flat.state#exp_avg_sq", "flat.state#step"}
+    # One parameter without a gradient: the gradients stay per parameter, the other kinds are still flat.
+    params[names[1]].grad = None
+    partial = capture_optimizer(recipe, params, opt, STEP, flat=True)
+    assert "flat.grad" not in partial.tensors and f"grad.{names[0]}" in partial.tensors
+    assert "flat.param" in partial.tensors and partial.meta["flat"]["flat.param"][0] == [
+        f"param.{names[0]}", list(params[names[0]].shape)]
+    replayed = replay_optimizer(type(opt), opt.defaults, over_the_wire(partial, "optimizer.1"),  # type: ignore[arg-type]
+                                ctx("optimizer.1"), ReplayHooks(), consume=True)
+    assert "flat.param" in replayed.outputs

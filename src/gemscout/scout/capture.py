@@ -21,23 +21,25 @@ one flat byte payload. Nothing is pickled.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.scout.recipes import Recipe
 
-__all__ = ["CaptureHooks", "Captured", "capture_optimizer", "pack", "unpack"]
+__all__ = ["CaptureHooks", "Captured", "capture_optimizer", "expand_flat", "flatten_slice", "pack", "unpack"]
 
 WIRE_VERSION = 1
 _ALIGN = 64  # payload offsets are aligned so every tensor can be viewed in place with its own dtype
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
 _DTYPES = {str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+_DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
 
 
 @dataclass(slots=True)
@@ -183,12 +185,16 @@ def output_tensors(output: Any) -> dict[str, torch.Tensor]:
 
 
 def capture_optimizer(
-    recipe: Recipe, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, step: int
+    recipe: Recipe, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, step: int, *,
+    flat: bool = False,
 ) -> Captured:
     """The optimizer recipe's inputs, read from the live optimizer before its update (no copy: :func:`pack` copies).
 
     Keys: ``param.<name>``, ``grad.<name>`` (absent when the gradient is None), ``state.<name>#<key>`` and
     ``hyper.<key>`` for tensor hyper-parameters; JSON metadata holds the other hyper-parameters and state values.
+    ``flat``: each kind of per-parameter tensor (parameters, gradients, each state key) is copied into one flat tensor
+    ``flat.<kind>`` where it can be (:func:`flatten_slice`), so the cycle packs, sends, receives and digests a few
+    tensors instead of several per parameter; :func:`~gemscout.scout.replay.replay_optimizer` reads both forms.
     Raises ``TypeError`` for a hyper-parameter or state value that is neither a tensor nor plain JSON.
     """
     group = optimizer.param_groups[recipe.group_index]
@@ -212,6 +218,8 @@ def capture_optimizer(
                 captured.tensors[f"state.{name}#{key}"] = value.detach()
             else:
                 state_values.setdefault(name, {})[key] = to_json_value(value, f"optimizer state {name}.{key}")
+    if flat:
+        flatten_slice(captured, recipe.params)
     # Replay runs where the live update ran (a faulty accelerator is only exercised on itself); keys listed here
     # go back to the peer's own accelerator, the rest (e.g. AdamW's CPU ``step`` counter) stay on the CPU.
     on_device = sorted(k for k, t in captured.tensors.items() if t.device.type != "cpu")
@@ -220,28 +228,91 @@ def capture_optimizer(
     return captured
 
 
-def pack(step: int, captures: Mapping[str, Captured]) -> tuple[bytes, torch.Tensor]:
-    """Serialize captures to ``(header JSON bytes, flat uint8 payload)``; tensors are copied into the payload."""
+def flatten_slice(captured: Captured, names: Sequence[str]) -> None:
+    """Replace, in ``captured``, each kind of per-parameter tensor of the slice ``names`` by one flat copy.
+
+    Kinds: ``param``, ``grad`` and ``state#<key>`` for each state key; ``flat.<kind>`` holds the members' values in
+    ``names`` order and ``meta["flat"][f"flat.{kind}"]`` their keys and shapes. A kind whose members cannot share one
+    flat tensor (one missing, another dtype, off the CPU) stays per parameter. Why: every tensor costs the cycle a
+    few microseconds of Python in pack, unpack and digests, and an optimizer slice holds several per parameter.
+    """
+    tensors = captured.tensors
+    kinds = {"param": [f"param.{n}" for n in names], "grad": [f"grad.{n}" for n in names]}
+    for key in sorted({k.partition("#")[2] for k in tensors if k.startswith("state.")}):
+        kinds[f"state#{key}"] = [f"state.{n}#{key}" for n in names]
+    layout: dict[str, list[list[Any]]] = {}
+    for kind, keys in kinds.items():
+        members = [tensors.get(k) for k in keys]
+        present = [t for t in members if t is not None]
+        if len(present) != len(keys) or len({t.dtype for t in present}) != 1 or not all(t.is_cpu for t in present):
+            continue
+        # One C++ call for the whole kind; it returns a view for a single member, which is copied: the flat tensor
+        # must never alias the live one (the engine's replay updates what it received in place).
+        with torch.no_grad():
+            joined = _flatten_dense_tensors(present)
+        tensors[f"flat.{kind}"] = joined.clone() if len(present) == 1 else joined
+        layout[f"flat.{kind}"] = [[k, list(t.shape)] for k, t in zip(keys, present, strict=True)]
+        for k in keys:
+            del tensors[k]
+    if layout:
+        captured.meta["flat"] = layout
+
+
+def expand_flat(tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`flatten_slice` on ``tensors``: each ``flat.<kind>`` becomes views of its members, by key.
+    Raises ``ValueError`` when a flat tensor does not hold exactly its members' elements."""
+    out = {k: t for k, t in tensors.items() if k not in layout}
+    for flat_key, members in layout.items():
+        flat = tensors[flat_key]
+        offset = 0
+        for key, shape in members:
+            numel = 1
+            for size in shape:
+                numel *= size
+            out[key] = flat[offset:offset + numel].view(shape)
+            offset += numel
+        if offset != flat.numel():
+            raise ValueError(f"{flat_key} holds {flat.numel()} elements, its members {offset}")
+    return out
+
+
+def pack(step: int, captures: Mapping[str, Captured],
+         out: Callable[[int, int], torch.Tensor] | None = None) -> tuple[bytes, torch.Tensor]:
+    """Serialize captures to ``(header JSON bytes, flat uint8 payload)``; tensors are copied into the payload.
+
+    ``out(header_bytes, payload_bytes)``: where the payload goes — a uint8 tensor of ``payload_bytes`` elements (the
+    exchange passes a slice of its reusable send buffer, so the payload is written once, in place); default: a new
+    tensor. Returns the payload written.
+    """
     entries: dict[str, Any] = {}
     parts: list[torch.Tensor] = []
     offset = 0
     for name, captured in captures.items():
         table = []
-        for key in sorted(captured.tensors):
-            tensor = captured.tensors[key].detach()
-            flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+        tensors = captured.tensors
+        for key in sorted(tensors):
+            tensor = tensors[key]
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            if not tensor.is_cpu:
+                tensor = tensor.cpu()
+            # reshape copies a strided view into row-major order and is free on a contiguous tensor.
+            flat = tensor.reshape(-1).view(torch.uint8)
             nbytes = flat.numel()
-            table.append([key, str(tensor.dtype), list(tensor.shape), offset, nbytes])
+            table.append([key, _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype), list(tensor.shape), offset, nbytes])
             parts.append(flat)
             padded = -(-nbytes // _ALIGN) * _ALIGN
             if padded > nbytes:  # zeroed: the alignment padding is sent (and digested) too
                 parts.append(_ZEROS[: padded - nbytes])
             offset += padded
         entries[name] = {"error": captured.error, "meta": captured.meta, "tensors": table}
+    header = json.dumps({"version": WIRE_VERSION, "step": step, "recipes": entries}, sort_keys=True,
+                        allow_nan=False).encode()
     # One copy of everything: a copy per tensor costs more than the bytes when an optimizer slice holds hundreds.
-    payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    header = {"version": WIRE_VERSION, "step": step, "recipes": entries}
-    return json.dumps(header, sort_keys=True, allow_nan=False).encode(), payload
+    payload = out(len(header), offset) if out is not None else torch.empty(offset, dtype=torch.uint8)
+    if parts:
+        torch.cat(parts, out=payload)
+    return header, payload
 
 
 def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Captured]:
@@ -255,8 +326,9 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
                          f"expected version {WIRE_VERSION} for step {step}")
     out: dict[str, Captured] = {}
     raw = payload.numpy().data
+    total = payload.numel()
     # Offsets are multiples of 64, so every tensor is a strided view of the payload seen as its dtype (one call each).
-    typed: dict[torch.dtype, torch.Tensor] = {}
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
     for name, entry in doc["recipes"].items():
         captured = Captured(step=step, meta=entry["meta"], error=entry["error"])
         # One pass over the received bytes (cheaper than digesting hundreds of small tensors one by one): the
@@ -268,15 +340,16 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
         run_start = run_end = -1
         for key, dtype_name, shape, offset, nbytes in entry["tensors"]:
             dtype = _DTYPES.get(dtype_name)
-            if dtype is None or offset < 0 or offset % _ALIGN or offset + nbytes > payload.numel():
+            if dtype is None or offset < 0 or offset % _ALIGN or offset + nbytes > total:
                 raise ValueError(f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})")
             size = dtype.itemsize
-            view = typed.get(dtype)
-            if view is None:
-                view = typed[dtype] = payload[: payload.numel() // size * size].view(dtype)
+            seen = typed.get(dtype)
+            if seen is None:
+                whole = payload[: total // size * size].view(dtype)
+                seen = typed[dtype] = (whole, int(whole.storage_offset()))
+            view, base = seen
             # as_strided counts from the start of the storage, not of the view: add where the view begins.
-            captured.tensors[key] = view.as_strided(shape, _contiguous_strides(shape),
-                                                    view.storage_offset() + offset // size)
+            captured.tensors[key] = view.as_strided(shape, _contiguous_strides(shape), base + offset // size)
             if key.startswith("rng."):
                 continue
             if run_start >= 0 and offset == -(-run_end // _ALIGN) * _ALIGN:
@@ -292,9 +365,19 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
     return out
 
 
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    key = tuple(shape)
+    cached = _STRIDES.get(key)
+    if cached is not None:
+        return cached
     strides, running = [], 1
     for size in reversed(shape):
         strides.append(running)
         running *= max(size, 1)
-    return tuple(reversed(strides))
+    if len(_STRIDES) >= 4096:  # a cycle sees the same few shapes; bound what odd workloads could add
+        _STRIDES.clear()
+    _STRIDES[key] = out = tuple(reversed(strides))
+    return out

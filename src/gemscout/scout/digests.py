@@ -77,13 +77,15 @@ def _prefix(tensor: torch.Tensor) -> bytes:
 def _update_with_tensor(hasher: blake3.blake3, tensor: torch.Tensor) -> None:
     hasher.update(_prefix(tensor))
     # The byte count follows from dtype and shape, so the payload needs no prefix of its own.
-    if (tensor.layout is torch.strided and tensor.device.type == "cpu" and tensor.dim() > 0 and tensor.is_contiguous()
-            and tensor.stride(-1) == 1
-            and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()):
-        # The common case, without the copies and reshapes of the general path: the bytes are already in place.
-        hasher.update(tensor.detach().view(torch.uint8).numpy().data)
-    else:
-        hasher.update(_cpu_bytes(tensor).numpy().data)
+    try:
+        # The common case in one step: a dense CPU tensor whose bytes are already in row-major order. numpy() refuses
+        # what this path must not take (an accelerator, meta, sparse or quantized tensor, a dtype numpy lacks, a
+        # pending conjugate or negation) and the byte cast refuses a strided (non-contiguous) view; each of those
+        # takes the general path below. A check per property cost more than the hashing of a small tensor.
+        data = (tensor.detach() if tensor.requires_grad else tensor).numpy().data.cast("B")
+    except (TypeError, RuntimeError, ValueError):
+        data = _cpu_bytes(tensor).numpy().data
+    hasher.update(data)
 
 
 def tensor_digest(t: torch.Tensor) -> str:

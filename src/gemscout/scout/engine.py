@@ -109,9 +109,11 @@ class Scout(ReplaySeams):
         if group is None and topology is None:
             topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank,
                                 mesh=self.config.mesh)
-        # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0).
-        self.catalog: Catalog = build_catalog(root, optimizer, self.config,
-                                              stage=topology.stage_label if topology is not None else "")
+        # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0); an
+        # nn.ModuleList of stage modules (several stages per rank) names each module's recipes by its own stage.
+        stage = topology.stage_label if topology is not None else ""
+        chunks = topology.chunk_labels(len(root)) if topology and stage and isinstance(root, nn.ModuleList) else ()
+        self.catalog: Catalog = build_catalog(root, optimizer, self.config, stage=stage, chunk_labels=chunks)
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
         self.disabled_reason: str | None = None
@@ -324,7 +326,8 @@ class Scout(ReplaySeams):
         if recipe.has_module:
             return self._capture.take(recipe.name, step)
         try:
-            return capture_optimizer(recipe, self._params, self._optimizer, step)
+            # Flat: a few tensors to pack, send and digest instead of several per parameter of the slice.
+            return capture_optimizer(recipe, self._params, self._optimizer, step, flat=True)
         except (TypeError, KeyError) as exc:
             return Captured(step=step, error=str(exc))
 
@@ -365,8 +368,9 @@ class Scout(ReplaySeams):
                           timer if timer is not None else contextlib.nullcontext()):
                         outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
                 else:
+                    # The received inputs are views of the exchange's buffer, read by no one after this replay.
                     outcome = replay_optimizer(type(self._optimizer), self._optimizer.defaults, captured, ctx,
-                                               self._hooks, self._params[recipe.params[0]].device)
+                                               self._hooks, self._params[recipe.params[0]].device, consume=True)
             finally:
                 self._current, self._capture.paused = None, False
             record["digest"] = digest_many(outcome.outputs)

@@ -182,14 +182,20 @@ class PeerExchange:
         Returns ``(captures by recipe, error for all recipes, peers in step)``; peers out of step (or on another
         catalog) return ``({}, reason, False)`` together. Collective on the group; raises ``CollectiveTimeout``.
         """
-        header, payload = b"", torch.empty(0, dtype=torch.uint8)
+        header, header_n, payload_n = b"", 0, 0
         if self.rank == source:
+            # The payload is packed straight into the send buffer, after the header's place (one copy of the bytes).
+            def into_wire(header_bytes: int, payload_bytes: int) -> torch.Tensor:
+                start = -(-header_bytes // _ALIGN) * _ALIGN
+                return self._reusable(start + payload_bytes)[start:]
+
             try:
-                header, payload = pack(step, captures or {})
+                header, payload = pack(step, captures or {}, out=into_wire)
             except Exception as exc:  # the source still sends: a header that carries the error
                 failed = Captured(step=step, error=f"packing failed: {type(exc).__name__}: {exc}")
-                header, payload = pack(step, dict.fromkeys(captures or {}, failed))
-        hello = torch.tensor([step, fingerprint, len(header), payload.numel()], dtype=torch.int64)
+                header, payload = pack(step, dict.fromkeys(captures or {}, failed), out=into_wire)
+            header_n, payload_n = len(header), payload.numel()
+        hello = torch.tensor([step, fingerprint, header_n, payload_n], dtype=torch.int64)
         hellos = [torch.empty(4, dtype=torch.int64) for _ in self.ranks]
         wait_all([dist.all_gather(hellos, hello, group=self.group, async_op=True)], self.timeout, "scout hello")
         steps = {r: int(h[0]) for r, h in zip(self.ranks, hellos, strict=True)}
@@ -198,11 +204,11 @@ class PeerExchange:
             return {}, f"peers disagree on the {what} (steps by rank {steps}); nothing was replayed", False
         header_n, payload_n = (int(v) for v in hellos[self.ranks.index(source)][2:])
         start = -(-header_n // _ALIGN) * _ALIGN
+        # On the source this is the buffer the payload was packed into (same size, so the same memory).
         wire = self._reusable(start + payload_n)
         if self.rank == source:
             wire[:header_n].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
             wire[header_n:start].zero_()
-            wire[start:].copy_(payload)
         wait_all([dist.broadcast(wire, source, group=self.group, async_op=True)], self.timeout, "scout inputs")
         try:
             return unpack(bytes(wire[:header_n].numpy()), wire[start:], step), None, True

@@ -11,7 +11,8 @@
 
 On a pipeline stage (``stage`` given, e.g. ``"pp1"``) the model is one stage's module: a recipe kind whose boundary
 the stage does not hold is left out (stage 0 has no head, the last stage no embedding), and every name is qualified
-by the stage (``pp1.hidden.0``, ``pp0.optimizer.0``) so recipes of different stages never share a name.
+by the stage (``pp1.hidden.0``, ``pp0.optimizer.0``) so recipes of different stages never share a name. A rank that
+holds several stages passes an ``nn.ModuleList`` of them: each stage's recipes are named by its own stage.
 
 The catalog is a pure function of the model's module tree, the optimizer's param groups and the config, so every
 peer builds the same one; :meth:`Catalog.due` is a pure function of the step, so every peer picks the same recipes.
@@ -23,6 +24,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,41 +139,86 @@ def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
 
 
-def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound: int) -> list[Recipe]:
+def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound: int,
+                      owner: Callable[[str], str] | None = None) -> list[Recipe]:
+    """Slices of whole parameters in optimizer order, named ``optimizer.<j>``; with ``owner`` (parameter name →
+    stage label) a slice never spans two owners and is named ``<owner>.optimizer.<j>``, ``j`` counted per owner."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     slices: list[Recipe] = []
+    count: dict[str, int] = {}
     current: list[str] = []
-    numel, group = 0, 0
+    numel, group, label = 0, 0, ""
 
     def close() -> None:
         if current:
-            slices.append(Recipe(name=f"optimizer.{len(slices)}", kind=RecipeKind.OPTIMIZER, params=tuple(current),
-                                 group_index=group))
+            j = count[label] = count.get(label, -1) + 1
+            slices.append(Recipe(name=f"{label}.optimizer.{j}" if label else f"optimizer.{j}",
+                                 kind=RecipeKind.OPTIMIZER, params=tuple(current), group_index=group))
 
     for name, param in optimizer_params(model, optimizer).items():
         g = group_of[id(param)]
-        # A slice never spans param groups: its replay runs one group's hyper-parameters.
-        if current and (g != group or numel + param.numel() > bound):
+        o = owner(name) if owner is not None else ""
+        # A slice never spans param groups (its replay runs one group's hyper-parameters) nor stages.
+        if current and (g != group or o != label or numel + param.numel() > bound):
             close()
             current, numel = [], 0
         current.append(name)
         numel += param.numel()
-        group = g
+        group, label = g, o
     close()
     return slices
 
 
 def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig,
-                  stage: str = "") -> Catalog:
+                  stage: str = "", chunk_labels: Sequence[str] = ()) -> Catalog:
     """Find the recipe boundaries in ``model`` (DDP's ``.module`` is unwrapped) and list every recipe.
 
     ``stage``: this rank's pipeline stage label (``Topology.stage_label``); non-empty means ``model`` is one stage:
-    kinds it has no boundary for are skipped and names are qualified by the label. Raises ``ConfigError`` naming the
-    field to set when an enabled recipe kind has no boundary in the model (outside a pipeline), when an override path
-    does not exist, when ``optimizer`` is None but the optimizer recipe is enabled, or when a stage has no recipe.
+    kinds it has no boundary for are skipped and names are qualified by the label. ``chunk_labels``: ``model`` is an
+    ``nn.ModuleList`` of this rank's stage modules (several stages per rank, ``Topology.chunk_labels``): each
+    module's recipes are found in it and named by its own stage (``pp2.hidden.0``), and the optimizer is sliced per
+    stage module (a slice never spans two). Raises ``ConfigError`` naming the field to set when an enabled recipe kind
+    has no boundary in the model (outside a pipeline), when an override path does not exist, when ``optimizer`` is
+    None but the optimizer recipe is enabled, or when a stage has no recipe.
     """
     model = unwrap(model)
+    if chunk_labels:
+        if not isinstance(model, nn.ModuleList) or len(model) != len(chunk_labels):
+            raise ConfigError(f"SCOUT: {len(chunk_labels)} stages on this rank need an nn.ModuleList of that many "
+                              f"stage modules; got {type(model).__name__}")
+        recipes = _chunk_recipes(model, optimizer, config, chunk_labels)
+    else:
+        recipes = _recipes(model, optimizer, config, stage)
+    if stage and not recipes:
+        raise ConfigError(f"ScoutConfig.recipes: pipeline stage {stage} holds none of the recipe kinds "
+                          f"{list(config.recipes)}; enable 'optimizer' (every stage has parameters)")
+    return Catalog(tuple(recipes), config)
+
+
+def _chunk_recipes(model: nn.ModuleList, optimizer: torch.optim.Optimizer | None, config: ScoutConfig,
+                   labels: Sequence[str]) -> list[Recipe]:
+    """Every stage module's forward recipes (paths through ``model``), then the optimizer slices, per stage."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    recipes: list[Recipe] = []
+    for chunk, label in zip(model, labels, strict=True):
+        inner = unwrap(chunk)
+        prefix = paths[id(inner)] + "."
+        recipes += [dataclasses.replace(r, modules=tuple(prefix + m for m in r.modules))
+                    for r in _recipes(inner, None, config, label, optimizer_kind=False)]
+    if "optimizer" in config.recipes:
+        if optimizer is None:
+            raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
+        owner = {n: labels[int(n.split(".", 1)[0])] for n, _ in model.named_parameters()}
+        recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel,
+                                     owner=lambda name: owner.get(name, labels[0]))
+    return recipes
+
+
+def _recipes(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig, stage: str,
+             *, optimizer_kind: bool = True) -> list[Recipe]:
     enabled = set(config.recipes)
+    if not optimizer_kind:
+        enabled.discard("optimizer")
     if stage:
         # A stage holds part of the model: a kind is skipped when its override path is not in this stage, or when no
         # boundary for it is found here.
@@ -222,11 +269,8 @@ def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, con
             raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
         recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel)
     if stage:
-        if not recipes:
-            raise ConfigError(f"ScoutConfig.recipes: pipeline stage {stage} holds none of the recipe kinds "
-                              f"{list(config.recipes)}; enable 'optimizer' (every stage has parameters)")
         recipes = [dataclasses.replace(r, name=f"{stage}.{r.name}") for r in recipes]
-    return Catalog(tuple(recipes), config)
+    return recipes
 
 
 class Catalog:

@@ -5,8 +5,8 @@ What "without touching" means, and how each part is kept:
 * **Parameters and gradients.** Forward recipes run through :func:`torch.func.functional_call` with private leaves
   (``param.detach().requires_grad_()``: same storage, no copy, no hooks and no ``.grad`` of their own) and
   gradients come from :func:`torch.autograd.grad` with explicit inputs, so no ``.grad`` is written and the
-  autograd hooks DDP put on the live parameters never fire. The optimizer recipe updates clones in a private
-  optimizer of the same class.
+  autograd hooks DDP put on the live parameters never fire. The optimizer recipe updates private tensors (clones,
+  or the received copies the engine hands over with ``consume=True``) in a private optimizer of the same class.
 * **The training RNG stream.** Replay runs inside :func:`torch.random.fork_rng` after setting the captured state,
   so dropout draws the captured masks and the training stream continues afterwards as if nothing happened.
 * **Module mode.** The captured train/eval mode is set for the replay and every submodule's flag restored after.
@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
-from gemscout.scout.capture import Captured, from_json_value, output_tensors
+from gemscout.scout.capture import Captured, expand_flat, from_json_value, output_tensors
 
 __all__ = ["ReplayContext", "ReplayHook", "ReplayHooks", "ReplayOutcome", "replay_forward", "replay_optimizer"]
 
@@ -190,14 +191,16 @@ def replay_forward(
 
 def replay_optimizer(
     optimizer_cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], captured: Captured,
-    ctx: ReplayContext, hooks: ReplayHooks, device: torch.device | None = None,
+    ctx: ReplayContext, hooks: ReplayHooks, device: torch.device | None = None, *, consume: bool = False,
 ) -> ReplayOutcome:
     """Run one update of ``optimizer_cls`` on private copies of the captured slice.
 
     Outputs: ``param.<name>`` (updated values) and ``state.<name>#<key>`` (tensor state after the update).
     ``defaults`` (this peer's ``optimizer.defaults``) are passed only to a constructor that insists on them; the
     captured hyper-parameters of the param group always win. ``device``: this peer's device for the tensors that
-    were on an accelerator at capture (default: the CPU).
+    were on an accelerator at capture (default: the CPU). ``consume``: ``captured`` is private to this call and read
+    by no one afterwards (the engine's received inputs, views of its receive buffer): its parameter, gradient and
+    state tensors are updated in place instead of cloned. An input a hook replaced is still cloned: the hook may keep it.
     """
     start = time.perf_counter()
     meta = captured.meta
@@ -205,23 +208,46 @@ def replay_optimizer(
     if device is not None:
         on_device = set(meta.get("on_device", ()))
         inputs = {k: t.to(device) if k in on_device else t for k, t in inputs.items()}
+    # A received tensor nobody reads again is already private; anything else (a live tensor, or what a hook
+    # returned) is copied so the update cannot reach it.
+    owned = {k for k, t in inputs.items() if consume and captured.tensors.get(k) is t}
+    flat = meta.get("flat") or {}
+    updated_in_place = {k: inputs[k] for k in flat if k in owned}  # received flat tensors the update writes into
+    if flat:  # a flattened slice (capture_optimizer(flat=True)): per-parameter views of its flat tensors
+        owned |= {key for flat_key, members in flat.items() if flat_key in owned for key, _ in members}
+        inputs = expand_flat(inputs, flat)
+
+    def private(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if key in owned else tensor.detach().clone()
+
+    # One pass over the inputs, grouped by parameter: a slice holds hundreds of tensors, and a scan per parameter
+    # was quadratic.
+    states: dict[str, dict[str, Any]] = {}
+    hyper_tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in inputs.items():
+        if key.startswith("state."):
+            name, _, field = key[len("state."):].partition("#")
+            states.setdefault(name, {})[field] = private(key, tensor)
+        elif key.startswith("hyper."):
+            hyper_tensors[key[len("hyper."):]] = tensor.clone()
     copies: dict[str, torch.Tensor] = {}
     for name in meta["params"]:
-        copy = inputs[f"param.{name}"].detach().clone()
+        key = f"param.{name}"
+        copy = private(key, inputs[key])
         grad = inputs.get(f"grad.{name}")
-        copy.grad = None if grad is None else grad.detach().clone()
+        copy.grad = None if grad is None else private(f"grad.{name}", grad)
         copies[name] = copy
     group: dict[str, Any] = {key: from_json_value(value) for key, value in meta["hyper"].items()}
-    group.update({k[len("hyper."):]: t.clone() for k, t in inputs.items() if k.startswith("hyper.")})
+    group.update(hyper_tensors)
     group["params"] = list(copies.values())
     try:
         optimizer = optimizer_cls([group])  # type: ignore[call-arg]  # concrete optimizers default their arguments
     except TypeError:
         optimizer = optimizer_cls([group], **{k: v for k, v in defaults.items() if k not in group})
+    state_values = meta["state_values"]
     for name, copy in copies.items():
-        state: dict[str, Any] = {k.split("#", 1)[1]: t.clone() for k, t in inputs.items()
-                                 if k.startswith(f"state.{name}#")}
-        state.update({k: from_json_value(v) for k, v in meta["state_values"].get(name, {}).items()})
+        state = states.get(name, {})
+        state.update({k: from_json_value(v) for k, v in state_values.get(name, {}).items()})
         if state:
             optimizer.state[copy] = state
     optimizer.step()
@@ -230,5 +256,41 @@ def replay_optimizer(
         for key, value in optimizer.state.get(copy, {}).items():
             if isinstance(value, torch.Tensor):
                 results[f"state.{name}#{key}"] = value.detach()
+    if flat:  # outputs as flat as the inputs came: a few tensors to digest instead of several per parameter
+        results = _flatten_outputs(results, list(meta["params"]), updated_in_place)
     results = ReplayHooks.run(hooks.outputs, ctx, results)
     return ReplayOutcome(results, time.perf_counter() - start)
+
+
+def _flatten_outputs(results: dict[str, torch.Tensor], names: list[str],
+                     updated_in_place: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``param.<name>`` → ``flat.param`` and ``state.<name>#<key>`` → ``flat.state#<key>`` (values in ``names``
+    order), for each kind every parameter has in one dtype; other outputs stay as they are. When the members are
+    still, in order, the received flat tensor the update wrote into (``updated_in_place``), that tensor is the
+    output and nothing is copied."""
+    kinds = {"param": [f"param.{n}" for n in names]}
+    for key in sorted({k.partition("#")[2] for k in results if k.startswith("state.")}):
+        kinds[f"state#{key}"] = [f"state.{n}#{key}" for n in names]
+    out = dict(results)
+    for kind, keys in kinds.items():
+        members = [results.get(k) for k in keys]
+        present = [t for t in members if t is not None]
+        if len(present) != len(keys) or len({(t.dtype, t.device) for t in present}) != 1:
+            continue
+        target = updated_in_place.get(f"flat.{kind}")
+        out[f"flat.{kind}"] = target if target is not None and _tiles(present, target) else \
+            _flatten_dense_tensors(present)
+        for k in keys:
+            del out[k]
+    return out
+
+
+def _tiles(members: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """True when ``members`` are contiguous and lie back to back, in order, exactly over ``flat``'s elements (an
+    optimizer that swapped a state tensor for a new one breaks this, and its outputs are copied instead)."""
+    size, ptr = flat.element_size(), flat.data_ptr()
+    for t in members:
+        if t.dtype != flat.dtype or t.data_ptr() != ptr or not t.is_contiguous():
+            return False
+        ptr += t.numel() * size
+    return ptr == flat.data_ptr() + flat.numel() * size

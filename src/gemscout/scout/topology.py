@@ -24,7 +24,8 @@ FSDP (DDP over a sub-mesh, a hand-written TP + DP layout) needs ``ScoutConfig.da
 every dim that is not data-parallel is a *stage dim* — ranks with different coordinates there hold different modules
 (stage 0 the embedding and first blocks, the last stage the remaining blocks and the head). Peers then keep the stage
 coordinate, and :attr:`Topology.stage_label` (``pp1``) qualifies recipe names so that a recipe of one stage is never
-compared with, or combined with, another stage's.
+compared with, or combined with, another stage's. A rank that holds several stages (interleaved schedules) names each
+by its own stage, in the looped order (:meth:`Topology.chunk_labels`: ``pp0`` and ``pp2`` on a pp=2 mesh).
 
 :func:`derive` is pure (no process group) so the whole rule is unit-tested; :func:`discover` reads the model and
 :func:`create_groups` makes the gloo groups (collective: every rank creates every group in the same order).
@@ -96,6 +97,19 @@ class Topology:
         makes recipe names unique across pipeline stages."""
         coord = self._coords()
         return "-".join(f"{d}{coord[self.dims.index(d)]}" for d in self.stage_dims)
+
+    def chunk_labels(self, count: int) -> tuple[str, ...]:
+        """The stage labels of ``count`` stage modules on this rank (interleaved / looped schedules), in the looped
+        order of torch's multi-stage schedules: along the stage dim of size ``n`` the rank at coordinate ``c`` holds
+        stages ``c, c + n, c + 2n, ...`` (``pp0``, ``pp2`` on a pp=2 mesh). Raises ``ConfigError`` unless the mesh has
+        exactly one stage dim."""
+        if len(self.stage_dims) != 1:
+            raise ConfigError(f"SCOUT: several stage modules per rank need exactly one pipeline dim on the mesh; "
+                              f"ScoutConfig.mesh has stage dims {list(self.stage_dims)}")
+        dim = self.stage_dims[0]
+        axis = self.dims.index(dim)
+        coord = self._coords()[axis]
+        return tuple(f"{dim}{coord + k * self.shape[axis]}" for k in range(count))
 
     def _coords(self) -> tuple[int, ...]:
         flat, out = self.ranks.index(self.rank), []
