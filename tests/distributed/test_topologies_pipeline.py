@@ -5,7 +5,8 @@ its stage modules when it holds several, the DDP wrapper when DDP replicates it)
 
 * GEMINI (one parametrized test, 4 launches each: baseline, killed, relaunch, healthy): ``pp`` 1F1B, ``pp-dp`` GPipe,
   ``pp3`` 1F1B (three stages; the middle stage's rank is killed), ``pp-virtual`` (four stages over two ranks) with
-  Looped BFS and with Interleaved 1F1B, ``pp-dp-ddp`` 1F1B (DDP over each stage's dp pair). The healthy trajectory
+  Interleaved 1F1B (Looped BFS and ``pp-dp-ddp`` kills run as cells of campaigns/topologies.toml only, to keep CI
+  under its time budget). The healthy trajectory
   with GEMINI is bitwise the baseline without gemscout; a SIGKILL in the replication phase plus the loss of the rank's
   node is recovered from its peer's replica and every rank's stages end bitwise equal to the uninterrupted run.
 * SCOUT on ``pp-dp`` and ``pp-dp-ddp`` (1F1B): the peers are the two replicas of one stage; each stage replays its own
@@ -44,8 +45,7 @@ def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("topology", "world", "schedule", "killed_rank"),
                          [("pp", 2, "1f1b", 1), ("pp-dp", 4, "gpipe", 2), ("pp3", 3, "1f1b", 1),
-                          ("pp-virtual", 2, "looped-bfs", 1), ("pp-virtual", 2, "interleaved-1f1b", 0),
-                          ("pp-dp-ddp", 4, "1f1b", 3)])
+                          ("pp-virtual", 2, "interleaved-1f1b", 0)])
 def test_gemini_on_a_pipeline_is_bitwise(tmp_path: Path, topology: str, world: int, schedule: str,
                                          killed_rank: int) -> None:
     fault = {"kind": "sigkill", "rank": killed_rank, "step": 4, "phase": "replicate", "node_loss": True}
