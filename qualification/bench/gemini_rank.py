@@ -15,7 +15,9 @@ own, because ``ru_maxrss`` only ever grows. ``--role on`` measures, in one proce
 4. recovery from peer memory: the last rank loses its slots, the replicas it holds and its checkpoint folder (a node
    loss) and its live state is zeroed; ``session.recover()`` restores it from the replica in its peer's memory, and
    the restored state must equal the survivor's bit for bit. Then the same data path timed by itself: the peer sends
-   the held frame, the owner verifies every digest and restores;
+   the held frame, the owner verifies every digest as chunks land and restores; then the floor of any peer recovery,
+   a raw one-way gloo transfer of the same bytes; then, on the survivor, its checkpoint files read whole and verified
+   (what an inventory that hashes every file would cost) and read by header (what recover()'s inventory reads);
 5. DCP save, async_save and load (page cache warm and evicted) of the same model and optimizer.
 
 The stall per capture is the time the training thread spends in GEMINI's two optimizer hooks, bracketed by hooks
@@ -63,8 +65,8 @@ def parse() -> argparse.Namespace:
 class IoRecorder:
     """Per-capture ``persist_s`` and ``replicate_s`` from GEMINI's phase hook (its stats keep only the latest).
 
-    The io thread runs persist → replicate → persist_replica per capture, and updates each stat when that phase
-    ends, so at the "replicate" phase ``persist_s`` is this capture's, and at "persist_replica" ``replicate_s`` is.
+    GEMINI updates each stat when that phase ends and then calls the hook with "persisted" / "replicated" (the
+    own file is written concurrently with the replication, so no other phase orders them).
     """
 
     def __init__(self, checkpointer: Any) -> None:
@@ -73,9 +75,9 @@ class IoRecorder:
         self.replicate_s: dict[int, float] = {}
 
     def __call__(self, phase: str, step: int) -> None:
-        if phase == "replicate":
+        if phase == "persisted":
             self.persist_s[step] = self.ckpt.stats["persist_s"]
-        elif phase == "persist_replica":
+        elif phase == "replicated":
             self.replicate_s[step] = self.ckpt.stats["replicate_s"]
 
     def between(self, first: int, last: int) -> dict[str, list[float]]:
@@ -114,7 +116,7 @@ def loops_without_gemini(args: argparse.Namespace, trainer: Trainer, micro: int,
 
 def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
     import gemscout
-    from gemscout.gemini.store import list_steps, read_verified, step_file
+    from gemscout.gemini.store import list_steps, read_header, read_verified, step_file
 
     timeout = timedelta(seconds=args.timeout_s)
     out: dict[str, Any] = {}
@@ -157,6 +159,10 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     for path in files:
         read_verified(path)
     out["disk_files_verified"], out["disk_files_verify_s"] = len(files), time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for path in files:
+        read_header(path)  # what recover()'s inventory reads of each file
+    out["disk_files_inventory_s"] = time.perf_counter() - t0
     out["errors"] = list(ckpt.errors)
     session.close()
     return out
@@ -207,9 +213,8 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
 def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,
                       timeout: timedelta) -> dict[str, Any]:
     from gemscout.gemini import comm
-    from gemscout.state import training_state
-    from gemscout.state.codec import decode
-    from gemscout.state.layout import parse_prefix, verify_data
+    from gemscout.gemini.arrival import VerifyOnArrival
+    from gemscout.gemini.restore import restore_frame
 
     rank, world = dist.get_rank(), dist.get_world_size()
     victim, survivor = world - 1, 0
@@ -231,7 +236,8 @@ def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, 
     digests = comm.gather_json([before, after], group=group, timeout=timeout)
     out["recovered_bitwise_equal"] = all(a == digests[survivor][0] for _, a in digests)
 
-    # The data path of that recovery on its own: send the held frame, verify every digest, restore.
+    # The data path of that recovery on its own, as recover() runs it: the peer sends the held frame, the owner
+    # verifies each chunk as it lands (VerifyOnArrival), checks what is left, and restores without copying.
     held = ckpt.replicas[victim].entries[0] if rank == survivor else None
     dist.barrier(group=group)
     t0 = time.perf_counter()
@@ -239,17 +245,35 @@ def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, 
         assert held is not None
         comm.exchange((held[1], held[2]), victim, None, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout)
     if rank == victim:
-        frame = comm.exchange(None, None, survivor, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout)
+        check = VerifyOnArrival()
+        frame = comm.exchange(None, None, survivor, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
+                              on_arrival=check)
         assert frame is not None
         t1 = time.perf_counter()
-        parsed = parse_prefix(frame[0])
-        verify_data(parsed, frame[1])
+        ckpt.verify_frame(frame, owner=victim, step=None, verified=check.result())
         t2 = time.perf_counter()
-        training_state.restore(ckpt.sources, decode(parsed.skeleton, parsed.layout.views(frame[1])))
+        restore_frame(ckpt, frame, owned=True)
         t3 = time.perf_counter()
         out.update({"recover_transfer_s": t3 - t0, "recover_transfer_recv_s": t1 - t0,
                     "recover_transfer_verify_s": t2 - t1, "recover_transfer_restore_s": t3 - t2})
     out["recovered_again_bitwise_equal"] = state_digest(trainer.tensors()) == digests[survivor][0]
+    # The floor of any recovery from a peer: moving the same bytes one way on a gloo group, nothing else.
+    nbytes = len(held[1]) + held[2].numel() if held is not None else 0
+    size = torch.tensor([nbytes], dtype=torch.int64)
+    dist.broadcast(size, src=survivor, group=group)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    if rank == survivor:
+        buf.fill_(1)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for off in range(0, buf.numel(), args.chunk_bytes):
+        piece = buf[off : off + args.chunk_bytes]
+        if rank == survivor:
+            dist.send(piece, victim, group=group)
+        elif rank == victim:
+            dist.recv(piece, survivor, group=group)
+    if rank == victim:
+        out["recover_raw_recv_s"] = time.perf_counter() - t0
     return out
 
 

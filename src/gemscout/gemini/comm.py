@@ -6,8 +6,9 @@ Every wait has a timeout; a missed deadline raises :class:`~gemscout.errors.Coll
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,12 +55,17 @@ def exchange(
     chunk_bytes: int,
     timeout: timedelta,
     recv_buffer: Any = None,
+    on_arrival: Callable[[bytes, torch.Tensor], Arrival] | None = None,
 ) -> tuple[bytes, torch.Tensor] | None:
     """Send a framed checkpoint ``(prefix, data)`` to ``dst`` while receiving one from ``src``.
 
     Either side may be None (one-way transfer). ``dst``/``src`` are global ranks. The data moves in chunks of
-    ``chunk_bytes`` so that memory in flight stays bounded. ``recv_buffer(nbytes)`` may supply a reusable uint8
-    tensor for the incoming data. Returns what was received, unverified (the caller checks digests).
+    ``chunk_bytes``, two chunks in flight, so that memory in flight stays bounded and the link never idles between
+    chunks. ``recv_buffer(nbytes)`` may supply a reusable uint8 tensor for the incoming data.
+    ``on_arrival(prefix, data)`` is called once the incoming header is in and returns an object whose
+    ``received(end)`` is called each time bytes ``[0, end)`` of the data have landed, while the next chunk is still
+    in flight (see :class:`gemscout.gemini.arrival.ArrivalCheck`); it must not raise. Returns what was received,
+    unverified unless the caller's ``on_arrival`` verified it.
     """
     works = []
     if send is not None:
@@ -78,18 +84,38 @@ def exchange(
         works.append(dist.irecv(rprefix, src, group=group))
     wait_all(works, timeout, "replica header exchange")
     rdata: torch.Tensor | None = None
+    arrival: Arrival | None = None
+    received_prefix = bytes(rprefix.numpy()) if src is not None else b""
     if src is not None:
         n = int(sizes[1])
         rdata = recv_buffer(n) if recv_buffer is not None else torch.empty(n, dtype=torch.uint8)
+        if on_arrival is not None:
+            arrival = on_arrival(received_prefix, rdata)
     send_n = send[1].numel() if send is not None else 0
     recv_n = rdata.numel() if rdata is not None else 0
+    in_flight: list[tuple[list[Any], int]] = []  # (works, received end once they complete)
     for off in range(0, max(send_n, recv_n), chunk_bytes):
         works = []
         if send is not None and off < send_n:
             works.append(dist.isend(send[1][off : off + chunk_bytes], dst, group=group))
         if rdata is not None and off < recv_n:
             works.append(dist.irecv(rdata[off : off + chunk_bytes], src, group=group))
-        wait_all(works, timeout, "replica data transfer")
+        in_flight.append((works, min(off + chunk_bytes, recv_n)))
+        if len(in_flight) > 1:
+            _land(in_flight.pop(0), arrival, timeout)
+    while in_flight:
+        _land(in_flight.pop(0), arrival, timeout)
     if src is None or rdata is None:
         return None
-    return bytes(rprefix.numpy()), rdata
+    return received_prefix, rdata
+
+
+class Arrival(Protocol):
+    def received(self, end: int) -> None: ...
+
+
+def _land(chunk: tuple[list[Any], int], arrival: Arrival | None, timeout: timedelta) -> None:
+    works, end = chunk
+    wait_all(works, timeout, "replica data transfer")
+    if arrival is not None:
+        arrival.received(end)

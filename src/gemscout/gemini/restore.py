@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from gemscout.config import TrustState
 from gemscout.errors import IntegrityError, RecoveryError, RunMismatchError
 from gemscout.gemini import comm, store
+from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
 from gemscout.state import training_state
 from gemscout.state.codec import decode
@@ -28,21 +30,35 @@ log = logging.getLogger("gemscout.gemini")
 Frame = tuple[bytes, torch.Tensor]
 
 
-def propose(ck: Checkpointer) -> tuple[dict[str, Any], dict[tuple[str, int, int], Any]]:
-    """What this rank can load and verify, and where each item lives (for the transfers)."""
-    where: dict[tuple[str, int, int], Any] = {}
+Item = tuple[str, int, int]
+"""(kind, owner, step): kind is "memory" / "local" (the owner's own slot / file) or "memory_held" / "held" (a
+replica this rank holds for ``owner``, in memory / on disk)."""
+
+
+def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[dict[str, Any], dict[Item, Any]]:
+    """What this rank can load, and where each item lives (for the transfers).
+
+    Memory is listed first and, for a step it holds, the disk is not consulted. Files on disk are inventoried by
+    their headers alone (identity, header digest, size): reading and hashing whole generations here, before the
+    group has even chosen a step, cost more than the restore itself. The tensor digests of whatever is chosen are
+    checked when it is loaded (:func:`_fetch`), before anything is restored; an item that fails there is listed in
+    ``failed`` (with why) and never proposed again, and the ranks decide again.
+    """
+    failed = failed or {}
+    where: dict[Item, Any] = {}
+    unusable = [f"rank {ck.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())]
     memory = []
     for slot in ck.pool.ready_slots():
-        memory.append(slot.step)
-        where[("memory", ck.rank, slot.step)] = slot.frame()
+        if ("memory", ck.rank, slot.step) not in failed:
+            memory.append(slot.step)
+            where[("memory", ck.rank, slot.step)] = slot.frame()
     own = []
-    unusable: list[str] = []
     for step in store.list_steps(ck.paths.own):
-        if step in memory:
-            continue  # memory is preferred for this step: reading and hashing the file would be wasted time
+        if step in memory or ("local", ck.rank, step) in failed:
+            continue  # memory is preferred for this step: reading the file would be wasted time
         path = store.step_file(ck.paths.own, step)
         try:
-            parsed, _ = store.read_verified(path)
+            parsed = store.read_header(path)
             ck.check_identity(parsed.identity, where=str(path))
         except (IntegrityError, OSError) as exc:
             log.warning("gemini: %s is unusable: %s", path, exc)
@@ -50,18 +66,20 @@ def propose(ck: Checkpointer) -> tuple[dict[str, Any], dict[tuple[str, int, int]
             continue
         own.append(step)
         where[("local", ck.rank, step)] = path
-    memory_held = {str(o): b.steps() for o, b in ck.replicas.items()}
+    memory_held: dict[str, list[int]] = {}
     for o, b in ck.replicas.items():
         for s, prefix, data in b.entries:
-            where[("memory_held", o, s)] = (prefix, data)
+            if ("memory_held", o, s) not in failed:
+                memory_held.setdefault(str(o), []).append(s)
+                where[("memory_held", o, s)] = (prefix, data)
     held: dict[str, list[int]] = {}
     for o in ck.paths.held_owners():
         for step in store.list_steps(ck.paths.replicas(o)):
-            if step in memory_held.get(str(o), []):
+            if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
                 continue  # the replica in memory is preferred
             path = store.step_file(ck.paths.replicas(o), step)
             try:
-                parsed, _ = store.read_verified(path)
+                parsed = store.read_header(path)
                 ck.check_identity(parsed.identity, where=str(path))
                 if parsed.identity.get("owner") != o:
                     raise IntegrityError("owner mismatch")
@@ -76,6 +94,19 @@ def propose(ck: Checkpointer) -> tuple[dict[str, Any], dict[tuple[str, int, int]
     proposal.update(ck.ledger.summary())
     return proposal, where
 
+
+def _describe(item: Item) -> str:
+    kind, owner, step = item
+    return {"memory": f"memory step {step}", "local": f"own step {step}",
+            "memory_held": f"in-memory replica of rank {owner} step {step}",
+            "held": f"replica of rank {owner} step {step}"}[kind]
+
+
+_MAX_ROUNDS = 64
+"""Each failed round marks at least one item failed on some rank, so rounds are bounded by the items; this is a
+backstop against a bug, not a limit a real job reaches."""
+
+
 def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
             min_trust: TrustState | None = None) -> RecoveryDecision:
     """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
@@ -83,11 +114,9 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
     Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
     """
     ck.drain()
-    excluded: set[int] = set()
-    for _ in range(ck.config.max_recovery_attempts + 2):
-        proposal, where = propose(ck)
-        for s in excluded:
-            proposal["rejected"] = sorted(set(proposal["rejected"]) | {s})
+    failed: dict[Item, str] = {}
+    for _ in range(_MAX_ROUNDS):
+        proposal, where = propose(ck, failed)
         proposals = comm.gather_json(proposal, group=ck.group, timeout=ck.config.timeout)
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
@@ -96,15 +125,23 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
                           failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
         if decision.mode == RecoveryMode.RESTORE:
             assert decision.step is not None
-            frame, err = _fetch(ck, decision, where)
-            if not comm.all_agree(err is None, group=ck.group, timeout=ck.config.timeout):
-                log.warning("gemini: step %d failed verification somewhere (%s); trying an older one",
-                            decision.step, err or "on a peer")
-                excluded.add(decision.step)
+            fetched = _fetch(ck, decision, where)
+            # Every rank learns every failure and who holds the failed item: that rank drops it and the ranks
+            # decide again (the same step from another source, or an older step).
+            outcomes = comm.gather_json(fetched.error, group=ck.group, timeout=ck.config.timeout)
+            if any(o is not None for o in outcomes):
+                for owner, why in enumerate(outcomes):
+                    if why is None:
+                        continue
+                    log.warning("gemini: step %d from %s failed verification on rank %d (%s); deciding again",
+                                decision.step, decision.sources[owner], owner, why)
+                    item = fetched.mine.get(owner)  # set only where this rank holds what failed
+                    if item is not None:
+                        failed[item] = fetched.send_errors.get(owner, why)
                 continue
             _deliver(ck, decision)
-            assert frame is not None
-            restore_frame(ck, frame)
+            assert fetched.frame is not None
+            restore_frame(ck, fetched.frame, owned=fetched.owned)
             ck.ledger.attempts[decision.step] = ck.ledger.attempts.get(decision.step, 0) + 1
         else:
             _deliver(ck, decision)
@@ -127,52 +164,77 @@ def _deliver(ck: Checkpointer, decision: RecoveryDecision) -> None:
     if ck.on_decision is not None:
         ck.on_decision(decision)
 
-def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[tuple[str, int, int], Any]) -> tuple[Frame | None, str | None]:
-    """Gather this rank's frame for the decided step: from memory, disk, or a peer. Returns (frame, error)."""
+@dataclass
+class _Fetched:
+    frame: Frame | None = None
+    owned: bool = False
+    """The frame's buffer is this rank's alone (received or read from disk): restore may keep its views."""
+    error: str | None = None
+    """Why this rank's own frame failed (None: verified)."""
+    mine: dict[int, Item] = field(default_factory=dict)
+    """Per owner, the item of *this* rank used for it: its own slot / file, or the replica it sent."""
+    send_errors: dict[int, str] = field(default_factory=dict)
+    """Per owner, why this rank could not read the replica it should have sent (it sent an empty frame)."""
+
+
+def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any]) -> _Fetched:
+    """Gather this rank's frame for the decided step from memory, disk or a peer, and verify it.
+
+    Peer transfers run first, in owner order on every rank (so the point-to-point pairs line up), and each owner
+    verifies what it receives chunk by chunk as it arrives; local sources are read and verified afterwards, so no
+    peer waits for this rank's own verification before its transfer starts.
+    """
     step = decision.step
     assert step is not None
-    frame: Frame | None = None
-    err: str | None = None
-    for owner in sorted(decision.sources):
-        src = decision.sources[owner]
-        holder = int(src.split(":")[1]) if src.startswith("peer:") else owner
-        if src.startswith("peer:") and ck.rank == holder:
-            comm.exchange(_held_frame(ck, where, owner, step), owner, None, group=ck.group,
-                          chunk_bytes=ck.config.chunk_bytes, timeout=ck.config.timeout)
-        if ck.rank == owner:
+    out = _Fetched()
+    peers = {o: int(src.split(":")[1]) for o, src in decision.sources.items() if src.startswith("peer:")}
+    for owner in sorted(peers):
+        holder = peers[owner]
+        if ck.rank == holder:
+            item: Item = ("memory_held", owner, step) if ("memory_held", owner, step) in where else \
+                ("held", owner, step)
+            out.mine[owner] = item
             try:
-                if src.startswith("peer:"):
-                    frame = comm.exchange(None, None, holder, group=ck.group,
-                                          chunk_bytes=ck.config.chunk_bytes, timeout=ck.config.timeout)
-                elif src == "memory":
-                    frame = where[("memory", owner, step)]
-                else:
-                    frame = _split(store.read_raw(where[("local", owner, step)]))
-                assert frame is not None
-                ck.verify_frame(frame, owner=owner, step=step)
-            except (IntegrityError, OSError, RunMismatchError) as exc:
-                err = f"{src}: {exc}"
-    return frame, err
+                frame = where[item] if item[0] == "memory_held" else store.read_frame(where[item])
+            except (IntegrityError, OSError) as exc:
+                # Still take part in the transfer (the owner is waiting for it); the empty frame fails its check.
+                out.send_errors[owner] = str(exc)
+                frame = (b"", torch.empty(0, dtype=torch.uint8))
+            comm.exchange(frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
+                          timeout=ck.config.timeout)
+        if ck.rank == owner:
+            check = VerifyOnArrival()
+            got = comm.exchange(None, None, holder, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
+                                timeout=ck.config.timeout, on_arrival=check)
+            try:
+                assert got is not None
+                ck.verify_frame(got, owner=owner, step=step, verified=check.result())
+                out.frame, out.owned = got, True
+            except (IntegrityError, RunMismatchError) as exc:
+                out.error = f"{decision.sources[owner]}: {exc}"
+    src = decision.sources.get(ck.rank, "")
+    if src in ("memory", "local"):
+        item = (src, ck.rank, step)
+        out.mine[ck.rank] = item
+        try:
+            if src == "memory":
+                out.frame, out.owned = where[item], False
+            else:
+                out.frame, out.owned = store.read_frame(where[item]), True
+            ck.verify_frame(out.frame, owner=ck.rank, step=step)
+        except (IntegrityError, OSError, RunMismatchError) as exc:
+            out.frame, out.error = None, str(exc)
+    return out
 
-def _held_frame(ck: Checkpointer, where: dict[tuple[str, int, int], Any], owner: int, step: int) -> Frame:
-    if ("memory_held", owner, step) in where:
-        return where[("memory_held", owner, step)]
-    return _split(store.read_raw(where[("held", owner, step)]))
 
-def restore_frame(ck: Checkpointer, frame: Frame) -> None:
+def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> None:
+    """Decode ``frame`` and load it into the live objects. ``owned``: nothing else uses the frame's buffer, so the
+    restored state may keep views of it instead of copies (an optimizer keeps the tensors it is given)."""
     parsed = parse_prefix(frame[0])
-    # Clone: a frame may be a slot or replica buffer GEMINI reuses; restored state must never alias it.
-    state = decode(parsed.skeleton, [v.clone() for v in parsed.layout.views(frame[1])])
+    views = parsed.layout.views(frame[1])
+    # A slot or replica buffer is reused by GEMINI: restored state must never alias it, so clone those.
+    state = decode(parsed.skeleton, views if owned else [v.clone() for v in views])
     training_state.restore(ck.sources, state)
-
-def _split(raw: bytes) -> Frame:
-    parsed = parse_prefix(raw)
-    if len(raw) != parsed.data_offset + parsed.layout.data_nbytes:
-        raise IntegrityError(f"checkpoint has {len(raw)} bytes, its header says {parsed.data_offset + parsed.layout.data_nbytes}")
-    buf = bytearray(raw)
-    data = torch.frombuffer(buf, dtype=torch.uint8, offset=parsed.data_offset, count=parsed.layout.data_nbytes) \
-        if parsed.layout.data_nbytes else torch.empty(0, dtype=torch.uint8)
-    return bytes(raw[: parsed.data_offset]), data
 
 
 def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:

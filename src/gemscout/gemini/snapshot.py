@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -118,10 +119,13 @@ class Capturer:
         self._stream: Any = None
         self.last_stall_s = 0.0
 
-    def capture(self, state: Any, identity: dict[str, Any], async_ptrs: set[int]) -> Future[Slot]:
+    def capture(self, state: Any, identity: dict[str, Any], async_ptrs: set[int],
+                then: Callable[[Slot], None] | None = None) -> Future[Slot]:
         """Start capturing ``state`` (see :mod:`gemscout.state.training_state`) into a free slot.
 
         Blocks only for the synchronous part: waiting for a free slot, copying buffers / caller state / RNG.
+        ``then(slot)`` runs on the copy thread once the slot is sealed, before the returned future completes (so
+        the next stage is queued from there, and the training thread wakes one thread per capture, not two).
         """
         t0 = time.perf_counter()
         self.wait_copied()
@@ -155,6 +159,8 @@ class Capturer:
             slot.prefix = frame_prefix(build_header(layout, digests, skeleton, identity))
             slot.step = int(identity["step"])
             slot.ready.set()
+            if then is not None:
+                then(slot)
             return slot
 
         future = self._copier.submit(work)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,10 +26,12 @@ from typing import Any
 import torch
 
 from gemscout.errors import IntegrityError
+from gemscout.state.digest import DIGEST_SIZE
 from gemscout.state.layout import Parsed, parse_prefix, verify_data
 
 _STEP = re.compile(r"^step-(\d{9})\.gsc$")
 _TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
+_HEAD = struct.Struct("<8sQ")  # magic, header length (see gemscout.state.layout)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -164,6 +167,55 @@ def read_verified(path: Path) -> tuple[Parsed, torch.Tensor]:
     return parsed, data
 
 
-def read_raw(path: Path) -> bytes:
-    """The file's bytes, unverified: for sending to a peer, which verifies on arrival."""
-    return path.read_bytes()
+def read_header(path: Path) -> Parsed:
+    """Read and verify a checkpoint file's header only, and check the file's size against it.
+
+    What recovery's inventory needs to propose the file: its identity and that it is whole. The tensor digests are
+    checked only when the file is actually loaded (:func:`read_frame` + verification), so proposing a generation
+    costs a few KiB of reading, not the whole file. Raises IntegrityError (bad magic, header digest, malformed
+    header, truncation, trailing bytes) or OSError.
+    """
+    with open(path, "rb") as fh:
+        return _read_prefix(fh, path)[1]
+
+
+def _read_prefix(fh: Any, path: Path) -> tuple[bytes, Parsed]:
+    """The file's magic, header and header digest (read from ``fh`` at offset 0), parsed and checked against the
+    file's size. Raises IntegrityError for truncation, a bad header or a size that does not match."""
+    start = fh.read(_HEAD.size)
+    if len(start) < _HEAD.size:
+        raise IntegrityError(f"{path.name} is truncated before its header")
+    _, header_len = _HEAD.unpack(start)
+    size = os.fstat(fh.fileno()).st_size
+    if header_len > size:
+        raise IntegrityError(f"{path.name} is truncated inside its header")
+    prefix = start + fh.read(header_len + DIGEST_SIZE)
+    parsed = parse_prefix(prefix)
+    _check_size(path, size, parsed)
+    return prefix, parsed
+
+
+def read_frame(path: Path) -> tuple[bytes, torch.Tensor]:
+    """The file as a frame ``(prefix, data)``, unverified: the data is read straight into a fresh tensor (no
+    intermediate copy). The header digest and the file size are checked; the caller verifies the tensor digests."""
+    with open(path, "rb") as fh:
+        prefix, parsed = _read_prefix(fh, path)
+        prefix += fh.read(parsed.data_offset - len(prefix))  # the padding: the frame's prefix is the file's
+        data = torch.empty(parsed.layout.data_nbytes, dtype=torch.uint8)
+        if data.numel():
+            view = data.numpy().data
+            got = 0
+            while got < len(view):
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise IntegrityError(f"{path.name} is truncated: it shrank while being read")
+                got += n
+    return prefix, data
+
+
+def _check_size(path: Path, size: int, parsed: Parsed) -> None:
+    end = parsed.data_offset + parsed.layout.data_nbytes
+    if size < end:
+        raise IntegrityError(f"{path.name} is truncated: {size} of {end} bytes")
+    if size > end:
+        raise IntegrityError(f"{path.name} has {size - end} unexpected trailing bytes")
