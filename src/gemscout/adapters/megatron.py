@@ -112,9 +112,13 @@ def megatron_topology(rank: int | None = None) -> Topology:
     if not ps.model_parallel_is_initialized():
         raise ConfigError("Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
                           "enable_resiliency; SCOUT reads its data-parallel groups")
+    # Expert TP defaults to the TP size (then experts replicate over the data-parallel group like dense weights);
+    # expert parallelism, or an expert TP of its own, gives expert weights other replicas than SCOUT's peers.
+    tp = ps.get_tensor_model_parallel_world_size()
     experts = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-               "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
-    if any(size > 1 for size in experts.values()):
+               "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+               "tensor_model_parallel_size": tp}
+    if experts["expert_model_parallel_size"] > 1 or experts["expert_tensor_parallel_size"] not in (None, tp):
         raise ConfigError(f"Megatron: SCOUT does not support expert parallelism yet ({experts}): expert weights are "
                           "replicated over the expert-data-parallel group, not the data-parallel group its peers "
                           "come from, so a replayed MoE layer would be compared against ranks holding other experts; "
