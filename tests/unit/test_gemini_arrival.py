@@ -7,22 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from frames_support import frame_of
 
 from gemscout.errors import IntegrityError
 from gemscout.gemini import store
 from gemscout.gemini.arrival import ArrivalCheck, VerifyOnArrival
 from gemscout.state.codec import encode
-from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
-
-
-def frame_of(obj: object) -> tuple[bytes, torch.Tensor]:
-    skeleton, tensors = encode(obj)
-    layout = Layout.of(tensors)
-    data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
-    for view, t in zip(layout.views(data), tensors, strict=True):
-        view.copy_(t)
-    return frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, {"step": 3})), data
-
+from gemscout.state.layout import Layout
 
 STATE = {"big": torch.randn(5000), "empty": torch.empty(0), "small": torch.arange(7), "mid": torch.randn(300, 3)}
 

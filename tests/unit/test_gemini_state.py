@@ -9,22 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from frames_support import frame_of
 
 from gemscout.errors import ConfigError, IntegrityError
 from gemscout.gemini import store
 from gemscout.state.codec import decode, encode
-from gemscout.state.layout import Layout, build_header, frame_prefix, parse_prefix, tensor_digests, verify_data
+from gemscout.state.layout import parse_prefix, verify_data
 from gemscout.state.training_state import capture_rng, restore_rng
-
-
-def frame_of(obj: object) -> tuple[bytes, torch.Tensor]:
-    skeleton, tensors = encode(obj)
-    layout = Layout.of(tensors)
-    data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
-    for view, t in zip(layout.views(data), tensors, strict=True):
-        view.copy_(t)
-    prefix = frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, {"step": 3}))
-    return prefix, data
 
 
 def restore(prefix: bytes, data: torch.Tensor) -> object:

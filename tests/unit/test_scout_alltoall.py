@@ -3,9 +3,6 @@ a real one-rank gloo group, and the EP / CP mesh peer rule (peers vary along dp,
 
 from __future__ import annotations
 
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,14 +99,6 @@ def test_judge_clean_sender_and_transit() -> None:
 def test_config_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         AllToAllConfig(**{field: value})  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 class Dispatch(torch.nn.Module):

@@ -7,12 +7,9 @@ Real ``fully_shard`` on a one-rank gloo group, in process; FSDP's ``FSDPParamGro
 from __future__ import annotations
 
 import functools
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -20,14 +17,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.func import functional_call
 
 from gemscout.scout.materialize import CollectiveTimer, _owned_by_fsdp, without_wrapper_hooks
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _fsdp_hooks(module: nn.Module) -> int:
