@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
-from gemscout.gemini import comm, store
+from gemscout.gemini import comm, durable_sharded, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig
@@ -347,15 +347,11 @@ class Checkpointer:
             # Sharded state: every rank holds a part, so every rank promotes (collectively, queued in the same
             # order on every rank since certify is collective). Replicated state: rank 0's copy stands for all.
             if self.sharded or self.rank == 0:
-                likes = self._live_shards() if self.sharded else {}
+                # here, on the training thread (see live_shards' docstring)
+                likes = durable_sharded.live_shards(self.sources) if self.sharded else {}
                 with self._lock:
                     self._pending.append(self._io.submit(self._promote, max(changed), likes))
         return changed
-
-    def _live_shards(self) -> dict[str, Any]:
-        from gemscout.gemini import durable_sharded
-
-        return durable_sharded.live_shards(self.sources)  # here, on the training thread (see its docstring)
 
     def _promote(self, step: int, likes: dict[str, Any]) -> None:
         """Promote this rank's verified checkpoint of ``step`` to the durable tier (on the io thread): rank 0 alone
@@ -363,7 +359,10 @@ class Checkpointer:
         assert self.durable is not None
         try:
             if self.sharded:
-                self._promote_sharded(step, likes)
+                assert self.durable.group is not None
+                durable_sharded.promote_own_file(
+                    self.durable, step, store.step_file(self.paths.own, step), likes, check=self.check_identity,
+                    group=self.durable.group, rank=self.rank, timeout=self.config.timeout)
             else:
                 parsed, data = store.read_verified(store.step_file(self.paths.own, step))
                 self.durable.promote(parsed, data)
@@ -372,20 +371,6 @@ class Checkpointer:
         except Exception as exc:
             self.errors.append(f"durable promotion of step {step} failed: {exc}")
             log.error("gemini: durable promotion of step %d failed: %s", step, exc)
-
-    def _promote_sharded(self, step: int, likes: dict[str, Any]) -> None:
-        from gemscout.gemini import durable_sharded
-
-        assert self.durable is not None and self.durable.group is not None
-        frame = None
-        try:
-            frame = store.read_verified(store.step_file(self.paths.own, step))
-            self.check_identity(frame[0].identity, where=f"own checkpoint of step {step}")
-        except (IntegrityError, OSError, RunMismatchError) as exc:
-            log.warning("gemini: cannot promote step %d: %s", step, exc)
-            frame = None  # still joins the collective, which then fails on every rank
-        durable_sharded.promote(self.durable, step, frame, likes, group=self.durable.group, rank=self.rank,
-                                timeout=self.config.timeout)
 
     def reject_candidates(self, reason: str) -> list[int]:
         """Collectively mark every uncertified candidate REJECTED (all ranks must call)."""

@@ -61,11 +61,12 @@ class DurableTier:
     def promote(self, parsed: Parsed, data: torch.Tensor) -> Path:
         """Write the verified checkpoint (``parsed`` header + ``data``) as a DCP directory with its sidecar.
 
-        Only replicated state (DDP) is promoted: rank 0's checkpoint stands for every rank. A sharded state (DTensor
-        shards: FSDP2, HSDP, TP) would need every rank's shard; it is refused rather than promoted half."""
+        Replicated state (DDP) only: rank 0's checkpoint stands for every rank. Sharded state (DTensor shards:
+        FSDP2, HSDP, TP) needs every rank's shard and is refused here rather than promoted half; it goes through the
+        collective :func:`gemscout.gemini.durable_sharded.promote`."""
         if _has_shards(parsed.skeleton):
-            raise IntegrityError("the durable tier holds replicated (DDP) state only; this checkpoint has sharded "
-                                 "DTensor state, which needs a collective promotion (not implemented)")
+            raise IntegrityError("this checkpoint has sharded DTensor state: promote it collectively "
+                                 "(durable_sharded.promote), not from rank 0 alone")
         step = int(parsed.identity["step"])
         final = self.path(step)
         if final.exists():

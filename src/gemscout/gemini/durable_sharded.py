@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gemscout.errors import IntegrityError, RunMismatchError
-from gemscout.gemini import comm
+from gemscout.gemini import comm, store
 from gemscout.gemini.store import _fsync_dir, write_json_atomic
 from gemscout.state import training_state
 from gemscout.state.codec import _is_dtensor, decode
@@ -109,6 +109,21 @@ def _dtensor(local: torch.Tensor, like: Any, shape: list[int], stride: list[int]
 
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
+
+
+def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *, check: Any,
+                     group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
+    """:func:`promote` with this rank's own checkpoint file of ``step``, read and verified here (``check(identity,
+    where=...)`` raises RunMismatchError for another run's file). A rank whose file is missing or bad still joins
+    the collective, which then fails on every rank."""
+    frame = None
+    try:
+        frame = store.read_verified(path)
+        check(frame[0].identity, where=f"own checkpoint of step {step}")
+    except (IntegrityError, OSError, RunMismatchError) as exc:
+        log.warning("gemini: cannot promote step %d: %s", step, exc)
+        frame = None
+    return promote(tier, step, frame, likes, group=group, rank=rank, timeout=timeout)
 
 
 def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *, group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
