@@ -32,6 +32,7 @@ from gemscout.oob import ClassifiedHealthEvent, HealthMonitor, HealthMonitorConf
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.engine import Scout
+from gemscout.scout.fsdp_comms import fsdp_modules
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.session import LIVE, Session
 from gemscout.state.training_state import StateSources, _unwrap
@@ -229,10 +230,10 @@ def enable_resiliency(
 
     job_timer = None
     if session.scout is not None and scout is not None and scout.job_collectives \
-            and isinstance(model, DistributedDataParallel):
+            and (isinstance(model, DistributedDataParallel) or fsdp_modules(model)):
         try:
             job_timer = session.scout.time_job_collectives(model)
-        except ConfigError as exc:  # a caller's own comm hook wins: DDP takes one
+        except ConfigError as exc:  # a caller's own DDP comm hook wins (DDP takes one); FSDP2 per-param meshes
             log.info("gemscout: job-collective timing not installed: %s", exc)
     if watch is not None:
         session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)

@@ -33,7 +33,7 @@ def test_the_late_rank_and_its_host_are_named_after_confirmations() -> None:
     assert report is not None
     assert (report.kind.value, report.scope.value, report.ranks, report.host) == ("straggler", "node", (2,), "c")
     assert report.evidence["signal"] == "communication" and report.evidence["wait_s"]["2"] == 0.001
-    assert report.reason.startswith("late to the job's all-reduces")
+    assert report.reason.startswith("late to the job's collectives")
 
 
 @pytest.mark.timeout(30)
@@ -43,3 +43,20 @@ def test_jitter_and_missing_timings_name_no_one() -> None:
     assert job_comm_report(detector, 2, _entries({0: 0.40, 1: None, 2: 0.001}), HOSTS) is None
     # Two late ranks at once: no single rank is common to the slow timings, so no one is named.
     assert job_comm_report(detector, 3, _entries({0: 0.40, 1: 0.001, 2: 0.001}), HOSTS) is None
+
+
+@pytest.mark.timeout(30)
+def test_lateness_is_judged_within_each_shard_group() -> None:
+    """FSDP2: ranks wait only for the members of their own shard group. Group (2, 3) is uniformly slower (a slow
+    replica all-reduce elsewhere) without anyone late inside it; rank 1 is late inside (0, 1). Judged over the
+    whole job, rank 2 and 3 would look punctual and rank 1 would be lost in the mix; per group, rank 1 alone is."""
+    waits = {0: 0.40, 1: 0.01, 2: 0.90, 3: 0.90}
+    timings = lateness_timings(waits, groups=[(0, 1), (2, 3)])
+    assert timings is not None
+    assert {n: round(t.seconds, 6) for n, t in timings.items()} == {
+        "rank-0-late": 0.0, "rank-1-late": 0.39, "rank-2-late": 0.0, "rank-3-late": 0.0}
+    detector = CommStragglerDetector(StragglerConfig(absolute_margin_s=0.05, confirmations=1))
+    report = job_comm_report(detector, 1, _entries(waits), {0: "a", 1: "b", 2: "c", 3: "d"},
+                             groups=[(0, 1), (2, 3)], source="FSDP2 all-gather / reduce-scatter")
+    assert report is not None and report.ranks == (1,) and report.host == "b"
+    assert "FSDP2" in report.evidence["source"]

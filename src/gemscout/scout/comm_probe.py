@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -198,28 +198,38 @@ class JobCollectiveTimer:
         return waited if buckets else None
 
 
-def lateness_timings(waits: Mapping[int, float | None]) -> dict[str, GroupTiming] | None:
+def lateness_timings(waits: Mapping[int, float | None],
+                     groups: Sequence[Sequence[int]] | None = None) -> dict[str, GroupTiming] | None:
     """One timing per rank from the ranks' summed waits in the same collectives: how much later than the most
-    punctual rank it arrived (the longest wait minus its own). None unless every rank has a finite wait."""
+    punctual rank of its group it arrived (the group's longest wait minus its own). ``groups``: the groups that ran
+    the collectives (FSDP's shard groups); None: one group of every rank (DDP). None unless every rank has a finite
+    wait."""
     if not waits or any(w is None or not math.isfinite(w) for w in waits.values()):
         return None
-    longest = max(w for w in waits.values() if w is not None)
-    return {f"rank-{r}-late": GroupTiming(frozenset((r,)), max(0.0, longest - (w or 0.0))) for r, w in waits.items()}
+    out = {}
+    for group in groups if groups is not None else (tuple(waits),):
+        longest = max(waits[r] or 0.0 for r in group)
+        out.update({f"rank-{r}-late": GroupTiming(frozenset((r,)), max(0.0, longest - (waits[r] or 0.0)))
+                    for r in group})
+    return out
 
 
 def job_comm_report(detector: CommStragglerDetector, step: int, by_rank: Mapping[int, Mapping[str, object]],
-                    rank_to_host: Mapping[int, str]) -> FaultReport | None:
+                    rank_to_host: Mapping[int, str], groups: Sequence[Sequence[int]] | None = None,
+                    source: str = "DDP gradient all-reduce") -> FaultReport | None:
     """The communication-straggler report (or None) from one cycle's gathered entries, whose ``"comm_s"`` hold each
-    rank's wait in the job's own collectives. A round where some rank has no wait (no all-reduce ran) is skipped."""
+    rank's wait in the job's own collectives (``groups``: see :func:`lateness_timings`). A round where some rank has
+    no wait (no collective ran) is skipped."""
     waits = {r: entry.get("comm_s") for r, entry in by_rank.items()}
-    timings = lateness_timings({r: float(w) if isinstance(w, int | float) else None for r, w in waits.items()})
+    timings = lateness_timings({r: float(w) if isinstance(w, int | float) else None for r, w in waits.items()},
+                               groups)
     if timings is None:
         return None
     report = detector.observe(step, timings, rank_to_host)
     if report is None:
         return None
-    evidence = {**report.evidence, "source": "job collectives (DDP gradient all-reduce, lateness per rank)",
+    evidence = {**report.evidence, "source": f"job collectives ({source}, lateness per rank)",
                 "wait_s": {str(r): w for r, w in waits.items()}}
     return FaultReport(kind=report.kind, scope=report.scope, ranks=report.ranks, step=report.step, evidence=evidence,
-                       confirmations=report.confirmations, reason="late to the job's all-reduces: " + report.reason,
+                       confirmations=report.confirmations, reason="late to the job's collectives: " + report.reason,
                        host=report.host)

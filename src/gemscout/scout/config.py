@@ -68,10 +68,12 @@ class ScoutConfig:
     comm_probe: CommProbeConfig | None = None
     """Probe collectives on overlapping groups to find communication stragglers (None: off)."""
     job_collectives: bool = False
-    """Time the job's own gradient all-reduces (a DDP comm hook that scales and reduces exactly as DDP does) and report
-    a rank that is late to them as a communication straggler with its host, judged with ``stragglers``' margins
-    (``enable_resiliency`` installs it on a DDP model; DDP takes one comm hook, so it is skipped, with a log line,
-    when the model already has one). Off by default: on a loaded host, scheduling noise alone makes ranks late by
+    """Time the job's own collectives and report a rank that is late to them as a communication straggler with its
+    host, judged with ``stragglers``' margins: DDP's gradient all-reduces (a comm hook that scales and reduces exactly
+    as DDP does; DDP takes one comm hook, so it is skipped, with a log line, when the model already has one) or FSDP2's
+    all-gathers and reduce-scatters (its custom-comm seam, lateness judged within each shard group; HSDP's replica
+    all-reduce is not timed). ``enable_resiliency`` installs it on a DDP or ``fully_shard`` model. Off by default:
+    on a loaded host, scheduling noise alone makes ranks late by
     more than the default 2 ms margin — raise ``StragglerConfig.absolute_margin_s`` to what your network's jitter is."""
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ from gemscout.scout.cycle import (
 )
 from gemscout.scout.digests import digest_many
 from gemscout.scout.exchange import PeerExchange
+from gemscout.scout.fsdp_comms import FsdpCollectiveTimer, build_job_timer
 from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
 from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
@@ -144,7 +145,7 @@ class Scout(ReplaySeams):
         self.rotation = RotationTracker(self._mesh.job_names if self._mesh is not None else self.catalog.names)
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
-        self._job_timer: JobCollectiveTimer | None = None
+        self._job_timer: JobCollectiveTimer | FsdpCollectiveTimer | None = None
         self._comm_detector = CommStragglerDetector(self.config.stragglers)
         self._attached = True
         self.set_next_step(first_step)
@@ -158,6 +159,8 @@ class Scout(ReplaySeams):
         if self._step_handle is not None:
             self._step_handle.remove()
             self._step_handle = None
+        if isinstance(self._job_timer, FsdpCollectiveTimer):
+            self._job_timer.remove()
 
     # -- public state and seams -------------------------------------------------------------------------------------
     @property
@@ -179,18 +182,16 @@ class Scout(ReplaySeams):
         armed = {r.name for r in self.catalog.due(step) if r.has_module} if capture else set()
         self._capture.arm(step, armed)
 
-    def time_job_collectives(self, ddp: nn.Module) -> JobCollectiveTimer:
-        """Time ``ddp``'s own gradient all-reduces as communication-straggler evidence (a DDP comm hook; see
-        :class:`~gemscout.scout.comm_probe.JobCollectiveTimer`). Every cycle then carries each peer's wait in its
-        record row and reports a rank that is late to them (kind ``straggler``, evidence signal ``communication``)
-        after ``config.stragglers.confirmations`` rounds. Collective on the peer group (host names are gathered):
-        call on every rank, after :meth:`attach`. Raises ``ConfigError`` when DDP already has a comm hook, stragglers
-        are disabled, or the model is not replicated over the peer group."""
+    def time_job_collectives(self, model: nn.Module) -> JobCollectiveTimer | FsdpCollectiveTimer:
+        """Time the job's own collectives as communication-straggler evidence: a DDP model's gradient all-reduces (a
+        comm hook, :class:`~gemscout.scout.comm_probe.JobCollectiveTimer`) or a ``fully_shard`` model's all-gathers
+        and reduce-scatters (:class:`~gemscout.scout.fsdp_comms.FsdpCollectiveTimer`). Every cycle then carries each
+        rank's wait in its record row and reports a rank late to them in its group (kind ``straggler``, evidence
+        signal ``communication``) after ``config.stragglers.confirmations`` rounds. Collective: call on every rank,
+        after :meth:`attach`. Raises ``ConfigError`` as :func:`~gemscout.scout.fsdp_comms.build_job_timer` says."""
         self._require_attached()
-        if self._exchange is None or self._mesh is not None or self.config.stragglers is None:
-            raise ConfigError("Scout.time_job_collectives: needs a replicated (DDP) model with ScoutConfig.stragglers")
         if self._job_timer is None:
-            self._job_timer = JobCollectiveTimer(ddp, group=self._exchange.group, timeout=self.config.timeout)
+            self._job_timer = build_job_timer(model, self._exchange, self._mesh, self.config)
         return self._job_timer
 
     # -- the step hook ----------------------------------------------------------------------------------------------
@@ -259,12 +260,13 @@ class Scout(ReplaySeams):
                 records[recipe.name]["gather_s"] = seconds
         assert self._exchange is not None  # only a topology without peers has none, and it never gets here
         names = [r.name for r in due]
+        comm_s = self._job_timer.take() if self._job_timer is not None else None
         if mesh is not None and mesh.topology.stage_dims:
             by_rank = mesh.gather_records(records)  # pipeline stages record different recipes
         elif mesh is not None:
-            by_rank = self._exchange.gather_records(names, records, group=mesh.domain, ranks=mesh.domain_ranks)
+            by_rank = self._exchange.gather_records(names, records, comm_s=comm_s, group=mesh.domain,
+                                                    ranks=mesh.domain_ranks)
         else:
-            comm_s = self._job_timer.take() if self._job_timer is not None else None
             by_rank = self._exchange.gather_records(names, records, comm_s=comm_s)
         ranks = tuple(by_rank)
         results = {}
@@ -280,8 +282,10 @@ class Scout(ReplaySeams):
             results[name] = combine_groups(name, step, judged)
         reports = [report for result in results.values() if (report := result.fault_report()) is not None]
         reports += compute_reports(self._detectors, self.config.stragglers, step, results, times, len(ranks))
-        if self._job_timer is not None and (late := job_comm_report(
-                self._comm_detector, step, by_rank, self._job_timer.rank_to_host)) is not None:
+        timer = self._job_timer
+        if timer is not None and (late := job_comm_report(
+                self._comm_detector, step, by_rank, timer.rank_to_host, getattr(timer, "groups", None),
+                "FSDP2 all-gather / reduce-scatter" if mesh is not None else "DDP gradient all-reduce")) is not None:
             reports.append(late)
         extra: dict[str, Any] = {}
         if mesh is not None:
