@@ -7,6 +7,7 @@ the interval is 3 or more), p50 and p95 step latency, peak RSS per rank. Overhea
 thresholds (``params.thresholds``; defaults are the issue's limits: GEMINI −5 % throughput / +10 % p95,
 SCOUT −3 % / +7.5 %, combined −7.5 % / +15 %).
 
+``params.rotate_kinds``: SCOUT replays one recipe kind per due step (``ScoutConfig.rotate_kinds``).
 ``params.device``: ``cpu`` (default) or ``cuda`` (the model and batches on GPU 0, shared by the ranks over gloo: the
 GPU tier's healthy path). Observed: ``within_thresholds`` (bool), ``overhead`` per mode; metrics: ``modes`` and ``thresholds`` (the report's
 overhead chart reads them).
@@ -56,7 +57,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                     "--workload", cell["workload"], "--seed", str(cell.get("seed", 0)),
                     "--steps", str(p.get("steps", 40)), "--warmup", str(p.get("warmup", 5)),
                     "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{mode}-{r}"),
-                    "--device", str(p.get("device", "cpu"))]
+                    "--device", str(p.get("device", "cpu"))] + (["--rotate-kinds"] if p.get("rotate_kinds") else [])
             res = launch(argv, world_size=world, timeout_s=float(cell.get("timeout_s", 300)), log_dir=celldir / "logs",
                          attempt=r * len(modes) + modes.index(mode))
             if not res.ok:

@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)")
+    ap.add_argument("--rotate-kinds", action="store_true", help="ScoutConfig(rotate_kinds=True): one kind per due step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -55,7 +56,7 @@ def main() -> None:
             kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt, run_id=f"perf-{args.mode}",
                                                              fsync=False)
         if args.mode in ("scout", "combined"):
-            kwargs["scout"] = gemscout.ScoutConfig()
+            kwargs["scout"] = gemscout.ScoutConfig(rotate_kinds=args.rotate_kinds)
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
     latencies = []
     replay: dict[str, list[float]] = {}

@@ -181,6 +181,30 @@ def test_due_schedule_visits_every_recipe_within_one_rotation() -> None:
     assert catalog.fingerprint() != build_catalog(model, opt, ScoutConfig(optimizer_slice_numel=1000)).fingerprint()
 
 
+def test_rotating_kinds_replays_one_kind_per_due_step_and_still_visits_every_recipe() -> None:
+    """``rotate_kinds``: the n-th due step replays one kind (embedding, hidden, output, optimizer in turn); each kind's
+    own rotation advances once per turn, so within kinds x members due steps every recipe is replayed — and the
+    tracker certifies only once every recipe passed clean."""
+    model, opt = three_block()
+    catalog = build_catalog(model, opt, ScoutConfig(interval=2, rotate_kinds=True))
+    assert catalog.due(3) == ()
+    kinds = [{r.kind.value for r in catalog.due(step)} for step in range(2, 2 + 2 * 8, 2)]
+    assert kinds == [{"hidden"}, {"output"}, {"optimizer"}, {"embedding"}] * 2  # the n-th due step: kinds[n % 4]
+    assert all(len(catalog.due(step)) == 1 for step in range(2, 40, 2))  # one block / one slice per turn
+    rounds = 4 * 3  # 4 kinds, 3 blocks and 3 optimizer slices
+    seen = [r.name for step in range(2, 2 + 2 * rounds, 2) for r in catalog.due(step)]
+    assert set(seen) == set(catalog.names)
+    tracker = RotationTracker(catalog.names)
+    certified = [tracker.record(step, {r.name: agree(r.name, step) for r in catalog.due(step)})
+                 for step in range(2, 2 + 2 * rounds, 2)]
+    # optimizer.2, the last recipe to come up, passes at step 22 (n = 11); hidden.0's pass at step 2 is the oldest
+    assert certified[:10] == [None] * 10 and certified[10:] == [2, 2]
+    with pytest.raises(ConfigError, match="rotate_kinds"):
+        ScoutConfig(rotate_kinds=True, recipe_intervals={"optimizer": 4})
+    with pytest.raises(ConfigError, match="rotate_kinds"):
+        ScoutConfig(rotate_kinds=1)  # type: ignore[arg-type]
+
+
 def test_catalog_errors_name_the_field_to_set() -> None:
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(mlp.parameters(), lr=0.1)

@@ -41,6 +41,11 @@ class ScoutConfig:
     """Blocks replayed per due step, rotating through the blocks; None replays every block at every due step."""
     optimizer_slices_per_cycle: int | None = 1
     """Optimizer slices replayed per due step, rotating; None replays every slice at every due step."""
+    rotate_kinds: bool = False
+    """Replay one recipe kind per due step, the catalog's kinds in turn (embedding, hidden, output, optimizer),
+    instead of every kind at every due step: a cycle costs roughly a quarter (what is replayed is one kind's
+    recipes), and certification waits that many times more due steps (every recipe must still pass clean, see
+    :mod:`~gemscout.scout.rotation`). Not with ``recipe_intervals``, nor on pipeline stages (their catalogs differ)."""
     optimizer_slice_numel: int = 1 << 16
     """Upper bound on the elements of one optimizer slice (whole parameters; a larger parameter is a slice alone)."""
     embedding: str | None = None
@@ -86,6 +91,9 @@ class ScoutConfig:
             require(_is_int(every) and every >= 1, c, "recipe_intervals",
                     f"[{kind!r}] must be an int >= 1, got {every!r}")
         object.__setattr__(self, "recipe_intervals", types.MappingProxyType(dict(self.recipe_intervals)))
+        require(type(self.rotate_kinds) is bool, c, "rotate_kinds", f"must be True or False, got {self.rotate_kinds!r}")
+        require(not (self.rotate_kinds and self.recipe_intervals), c, "rotate_kinds",
+                "cannot be combined with recipe_intervals (one cadence, the kinds in turn); drop one of them")
         require(isinstance(self.recipes, tuple | list) and len(self.recipes) > 0, c, "recipes",
                 f"must be a non-empty tuple drawn from {RECIPE_KINDS}, got {self.recipes!r}")
         unknown = [kind for kind in self.recipes if kind not in RECIPE_KINDS]

@@ -72,6 +72,9 @@ class MeshCycle:
         the stages would disagree on which steps are due (a step due on one stage only would run the cycle's
         collectives on part of the mesh)."""
         self.job_names = catalog.names
+        if self.topology.stage_dims and catalog.config.rotate_kinds:
+            raise ConfigError("ScoutConfig.rotate_kinds: pipeline stages hold different recipe kinds, so a kind's "
+                              "turn would be due on some stages only; leave rotate_kinds off with pipelining")
         if self.topology.stage_dims:
             cadences = sorted({catalog.config.interval_of(r.kind.value) for r in catalog.recipes})
             everyone = gather_json({"names": list(catalog.names), "cadences": cadences}, group=self.domain,

@@ -303,20 +303,28 @@ class Catalog:
 
         A kind with cadence ``k`` is due when ``step % k == 0``; its ``n``-th due step (``n = step // k``) takes the
         next ``per_cycle`` members of the kind, wrapping around, so every member comes up within
-        ``ceil(len / per_cycle)`` consecutive due steps.
+        ``ceil(len / per_cycle)`` consecutive due steps. With ``rotate_kinds`` the ``n``-th due step (``n = step //
+        interval``) replays one kind only, the catalog's kinds in turn, and that kind's ``n // kinds``-th turn picks
+        its members the same way.
         """
+        if self.config.rotate_kinds:
+            present = [kind for kind in RecipeKind if self._by_kind[kind]]
+            if not present or step % self.config.interval:
+                return ()
+            n = step // self.config.interval
+            return self._take(present[n % len(present)], n // len(present))
         out: list[Recipe] = []
-        per_cycle = {RecipeKind.HIDDEN: self.config.hidden_per_cycle,
-                     RecipeKind.OPTIMIZER: self.config.optimizer_slices_per_cycle}
         for kind in RecipeKind:
-            members = self._by_kind[kind]
             every = self.config.interval_of(kind.value)
-            if not members or step % every:
-                continue
-            take = per_cycle.get(kind)
-            if take is None or take >= len(members):
-                out += members
-                continue
-            start = (step // every) * take
-            out += [members[(start + j) % len(members)] for j in range(take)]
+            if self._by_kind[kind] and not step % every:
+                out += self._take(kind, step // every)
         return tuple(out)
+
+    def _take(self, kind: RecipeKind, turn: int) -> tuple[Recipe, ...]:
+        """The members of ``kind`` replayed at its ``turn``-th due step (every member with no per-cycle limit)."""
+        members = self._by_kind[kind]
+        take = {RecipeKind.HIDDEN: self.config.hidden_per_cycle,
+                RecipeKind.OPTIMIZER: self.config.optimizer_slices_per_cycle}.get(kind)
+        if take is None or take >= len(members):
+            return tuple(members)
+        return tuple(members[(turn * take + j) % len(members)] for j in range(take))
