@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on a lent GPU machine (the `device` tool's `run`), results under $OUT:
-#   1. pytest tests/gpu -m gpu  (CUDA RNG capture/restore, pinned side-stream capture; Megatron/TorchTitan tests
+#   1. pytest tests/gpu -m gpu  (CUDA RNG capture/restore, pinned side-stream capture, SCOUT replay on CUDA;
+#      Megatron/TorchTitan tests
 #      skip there unless those frameworks are installed)      -> gpu-tier-junit.xml, gpu-tier-pytest.log
 #   2. qualification.bench.gemini_cuda: the capture's stall and D2H bandwidth vs the raw pinned copy, and how much
 #      of the copy hides under compute                          -> gemini-cuda-bench.json
