@@ -7,12 +7,22 @@ Topologies (:data:`PIPELINE_TOPOLOGIES`; rank = pp coordinate * dp + replica):
 * ``pp-virtual``, ``pp-virtual-dp`` — four stages over two pp ranks, two per rank in the looped order the
   multi-stage schedules use (rank ``c`` holds stages ``c`` and ``c + 2``), 1 or 2 replicas: Interleaved 1F1B or
   Looped BFS. The rank's stage modules are held in one ``nn.ModuleList`` (one optimizer, one gemscout session).
+* ``pp-virtual`` / ``pp-virtual-dp`` also run Interleaved Zero Bubble (``interleaved-zb``: each backward split into
+  an input-gradient and a weight-gradient pass).
+* ``pp-v``, ``pp-v-dp`` — four stages over two pp ranks in the V order of ``ScheduleZBVZeroBubble`` (``zbv``) and
+  ``ScheduleDualPipeV`` (``dualpipev``): rank ``c`` holds stages ``c`` and ``3 - c`` (the first and the last stage
+  on the same rank), 1 or 2 replicas.
 * ``pp-dp-ddp`` — ``pp-dp`` with each stage module wrapped in ``DistributedDataParallel`` over its dp group (DDP
   reduces the accumulated gradients once, in the last micro-batch's backward; no hand-written average).
+* ``pp-fsdp`` — two stages x 2, each stage module ``fully_shard``ed (each block, then the stage) over the dp dim of
+  the ("pp", "dp") mesh: FSDP2 reduce-scatters the averaged gradients (no hand-written average); GPipe or 1F1B.
+* ``pp-tp`` — two stages x tensor parallelism 2 on a ("pp", "tp") mesh: each block's MLP is sharded over tp (fc1
+  column-wise, fc2 row-wise); the tp partners read the same batch. No dp dim, so SCOUT has no peers.
 
 Each rank builds only its stage(s) (:func:`qualification.workloads.pipeline.build_stage`), runs its schedule with
-:data:`MICROBATCHES` micro-batches and — with replicas and no DDP — averages its gradients over the dp group with one
-all-reduce of a flat buffer (deterministic: gloo's all-reduce leaves the same bits on every member, run after run).
+:data:`MICROBATCHES` micro-batches and — with replicas and neither DDP nor FSDP2 — averages its gradients over the dp
+group with one all-reduce of a flat buffer (deterministic: gloo's all-reduce leaves the same bits on every member, run
+after run).
 The loss exists on the rank of the last stage only; it is broadcast along the pipeline so every rank records it.
 """
 
@@ -28,7 +38,8 @@ from torch import nn
 from qualification.workloads import lm_loss
 from qualification.workloads.pipeline import build_stage
 
-__all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Layout", "Pipeline", "build_pipeline"]
+__all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Layout", "Pipeline", "build_pipeline",
+           "fitting_schedules", "stage_ids"]
 
 
 class Layout(NamedTuple):
@@ -42,18 +53,28 @@ class Layout(NamedTuple):
     """Stages each rank holds."""
     ddp: bool = False
     """Wrap each stage module in DistributedDataParallel over its dp group."""
+    order: str = "loop"
+    """Which stages a rank holds when it holds several: ``loop`` (coordinate ``c``: ``c, c + pp, ...``) or ``v``
+    (``c`` and ``2 pp - 1 - c``)."""
+    fsdp: bool = False
+    """``fully_shard`` each stage module over the dp dim (its parameters become DTensors)."""
+    tp: int = 1
+    """Tensor-parallel degree inside each stage (a ``tp`` mesh dim instead of ``dp``; replicas must be 1)."""
 
 
 PIPELINE_TOPOLOGIES: dict[str, Layout] = {
     "pp": Layout(2, 1), "pp-dp": Layout(2, 2), "pp-dp3": Layout(2, 3),
     "pp3": Layout(3, 1), "pp3-dp2": Layout(3, 2),
     "pp-virtual": Layout(4, 1, per_rank=2), "pp-virtual-dp": Layout(4, 2, per_rank=2),
-    "pp-dp-ddp": Layout(2, 2, ddp=True),
+    "pp-v": Layout(4, 1, per_rank=2, order="v"), "pp-v-dp": Layout(4, 2, per_rank=2, order="v"),
+    "pp-dp-ddp": Layout(2, 2, ddp=True), "pp-fsdp": Layout(2, 2, fsdp=True),
+    "pp-tp": Layout(2, 1, tp=2),
 }
 """Topology name → layout. ``PIPELINE_TOPOLOGIES[name][1]`` is the replica count."""
 SINGLE_SCHEDULES = ("gpipe", "1f1b")
-MULTI_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
-SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
+MULTI_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
+V_SCHEDULES = ("zbv", "dualpipev")
+SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES + V_SCHEDULES
 MICROBATCHES = 4
 
 
@@ -71,13 +92,15 @@ class Pipeline:
     """This rank's coordinate along dp: the data shard it reads."""
     replicas: int
     mesh: Any
-    """The DeviceMesh: ``("pp",)`` or ``("pp", "dp")``; give it to ``ScoutConfig(mesh=...)``."""
+    """The DeviceMesh: ``("pp",)``, ``("pp", "dp")`` or ``("pp", "tp")``; give it to ``ScoutConfig(mesh=...)``."""
     schedule: Any
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
-    """The group this rank averages its gradients over by hand (None: a pure pipeline, or DDP does it)."""
+    """The group this rank averages its gradients over by hand (None: no dp dim, or DDP / FSDP2 does it)."""
     last_rank: int
     """Global rank of the last stage of this rank's pipeline (the rank that computes the loss)."""
+    order: str = "loop"
+    """The stage order of a rank's several stages (:attr:`Layout.order`), for ``ScoutConfig.stage_order``."""
 
     @property
     def stage(self) -> int:
@@ -114,13 +137,30 @@ class Pipeline:
 
 
 def _schedule(name: str, stages: list[Any], layout: Layout) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+    import torch.distributed.pipelining as pipelining
 
+    kind = getattr(pipelining, _SCHEDULE_CLASSES[name])
+    return kind(stages[0] if layout.per_rank == 1 else stages, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+
+
+_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                     "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                     "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def fitting_schedules(layout: Layout) -> tuple[str, ...]:
+    """The schedules that fit a layout: one stage per rank, several in the looped order, or two in the V order."""
     if layout.per_rank == 1:
-        kind = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-        return kind(stages[0], n_microbatches=MICROBATCHES, loss_fn=lm_loss)
-    multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
-    return multi(stages, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+        return SINGLE_SCHEDULES
+    return V_SCHEDULES if layout.order == "v" else MULTI_SCHEDULES
+
+
+def stage_ids(layout: Layout, coord: int) -> tuple[int, ...]:
+    """The stages the rank at pp coordinate ``coord`` holds, in the order its schedule expects them."""
+    pp_size = layout.stages // layout.per_rank
+    if layout.order == "v":
+        return (coord, layout.stages - 1 - coord)
+    return tuple(coord + i * pp_size for i in range(layout.per_rank))
 
 
 def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) -> Pipeline:
@@ -136,23 +176,37 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
     if schedule not in SCHEDULES:
         raise SystemExit(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     layout = PIPELINE_TOPOLOGIES[topology]
-    if (layout.per_rank > 1) != (schedule in MULTI_SCHEDULES):
-        fits = MULTI_SCHEDULES if layout.per_rank > 1 else SINGLE_SCHEDULES
-        raise SystemExit(f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank); "
-                         f"choose one of {fits}")
+    if schedule not in (fits := fitting_schedules(layout)):
+        raise SystemExit(f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank, "
+                         f"{layout.order} order); choose one of {fits}")
     pp_size, replicas = layout.stages // layout.per_rank, layout.replicas
+    inner = replicas * layout.tp  # ranks per pp coordinate (a layout has a dp or a tp dim, never both)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != pp_size * replicas:
-        raise SystemExit(f"topology {topology} needs {pp_size * replicas} ranks, the job has {world}")
-    if replicas == 1:
+    if world != pp_size * inner:
+        raise SystemExit(f"topology {topology} needs {pp_size * inner} ranks, the job has {world}")
+    if inner == 1:
         mesh = init_device_mesh("cpu", (pp_size,), mesh_dim_names=("pp",))
         pp_mesh, dp_group, replica = mesh, None, 0
     else:
-        mesh = init_device_mesh("cpu", (pp_size, replicas), mesh_dim_names=("pp", "dp"))
-        pp_mesh, dp_group, replica = mesh["pp"], mesh["dp"].get_group(), rank % replicas
-    coord = rank // replicas
-    stage_ids = tuple(coord + i * pp_size for i in range(layout.per_rank))  # the looped order of multi schedules
-    mods: list[nn.Module] = [build_stage(workload, seed=seed, stage=s, n_stages=layout.stages) for s in stage_ids]
+        mesh = init_device_mesh("cpu", (pp_size, inner), mesh_dim_names=("pp", "tp" if layout.tp > 1 else "dp"))
+        pp_mesh, replica = mesh["pp"], rank % replicas
+        dp_group = mesh["dp"].get_group() if replicas > 1 else None
+    coord = rank // inner
+    ids = stage_ids(layout, coord)
+    mods: list[nn.Module] = [build_stage(workload, seed=seed, stage=s, n_stages=layout.stages) for s in ids]
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for m in mods:  # Megatron-style MLP sharding; attention, embedding and head stay plain (replicated over tp)
+            for block in m.blocks:
+                parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if layout.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in mods:  # each block its own unit, then the stage (its embedding, norm, head)
+            for block in m.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(m, mesh=mesh["dp"])
     if layout.ddp:
         assert dp_group is not None  # every ddp layout has replicas
         mods = [DDP(m, process_group=dp_group) for m in mods]
@@ -164,9 +218,10 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
             m.require_backward_grad_sync = False
     pp_group = pp_mesh.get_group()
     pipe_stages = [PipelineStage(m, s, layout.stages, torch.device("cpu"), group=pp_group)
-                   for m, s in zip(mods, stage_ids, strict=True)]
-    last_coord = (layout.stages - 1) % pp_size
-    return Pipeline(module=mods[0] if len(mods) == 1 else nn.ModuleList(mods), stages=stage_ids,
+                   for m, s in zip(mods, ids, strict=True)]
+    last_coord = 0 if layout.order == "v" else (layout.stages - 1) % pp_size
+    return Pipeline(module=mods[0] if len(mods) == 1 else nn.ModuleList(mods), stages=ids,
                     n_stages=layout.stages, replica=replica, replicas=replicas, mesh=mesh,
                     schedule=_schedule(schedule, pipe_stages, layout), pp_group=pp_group,
-                    dp_group=None if layout.ddp else dp_group, last_rank=last_coord * replicas + replica)
+                    dp_group=None if layout.ddp or layout.fsdp else dp_group,
+                    last_rank=last_coord * inner + rank % inner, order=layout.order)

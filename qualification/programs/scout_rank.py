@@ -131,7 +131,8 @@ def main() -> None:
             comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
                                        stragglers=StragglerConfig(absolute_margin_s=0.15))
             if args.comm_probe_interval else None,
-            mesh=pipe.mesh if pipe is not None else None, data_parallel_dims=pipe.data_dims if pipe else None),
+            mesh=pipe.mesh if pipe is not None else None, data_parallel_dims=pipe.data_dims if pipe else None,
+            stage_order=pipe.order if pipe is not None else "loop"),
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()))
     assert session.scout is not None

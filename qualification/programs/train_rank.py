@@ -10,10 +10,11 @@ Faults (all real): ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank 
 (on GEMINI's io thread, through its phase hook), or ``random:<max_ms>`` (a timer fires a random delay after step S,
 wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test).
 
-Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``pp3``, ``pp3-dp2``, ``pp-dp-ddp``: ``--schedule gpipe|1f1b``;
-``pp-virtual``, ``pp-virtual-dp``: ``--schedule interleaved-1f1b|looped-bfs``): each rank builds and trains only its
-stage(s) (:mod:`qualification.programs._pipeline`) and hands that stage module (the ``nn.ModuleList`` of its stage
-modules, the DDP-wrapped stage) and its optimizer to gemscout unchanged.
+Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``pp3``, ``pp3-dp2``, ``pp-dp-ddp``, ``pp-fsdp``: ``--schedule
+gpipe|1f1b``; ``pp-virtual``, ``pp-virtual-dp``: ``--schedule interleaved-1f1b|looped-bfs|interleaved-zb``; ``pp-v``,
+``pp-v-dp``: ``--schedule zbv|dualpipev``): each rank builds and trains only its stage(s)
+(:mod:`qualification.programs._pipeline`) and hands that stage module (the ``nn.ModuleList`` of its stage modules,
+the DDP-wrapped or ``fully_shard``ed stage) and its optimizer to gemscout unchanged.
 """
 
 from __future__ import annotations

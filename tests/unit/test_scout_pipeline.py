@@ -117,3 +117,67 @@ def test_several_stages_per_rank_need_one_stage_dim_and_a_module_list() -> None:
     stage = build_stage("three-block", seed=0, stage=0, n_stages=4)
     with pytest.raises(ConfigError, match="nn.ModuleList of that many"):
         build_catalog(stage, None, ScoutConfig(recipes=("hidden",)), stage="pp0", chunk_labels=("pp0", "pp2"))
+
+
+@pytest.mark.timeout(30)
+def test_v_shaped_stages_are_named_by_their_own_stage() -> None:
+    """ZBV Zero Bubble and DualPipeV place stages in a V: on a pp=2 mesh coordinate 0 holds stages 0 and 3 (the first
+    and the last), coordinate 1 stages 1 and 2. ``ScoutConfig(stage_order="v")`` names each module of the rank's list
+    by that stage, so stage 3's recipes (its block, norm and head) are ``pp3.*``, never ``pp2.*``."""
+    from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, fitting_schedules, stage_ids
+
+    v = PIPELINE_TOPOLOGIES["pp-v-dp"]
+    assert [stage_ids(v, c) for c in (0, 1)] == [(0, 3), (1, 2)]
+    assert [stage_ids(PIPELINE_TOPOLOGIES["pp-virtual"], c) for c in (0, 1)] == [(0, 2), (1, 3)]
+    assert fitting_schedules(v) == ("zbv", "dualpipev")
+    assert "interleaved-zb" in fitting_schedules(PIPELINE_TOPOLOGIES["pp-virtual"])
+    v_labels = [pipeline((2, 2), r).chunk_labels(2, order="v") for r in range(4)]
+    assert v_labels == [("pp0", "pp3")] * 2 + [("pp1", "pp2")] * 2
+    assert pipeline((3,), 2, dp=False).chunk_labels(2, order="v") == ("pp2", "pp3")
+    with pytest.raises(ConfigError, match="two stages per rank"):
+        pipeline((2, 2), 0).chunk_labels(3, order="v")
+    with pytest.raises(ConfigError, match="ScoutConfig.stage_order"):
+        ScoutConfig(stage_order="zigzag")
+    config = ScoutConfig(optimizer_slice_numel=20000, stage_order="v")
+    mods = torch.nn.ModuleList(build_stage("three-block", seed=0, stage=s, n_stages=4) for s in (0, 3))
+    catalog = build_catalog(mods, torch.optim.AdamW(mods.parameters()), config, stage="pp0",
+                            chunk_labels=pipeline((2, 2), 0).chunk_labels(2, order=config.stage_order))
+    forward = {r.name: r.modules for r in catalog.recipes if r.kind is not RecipeKind.OPTIMIZER}
+    assert forward == {"pp0.embedding": ("0.embed",), "pp0.hidden.0": ("0.blocks.0",),
+                       "pp3.hidden.0": ("1.blocks.0",), "pp3.output": ("1.norm", "1.head")}
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_sharded_stages_take_the_pipeline_dim_from_the_mesh(one_rank: None) -> None:
+    """A stage ``fully_shard``ed over ``dp`` of a (pp, dp) mesh: given ``ScoutConfig.mesh`` (the root mesh), the dim
+    no parameter lives on (pp) is the stage dim and dp the shard dim; without it pp would be taken for a TP-like dim
+    and stage names would be lost. Another mesh is refused naming the field. TP-sharded stages: pp is the stage dim,
+    tp a model dim, no peers. (One-rank meshes: the rule is the same.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gemscout.scout.topology import discover
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    stage = build_stage("three-block", seed=0, stage=0, n_stages=2)
+    for block in stage.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(stage, mesh=mesh["dp"])
+    t = discover(stage, data_dims=("dp",), rank=0, mesh=mesh)
+    assert t is not None
+    assert (t.stage_dims, t.shard_dims, t.peer_dims, t.stage_label) == (("pp",), ("dp",), ("dp",), "pp0")
+    assert discover(stage, rank=0, mesh=mesh).stage_dims == ("pp",)  # dp found from fully_shard
+    assert discover(stage, rank=0).stage_dims == ()  # no mesh given: pp is a model dim, not a stage
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    with pytest.raises(ConfigError, match="ScoutConfig.mesh"):
+        discover(stage, data_dims=("dp",), rank=0, mesh=other)
+    # TP-sharded stages (pp x tp): tp is the dim the parameters live on, pp the stage dim; no dp dim, no peers.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "tp"))
+    tp_stage = build_stage("three-block", seed=0, stage=1, n_stages=2)
+    for block in tp_stage.blocks:
+        parallelize_module(block, tp_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    t = discover(tp_stage, rank=0, mesh=tp_mesh)
+    assert t is not None and (t.stage_dims, t.data_dims, t.model_dims) == (("pp",), (), ("pp", "tp"))
+    assert not t.comparable and "pipeline stages" in t.reason

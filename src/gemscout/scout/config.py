@@ -62,10 +62,16 @@ class ScoutConfig:
     ``fully_shard`` module's mesh (none when the model has no FSDP module, e.g. pure TP). Set it for a mesh used
     without FSDP, e.g. ``("dp",)`` for DDP over the dp dim of a (dp, tp) mesh."""
     mesh: Any = field(default=None, hash=False, compare=False)
-    """The DeviceMesh of a job whose model has plain (non-DTensor) parameters on a mesh: a pipeline stage, replicated
-    along ``data_parallel_dims`` by DDP or an all-reduce (None: read the mesh from DTensor parameters, or none). Its
-    other dims are pipeline dims: ranks with different coordinates there hold different modules, so recipe names are
-    qualified by the stage (``pp1.hidden.0``) and only ranks of the same stage are compared (docs/torchrun.md)."""
+    """The DeviceMesh of a pipeline job: a stage with plain parameters replicated along ``data_parallel_dims`` by DDP
+    or an all-reduce, or a stage ``fully_shard``ed / TP-sharded on a sub-mesh of it (then it must be that root mesh).
+    None: read the mesh from DTensor parameters, or none. Its other dims that no parameter lives on are pipeline dims:
+    ranks with different coordinates there hold different modules, so recipe names are qualified by the stage
+    (``pp1.hidden.0``) and only ranks of the same stage are compared (docs/torchrun.md)."""
+    stage_order: str = "loop"
+    """With ``mesh``, the stages a rank holds when it gives an ``nn.ModuleList`` of several stage modules, in list
+    order: ``"loop"`` (the rank at pipeline coordinate ``c`` of ``n`` holds ``c, c + n, c + 2n, ...``: Interleaved
+    1F1B, Looped BFS, Interleaved Zero Bubble) or ``"v"`` (two stages, ``c`` and ``2n - 1 - c``: ZBV Zero Bubble,
+    DualPipeV)."""
     timeout: timedelta = timedelta(seconds=120)
     """Bound on every collective of a cycle; a peer that misses it raises ``CollectiveTimeout``."""
     stragglers: StragglerConfig | None = field(default_factory=StragglerConfig)
@@ -119,6 +125,8 @@ class ScoutConfig:
                 f"must be None or a torch DeviceMesh (init_device_mesh(...)), got {type(self.mesh).__name__}")
         if dims is not None:
             object.__setattr__(self, "data_parallel_dims", tuple(dims))
+        require(self.stage_order in ("loop", "v"), c, "stage_order",
+                f"must be 'loop' (interleaved / looped schedules) or 'v' (ZBV, DualPipeV), got {self.stage_order!r}")
         require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",
                 f"must be a positive datetime.timedelta, got {self.timeout!r}")
         require(self.stragglers is None or isinstance(self.stragglers, StragglerConfig), c, "stragglers",

@@ -113,7 +113,8 @@ class Scout(ReplaySeams):
         # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0); an
         # nn.ModuleList of stage modules (several stages per rank) names each module's recipes by its own stage.
         stage = topology.stage_label if topology is not None else ""
-        chunks = topology.chunk_labels(len(root)) if topology and stage and isinstance(root, nn.ModuleList) else ()
+        chunks = (topology.chunk_labels(len(root), order=self.config.stage_order)
+                  if topology and stage and isinstance(root, nn.ModuleList) else ())
         self.catalog: Catalog = build_catalog(root, optimizer, self.config, stage=stage, chunk_labels=chunks)
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""

@@ -98,18 +98,24 @@ class Topology:
         coord = self._coords()
         return "-".join(f"{d}{coord[self.dims.index(d)]}" for d in self.stage_dims)
 
-    def chunk_labels(self, count: int) -> tuple[str, ...]:
-        """The stage labels of ``count`` stage modules on this rank (interleaved / looped schedules), in the looped
-        order of torch's multi-stage schedules: along the stage dim of size ``n`` the rank at coordinate ``c`` holds
-        stages ``c, c + n, c + 2n, ...`` (``pp0``, ``pp2`` on a pp=2 mesh). Raises ``ConfigError`` unless the mesh has
-        exactly one stage dim."""
+    def chunk_labels(self, count: int, order: str = "loop") -> tuple[str, ...]:
+        """The stage labels of ``count`` stage modules on this rank (multi-stage schedules). Along the stage dim of
+        size ``n`` the rank at coordinate ``c`` holds, in ``order`` ``"loop"`` (interleaved / looped schedules), stages
+        ``c, c + n, c + 2n, ...`` (``pp0``, ``pp2`` on a pp=2 mesh); in ``order`` ``"v"`` (ZBV, DualPipeV) the two
+        stages ``c`` and ``2n - 1 - c`` (``pp0``, ``pp3``). Raises ``ConfigError`` unless the mesh has exactly one
+        stage dim, or for a V order of other than two stages."""
         if len(self.stage_dims) != 1:
             raise ConfigError(f"SCOUT: several stage modules per rank need exactly one pipeline dim on the mesh; "
                               f"ScoutConfig.mesh has stage dims {list(self.stage_dims)}")
         dim = self.stage_dims[0]
         axis = self.dims.index(dim)
-        coord = self._coords()[axis]
-        return tuple(f"{dim}{coord + k * self.shape[axis]}" for k in range(count))
+        coord, size = self._coords()[axis], self.shape[axis]
+        if order == "v":
+            if count != 2:
+                raise ConfigError(f"SCOUT: ScoutConfig.stage_order='v' holds two stages per rank (c and 2n - 1 - c); "
+                                  f"this rank gave an nn.ModuleList of {count}")
+            return (f"{dim}{coord}", f"{dim}{2 * size - 1 - coord}")
+        return tuple(f"{dim}{coord + k * size}" for k in range(count))
 
     def _coords(self) -> tuple[int, ...]:
         flat, out = self.ranks.index(self.rank), []
@@ -284,9 +290,10 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
     """The topology of ``model`` from its DTensor parameters, or None when it has none (DDP or a plain module:
     every rank is a replica, the classic case).
 
-    ``mesh``: the DeviceMesh of a model with plain parameters (a pipeline stage, ``ScoutConfig.mesh``): its
-    ``data_dims`` are the data-parallel dims (none: a pure pipeline, no peers) and every other dim is a stage dim.
-    Raises ``ConfigError`` when ``mesh`` is given for a model whose parameters are DTensors (they bring their mesh).
+    ``mesh``: the DeviceMesh of a pipeline stage (``ScoutConfig.mesh``). With plain parameters its ``data_dims``
+    are the data-parallel dims (none: a pure pipeline, no peers) and every other dim is a stage dim. With DTensor
+    parameters (a stage ``fully_shard``ed over ``dp``, or TP-sharded) it must be their root mesh, and its stage dims
+    are the model dims no parameter is placed on (``pp``). Raises ``ConfigError`` when it is another mesh.
 
     ``data_dims``: the data-parallel mesh dim names; None derives them from ``fully_shard`` (the dims of every FSDP
     module's mesh; none at all when the model has no FSDP module, e.g. pure TP). Raises ``ConfigError`` when the
@@ -309,21 +316,25 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
                               "per model is supported")
         names, _, _ = _mesh_facts(param_mesh)
         placements.append((names, param.placements))
-    if mesh is not None:
-        if root is not None:
-            raise ConfigError("ScoutConfig.mesh is for models with plain parameters (pipeline stages); this model's "
-                              "parameters are DTensors and bring their own mesh: leave ScoutConfig.mesh unset")
+    if mesh is not None and root is None:
         names, _, _ = _mesh_facts(mesh)
         data = tuple(data_dims or ())
         return from_mesh(mesh, data_dims=data, rank=rank, stage_dims=[d for d in names if d not in data])
     if root is None:
         return None
+    if mesh is not None and _mesh_facts(mesh) != _mesh_facts(root):
+        raise ConfigError(f"ScoutConfig.mesh {list(_mesh_facts(mesh)[0])} is not the mesh the model's DTensor "
+                          f"parameters live on ({list(_mesh_facts(root)[0])}): pass the root mesh the stage was "
+                          "sharded from, or leave ScoutConfig.mesh unset")
     if data_dims is None:
         found = _fsdp_data_dims(model)
         data_dims = tuple(sorted(found)) if found else ()
     for names, kinds in placements:
         sharded.update(n for n, p in zip(names, kinds, strict=True) if not p.is_replicate() and n in data_dims)
-    return from_mesh(root, data_dims=data_dims, shard_dims=sorted(sharded), rank=rank)
+    # Sharded pipeline stages (FSDP2 or TP inside each stage): the dims no parameter lives on are the stage dims.
+    used = {n for names, _ in placements for n in names}
+    stages = [d for d in _mesh_facts(root)[0] if d not in used and d not in data_dims] if mesh is not None else []
+    return from_mesh(root, data_dims=data_dims, shard_dims=sorted(sharded), rank=rank, stage_dims=stages)
 
 
 def create_groups(topology: Topology, timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
