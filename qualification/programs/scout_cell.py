@@ -6,7 +6,9 @@ Launches :mod:`qualification.programs.scout_rank` on ``world_size`` ranks and re
 output from ``step`` until ``heal_step``), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted replay),
 ``replay-delay`` (``rank``, ``seconds``: every replay of that rank sleeps), ``comm-delay`` (``rank``, ``seconds``,
 ``interval``: that rank sleeps before every probe collective), ``collective-delay`` (``rank``, ``seconds``, ``step``:
-from that step on, every collective of that rank's replays is delayed — a slow TP collective).
+from that step on, every collective of that rank's replays is delayed — a slow TP collective), ``job-delay``
+(``rank``, ``seconds``, ``step``: SCOUT times the job's own collectives, ``ScoutConfig.job_collectives``, and from that
+step on the rank enters the first of each step late — DDP's first gradient bucket, FSDP2's first all-gather).
 
 ``topology`` other than ``ddp`` (fsdp2, hsdp, tp, fsdp2-tp, pp, pp-dp, pp-dp3; ``params.schedule`` picks the
 pipeline schedule) runs the ranks on that mesh and trains the same steps
@@ -51,6 +53,9 @@ def _argv(cell: dict[str, Any], out: Path) -> list[str]:
     elif kind == "collective-delay":
         argv += ["--collective-delay-rank", str(f["rank"]), "--collective-delay-s", str(f.get("seconds", 0.3)),
                  "--collective-delay-step", str(f.get("step", 1))]
+    elif kind == "job-delay":
+        argv += ["--job-delay-rank", str(f["rank"]), "--job-delay-s", str(f.get("seconds", 0.4)),
+                 "--job-delay-step", str(f.get("step", 1))]
     elif kind != "none":
         raise ValueError(f"scout_cell: unknown fault kind {kind!r}")
     topology = str(cell.get("topology", "ddp"))
@@ -75,7 +80,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ranks = [json.loads((celldir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
     r0 = ranks[0]
     kind = fault["kind"]
-    report_kind = "straggler" if kind in ("replay-delay", "comm-delay", "collective-delay") else "sdc"
+    report_kind = "straggler" if kind in ("replay-delay", "comm-delay", "collective-delay", "job-delay") else "sdc"
     found = [rep for rep in r0["reports"] if rep["kind"] == report_kind]
     obs: dict[str, Any] = {
         "sdc_reports": sum(rep["kind"] == "sdc" for rep in r0["reports"]),

@@ -100,6 +100,11 @@ def main() -> None:
     ap.add_argument("--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective")
     ap.add_argument("--collective-delay-s", type=float, default=0.4)
     ap.add_argument("--collective-delay-step", type=int, default=0)
+    ap.add_argument("--job-delay-rank", type=int, default=-1,
+                    help="time the job's own collectives (ScoutConfig.job_collectives) and enter the first one of "
+                         "each step late on this rank: DDP's first gradient bucket, FSDP2's first all-gather")
+    ap.add_argument("--job-delay-s", type=float, default=0.4)
+    ap.add_argument("--job-delay-step", type=int, default=1)
     ap.add_argument("--straggler-margin-s", type=float, default=0.25)
     ap.add_argument("--diverge-rank", type=int, default=-1, help="corrupt this rank's own copy (its shard) of a weight")
     ap.add_argument("--diverge-step", type=int, default=0, help="... right before this step's forward")
@@ -132,7 +137,7 @@ def main() -> None:
                                        stragglers=StragglerConfig(absolute_margin_s=0.15))
             if args.comm_probe_interval else None,
             mesh=pipe.mesh if pipe is not None else None, data_parallel_dims=pipe.data_dims if pipe else None,
-            stage_order=pipe.order if pipe is not None else "loop"),
+            stage_order=pipe.order if pipe is not None else "loop", job_collectives=args.job_delay_rank >= 0),
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()))
     assert session.scout is not None
@@ -147,6 +152,17 @@ def main() -> None:
     injector.set(*faults)
     if rank == args.comm_delay_rank and session.comm_probe is not None:
         session.comm_probe.register_before_collective(lambda group: time.sleep(args.comm_delay_s))
+    late = {"armed": False}
+    if args.job_delay_rank >= 0:
+        timer = session.scout.time_job_collectives(ddp)  # the one enable_resiliency installed
+
+        def arrive_late(_which: object) -> None:
+            if late["armed"]:
+                late["armed"] = False  # once per step: the first of the step's collectives
+                time.sleep(args.job_delay_s)
+
+        if rank == args.job_delay_rank:
+            timer.register_before_collective(arrive_late)
     due = {}
     cycles: dict[int, dict[str, Any]] = {}
     # A diverged replica changes training from then on: the baseline comparison stops the step before (unless the
@@ -171,6 +187,7 @@ def main() -> None:
             weight = model.blocks[args.fault_block].fc1.weight
             with torch.no_grad():  # this rank's stored copy (its local shard, under FSDP) silently changes
                 (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] += 1.0
+        late["armed"] = step >= args.job_delay_step
         train(ddp, opt, step, args.topology, rank, pipe)
         result = session.scout.last_result
         if result is not None and result.step == step:
