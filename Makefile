@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: setup demo test test-fast bench lint types clean
+.PHONY: setup demo test test-fast test-torchtitan bench lint types clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,16 @@ test: $(STAMP)  ## the whole test suite (unit, real gloo process groups, end-to-
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/pytest -q tests/unit
+
+TT := .venv-tt
+$(TT)/.installed: pyproject.toml
+	$(PY) -m venv $(TT)
+	$(TT)/bin/pip install -q 'torch==2.13.0' torchtitan==0.3.0 triton==3.7.1
+	$(TT)/bin/pip install -q -e . 'torch==2.13.0'
+	touch $@
+
+test-torchtitan: $(STAMP) $(TT)/.installed  ## TorchTitan Trainer.train() on CPU under gemscout (separate .venv-tt, ~2.2 GB)
+	$(BIN)/pytest -q tests/distributed/test_torchtitan_cpu.py
 
 bench: $(STAMP)  ## GEMINI benchmarks vs memcpy, raw gloo and DCP; JSON in bench-results/
 	$(BIN)/python -m qualification.bench.gemini --out bench-results/gemini.json

@@ -44,8 +44,10 @@ def launch(
     env: dict[str, str] | None = None,
     local_world_size: int | None = None,
     attempt: int = 0,
+    python: str | None = None,
 ) -> LaunchResult:
-    """Run ``python argv...`` as ``world_size`` ranks; wait for all, or tear down when one fails or time runs out."""
+    """Run ``python argv...`` as ``world_size`` ranks; wait for all, or tear down when one fails or time runs out.
+    ``python``: the interpreter (default: this one; e.g. another virtualenv's for an optional framework)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
@@ -60,7 +62,7 @@ def launch(
             "TORCHELASTIC_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1",
         })
         log = open(log_dir / f"rank{rank}.attempt{attempt}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, *argv], env=penv, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([python or sys.executable, *argv], env=penv, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     first_failed: int | None = None
     timed_out = False

@@ -263,6 +263,19 @@ def test_torchtitan_argument_rules_name_the_fix() -> None:
         resolve(empty, None)
 
 
+def test_torchtitan_scout_replays_the_inner_class_and_skips_a_chunked_head() -> None:
+    """What a real torchtitan 0.3.0 Trainer showed (tests/distributed/test_torchtitan_cpu.py): SCOUT's optimizer recipe
+    replays in the inner optimizers' class, and under ChunkedLossWrapper (the model stops before lm_head) the output
+    recipe is off, every other recipe kept."""
+    trainer = Trainer()
+    assert OptimizersView(trainer.optimizers).replay_class is torch.optim.AdamW
+    plain = resolve(trainer, None, scout=ScoutConfig())
+    assert plain.scout is not None and "output" in plain.scout.recipes
+    trainer.model_parts[0]._skip_lm_head = True  # type: ignore[assignment]  # set by Trainer for ChunkedLossWrapper
+    chunked = resolve(trainer, None, scout=ScoutConfig())
+    assert chunked.scout is not None and chunked.scout.recipes == ("embedding", "hidden", "optimizer")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -121,7 +121,7 @@ def resolve(
                              schedulers=schedulers, scout=scout, group=group)
         return Target(framework=framework, model=tt.model, optimizer=cast(torch.optim.Optimizer, tt.optimizer),
                       extra_state_fn=tt.extra_state_fn, load_extra_state_fn=tt.load_extra_state_fn,
-                      schedulers=tt.schedulers, scout=tt.scout)
+                      schedulers=tt.schedulers, scout=tt.scout, scout_topology=tt.topology)
     if framework is Framework.MEGATRON:
         from gemscout.adapters.megatron import resolve_megatron
 

@@ -16,9 +16,13 @@ Pass the trainer itself: ``enable_resiliency(trainer, None, checkpoint=...)`` af
   are stored as uint8 tensors), plus the caller's own extra state;
 - ``parallel_dims``: SCOUT reads its peers from the parameters' DeviceMesh (``fully_shard`` dims are data-parallel);
   with DDP x TP (``dp_replicate`` > 1 without ``dp_shard``) the replicate dim is named for it. Pipeline parallelism
-  and expert parallelism are refused for SCOUT (GEMINI covers them).
+  and expert parallelism are refused for SCOUT (GEMINI covers them). TorchTitan 0.3.0 builds every named mesh
+  (``fsdp``, ``dp_replicate``, ``tp`` ...) by unflattening one 1-D ``world`` mesh, so the parameters' mesh is not a
+  slice of its root and SCOUT cannot read the data-parallel dims from the root: when the parameters share one mesh
+  that holds those dims (FSDP, HSDP), SCOUT's topology is that mesh (:func:`param_mesh_topology`).
 
-Nothing here imports torchtitan; a real ``Trainer`` needs a GPU (see tests/gpu/test_torchtitan.py).
+Nothing here imports torchtitan. A real ``Trainer`` runs on CPU only through the test-only shims of
+qualification/frameworks/torchtitan_cpu.py (tests/distributed/test_torchtitan_cpu.py); GPU: tests/gpu/test_torchtitan.py.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from torch import nn
 
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.errors import ConfigError
+from gemscout.scout.topology import Topology, _fsdp_data_dims, from_mesh
 
-__all__ = ["OptimizersView", "TrainerParts", "resolve_trainer"]
+__all__ = ["OptimizersView", "TrainerParts", "param_mesh_topology", "resolve_trainer"]
 
 log = logging.getLogger("gemscout")
 
@@ -68,6 +73,9 @@ class OptimizersView(InnerOptimizers):
     def __init__(self, container: Any) -> None:
         self.container = container
         self.inner: list[torch.optim.Optimizer] = list(container.optimizers)
+        classes = {type(opt) for opt in self.inner}
+        # SCOUT's optimizer recipe replays one update in a private optimizer of the class that did it: the inner one.
+        self.replay_class: type[torch.optim.Optimizer] | None = classes.pop() if len(classes) == 1 else None
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
         return self.container.register_step_pre_hook(hook)
@@ -110,6 +118,8 @@ class TrainerParts:
     load_extra_state_fn: Callable[[Any], None]
     schedulers: tuple[Any, ...]
     scout: Any
+    topology: Topology | None = None
+    """SCOUT's peers when they cannot be read from the parameters' root mesh (see :func:`param_mesh_topology`)."""
 
 
 def _model(trainer: Any) -> nn.Module:
@@ -120,17 +130,46 @@ def _model(trainer: Any) -> nn.Module:
     return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
 
 
-def _scout_config(scout: Any, dims: Any, parts: int) -> Any:
+def _scout_config(scout: Any, dims: Any, parts: int, model_skips_head: bool = False) -> Any:
     if parts > 1 or int(getattr(dims, "pp", 1)) > 1:
         raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism is not supported yet; "
                           "pass scout=None (GEMINI covers every stage)")
     if int(getattr(dims, "ep", 1)) > 1:
         raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan expert parallelism is not supported yet; "
                           "pass scout=None")
+    if scout.recipes and model_skips_head:
+        # ChunkedLossWrapper (the llama3 configs' loss): the model's forward stops before lm_head and the loss applies
+        # the head to sequence chunks after it, so no forward of the recipe (norm + head) on one input exists.
+        log.info("gemscout: SCOUT's output recipe is off under TorchTitan's ChunkedLossWrapper (the head runs on "
+                 "sequence chunks inside the loss)")
+        scout = replace(scout, recipes=tuple(r for r in scout.recipes if r != "output"))
     replicate_only = int(getattr(dims, "dp_replicate", 1)) > 1 and int(getattr(dims, "dp_shard", 1)) == 1
     if scout.data_parallel_dims is None and replicate_only and int(getattr(dims, "tp", 1)) > 1:
         return replace(scout, data_parallel_dims=("dp_replicate",))  # DDP x TP: no fully_shard names the dp dim
     return scout
+
+
+def param_mesh_topology(model: nn.Module, data_dims: Sequence[str] | None) -> Topology | None:
+    """SCOUT's topology from the one DeviceMesh every DTensor parameter lives on, when that mesh is not its own root
+    (TorchTitan 0.3.0 unflattens its named meshes from a 1-D ``world`` mesh) and holds the data-parallel dims
+    (``data_dims``, else the dims of every ``fully_shard`` module's mesh). None otherwise: SCOUT then reads the model
+    itself (plain parameters, a mesh that is its own root), as for any PyTorch model."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    meshes = {(tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
+              for p in params}
+    if len(meshes) != 1:
+        return None  # plain parameters, or several meshes (TP beside FSDP): SCOUT's own reading decides
+    mesh = next(iter(meshes.values()))
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names or mesh._get_root_mesh() is mesh:
+        return None
+    data = tuple(data_dims) if data_dims is not None else tuple(sorted(_fsdp_data_dims(model) or ()))
+    if not data or not set(data) <= set(names):
+        return None
+    sharded = {n for p in params for n, pl in zip(names, p.placements, strict=True) if not pl.is_replicate()}
+    return from_mesh(mesh, data_dims=data, shard_dims=sorted(sharded & set(data)))
 
 
 def resolve_trainer(
@@ -161,8 +200,11 @@ def resolve_trainer(
         raise ConfigError("enable_resiliency.group: with a TorchTitan Trainer SCOUT's peers come from the model's "
                           "DeviceMesh (trainer.parallel_dims); leave group unset")
     dims = trainer.parallel_dims
+    topology = None
     if scout is not None:
-        scout = _scout_config(scout, dims, len(trainer.model_parts))
+        skips_head = bool(getattr(trainer.model_parts[-1], "_skip_lm_head", False))
+        scout = _scout_config(scout, dims, len(trainer.model_parts), skips_head)
+        topology = param_mesh_topology(model, scout.data_parallel_dims)
     if getattr(getattr(getattr(trainer, "config", None), "checkpoint", None), "enable", False):
         log.warning("gemscout: TorchTitan's own checkpointing is enabled; Trainer.train() loads its newest DCP "
                     "checkpoint at start, which would replace the step gemscout restored")
@@ -184,4 +226,5 @@ def resolve_trainer(
             load_extra_state_fn(state["caller"])
 
     return TrainerParts(model=model, optimizer=OptimizersView(container), extra_state_fn=extra,
-                        load_extra_state_fn=load_extra, schedulers=(trainer.lr_schedulers,), scout=scout)
+                        load_extra_state_fn=load_extra, schedulers=(trainer.lr_schedulers,), scout=scout,
+                        topology=topology)

@@ -131,8 +131,9 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
     if recipe.has_module:
         named: dict[str, torch.Tensor] = {}
         for path, module in zip(recipe.modules, modules, strict=True):
-            named.update({f"{path}.{n}": t for n, t in module.state_dict(keep_vars=True).items()
-                          if isinstance(t, torch.Tensor)})
+            # Attribute names, not state_dict keys: a checkpoint wrapper's state_dict drops its
+            # "_checkpoint_wrapped_module." prefix, and ``gathered`` (which must replace every DTensor shard) uses these.
+            named.update({f"{path}.{n}": t for n, t in [*module.named_parameters(), *module.named_buffers()]})
         named.update(gathered or {})
         return digest_many(named)
     if gathered is not None:

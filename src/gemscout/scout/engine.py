@@ -374,7 +374,9 @@ class Scout(ReplaySeams):
                         outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
                 else:
                     # The received inputs are views of the exchange's buffer, read by no one after this replay.
-                    outcome = replay_optimizer(type(self._optimizer), self._optimizer.defaults, captured, ctx,
+                    # A view over several torch optimizers (TorchTitan's container) names the class that updates.
+                    cls = getattr(self._optimizer, "replay_class", None) or type(self._optimizer)
+                    outcome = replay_optimizer(cls, self._optimizer.defaults, captured, ctx,
                                                self._hooks, self._params[recipe.params[0]].device, consume=True)
             finally:
                 self._current, self._capture.paused = None, False

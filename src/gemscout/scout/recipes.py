@@ -99,16 +99,17 @@ def _inside(name: str, container: str | None) -> bool:
 
 def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
     if config.blocks is not None:
-        if not isinstance(_resolve(model, config.blocks, "blocks"), nn.ModuleList):
-            raise ConfigError(f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList of blocks")
+        if not isinstance(_resolve(model, config.blocks, "blocks"), nn.ModuleList | nn.ModuleDict):
+            raise ConfigError(f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList (or ModuleDict) of blocks")
         return config.blocks
     best: tuple[int, str] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or len(module) == 0:
+            continue  # a ModuleDict: TorchTitan keeps its blocks in one ("layers": {"0": ..., "1": ...})
         # Repeated identical blocks: one type, and the same parameter shapes in each (not a list of assorted heads).
-        shapes = {tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in module}
-        if len({type(child) for child in module}) != 1 or len(shapes) != 1 or not next(iter(shapes)):
+        children = list(module.children())
+        shapes = {tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in children}
+        if len({type(child) for child in children}) != 1 or len(shapes) != 1 or not next(iter(shapes)):
             continue
         size = sum(p.numel() for p in module.parameters())
         if best is None or size > best[0]:
@@ -250,10 +251,9 @@ def _recipes(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: 
         if blocks is None:
             raise ConfigError("ScoutConfig.blocks: no nn.ModuleList of identical blocks found in the model; name it "
                               "(e.g. blocks='layers') or drop 'hidden' from ScoutConfig.recipes")
-        listed = model.get_submodule(blocks)
-        assert isinstance(listed, nn.ModuleList)  # _find_blocks only returns ModuleLists
-        count = len(listed)
-        recipes += [Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{i}",)) for i in range(count)]
+        keys = [key for key, _ in model.get_submodule(blocks).named_children()]  # "0", "1", ... (list or dict)
+        recipes += [Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{key}",))
+                    for i, key in enumerate(keys)]
     if "output" in enabled:
         head = config.head or _find_last(model, (nn.Linear,), blocks)
         if head is None:

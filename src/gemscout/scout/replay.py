@@ -156,6 +156,10 @@ def replay_forward(
     wants_grad = {spec["tensor"]: spec["grad"] for spec in [*meta["args"], *meta["kwargs"].values()] if "tensor" in spec}
     leaves = {k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
               for k, t in inputs.items()}
+    # An activation-checkpoint wrapper (TorchTitan's SelectiveAC / full AC) would recompute the forward during the
+    # backward below, after functional_call has put the live (sharded) parameters back: replay what it wraps. Its
+    # parameter names are the wrapped module's already (the wrapper strips its prefix).
+    modules = [getattr(module, "_checkpoint_wrapped_module", module) for module in modules]
     if params is None:
         private = [_private(module) for module in modules]
     else:

@@ -1,0 +1,174 @@
+"""One rank of TorchTitan's real ``Trainer.train()`` on CPU (gloo), with or without gemscout, with an optional kill.
+
+Runs under the .venv-tt interpreter (torchtitan 0.3.0 beside torch 2.13.0+cpu) through :mod:`qualification.launch`.
+The CPU layer (:mod:`qualification.frameworks.torchtitan_cpu`) is applied first; then, exactly as a user would::
+
+    trainer = Trainer(config)                       # llama3 debug model, FSDP2 over the ranks
+    session = gemscout.enable_resiliency(trainer, None, checkpoint=CheckpointConfig(...))
+    trainer.train()                                 # unchanged
+
+Writes ``<out>/rank<r>.json``: the resume step, the recovery decision, per-step losses (from torchtitan's own metrics
+logger), and digests of what must come back bit for bit: every parameter's local shard, the inner optimizers'
+state, the lr schedulers' state, ``trainer.step``, ``trainer.ntokens_seen`` and the dataloader's state.
+
+``--kill-rank R --kill-step S`` SIGKILLs rank R right after step S: an optimizer post-hook registered after the
+session's (so step S was captured), after its checkpoint drained. ``--scout`` attaches SCOUT too;
+``--replay-fault-rank R --replay-fault-step S`` flips one bit of rank R's replay of ``--replay-fault-recipe`` at step
+S (a rank computing wrong numbers, as SCOUT sees it; training itself is untouched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qualification.frameworks import torchtitan_cpu
+from qualification.programs._rank import finish, run
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able view of a state (tensors as dtype, shape and SHA-256 of their bytes)."""
+    if torch.is_tensor(value):
+        return {"dtype": str(value.dtype), "shape": list(value.shape),
+                "sha256": hashlib.sha256(_bytes(value)).hexdigest()}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        return hashlib.sha256(value).hexdigest()
+    return value if isinstance(value, int | float | str | bool | type(None)) else repr(value)
+
+
+def _sha(value: Any) -> str:
+    return hashlib.sha256(json.dumps(_plain(value), sort_keys=True).encode()).hexdigest()
+
+
+def state(trainer: Any) -> dict[str, Any]:
+    """Digests of this rank's training state (its shards), one per part, and the counters in clear."""
+    params = hashlib.sha256()
+    for i, part in enumerate(trainer.model_parts):
+        for name, t in part.state_dict().items():
+            params.update(f"{i}.{name}".encode())
+            params.update(_bytes(t))
+    loader = trainer.dataloader.state_dict()
+    unpickled = {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in loader.items()}  # our own bytes
+    return {
+        "params": params.hexdigest(),
+        "optimizer": _sha([opt.state_dict() for opt in trainer.optimizers.optimizers]),
+        "lr_schedulers": _sha(trainer.lr_schedulers.state_dict()),
+        "lr": [g["lr"] for opt in trainer.optimizers.optimizers for g in opt.param_groups],
+        "step": int(trainer.step),
+        "ntokens_seen": int(trainer.ntokens_seen),
+        "dataloader": _sha(unpickled),
+    }
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--assets", type=Path, required=True, help="folder written by torchtitan_cpu.make_assets")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2, help="local batch size")
+    ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicate degree (1: FSDP over all ranks)")
+    ap.add_argument("--ckpt", type=Path, default=None, help="gemscout checkpoint directory; omit for the baseline")
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--scout", action="store_true", help="attach SCOUT (replay on data-parallel peers)")
+    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="with --scout: corrupt this rank's replay")
+    ap.add_argument("--replay-fault-step", type=int, default=-1)
+    ap.add_argument("--replay-fault-recipe", default="embedding")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    # The datasets library caches the json it parses; one folder per rank, never the user's home.
+    os.environ.setdefault("HF_DATASETS_CACHE", str(args.out / "hf-cache" / f"rank{rank}"))
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    torchtitan_cpu.apply()
+    from torchtitan.trainer import Trainer
+
+    import gemscout
+
+    config = torchtitan_cpu.trainer_config(assets=args.assets, dump=args.out / "dump", steps=args.steps,
+                                           seq_len=args.seq_len, local_batch=args.batch,
+                                           dp_replicate=args.dp_replicate)
+    trainer = Trainer(config)
+    losses: dict[int, float] = {}
+    log = trainer.metrics_processor.log
+
+    def record_loss(step: int, global_avg_loss: float, *a: Any, **k: Any) -> Any:
+        losses[int(step)] = float(global_avg_loss)  # the loss torchtitan itself logs for this step
+        return log(step, global_avg_loss, *a, **k)
+
+    trainer.metrics_processor.log = record_loss
+    session = None
+    reports: list[dict[str, Any]] = []
+    cycles: dict[str, Any] = {}
+    if args.ckpt is not None:
+        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan-cpu", ranks_per_node=1, fsync=False,
+                                        timeout=timedelta(seconds=120))
+        scout = gemscout.ScoutConfig() if args.scout else None
+        session = gemscout.enable_resiliency(trainer, None, interval=args.interval, checkpoint=cfg, scout=scout,
+                                             on_fault_report=lambda r: reports.append(r.to_dict()))
+        if session.scout is not None and args.replay_fault_rank == rank:
+            from qualification.faults import Injector, ReplayFault
+
+            Injector(session.scout).set(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+        if session.scout is not None:
+            def record_cycle(opt: Any, a: Any, k: Any) -> None:
+                result = session.scout.last_result if session is not None and session.scout is not None else None
+                if result is not None and result.step == session.step:
+                    cycles[str(result.step)] = {
+                        "certified": result.certified_step, "peers": list(result.peers),
+                        "verdicts": {n: r.verdict.value for n, r in result.results.items()},
+                        "reasons": {n: r.reason for n, r in result.results.items() if r.reason}}
+
+            trainer.optimizers.register_step_post_hook(record_cycle)  # after the session's post-hook
+        if args.kill_rank == rank:
+            def kill(opt: Any, a: Any, k: Any) -> None:
+                if session is not None and session.step == args.kill_step:
+                    if session.checkpointer is not None:
+                        session.checkpointer.drain()  # step S is out (own disk, peer); the process dies now
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            trainer.optimizers.register_step_post_hook(kill)  # after the session's post-hook
+    resume = {"resume_step": session.resume_step if session else 0,
+              "resume_state": state(trainer) if session and session.resume_step else None,
+              "decision": session.last_decision.to_dict() if session and session.last_decision else None}
+    t0 = time.monotonic()
+    trainer.train()
+    wall = time.monotonic() - t0
+    if session is not None and session.checkpointer is not None:
+        session.checkpointer.drain()
+    result = {"rank": rank, **resume, "train_wall_s": wall, "losses": {str(k): v for k, v in sorted(losses.items())},
+              "state": state(trainer), "reports": reports,
+              "scout_cycles": cycles, "scout_disabled": getattr(session.scout, "disabled_reason", None) if session else None,
+              "errors": session.checkpointer.errors if session and session.checkpointer else []}
+    if session is not None:
+        session.close()
+    finish(args.out, rank, result)
+
+
+if __name__ == "__main__":
+    run(main)

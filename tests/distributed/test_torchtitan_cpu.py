@@ -1,0 +1,160 @@
+"""TorchTitan's real ``Trainer.train()`` under ``enable_resiliency`` on CPU: 2 gloo ranks, FSDP2, llama3 debug model.
+
+What runs is torchtitan 0.3.0 itself — ``Trainer(config)`` (its model, FSDP2, dataloader, tokenizer, LR schedule,
+grad clipping, selective activation checkpointing) and ``trainer.train()`` unchanged — in the separate virtualenv
+``.venv-tt`` (``make test-torchtitan`` creates it; torchtitan is never installed into the main one). Its CPU shims
+(qualification/frameworks/torchtitan_cpu.py) are test-only, and one changes the model: plain causal SDPA instead of
+FlexAttention (no CPU backward). This is a smoke of gemscout's TorchTitan integration, not of TorchTitan's numerics.
+The tokenizer and the c4_test data are synthetic, built here (they are not in the wheel).
+
+- healthy: with gemscout capturing every step, every rank ends bitwise equal to the run without gemscout
+  (parameter shards, AdamW state, lr schedulers, ``trainer.step``, ``ntokens_seen``, dataloader state, losses);
+- SIGKILL of rank 1 right after step 3 of 6, then its node folder is deleted (node loss): the relaunch restores
+  step 3 — rank 0 from its own disk, rank 1 from rank 0's replica — and ends bitwise equal to the uninterrupted run;
+- SCOUT on the FSDP mesh (2 peers): healthy steps agree and report nothing; a one-bit replay fault on rank 1 is
+  detected (an SDC report naming the pair); training stays bitwise equal;
+- SCOUT on HSDP (dp_replicate=2 x fsdp=2, 4 ranks): peers are the replicate pairs {0, 2} and {1, 3}, whose shards
+  stay bitwise equal; a replay fault on rank 3 is reported for the pair {1, 3} only.
+
+Skipped, with the reason, when ``.venv-tt`` (or ``GEMSCOUT_TT_PYTHON``) has no torchtitan 0.3.0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qualification.launch import launch
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("GEMSCOUT_TT_PYTHON", str(REPO / ".venv-tt" / "bin" / "python"))
+STEPS, WORLD, LAUNCH_TIMEOUT_S = 6, 2, 420
+
+
+def _torchtitan_version() -> str | None:
+    if not Path(PYTHON).exists():
+        return None
+    probe = subprocess.run([PYTHON, "-c", "import importlib.metadata as m; print(m.version('torchtitan'))"],
+                           capture_output=True, text=True, timeout=60)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+VERSION = _torchtitan_version()
+pytestmark = pytest.mark.skipif(VERSION != "0.3.0", reason=f"needs torchtitan 0.3.0 in {PYTHON} (found "
+                                f"{VERSION}); create it with `make test-torchtitan` (see docs/torchrun.md)")
+
+
+def titan(out: Path, assets: Path, *extra: str, attempt: int = 0, world: int = WORLD, steps: int = STEPS) -> Any:
+    """One launch of ``titan_rank`` on ``world`` ranks with the .venv-tt interpreter."""
+    argv = ["-m", "qualification.programs.titan_rank", "--out", str(out), "--assets", str(assets),
+            "--steps", str(steps), *extra]
+    return launch(argv, world_size=world, timeout_s=LAUNCH_TIMEOUT_S, log_dir=out / "logs", attempt=attempt,
+                  python=PYTHON, env={"PYTHONPATH": str(REPO)})
+
+
+def ranks(out: Path, world: int = WORLD) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("titan-assets")
+    subprocess.run([PYTHON, "-m", "qualification.frameworks.torchtitan_cpu", str(folder)], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def baseline(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The uninterrupted run without gemscout."""
+    out = tmp_path_factory.mktemp("titan-baseline")
+    res = titan(out, assets)
+    assert res.ok, (res, out / "logs")
+    base = ranks(out)
+    assert all(r["state"]["step"] == STEPS and sorted(r["losses"], key=int) == [str(s) for s in range(1, STEPS + 1)]
+               for r in base), base
+    assert base[0]["state"]["params"] != base[1]["state"]["params"], "FSDP: each rank should hold its own shards"
+    return base
+
+
+def assert_bitwise(run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: int = 1) -> None:
+    for r, (mine, theirs) in enumerate(zip(run, base, strict=True)):
+        diff = [k for k in theirs["state"] if mine["state"][k] != theirs["state"][k]]
+        assert not diff, f"rank {r}: {diff} differ from the run without gemscout"
+        expected = {k: v for k, v in theirs["losses"].items() if int(k) >= first_step}
+        assert mine["losses"] == expected, f"rank {r}: losses differ"
+
+
+@pytest.mark.timeout(900)
+def test_healthy_trainer_with_gemscout_is_bitwise_equal(baseline: list[dict[str, Any]], assets: Path,
+                                                        tmp_path: Path) -> None:
+    res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--interval", "1")
+    assert res.ok, (res, tmp_path / "logs")
+    run = ranks(tmp_path)
+    assert all(r["resume_step"] == 0 and r["errors"] == [] for r in run), run
+    assert_bitwise(run, baseline)
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_and_node_loss_recover_bitwise_from_the_peer(baseline: list[dict[str, Any]], assets: Path,
+                                                             tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    killed = titan(tmp_path, assets, "--ckpt", str(ckpt), "--kill-rank", "1", "--kill-step", "3")
+    assert killed.first_failed == 1 and killed.returncodes[1] == -9, killed
+    assert (ckpt / "node-1").is_dir()
+    shutil.rmtree(ckpt / "node-1")  # node loss: rank 1's own checkpoints are gone, only rank 0's replica is left
+    res = titan(tmp_path, assets, "--ckpt", str(ckpt), attempt=1)
+    assert res.ok, (res, tmp_path / "logs")
+    run = ranks(tmp_path)
+    for r in run:
+        assert r["resume_step"] == 3 and r["errors"] == [], r
+        assert r["decision"]["step"] == 3 and r["decision"]["sources"] == {"0": "local", "1": "peer:0"}, r["decision"]
+        assert r["resume_state"]["step"] == 3
+    assert_bitwise(run, baseline, first_step=4)  # params, optimizer, schedulers, step, tokens, dataloader
+
+
+@pytest.mark.timeout(900)
+def test_scout_on_the_fsdp_mesh_is_silent_when_healthy_and_detects_a_replay_fault(
+        baseline: list[dict[str, Any]], assets: Path, tmp_path: Path) -> None:
+    """Steps 1-3 healthy, then rank 1 computes one wrong bit in its replay of the embedding at step 4."""
+    res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--scout", "--replay-fault-rank", "1",
+                "--replay-fault-step", "4", "--replay-fault-recipe", "embedding")
+    assert res.ok, (res, tmp_path / "logs")
+    run = ranks(tmp_path)
+    for r in run:
+        assert r["scout_disabled"] is None and sorted(r["scout_cycles"], key=int) == [str(s) for s in range(1, 7)]
+        for step, cycle in r["scout_cycles"].items():
+            assert cycle["peers"] == [0, 1], cycle
+            # The debug model's recipes: embedding, one block per step (rotating), one optimizer slice; the output
+            # recipe is off under ChunkedLossWrapper (the head runs on chunks inside the loss).
+            assert {k.split(".")[0] for k in cycle["verdicts"]} == {"embedding", "hidden", "optimizer"}, cycle
+            faulty = {"embedding"} if step == "4" else set()
+            assert {k for k, v in cycle["verdicts"].items() if v != "agree"} == faulty, (step, cycle)
+        assert [(x["kind"], x["ranks"], x["step"], x["recipe"]) for x in r["reports"]] == \
+            [("sdc", [0, 1], 4, "embedding")], r["reports"]  # two peers: detected, no culprit to name
+    assert_bitwise(run, baseline)  # SCOUT replays on private copies: training is untouched
+
+
+@pytest.mark.timeout(900)
+def test_scout_on_hsdp_pairs_replicate_peers_and_reports_the_faulty_pair(assets: Path, tmp_path: Path) -> None:
+    res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--scout", "--dp-replicate", "2",
+                "--replay-fault-rank", "3", "--replay-fault-step", "3", world=4, steps=3)
+    assert res.ok, (res, tmp_path / "logs")
+    run = ranks(tmp_path, 4)
+    for r, mine in enumerate(run):
+        pair = [r % 2, r % 2 + 2]  # torchtitan's mesh (dp_replicate, fsdp): rank = 2 * replica + shard
+        assert all(c["peers"] == pair for c in mine["scout_cycles"].values()), mine["scout_cycles"]
+        assert {k for c in mine["scout_cycles"].values() for k, v in c["verdicts"].items() if v != "agree"} == \
+            {"embedding"}, mine["scout_cycles"]
+        # Timing reports (a compute straggler on this loaded machine) may come too; the SDC is exactly one.
+        assert [(x["ranks"], x["step"], x["recipe"]) for x in mine["reports"] if x["kind"] == "sdc"] == \
+            [([1, 3], 3, "embedding")], mine["reports"]
+    for a, b in ((0, 2), (1, 3)):  # replicas of one shard: bitwise equal parameters and optimizer state
+        assert [run[a]["state"][k] for k in ("params", "optimizer")] == [run[b]["state"][k] for k in ("params", "optimizer")]
+    assert run[0]["state"]["params"] != run[1]["state"]["params"]
