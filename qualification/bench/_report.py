@@ -26,7 +26,7 @@ INFO_RATIOS = (
     "blocking_tight_vs_async_save", "blocking_vs_save", "capture_return_vs_async_save",
     "replication_in_loop_vs_gloo", "exchange_vs_gloo",
     "recovery_transfer_speedup_vs_dcp_load", "recovery_speedup_vs_dcp_load_cold",
-    "recovery_floor_speedup_vs_dcp_load", "persist_vs_write",
+    "recovery_floor_speedup_vs_dcp_load", "persist_vs_write", "rss_gemini_buffers_vs_state",
     "loop_slowdown_tight", "loop_slowdown_overlap",
 )
 RATIO_KEYS = (*TARGETS, *INFO_RATIOS)
@@ -45,7 +45,7 @@ MEASUREMENT_KEYS = (
     "recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
     "recover_transfer_restore_s", "recover_raw_recv_s", "survivor_files_verified", "survivor_files_verify_s",
     "survivor_files_inventory_s",
-    "rss_off_bytes", "rss_on_bytes", "rss_extra_bytes",
+    "rss_off_bytes", "rss_on_bytes", "rss_extra_bytes", "gemini_buffer_bytes",
     "digest_s", "digest_gbps", "write_s", "write_gbps", "persist_s", "persist_gbps", "persist_in_loop_s",
 )
 
@@ -120,6 +120,7 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     m["rss_off_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in off)
     m["rss_on_bytes"] = statistics.fmean(r["peak_rss_bytes"] for r in on)
     m["rss_extra_bytes"] = m["rss_on_bytes"] - m["rss_off_bytes"]
+    m["gemini_buffer_bytes"] = statistics.fmean(r["gemini_buffer_bytes"] for r in on)
     m["replicate_s"] = _med(_fastest_per_capture([r["window"]["replicate_s"] for r in on]))
     m["replicate_in_loop_s"] = _med(_fastest_per_capture(
         [r["loops"]["tight_on"]["replicate_s"] + r["loops"]["overlap_on"]["replicate_s"] for r in on]))
@@ -156,6 +157,7 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
         "recovery_speedup_vs_dcp_load_cold": v["dcp_load_cold_s"] / v["recover_s"],
         "recovery_floor_speedup_vs_dcp_load": v["dcp_load_s"] / v["recover_raw_recv_s"],
         "persist_vs_write": worst("persist_s", "write_s"),
+        "rss_gemini_buffers_vs_state": m["gemini_buffer_bytes"] / state,
         "loop_slowdown_tight": worst("step_on_tight_s", "step_off_tight_s"),
         "loop_slowdown_overlap": worst("step_on_overlap_s", "step_off_overlap_s"),
     }
@@ -199,6 +201,7 @@ SHOWN = (
     ("digest_gbps", "BLAKE3 digest (GB/s)"), ("write_s", "raw file write + fsync (s)"),
     ("persist_s", "GEMINI persist own file (s)"),
     ("rss_extra_bytes", "peak RSS extra with GEMINI (MiB)"),
+    ("gemini_buffer_bytes", "  of which GEMINI's slots and held replicas (MiB)"),
 )
 
 

@@ -103,14 +103,19 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
     on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),
                "--quiet-captures", str(args.quiet_captures), "--timeout-s", str(timeout_s)]
-    for role, argv in (("off", [*common, "--role", "off"]), ("on", on_argv)):
+    micro, on = 2, []
+    # On first: the baseline trains the same steps, with the overlap loop's micro-batches the on run calibrated.
+    for role in ("on", "off"):
+        argv = on_argv if role == "on" else [*common, "--role", "off", "--overlap-micro", str(micro)]
         result = launch(argv, world_size=WORLD, timeout_s=timeout_s, log_dir=out / "logs" / role,
                         env={"OMP_NUM_THREADS": "1"})
         if not result.ok:
             why = "timed out" if result.timed_out else f"exit codes {result.returncodes}"
             raise QualificationError(f"{label} role {role}: ranks {why}; see {out / 'logs'}")
+        if role == "on":
+            on = [json.loads((out / f"on.rank{r}.json").read_text()) for r in range(WORLD)]
+            micro = int(on[0]["loops"]["overlap_on"]["micro_batches"])
     off = [json.loads((out / f"off.rank{r}.json").read_text()) for r in range(WORLD)]
-    on = [json.loads((out / f"on.rank{r}.json").read_text()) for r in range(WORLD)]
     shutil.rmtree(scratch / label, ignore_errors=True)
     return {"requested_mib": mib, **_report.summarize(off, on, warmup=min(2, args.steps - 1), victim=VICTIM)}
 
@@ -152,7 +157,9 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "files this host just wrote, from the page cache (DCP's best case) and again after evicting them "
         "(posix_fadvise DONTNEED).",
         "Peak RSS: ru_maxrss of the GEMINI process after its loops (before the side-by-side rounds) minus that of "
-        "a separate process that ran the same training loops without GEMINI; means over the 2 ranks.",
+        "a separate process that trained the same steps (same loops, same micro-batches) without GEMINI; means over "
+        "the 2 ranks. GEMINI's own buffers (its slots and the replicas it holds) are reported beside it "
+        "(rss_gemini_buffers_vs_state): the rest is its threads, imported modules and glibc heap growth.",
     ]
     if any(s >= LARGE_MIB for s in args.sizes):
         notes.append("A 1 GiB state is opt-in (--sizes-mib 64,256,1024): it needs ~15 GiB of free memory here.")

@@ -1,8 +1,12 @@
 """One rank of the GEMINI benchmark; :mod:`qualification.bench.gemini` runs two of them through
 :mod:`qualification.launch`.
 
-``--role off`` runs the training loops of step 1 below and records peak RSS: the baseline needs a process of its
-own, because ``ru_maxrss`` only ever grows. ``--role on`` measures, in one process and in this order:
+``--role off`` runs the same training steps as ``--role on`` (the calibration's micro-batches, then the loops of
+steps 1 and 2 below, with ``--overlap-micro`` from the on run), without GEMINI, and records peak RSS: the baseline needs
+a process of its own, because ``ru_maxrss`` only ever grows, and the same number of steps, because training alone
+keeps growing glibc's heap over its first few dozen steps (measured: 0-16 MiB over 30 more steps of the 60 MiB
+model, its 4 MiB optimizer temporaries fragmenting the heap). ``--role on`` measures, in one process and in this
+order:
 
 1. calibration: the references once each (memcpy, BLAKE3, file write + fsync, raw gloo pair exchange of the state's
    bytes) to estimate one capture's pipeline; then two loops without GEMINI: ``tight`` (one micro-batch per step)
@@ -34,14 +38,17 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from qualification.bench import _references
 from qualification.bench._model import shape_for
 from qualification.bench._training import HookClock, Trainer, peak_rss_bytes, run_loop, state_digest
+
+if TYPE_CHECKING:
+    # Imported where used: _references imports gemscout, whose memory the off role's baseline must not hold.
+    from qualification.bench import _references
 
 
 def parse() -> argparse.Namespace:
@@ -52,6 +59,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
     ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
     ap.add_argument("--overlap-factor", type=float, default=2.5)
+    ap.add_argument("--overlap-micro", type=int, default=2, help="role off: the on run's overlap micro-batches")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each DCP operation")
     ap.add_argument("--quiet-captures", type=int, default=5, help="rounds of the side-by-side window")
     ap.add_argument("--ckpt", type=Path, required=True, help="GEMINI checkpoint folder; references write beside it")
@@ -105,6 +113,8 @@ def calibrate(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGro
 
 def references(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup,
                recv_nbytes: int = 0) -> _references.References:
+    from qualification.bench import _references
+
     peer = (dist.get_rank() + 1) % dist.get_world_size()
     return _references.References(trainer.tensors(), args.ckpt.parent / "references", peer=peer, group=group,
                                   chunk_bytes=args.chunk_bytes, fsync=not args.no_fsync, recv_nbytes=recv_nbytes)
@@ -149,6 +159,8 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     loops["tight_skip_on"]["steps"] = list(range(first, session.step + 1))
     # Every buffer GEMINI keeps (two slots, two replica buffers) exists after the first two captures.
     out["peak_rss_bytes"] = peak_rss_bytes()
+    out["gemini_buffer_bytes"] = ckpt.pool.nbytes + sum(e[2].numel() for b in ckpt.replicas.values()
+                                                         for e in b.entries)
 
     out.update(side_by_side(args, trainer, group, session, clock, io))
 
@@ -294,9 +306,12 @@ def main() -> None:
         "params": sum(p.numel() for p in trainer.model.parameters()), "state_bytes": trainer.state_bytes(),
     }
     if args.role == "off":
-        # Training alone: the overlap loop's peak memory depends neither on its length nor on its number of
-        # micro-batches (gradients accumulate in place), so two steps of two stand in for it.
-        result["loops"] = loops_without_gemini(args, trainer, 2, overlap_steps=2)
+        # Training alone, step for step what the on role trains up to its peak-RSS reading (see the docstring).
+        trainer.micro_batches_for(0.0, group)  # the calibration's micro-batches
+        result["loops"] = loops_without_gemini(args, trainer, args.overlap_micro, args.steps)
+        result["loops"].update({f"{k}_again": v for k, v in
+                                loops_without_gemini(args, trainer, args.overlap_micro, args.steps).items()})
+        result["loops"]["tight_third"] = run_loop(trainer, 1, args.steps)
         result["peak_rss_bytes"] = peak_rss_bytes()
     else:
         if args.dcp is None:
@@ -304,6 +319,8 @@ def main() -> None:
         result.update(gemini_phases(args, trainer, group))
         gc.collect()  # GEMINI's buffers (held in reference cycles through its threads' callbacks) go before DCP's
         dist.barrier(group=group)
+        from qualification.bench import _references
+
         result.update(_references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.role}.rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -57,3 +57,23 @@ def test_resume_from_durable_on_another_world_size_and_refuse_tampering(tmp_path
                  log_dir=tmp_path / "logs", attempt=2)
     assert res.ok, res
     assert ranks(tmp_path / "w3b", 3)[0]["decision"]["step"] == 3
+
+
+@pytest.mark.timeout(200)
+def test_replicated_promotion_takes_newest_persisted_certified_step(tmp_path: Path) -> None:
+    """DDP, persist_every=2, durable_every=3, every capture certified: when the third certified capture (step 3) is
+    due it was never written, so rank 0 promotes step 2; at step 6 (written) it promotes 6. The promotions restore."""
+    durable = tmp_path / "durable"
+    res = launch(argv(tmp_path / "a", tmp_path / "local-a", durable, 6, "--durable-every", "3", "--certify",
+                      "--persist-every", "2"), world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
+    assert res.ok, res
+    a = ranks(tmp_path / "a", 2)
+    assert all(not r["errors"] for r in a), [r["errors"] for r in a]
+    assert sorted(p.name for p in durable.iterdir()) == ["step-000000002", "step-000000006"]
+    shutil.rmtree(tmp_path / "local-a")
+    res = launch(argv(tmp_path / "b", tmp_path / "local-b", durable, 6), world_size=2, timeout_s=120,
+                 log_dir=tmp_path / "logs", attempt=1)
+    assert res.ok, res
+    b = ranks(tmp_path / "b", 2)
+    assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in b)
+    assert [r["resume_digest"] for r in b] == [r["state_digest"] for r in a], "durable restore is not bitwise"

@@ -2,13 +2,14 @@
 the same step into one DCP directory, committed with a SHA-256 sidecar only when all ranks succeeded. With every
 rank's local folder deleted, the job resumes from the durable tier bitwise (the same final state and losses as the
 uninterrupted run); FSDP2 also resumes on 4 ranks and HSDP (2x2) on FSDP2 over 2 ranks through DCP resharding, and a
-tampered promotion is refused."""
+tampered promotion is refused. With persist_every=2 the promotion takes the newest certified step that was written."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -45,6 +46,15 @@ def first_run(tmp_path: Path, topology: str, world: int, *extra: str) -> tuple[P
     return durable, out
 
 
+def resumed_bitwise(a: list[dict[str, Any]], b: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """``b`` resumed from the durable promotion of ``step`` and ended on ``a``'s trajectory, bit for bit."""
+    assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == step for r in b), b[0]["decision"]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["state_digest"] == ra["state_digest"], f"rank {ra['rank']}: resumed trajectory is not bitwise"
+        assert rb["losses"] == ra["losses"]
+    return b
+
+
 @pytest.mark.timeout(400)
 def test_fsdp2_durable_resume_same_and_other_mesh_and_refuse_tampering(tmp_path: Path) -> None:
     durable, a = first_run(tmp_path, "fsdp2", 2, "--full-digest")
@@ -53,11 +63,7 @@ def test_fsdp2_durable_resume_same_and_other_mesh_and_refuse_tampering(tmp_path:
     b_args = argv(tmp_path / "b", tmp_path / "local-b", durable, 8, "fsdp2", "--full-digest")
     res = launch(b_args, world_size=2, timeout_s=150, log_dir=tmp_path / "logs", attempt=1)
     assert res.ok, res
-    b = ranks(tmp_path / "b", 2)
-    assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in b), b[0]["decision"]
-    for ra, rb in zip(a, b, strict=True):
-        assert rb["state_digest"] == ra["state_digest"], f"rank {ra['rank']}: resumed trajectory is not bitwise"
-        assert rb["losses"] == ra["losses"]
+    b = resumed_bitwise(a, ranks(tmp_path / "b", 2), 6)
     at_six = b[0]["resume_full_digest"]
     assert all(r["resume_full_digest"] == at_six for r in b)
 
@@ -102,3 +108,26 @@ def test_hsdp_durable_resume_after_all_local_storage_is_lost_and_on_another_mesh
     c = ranks(tmp_path / "c", 2)
     assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in c)
     assert {r["resume_full_digest"] for r in c} == at_six, "the HSDP state restored on FSDP2 x 2 is not bitwise"
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_promotes_newest_persisted_certified_step_when_persist_every_is_2(tmp_path: Path) -> None:
+    """persist_every=2, durable_every=5, every capture certified: the fifth certified capture (step 5) was never
+    written to disk, so the promotion takes the newest certified step that was (4). With every local folder lost,
+    the relaunched job restores step 4 from the durable tier and ends bitwise equal to the uninterrupted run."""
+    durable = tmp_path / "durable"
+    common = ("--persist-every", "2", "--full-digest")
+    res = launch(argv(tmp_path / "a", tmp_path / "local-a", durable, 8, "fsdp2", "--durable-every", "5", "--certify",
+                      *common), world_size=2, timeout_s=150, log_dir=tmp_path / "logs")
+    assert res.ok, res
+    a = ranks(tmp_path / "a", 2)
+    assert all(not r["errors"] for r in a), [r["errors"] for r in a]
+    assert sorted(p.name for p in durable.iterdir()) == ["step-000000004"]
+    shutil.rmtree(tmp_path / "local-a")
+
+    res = launch(argv(tmp_path / "b", tmp_path / "local-b", durable, 8, "fsdp2", *common), world_size=2,
+                 timeout_s=150, log_dir=tmp_path / "logs", attempt=1)
+    assert res.ok, res
+    b = resumed_bitwise(a, ranks(tmp_path / "b", 2), 4)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["full_digest"] == ra["full_digest"]

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
-from gemscout.gemini import comm, durable_sharded, store
+from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
+from gemscout.gemini.promotion import Promoter
 from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
@@ -95,7 +96,7 @@ class Checkpointer:
             durable_group = dist.new_group(backend="gloo", timeout=config.timeout)
         self.durable = (DurableTier(config.durable_directory, run_id=run_id, fsync=config.fsync, group=durable_group,
                                     rank=rank) if config.durable_directory is not None else None)
-        self._verified_since_promotion = 0
+        self.promoter = Promoter(self)
         self.when_busy = "wait"
         self._vote: FreeSlotVote | None = None
         self.skipped_steps: list[int] = []
@@ -137,6 +138,7 @@ class Checkpointer:
         identity = {"run_id": self.run_id, "topology": self.topology_digest, "owner": self.rank, "step": step}
         if not initial:
             self.captures += 1
+            self.promoter.note_capture(step)
         persist_now = self.config.persist and (initial or self.captures % self.config.persist_every == 0)
         # The copy thread queues the io once the slot is sealed (``then``): waking the io thread from here would
         # only park it on the copy, and cost the training thread a second thread hand-off inside its hook.
@@ -160,8 +162,12 @@ class Checkpointer:
 
     def _queue_io(self, slot: Slot, persist_now: bool) -> None:
         """On the copy thread, in capture order: queue the sealed slot's io (so io runs in step order too)."""
+        self.queue_io(self._pipeline, slot, persist_now)
+
+    def queue_io(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the io thread after everything queued before it (:meth:`drain` waits for it)."""
         with self._lock:
-            self._pending.append(self._io.submit(self._pipeline, slot, persist_now))
+            self._pending.append(self._io.submit(fn, *args))
 
     def _note_copy_failure(self, future: Future[Slot]) -> None:
         exc = future.exception()
@@ -334,43 +340,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ trust
     def certify(self, step: int) -> list[int]:
-        """Collectively mark every candidate <= ``step`` RECOVERY_VERIFIED (all ranks must call)."""
+        """Collectively mark every candidate <= ``step`` RECOVERY_VERIFIED (all ranks must call); queues a durable
+        promotion when one is due (see :mod:`gemscout.gemini.promotion`). Returns the steps changed."""
         self.drain()
         ok = comm.all_agree(True, group=self.group, timeout=self.config.timeout)
         changed = self.ledger.certify_through(step) if ok else []
         self.ledger.save()
-        # The initial step 0 is certified at attach; it is not a verified capture worth promoting.
-        self._verified_since_promotion += len([s for s in changed if s > 0])
-        if changed and self.durable is not None and self.config.durable_every and \
-                self._verified_since_promotion >= self.config.durable_every:
-            self._verified_since_promotion = 0
-            # Sharded state: every rank holds a part, so every rank promotes (collectively, queued in the same
-            # order on every rank since certify is collective). Replicated state: rank 0's copy stands for all.
-            if self.sharded or self.rank == 0:
-                # here, on the training thread (see live_shards' docstring)
-                likes = durable_sharded.live_shards(self.sources) if self.sharded else {}
-                with self._lock:
-                    self._pending.append(self._io.submit(self._promote, max(changed), likes))
+        if ok:
+            self.promoter.on_certified(step)
         return changed
-
-    def _promote(self, step: int, likes: dict[str, Any]) -> None:
-        """Promote this rank's verified checkpoint of ``step`` to the durable tier (on the io thread): rank 0 alone
-        for replicated state, every rank together for sharded state."""
-        assert self.durable is not None
-        try:
-            if self.sharded:
-                assert self.durable.group is not None
-                durable_sharded.promote_own_file(
-                    self.durable, step, store.step_file(self.paths.own, step), likes, check=self.check_identity,
-                    group=self.durable.group, rank=self.rank, timeout=self.config.timeout)
-            else:
-                parsed, data = store.read_verified(store.step_file(self.paths.own, step))
-                self.durable.promote(parsed, data)
-            self.ledger.mark(step, TrustState.DURABLE)
-            self.ledger.save()
-        except Exception as exc:
-            self.errors.append(f"durable promotion of step {step} failed: {exc}")
-            log.error("gemini: durable promotion of step %d failed: %s", step, exc)
 
     def reject_candidates(self, reason: str) -> list[int]:
         """Collectively mark every uncertified candidate REJECTED (all ranks must call)."""

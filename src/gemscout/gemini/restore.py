@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from gemscout.config import TrustState
@@ -19,7 +20,7 @@ from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
 from gemscout.state import training_state
-from gemscout.state.codec import decode
+from gemscout.state.codec import LocalShard, decode
 from gemscout.state.layout import parse_prefix
 
 if TYPE_CHECKING:
@@ -232,9 +233,64 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
     restored state may keep views of it instead of copies (an optimizer keeps the tensors it is given)."""
     parsed = parse_prefix(frame[0])
     views = parsed.layout.views(frame[1])
-    # A slot or replica buffer is reused by GEMINI: restored state must never alias it, so clone those.
-    state = decode(parsed.skeleton, views if owned else [v.clone() for v in views])
+    state = decode(parsed.skeleton, views)
+    if not owned:
+        # A slot or held replica is reused by GEMINI: restored state must never alias it. Optimizer state goes
+        # straight into the optimizer's live tensors (one copy, no new buffer); the rest is cloned, the model too
+        # (a module's load hook may keep the tensor it is given).
+        # Only a torch optimizer's own state_dict format (an adapter's optimizer, e.g. DeepSpeed's, is cloned).
+        saved = state.get("optimizer")
+        if not (isinstance(ck.sources.optimizer, torch.optim.Optimizer) and isinstance(saved, dict)
+                and isinstance(saved.get("state"), dict)):
+            state = _clone_tensors(state)
+        else:
+            optimizer_state = saved["state"]
+            copied = _copy_into_live_optimizer_state(ck.sources.optimizer, optimizer_state)
+            state = _clone_tensors({**state, "optimizer": {**saved, "state": {}}})
+            state["optimizer"]["state"] = {idx: {k: v if (idx, k) in copied else _clone_tensors(v)
+                                                 for k, v in per_param.items()}
+                                           for idx, per_param in optimizer_state.items()}
     training_state.restore(ck.sources, state)
+
+
+def _copy_into_live_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[Any, Any]) -> set[tuple[Any, str]]:
+    """Copy every saved optimizer state tensor into the live tensor of the same parameter and key when that tensor
+    is a plain one of the same shape, dtype and device, and put the live tensor in its place in ``saved`` (so
+    ``load_state_dict`` keeps it). Returns the (index, key) pairs done; the caller clones the others."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    done: set[tuple[Any, str]] = set()
+    for idx, per_param in saved.items():
+        i = int(idx)
+        live_state = optimizer.state.get(flat[i]) if 0 <= i < len(flat) else None
+        if not isinstance(live_state, dict):
+            continue
+        for key, value in per_param.items():
+            live = live_state.get(key)
+            if isinstance(value, torch.Tensor) and type(live) is torch.Tensor and type(value) is torch.Tensor \
+                    and live.shape == value.shape and live.dtype == value.dtype and live.device == value.device \
+                    and live.is_contiguous():
+                with torch.no_grad():
+                    live.copy_(value)
+                per_param[key] = live
+                done.add((idx, key))
+    return done
+
+
+def _clone_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor (and LocalShard's local tensor) cloned; containers rebuilt, leaves kept."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, LocalShard):
+        return LocalShard(obj.local.clone(), obj.shape, obj.stride)
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tensors(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    return obj
 
 
 def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:

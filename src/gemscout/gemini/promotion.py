@@ -1,0 +1,100 @@
+"""When GEMINI promotes a capture to the durable tier, which step, and the promotion itself (on the io thread).
+
+``CheckpointConfig(durable_every=M)``: once M captures have been certified (RECOVERY_VERIFIED) since the last
+promotion, the newest step that is both certified and persisted on every rank is promoted. A certified capture
+that was not written to disk (``persist_every > 1``) still counts; the promotion then takes the newest older step
+that was written, because a promotion reads each rank's own file. A step that is rejected, not yet certified, or
+already durable (or older than a durable one) is never chosen. When no step qualifies yet, the count is kept and
+the next certification tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from gemscout.config import TrustState
+from gemscout.gemini import comm, durable_sharded, store
+
+if TYPE_CHECKING:
+    from gemscout.gemini.checkpointer import Checkpointer
+
+log = logging.getLogger("gemscout.gemini")
+
+
+def promotable_step(states: dict[int, TrustState], on_disk: Iterable[int]) -> int:
+    """The newest step > 0 that is RECOVERY_VERIFIED in ``states`` and has a file in ``on_disk``, and is newer than
+    every DURABLE step; -1 when there is none. Step 0 (the attach-time capture) is never worth promoting."""
+    newest_durable = max((s for s, st in states.items() if st == TrustState.DURABLE), default=0)
+    ready = [s for s in on_disk if s > newest_durable and states.get(s) == TrustState.RECOVERY_VERIFIED]
+    return max(ready, default=-1)
+
+
+class Promoter:
+    """Counts certified captures and queues promotions on the checkpointer's io thread (see the module docstring).
+
+    ``note_capture`` and ``on_certified`` run on the training thread; ``on_certified`` is collective (every rank
+    calls it from the collective ``Checkpointer.certify``, after the io thread drained)."""
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self.ckpt = ckpt
+        self.every = ckpt.config.durable_every if ckpt.durable is not None else 0
+        self._uncertified: deque[int] = deque(maxlen=max(1, self.every))
+        """Captured steps (persisted or not) not yet certified, the newest M: a job that never certifies must not
+        grow it, and M of them are all a promotion needs to be due (captures come in step order)."""
+        self.certified_since_promotion = 0
+
+    def note_capture(self, step: int) -> None:
+        if self.every:
+            self._uncertified.append(step)
+
+    def on_certified(self, step: int) -> None:
+        """Count the captures ``certify(step)`` verified; when M are due, agree on a step with every rank (a MIN
+        all-reduce on the replication group) and queue its promotion."""
+        if not self.every:
+            return
+        self.certified_since_promotion += sum(1 for s in self._uncertified if 0 < s <= step)
+        self._uncertified = deque((s for s in self._uncertified if s > step), maxlen=self._uncertified.maxlen)
+        if self.certified_since_promotion < self.every:
+            return
+        ck = self.ckpt
+        mine = promotable_step(ck.ledger.states, store.list_steps(ck.paths.own))
+        agreed = torch.tensor([mine], dtype=torch.int64)
+        comm.wait_all([dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ck.group, async_op=True)],
+                      ck.config.timeout, "promotion step agreement")
+        chosen = int(agreed.item())
+        if chosen < 0:
+            return  # no rank-wide certified file newer than the last promotion yet: keep counting
+        self.certified_since_promotion = 0
+        # Sharded state: every rank holds a part, so every rank promotes (collectively, queued in the same order on
+        # every rank since certify is collective). Replicated state: rank 0's copy stands for all.
+        if ck.sharded or ck.rank == 0:
+            # here, on the training thread (see live_shards' docstring)
+            likes = durable_sharded.live_shards(ck.sources) if ck.sharded else {}
+            ck.queue_io(self.promote, chosen, likes)
+
+    def promote(self, step: int, likes: dict[str, Any]) -> None:
+        """Promote this rank's checkpoint file of ``step`` (on the io thread): rank 0 alone for replicated state,
+        every rank together for sharded state. Failures are recorded in ``errors`` and logged, never raised."""
+        ck = self.ckpt
+        assert ck.durable is not None
+        try:
+            path = store.step_file(ck.paths.own, step)
+            if ck.sharded:
+                assert ck.durable.group is not None
+                durable_sharded.promote_own_file(ck.durable, step, path, likes, check=ck.check_identity,
+                                                 group=ck.durable.group, rank=ck.rank, timeout=ck.config.timeout)
+            else:
+                parsed, data = store.read_verified(path)
+                ck.check_identity(parsed.identity, where=f"own checkpoint of step {step}")
+                ck.durable.promote(parsed, data)
+            ck.ledger.mark(step, TrustState.DURABLE)
+            ck.ledger.save()
+        except Exception as exc:
+            ck.errors.append(f"durable promotion of step {step} failed: {exc}")
+            log.error("gemini: durable promotion of step %d failed: %s", step, exc)
