@@ -15,6 +15,15 @@ rank); ``--replay-fault-rank/--replay-fault-steps`` corrupt that rank's replay o
 ``--update-fault-rank/--update-fault-step`` flip a bit of that rank's master partition after its real update, and
 ``<out>/rank<r>.json`` gains ``cycles`` (per step: verdicts, certified step, replay seconds).
 
+``--full-state`` adds ``resume_full`` / ``final_full``: per parameter, the SHA-256 of the fp32 master and AdamW moments
+as DeepSpeed itself assembles them from every rank's fragment (``safe_get_full_*``), plus each group's step count and
+lr — a world-size-independent picture of the optimizer state, to compare runs on different world sizes.
+
+``--dump-full PATH`` writes (rank 0, ``torch.save``: test side only) that full state as tensors at the end, with the
+module, step counts, hyper-parameters, lr scheduler, engine counters and torch RNG; ``--load-full PATH`` starts a
+job without gemscout from such a dump through DeepSpeed's own ``safe_set_full_*`` setters — a reference resume on
+any world size that shares no code with gemscout's durable tier.
+
 DeepSpeed runs with ``DS_ACCELERATOR=cpu``; the C++ ``shm_comm`` op that ``deepspeed.init_distributed`` would JIT-build
 (about 90 s with g++, used only by inference all-reduce) is skipped.
 """
@@ -82,6 +91,79 @@ def state_digest(engine: Any) -> str:
     return h.hexdigest()
 
 
+def _link_moments(engine: Any) -> None:
+    """(Re)link DeepSpeed's per-parameter views of the AdamW moments, which ``safe_get/set_full_optimizer_state`` read.
+
+    DeepSpeed links them once, after the first group's first step: a resumed engine has not stepped yet, and with
+    two param groups the second group's moments do not exist at that point, so its views stay empty for good."""
+    engine.optimizer._hp_optimizer_states_linked = False
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def full_state(engine: Any) -> dict[str, Any]:
+    """Per parameter, the SHA-256 of its full fp32 master and AdamW moments, gathered by DeepSpeed's own helpers
+    (an all-reduce of each rank's fragment: independent of gemscout's layout code), and the step count and lr of
+    every group. Collective: every rank calls."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    inner = engine.optimizer.optimizer
+    assert all(inner.state.get(g["params"][0]) for g in inner.param_groups), "--full-state needs a stepped engine"
+    _link_moments(engine)
+    out: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():
+        tensors = {"master": safe_get_full_fp32_param(p),
+                   **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}}
+        out[name] = {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in tensors.items()}
+    out["/groups"] = [[float(inner.state[g["params"][0]]["step"]), repr(g["lr"])] for g in inner.param_groups]
+    return out
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def dump_full(engine: Any, path: Path) -> None:
+    """Rank 0 writes the full state of the job to ``path`` (see the module doc). Collective: every rank calls."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    _link_moments(engine)
+    params = {name: {"master": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in _MOMENTS}}
+              for name, p in engine.module.named_parameters()}
+    inner = engine.optimizer.optimizer
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": inner.state[g["params"][0]]["step"].clone()}
+              for g in inner.param_groups]
+    blob = {"params": params, "model": {k: v.clone() for k, v in engine.module.state_dict().items()}, "groups": groups,
+            "scheduler": engine.lr_scheduler.state_dict(), "rng": torch.get_rng_state(),
+            "counters": {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "micro_steps",
+                                                              "skipped_steps")}}
+    if dist.get_rank() == 0:
+        torch.save(blob, path)
+
+
+def load_full(engine: Any, path: Path) -> int:
+    """Load a :func:`dump_full` into a fresh engine with DeepSpeed's own setters; returns the step it holds."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    blob = torch.load(path, weights_only=False)
+    inner = engine.optimizer.optimizer
+    with torch.no_grad():
+        engine.module.load_state_dict(blob["model"])  # in place: the module's weights are views of DeepSpeed's flat
+        for group, saved in zip(inner.param_groups, blob["groups"], strict=True):
+            master = group["params"][0]
+            inner.state[master] = {"step": saved["step"].clone(),
+                                   **{k: torch.zeros_like(master) for k in _MOMENTS}}
+            group.update({k: v for k, v in saved.items() if k != "step"})
+        _link_moments(engine)
+        for name, p in engine.module.named_parameters():
+            safe_set_full_fp32_param(p, blob["params"][name]["master"])
+            for k in _MOMENTS:
+                safe_set_full_optimizer_state(p, blob["params"][name][k], k)
+    engine.lr_scheduler.load_state_dict(blob["scheduler"])
+    for k, v in blob["counters"].items():
+        setattr(engine, k, v)
+    torch.set_rng_state(blob["rng"])
+    return int(blob["counters"]["global_steps"])
+
+
 def module_digest(engine: Any) -> str:
     h = hashlib.sha256()
     for t in engine.module.state_dict().values():
@@ -131,6 +213,11 @@ def parse() -> argparse.Namespace:
                     help="> 0: compute-straggler detection with this absolute margin (0: off)")
     ap.add_argument("--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays")
     ap.add_argument("--replay-delay-s", type=float, default=0.25)
+    ap.add_argument("--full-state", action="store_true",
+                    help="record the gathered full fp32 state's digests at resume and at the end")
+    ap.add_argument("--dump-full", type=Path, default=None, help="write the full state here at the end")
+    ap.add_argument("--load-full", type=Path, default=None,
+                    help="start from a --dump-full file with DeepSpeed's own setters (no gemscout)")
     return ap.parse_args()
 
 
@@ -160,7 +247,7 @@ def main() -> None:
     killer = args.kill_rank == rank
     session = None
     decision = None
-    resume_digest = None
+    resume_digest = resume_full = resume_module = None
     times: dict[str, float] = {}
     if args.ckpt is not None:
         import gemscout
@@ -192,6 +279,8 @@ def main() -> None:
                                              on_recovery_decision=lambda d: decisions.append(d.to_dict()))
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(engine)
+        resume_full = full_state(engine) if args.full_state and session.resume_step > 0 else None
+        resume_module = module_digest(engine)
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
@@ -225,6 +314,10 @@ def main() -> None:
     cycles: dict[str, dict[str, Any]] = {}
     fault = None
     start = session.resume_step + 1 if session else 1
+    if args.load_full is not None:
+        assert session is None, "--load-full is the reference resume without gemscout"
+        start = load_full(engine, args.load_full) + 1
+        resume_full, resume_module = full_state(engine), module_digest(engine)
     for step in range(start, args.steps + 1):
         if rank == args.fault_rank and step == args.fault_step:
             from qualification.faults import corrupt_module_output
@@ -256,6 +349,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # the handler flushes and re-raises; we never get here
     digest = state_digest(engine)
+    final_full = full_state(engine) if args.full_state else None
+    if args.dump_full is not None:
+        dump_full(engine, args.dump_full)
     modules = [None] * world
     dist.all_gather_object(modules, module_digest(engine))  # test-side comparison only; gemscout never pickles
     trust: dict[str, str] = {}
@@ -265,6 +361,8 @@ def main() -> None:
     result = {
         "rank": rank, "world_size": world, "topology": args.topology,
         "resume_step": session.resume_step if session else 0, "decision": decision, "resume_digest": resume_digest,
+        "resume_full": resume_full, "final_full": final_full, "resume_module": resume_module,
+        "module_digest": modules[rank],
         "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
         "replicas_equal": len(set(modules)) == 1, "final_step": args.steps,
         "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),

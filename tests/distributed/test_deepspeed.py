@@ -5,6 +5,10 @@
   the peer's replica, the engine's counters and lr scheduler come back, and every rank ends bitwise equal to the
   uninterrupted run.
 - bf16 module weights (fp32 master partition) with gradient accumulation recover bitwise too.
+- The durable tier stores the partition state per parameter: a 2-rank job's promotion resumes on 3 or 4 ranks with
+  every local folder gone, holding exactly the full state the 2-rank job had (as DeepSpeed itself gathers it), and
+  then trains bitwise like a reference job loaded from that full state with DeepSpeed's own setters; the 3-rank
+  job's promotion resumes on 2 ranks again.
 - SCOUT: the forward recipes replay on the engine's module; with 3 peers a persistent corruption of one block on one
   rank is attributed to that rank, uncertified candidates are rejected, the decision names the newest verified step
   before the fault, and clean rotations certify again once the fault is gone.
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +121,9 @@ def test_scout_attributes_a_faulty_rank_on_zero2(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_path: Path) -> None:
-    """Every rank's own partition is promoted collectively into one DCP directory (keys per rank, SHA-256 sidecar);
-    with every node's local folder deleted, a relaunch resumes from the durable tier bitwise, and a world size that
-    does not match the partitions is refused with the reason."""
-    import shutil
-
+    """Every rank's partition is promoted collectively into one DCP directory (per parameter, SHA-256 sidecar);
+    with every node's local folder deleted, a relaunch on the same world size resumes from the durable tier bitwise
+    (padding included), and a job with other param groups is refused with the reason."""
     from gemscout.gemini.durable import SIDECAR
 
     world, durable = 2, tmp_path / "durable"
@@ -151,7 +155,58 @@ def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_
         assert rb["state_digest"] == rbase["state_digest"], f"rank {rb['rank']}: resumed trajectory is not bitwise"
         assert rb["losses"] == rbase["losses"] and rb["global_steps"] == 8
 
-    res = go("c", "local-c", 8, n=3)  # three ranks cannot take two ranks' partitions
+    res = go("c", "local-c", 8, "--param-groups", "2")  # the promotion's one param group cannot fill two
     assert not res.ok
     logs = " ".join(p.read_text(errors="replace") for p in (tmp_path / "logs" / "c").glob("*.log"))
-    assert "restores on 2 ranks only, not 3" in logs and "Traceback" not in logs, logs[-3000:]
+    assert "RunMismatchError: durable promotion step-000000006 has param groups of [" in logs, logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("topology", "grown", "extra"), [("deepspeed-zero1", 3, []),
+                                                        ("deepspeed-zero2", 4, ["--bf16", "--param-groups", "2"])])
+def test_durable_tier_resumes_on_another_world_size(tmp_path: Path, topology: str, grown: int,
+                                                    extra: list[str]) -> None:
+    """A 2-rank job promotes step 4 (per parameter) and every local folder is lost. A job on ``grown`` ranks resumes
+    from the durable tier: its full fp32 masters and AdamW moments, as DeepSpeed's ``safe_get_full_*`` gathers them,
+    equal the 2-rank job's at step 4 bit for bit, and so does its module. The reference is a job on ``grown`` ranks
+    without gemscout loaded from the 2-rank job's full state with DeepSpeed's own ``safe_set_full_*`` setters: after
+    two more steps every rank's module, partition, moments and lr equal it bitwise, losses included. The grown job
+    promotes step 6, and a 2-rank job resumes from that, equal to its full state again (shrinking)."""
+    durable, dump = tmp_path / "durable", tmp_path / "full-step4.pt"
+
+    def go(name: str, world: int, steps: int, *more: str, gemscout: bool = True) -> list[dict[str, Any]]:
+        tiers = ["--ckpt", str(tmp_path / f"local-{name}"), "--durable", str(durable)] if gemscout else []
+        argv = ["-m", "qualification.programs.ds_rank", "--out", str(tmp_path / name), "--topology", topology,
+                "--steps", str(steps), "--full-state", *extra, *tiers, *more]
+        res = launch(argv, world_size=world, timeout_s=300, log_dir=tmp_path / "logs" / name)
+        logs = " ".join(p.read_text(errors="replace")[-2000:] for p in (tmp_path / "logs" / name).glob("*.log"))
+        assert res.ok, (name, res, logs)
+        return ranks(tmp_path / name, world)
+
+    a = go("a", 2, 4, "--durable-every", "2", "--certify", "--dump-full", str(dump))
+    assert len({r["state_digest"] for r in a}) == 2 and len({json.dumps(r["final_full"]) for r in a}) == 1
+    shutil.rmtree(tmp_path / "local-a")  # every node's local folder is gone
+
+    grown_run = go("b", grown, 6, "--durable-every", "2", "--certify")
+    reference = go("ref", grown, 6, "--load-full", str(dump), gemscout=False)
+    for b, ref in zip(grown_run, reference, strict=True):
+        assert b["decision"]["mode"] == "durable" and b["decision"]["step"] == 4, b["decision"]
+        assert b["resume_full"] == a[0]["final_full"], f"rank {b['rank']}: resharded state differs from step 4's"
+        assert b["resume_module"] == a[0]["module_digest"]
+        assert ref["resume_full"] == a[0]["final_full"] and ref["resume_module"] == a[0]["module_digest"]
+        assert b["state_digest"] == ref["state_digest"], f"rank {b['rank']}: steps 5-6 differ from the reference"
+        assert b["final_full"] == ref["final_full"]
+        after = {s: v for s, v in b["losses"].items() if int(s) > 4}
+        assert after == ref["losses"] and len(after) == 2 and all(math.isfinite(v) for v in after.values())
+        assert (b["global_steps"], b["global_samples"], b["lr"]) == \
+            (ref["global_steps"], ref["global_samples"], ref["lr"]) == (6, ref["global_samples"], ref["lr"])
+        assert b["errors"] == [] and b["trust"]["6"] == "durable", (b["errors"], b["trust"])
+    assert len({r["state_digest"] for r in grown_run}) == grown, "each rank should hold a different partition"
+
+    shutil.rmtree(tmp_path / "local-b")
+    shrunk = go("c", 2, 7)
+    for c in shrunk:
+        assert c["decision"]["mode"] == "durable" and c["decision"]["step"] == 6, c["decision"]
+        assert c["resume_full"] == grown_run[0]["final_full"] and c["resume_module"] == grown_run[0]["module_digest"]
+        assert c["global_steps"] == 7 and math.isfinite(c["losses"]["7"])

@@ -7,6 +7,7 @@ capture / restore run on real tensors. The real engine is exercised in tests/dis
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,6 +41,14 @@ class DeepSpeedEngine(nn.Module):
         super().__init__()
         self.module = nn.Linear(3, 2)
         self.optimizer = DeepSpeedZeroOptimizer(8)
+        # DeepSpeed's fragment mapping (param._hp_mapping): this partition holds the whole weight, then the bias.
+        self.optimizer.param_names = {p: n for n, p in self.module.named_parameters()}
+        self.optimizer.bit16_groups = [list(self.module.parameters())]
+        at = 0
+        for p in self.optimizer.bit16_groups[0]:
+            p._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
+                                            hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()))
+            at += p.numel()
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: 1 / (1 + s))
         self.stage, self.accumulation, self.fp16, self.offload = stage, accumulation, fp16, offload
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
@@ -249,6 +258,10 @@ def test_partition_state_refuses_another_layout() -> None:
     other = DeepSpeedEngine()
     taken["opt"]["partition_index"] = [1]  # rank 1's partition offered to rank 0
     with pytest.raises(RunMismatchError, match=r"each rank from its own partition"):
+        EngineOptimizer(other).load_state_dict(taken["opt"])
+    other = DeepSpeedEngine()
+    other.optimizer.param_names = {p: f"renamed.{n}" for p, n in other.optimizer.param_names.items()}
+    with pytest.raises(RunMismatchError, match=r"differs from this engine's in \['fragments', 'params'"):
         EngineOptimizer(other).load_state_dict(taken["opt"])
     with pytest.raises(RunMismatchError, match=r"not a DeepSpeed ZeRO partition"):
         EngineOptimizer(engine).load_state_dict({"state": {}, "param_groups": []})

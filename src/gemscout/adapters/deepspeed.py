@@ -11,10 +11,14 @@ What one rank's checkpoint holds (the codec stores it without pickle):
 
 - ``model``: ``engine.module.state_dict()`` — every rank holds all parameters under ZeRO-1/2;
 - ``optimizer``: this rank's partition — the fp32 master partition of each param group, the torch optimizer's state
-  for it (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``) and the group hyper-parameters; DeepSpeed's own
+  for it (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``), the group hyper-parameters and where each parameter's
+  fragment lies in the partition (:func:`~gemscout.adapters.deepspeed_layout.partition_table`); DeepSpeed's own
   ``state_dict()`` is not used (it holds a loss-scaler object, enums and slice mappings that need pickle);
 - ``extra``: the engine's counters (``global_steps``, ``global_samples``, ``micro_steps``, ``skipped_steps``), its lr
   scheduler's state, and the caller's own extra state.
+
+The local tier restores a partition on the rank and world size that took it. The durable tier stores the partition
+state per parameter (:mod:`gemscout.adapters.deepspeed_layout`), so a job resumes from it on any world size.
 
 Nothing here imports deepspeed: the adapter reads the live engine the caller built.
 """
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.adapters import deepspeed_layout
 from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.state.codec import encode
@@ -36,7 +41,7 @@ from gemscout.state.codec import encode
 __all__ = ["EngineOptimizer", "SUPPORTED_STAGES", "capture_engine", "resolve_engine", "restore_engine"]
 
 SUPPORTED_STAGES = (1, 2)
-FORMAT = "gemscout.deepspeed-zero.v1"
+FORMAT = deepspeed_layout.FORMAT
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
@@ -59,6 +64,7 @@ class EngineOptimizer:
         self.zero = engine.optimizer
         self.inner: torch.optim.Optimizer = engine.optimizer.optimizer
         self._hooks = StepHooks(self, engine, when=self._boundary)
+        self._table = deepspeed_layout.partition_table(self.zero)  # fixed once the engine is built
 
     # -- the torch.optim.Optimizer subset -------------------------------------------------------------------------
     @property
@@ -89,7 +95,16 @@ class EngineOptimizer:
         return bool(self.engine.is_gradient_accumulation_boundary())
 
     # -- this rank's partition ------------------------------------------------------------------------------------
-    def _layout(self) -> dict[str, Any]:
+    def partition_table(self) -> dict[str, Any]:
+        """Parameter names per group and this rank's fragment of each (see ``deepspeed_layout.partition_table``)."""
+        return {"params": [list(g) for g in self._table["params"]],
+                "fragments": [[list(r) for r in g] for g in self._table["fragments"]]}
+
+    def partition_numel(self) -> list[int]:
+        """Elements of this rank's flat fp32 partition, per group (DeepSpeed's padding included)."""
+        return [int(g["params"][0].numel()) for g in self.inner.param_groups]
+
+    def layout(self) -> dict[str, Any]:
         # The partition index is part of the layout: a partition restored on another rank (a durable promotion
         # written by rank 0 alone, a folder copied by hand) would load cleanly and be silently wrong.
         groups = getattr(self.zero, "real_dp_process_group", [None] * len(self.inner.param_groups))
@@ -97,14 +112,15 @@ class EngineOptimizer:
         return {"zero_stage": int(self.engine.zero_optimization_stage()),
                 "partition_count": [int(c) for c in self.zero.partition_count],
                 "partition_index": index,
-                "partition_numel": [int(g["params"][0].numel()) for g in self.inner.param_groups]}
+                "partition_numel": self.partition_numel()}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's partition. Tensors are the live ones (GEMINI copies them); nothing needs pickle."""
         groups = self.inner.param_groups
         return {
             "format": FORMAT,
-            **self._layout(),
+            **self.layout(),
+            **self.partition_table(),
             "master": [g["params"][0] for g in groups],
             "state": {i: dict(self.inner.state[g["params"][0]]) for i, g in enumerate(groups)
                       if self.inner.state.get(g["params"][0])},
@@ -118,12 +134,18 @@ class EngineOptimizer:
         if state.get("format") != FORMAT:
             raise RunMismatchError(f"the optimizer state is not a DeepSpeed ZeRO partition ({state.get('format')!r}); "
                                    "it was taken from another kind of job")
-        here = self._layout()
+        here = self.layout()
+        if "fragments" in state:  # taken by this version (older partitions lack the table)
+            here.update(self._table)
         there = {k: state.get(k) for k in here}
         if there != here:
-            raise RunMismatchError(f"the DeepSpeed checkpoint was taken with {there}, this engine has {here}; resume "
+            diff = sorted(k for k in here if there[k] != here[k])
+            small = [k for k in diff if k not in ("params", "fragments")]
+            raise RunMismatchError(f"the DeepSpeed checkpoint's partition differs from this engine's in {diff} (taken "
+                                   f"with {({k: there[k] for k in small})}, here {({k: here[k] for k in small})}); "
+                                   "a local checkpoint resumes "
                                    "with the same ZeRO stage, world size and param groups, each rank from its own "
-                                   "partition")
+                                   "partition (the durable tier resumes on any world size)")
         with torch.no_grad():
             for i, group in enumerate(self.inner.param_groups):
                 master = group["params"][0]
@@ -220,6 +242,7 @@ def resolve_engine(
     or None. Raises ConfigError for an engine setting or argument the adapter cannot take, naming the fix.
     """
     _check_engine(engine)
+    deepspeed_layout.register()  # durable promotions of this job are stored per parameter
     zero = engine.optimizer
     if optimizer is not None and optimizer is not zero and optimizer is not zero.optimizer:
         raise ConfigError(f"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer (the second "

@@ -14,7 +14,8 @@ collective on a dedicated gloo group (its own timeout; never the replication gro
 Any failure on any rank is recorded and voted on, so a rank never leaves a collective alone and a half-written
 promotion never gets its final name. Loading verifies the sidecar first (see :class:`DurableTier.verify`), then
 every rank loads collectively; on another world size, shards are resharded by DCP onto the live mesh and per-rank
-entries come from rank ``r % old_world_size``.
+entries come from rank ``r % old_world_size``. Rank-local partitions (DeepSpeed ZeRO) are stored per parameter by
+the codec their adapter registers in :data:`PARTITION_CODECS`, and reshard on load too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from gemscout.errors import IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
@@ -40,6 +40,12 @@ log = logging.getLogger("gemscout.gemini")
 
 Entry = tuple[str, list[int] | None, list[int] | None]
 """(DCP key, global shape, global stride) per tensor index; shape and stride only for DTensor shards."""
+
+PARTITION_CODECS: dict[str, Any] = {}
+"""Codecs that store a rank-local partition per parameter, by the name the sidecar records. An adapter registers
+its own (DeepSpeed ZeRO: :class:`gemscout.adapters.deepspeed_layout.ZeroPerParameter`): ``accepts(skeleton)``,
+``promotion_items(parsed, data, rank) -> (DCP items, sidecar record)`` and ``load(folder, records, sources, group=,
+rank=)``. Such a promotion loads on any world size; one without a codec only on the world size that wrote it."""
 
 
 def tensor_entries(skeleton: Any, rank: int) -> list[Entry]:
@@ -129,6 +135,8 @@ def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *,
 def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *, group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
     """Collectively promote ``step`` (all ranks of ``group`` call, each with its own verified checkpoint, or None
     when it has none; ``likes`` from :func:`live_shards`). Returns the promotion's path; raises IntegrityError on every rank if any rank failed."""
+    import torch.distributed.checkpoint as dcp  # here, not at import: it imports DTensor (see durable.py)
+
     final, tmp = tier.path(step), tier.directory / f".tmp-collective-step-{step:09d}"
     if comm.all_agree(final.exists(), group=group, timeout=timeout):
         return final  # promoted before (e.g. a resumed job certified the same step again)
@@ -138,19 +146,25 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
     if frame is not None:
         try:
             parsed, data = frame
-            entries = tensor_entries(parsed.skeleton, rank)
-            for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
-                state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
-            mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries}
+            codec = next((c for c in PARTITION_CODECS.values() if c.accepts(parsed.skeleton)), None)
+            if codec is not None:
+                state, mine = codec.promotion_items(parsed, data, rank)
+            else:
+                entries = tensor_entries(parsed.skeleton, rank)
+                for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
+                    state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
+                mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries}
         except Exception as exc:  # recorded and voted on below: a rank never skips the collective
             err = f"{type(exc).__name__}: {exc}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt's files would be mixed into this one
     if not comm.all_agree(not err, group=group, timeout=timeout):  # doubles as the barrier after the cleanup
         raise IntegrityError(f"durable step {step}: a rank could not prepare its shards ({err or 'on a peer'})")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # recorded and voted on: every rank raises IntegrityError below
         err = f"DCP save failed: {exc}"
     if not comm.all_agree(not err, group=group, timeout=timeout):
         if rank == 0:
@@ -190,11 +204,20 @@ def load(folder: Path, sidecar: dict[str, Any], sources: training_state.StateSou
         raise IntegrityError("this durable promotion holds sharded or rank-local state; only a job whose model is "
                              "sharded (FSDP2, HSDP, TP) or a DeepSpeed ZeRO job can load it")
     saved = sidecar["ranks"]
+    if saved[0].get("codec") is not None:  # stored per parameter: the codec reshards
+        codec = PARTITION_CODECS.get(saved[0]["codec"])
+        if codec is None:
+            raise RunMismatchError(f"durable promotion {folder.name} holds {saved[0]['codec']} state; only a job of "
+                                   "that kind can load it")
+        codec.load(folder, saved, sources, group=group, rank=rank)
+        return
     world = dist.get_world_size(group)
     if sources.rank_local and len(saved) != world:
         raise RunMismatchError(f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
                                f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}")
     src = saved[rank % len(saved)]  # per-rank entries (caller state, RNG) on another world size: rank r % old
+    import torch.distributed.checkpoint as dcp
+
     meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     targets: dict[str, Any] = {}
     likes = live_shards(sources)
