@@ -180,6 +180,9 @@ class Checkpointer:
             # Serial on purpose: writing the own file on a second thread while replicating gained nothing on the
             # 2-core CPU class, where both stages are CPU-bound (A/B, 60 MiB, serial vs concurrent: 0.55 / 0.53 s
             # and 0.46 / 0.55 s per capture), and it slowed the replication it competed with by 40-80 %.
+            # Every capture is a candidate, written or not (persist_every > 1): certification must be able to vouch
+            # for a step that lives only in memory and in its peers' replicas.
+            self.ledger.add_candidate(slot.step)
             if persist_now:
                 self._persist_own(slot)
             if self.config.replicate and self.placement.enabled:
