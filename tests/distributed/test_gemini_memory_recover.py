@@ -9,10 +9,15 @@ import pytest
 
 from qualification.launch import launch
 
-PROGRAM = r"""
+
+def _program(checkpoint: str, body: str) -> str:
+    """A 2-rank program: the tiny LM and AdamW under ``enable_resiliency`` with ``CheckpointConfig(directory=argv[1],
+    fsync=False, handle_signals=False, <checkpoint>)``, then ``body``."""
+    return r"""
 import sys, torch, torch.distributed as dist
 from datetime import timedelta
 import gemscout
+from gemscout.config import TrustState
 from gemscout.state.layout import parse_prefix, verify_data
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 torch.set_num_threads(1)
@@ -21,7 +26,10 @@ rank = dist.get_rank()
 model = build_model("tiny-causal-lm", seed=0)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
-    directory=sys.argv[1], run_id="mem", fsync=False, persist=False, handle_signals=False))
+    directory=sys.argv[1], fsync=False, handle_signals=False, """ + checkpoint + "))\n" + body
+
+
+PROGRAM = _program('run_id="mem", persist=False', r"""
 def step(i):
     x, y = synthetic_batch(seed=0, step=i, rank=rank)
     loss = lm_loss(model(x), y); opt.zero_grad(); loss.backward(); opt.step()
@@ -37,7 +45,7 @@ for slot in s.checkpointer.pool.ready_slots():
 print("OK", d.step)
 s.close(); dist.barrier()
 import os; os._exit(0)
-"""
+""")
 
 
 @pytest.mark.timeout(120)
@@ -48,19 +56,7 @@ def test_restore_from_memory_does_not_alias_the_slot(tmp_path: Path) -> None:
     assert "OK 3" in log
 
 
-TRUST_PROGRAM = r"""
-import sys, torch, torch.distributed as dist
-from datetime import timedelta
-import gemscout
-from gemscout.config import TrustState
-from qualification.workloads import build_model, lm_loss, synthetic_batch
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-rank = dist.get_rank()
-model = build_model("tiny-causal-lm", seed=0)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
-    directory=sys.argv[1], run_id="trust", fsync=False, persist_every=2, handle_signals=False))
+TRUST_PROGRAM = _program('run_id="trust", persist_every=2', r"""
 for i in range(1, 6):
     x, y = synthetic_batch(seed=0, step=i, rank=rank)
     loss = lm_loss(model(x), y); opt.zero_grad(); loss.backward(); opt.step()
@@ -70,7 +66,7 @@ d = s.recover(failure_kind="test", min_trust=TrustState.RECOVERY_VERIFIED)
 print("DECISION", d.step, d.sources[rank])
 s.close(); dist.barrier()
 import os; os._exit(0)
-"""
+""")
 
 
 @pytest.mark.timeout(120)
