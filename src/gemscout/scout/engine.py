@@ -184,12 +184,9 @@ class Scout(ReplaySeams):
         self._capture.arm(step, armed)
 
     def time_job_collectives(self, model: nn.Module) -> JobCollectiveTimer | FsdpCollectiveTimer:
-        """Time the job's own collectives as communication-straggler evidence: a DDP model's gradient all-reduces (a
-        comm hook, :class:`~gemscout.scout.comm_probe.JobCollectiveTimer`) or a ``fully_shard`` model's all-gathers
-        and reduce-scatters (:class:`~gemscout.scout.fsdp_comms.FsdpCollectiveTimer`). Every cycle then carries each
-        rank's wait in its record row and reports a rank late to them in its group (kind ``straggler``, evidence
-        signal ``communication``) after ``config.stragglers.confirmations`` rounds. Collective: call on every rank,
-        after :meth:`attach`. Raises ``ConfigError`` as :func:`~gemscout.scout.fsdp_comms.build_job_timer` says."""
+        """Time the job's own collectives (DDP's or FSDP2's; :func:`~gemscout.scout.fsdp_comms.build_job_timer` says
+        what raises ``ConfigError``): each cycle then reports a rank late to them as a communication straggler.
+        Collective: call on every rank, after :meth:`attach`; a second call returns the same timer."""
         self._require_attached()
         if self._job_timer is None:
             self._job_timer = build_job_timer(model, self._exchange, self._mesh, self.config)
