@@ -61,8 +61,10 @@ def test_randomized_sigkill_recovers_bitwise(tmp_path: Path, world: int, rank: i
     obs = result["observed"]
     assert obs["rank_exit_codes"][rank] == -9, result
     # Step 0 (taken at attach, replicated before training starts) is the floor when a rank dies before its first
-    # step's replica has landed.
-    assert obs["recovered_step"] is not None and 0 <= obs["recovered_step"] <= step, result
+    # step's replica has landed. A "random:<ms>" kill is a timer started after step S: on a quiet machine a step is
+    # shorter than the delay, so the rank may die in a later step, whose capture can already be everywhere.
+    last = 8 if phase.startswith("random:") else step
+    assert obs["recovered_step"] is not None and 0 <= obs["recovered_step"] <= last, result
     if node_loss:
         assert obs["decision"]["sources"][str(rank)].startswith("peer:"), result
     assert obs["bitwise_equal"] and obs["losses_equal"], result
