@@ -26,11 +26,17 @@ def finish(out: Path, rank: int, result: dict[str, Any]) -> None:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run ``main``; a gemscout error ends the rank with its documented exit code and one line, no traceback."""
+    """Run ``main``; a gemscout error ends the rank with its documented exit code and one line, no traceback.
+
+    The rank leaves with ``os._exit``, as :func:`finish` does: a normal interpreter exit runs the process group's
+    and the TCPStore's destructors while peers are still inside their own failure path, and gloo can abort there
+    (SIGABRT instead of the documented code; seen once in CI for a STOP decision on rank 0, which hosts the store).
+    """
     from gemscout.errors import GemscoutError
 
     try:
         main()
     except GemscoutError as exc:
         print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
-        raise SystemExit(exc.exit_code) from None
+        sys.stderr.flush()
+        os._exit(exc.exit_code)
