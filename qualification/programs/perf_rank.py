@@ -1,8 +1,11 @@
-"""One rank of the healthy-path performance suite: the reference workload in one mode, timed step by step.
+"""One rank of the healthy-path performance suite: one workload in one mode, timed step by step.
 
 Modes: ``baseline`` (no gemscout), ``gemini`` (GEMINI only), ``scout`` (SCOUT only), ``combined``. Every mode uses
-the same seed, workload, DDP settings and thread count; ``--device cuda`` puts the model and batches on the GPU. Writes ``<out>/rank<r>.json`` with per-step latencies of the
-measured steps (after warm-up), throughput and peak RSS.
+the same seed, workload (``--workload``: its model and batch shape, :data:`qualification.workloads.BATCH_SHAPES`),
+DDP settings and thread count; ``--device cuda`` puts the model and batches on the GPU. Writes ``<out>/rank<r>.json``
+with, per measured step (after warm-up): its number, wall latency, the training thread's CPU time
+(``time.thread_time``) and the whole process's CPU time (``time.process_time``: GEMINI's and SCOUT's background
+threads included, so a busy shared machine, which stretches wall time, barely moves it); and the peak RSS.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qualification.workloads import build_model, lm_loss, synthetic_batch
+from qualification.workloads import BATCH_SHAPES, build_model, lm_loss, synthetic_batch
 
 MODES = ("baseline", "gemini", "scout", "combined")
 
@@ -58,12 +61,13 @@ def main() -> None:
         if args.mode in ("scout", "combined"):
             kwargs["scout"] = gemscout.ScoutConfig(rotate_kinds=args.rotate_kinds)
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
-    latencies = []
+    latencies, thread_cpu, process_cpu, measured = [], [], [], []
     replay: dict[str, list[float]] = {}
     total = args.warmup + args.steps
+    batch, seq = BATCH_SHAPES[args.workload]
     for step in range(1, total + 1):
-        x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank))
-        t0 = time.perf_counter()
+        x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq))
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         loss = lm_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -72,6 +76,9 @@ def main() -> None:
             torch.cuda.synchronize()  # a step ends when its kernels do
         if step > args.warmup:
             latencies.append(time.perf_counter() - t0)
+            measured.append(step)
+            thread_cpu.append(time.thread_time() - c0)
+            process_cpu.append(time.process_time() - p0)
             cycle = session.scout.last_result if session is not None and session.scout is not None else None
             if cycle is not None and cycle.step == step:
                 for recipe, by_rank in cycle.replay_s.items():
@@ -82,7 +89,8 @@ def main() -> None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "mode": args.mode, "latencies_s": latencies, "replay_s": replay,
+        "rank": rank, "mode": args.mode, "steps": measured, "latencies_s": latencies,
+        "thread_cpu_s": thread_cpu, "process_cpu_s": process_cpu, "replay_s": replay,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
     dist.barrier()

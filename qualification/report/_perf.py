@@ -3,7 +3,9 @@
 The healthy-path suite runs baseline, GEMINI-only, SCOUT-only and combined modes and writes, per mode,
 ``throughput_steps_s``, ``p50_ms``, ``p95_ms`` and ``peak_rss_mib``, plus ``thresholds[mode]`` such as
 ``{"throughput_pct": -5, "p95_pct": 10}``: a throughput change may not fall below its (negative) floor, a latency or
-memory change may not rise above its ceiling. Changes are ``(mode / baseline - 1) * 100``.
+memory change may not rise above its ceiling. Changes are ``(mode / baseline - 1) * 100``. Shown when present, not
+judged: ``process_cpu_ms`` (CPU per step, background threads included — what a shared machine's load cannot stretch)
+and ``due_step_extra_ms`` (how much longer a capture / replay step takes than the others).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pandas as pd
 
 from qualification.report.svg import LatencyRow, OverheadBar, overhead_chart, percentile_chart
 
-METRICS = ("throughput_steps_s", "p50_ms", "p95_ms", "peak_rss_mib")
+METRICS = ("throughput_steps_s", "p50_ms", "p95_ms", "peak_rss_mib", "process_cpu_ms", "due_step_extra_ms")
 # threshold key -> (metric it bounds, label, higher is better)
 THRESHOLDS = {
     "throughput_pct": ("throughput_steps_s", "throughput", True),
@@ -94,6 +96,8 @@ def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
             "rss": _shown(frame.at[mode, "peak_rss_mib"], ".0f"),
             "throughput_change": _shown(change.at[mode, "throughput_steps_s"], "+.1f"),
             "p95_change": _shown(change.at[mode, "p95_ms"], "+.1f"),
+            "cpu_change": _shown(change.at[mode, "process_cpu_ms"], "+.1f"),
+            "due_extra": _shown(frame.at[mode, "due_step_extra_ms"], "+.1f"),
             "thresholds": ", ".join(f"{k} {v:+g}" for k, v in limits.items() if not math.isnan(_float(v))) or "–",
             "verdict": verdict,
             "status": status,
