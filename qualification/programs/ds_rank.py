@@ -269,7 +269,7 @@ def main() -> None:
         per_cycle = args.optimizer_slices_per_cycle or None
         stragglers = (StragglerConfig(absolute_margin_s=args.straggler_margin_s)
                       if args.straggler_margin_s > 0 else None)
-        scout = gemscout.ScoutConfig(recipes=kinds, stragglers=stragglers,
+        scout = gemscout.ScoutConfig(interval=args.interval, recipes=kinds, stragglers=stragglers,
                                      optimizer_slice_numel=args.optimizer_slice_numel,
                                      optimizer_slices_per_cycle=per_cycle) if args.scout else None
         t_attach = time.time()

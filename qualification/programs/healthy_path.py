@@ -11,6 +11,9 @@ thresholds (``params.thresholds``; defaults are the issue's limits: GEMINI −5 
 SCOUT −3 % / +7.5 %, combined −7.5 % / +15 %).
 
 ``params.rotate_kinds``: SCOUT replays one recipe kind per due step (``ScoutConfig.rotate_kinds``).
+``params.scout_interval``: SCOUT's cadence (``ScoutConfig.interval``, a multiple of ``interval``); unset: SCOUT's
+default (the smallest multiple of ``interval`` that is at least 10 steps). A mode's due steps are those of the finer
+cadence that runs in it.
 ``params.device``: ``cpu`` (default) or ``cuda`` (the model and batches on GPU 0, shared by the ranks over gloo: the
 GPU tier's healthy path). Observed: ``within_thresholds`` (bool), ``overhead`` per mode; metrics: ``modes`` and ``thresholds`` (the report's
 overhead chart reads them). Each mode's process start costs seconds, but more, shorter rounds interleave the modes
@@ -73,7 +76,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                     "--workload", cell["workload"], "--seed", str(cell.get("seed", 0)),
                     "--steps", str(p.get("steps", 40)), "--warmup", str(p.get("warmup", 5)),
                     "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{mode}-{r}"),
-                    "--device", str(p.get("device", "cpu"))] + (["--rotate-kinds"] if p.get("rotate_kinds") else [])
+                    "--device", str(p.get("device", "cpu"))] + (["--rotate-kinds"] if p.get("rotate_kinds") else []) \
+                + (["--scout-interval", str(p["scout_interval"])] if p.get("scout_interval") else [])
             res = launch(argv, world_size=world, timeout_s=float(cell.get("timeout_s", 300)), log_dir=celldir / "logs",
                          attempt=r * len(modes) + modes.index(mode))
             if not res.ok:
@@ -84,7 +88,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             pooled[mode] += [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
             for kind in ("thread", "process"):
                 cpu[mode][kind] += [max(v) for v in zip(*(rk[f"{kind}_cpu_s"] for rk in ranks), strict=True)]
-            due[mode] += [step % interval == 0 for step in ranks[0]["steps"]]
+            every = int(ranks[0].get("due_every", interval))
+            due[mode] += [step % every == 0 for step in ranks[0]["steps"]]
             rss[mode] = max(rss.get(mode, 0.0), max(rk["peak_rss_mib"] for rk in ranks))
             for rk in ranks:
                 for recipe, times in rk.get("replay_s", {}).items():

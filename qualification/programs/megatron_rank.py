@@ -168,7 +168,7 @@ def main() -> None:
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
                                         persist_every=args.persist_every, keep_generations=args.keep_generations,
                                         timeout=timedelta(seconds=60), fsync=False)
-        scout = (gemscout.ScoutConfig(recipes=("embedding", "hidden", "output", "optimizer"), stragglers=None,
+        scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output", "optimizer"), stragglers=None,
                                       timeout=timedelta(seconds=60)) if args.scout else None)
         t_attach = time.time()
         session = gemscout.enable_resiliency([model], opt, interval=args.interval, checkpoint=cfg, scout=scout,

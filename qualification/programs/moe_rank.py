@@ -112,7 +112,7 @@ def main() -> None:
         extra_state_fn=lambda: {"losses": {str(k): v for k, v in losses.items()}},
         load_extra_state_fn=lambda st: losses.update({int(k): float(v) for k, v in st["losses"].items()}),
         # 4 ranks on 2 shared cores: scheduling noise alone is tens of ms, above the default straggler margin.
-        scout=gemscout.ScoutConfig(data_parallel_dims=("dp",), stragglers=StragglerConfig(absolute_margin_s=0.25)),
+        scout=gemscout.ScoutConfig(interval=1, data_parallel_dims=("dp",), stragglers=StragglerConfig(absolute_margin_s=0.25)),
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()))
     assert session.scout is not None and session.checkpointer is not None

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)")
     ap.add_argument("--rotate-kinds", action="store_true", help="ScoutConfig(rotate_kinds=True): one kind per due step")
+    ap.add_argument("--scout-interval", type=int, default=None,
+                    help="ScoutConfig.interval (a multiple of --interval); default: SCOUT's own default cadence")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -59,9 +61,14 @@ def main() -> None:
             kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt, run_id=f"perf-{args.mode}",
                                                              fsync=False)
         if args.mode in ("scout", "combined"):
-            kwargs["scout"] = gemscout.ScoutConfig(rotate_kinds=args.rotate_kinds)
+            kwargs["scout"] = gemscout.ScoutConfig(interval=args.scout_interval, rotate_kinds=args.rotate_kinds)
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
     latencies, thread_cpu, process_cpu, measured = [], [], [], []
+    # Steps that capture (GEMINI) or replay (SCOUT): the finer of the two cadences that run in this mode.
+    cadences = [args.interval] if args.mode in ("gemini", "combined") else []
+    if session is not None and session.scout is not None:
+        cadences.append(session.scout.config.interval)
+    due_every = min(cadences) if cadences else args.interval
     replay: dict[str, list[float]] = {}
     total = args.warmup + args.steps
     batch, seq = BATCH_SHAPES[args.workload]
@@ -89,7 +96,7 @@ def main() -> None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "mode": args.mode, "steps": measured, "latencies_s": latencies,
+        "rank": rank, "mode": args.mode, "steps": measured, "due_every": due_every, "latencies_s": latencies,
         "thread_cpu_s": thread_cpu, "process_cpu_s": process_cpu, "replay_s": replay,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))

@@ -131,6 +131,7 @@ def main() -> None:
         # 4 ranks on 2 cores: scheduling alone moves replay times by tens of ms, so the compute-straggler margin is
         # raised above that noise here (the default 2 ms suits one rank per core).
         scout=gemscout.ScoutConfig(
+            interval=1,  # a cycle at every step (the default would be every 10th)
             stragglers=StragglerConfig(absolute_margin_s=args.straggler_margin_s),
             optimizer_slice_numel=args.optimizer_slice_numel,
             comm_probe=CommProbeConfig(interval=args.comm_probe_interval,

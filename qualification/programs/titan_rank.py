@@ -128,7 +128,7 @@ def main() -> None:
     if args.ckpt is not None:
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan-cpu", ranks_per_node=1, fsync=False,
                                         timeout=timedelta(seconds=120))
-        scout = gemscout.ScoutConfig() if args.scout else None
+        scout = gemscout.ScoutConfig(interval=args.interval) if args.scout else None
         session = gemscout.enable_resiliency(trainer, None, interval=args.interval, checkpoint=cfg, scout=scout,
                                              on_fault_report=lambda r: reports.append(r.to_dict()))
         if session.scout is not None and args.replay_fault_rank == rank:

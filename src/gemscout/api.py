@@ -30,7 +30,7 @@ from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
 from gemscout.oob import ClassifiedHealthEvent, HealthMonitor, HealthMonitorConfig, HealthSource, NvmlHealthSource
 from gemscout.scout.comm_probe import CommProbe
-from gemscout.scout.config import ScoutConfig
+from gemscout.scout.config import DEFAULT_MIN_CADENCE, ScoutConfig
 from gemscout.scout.engine import Scout
 from gemscout.scout.fsdp_comms import fsdp_modules
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
@@ -59,6 +59,18 @@ def _destroy_process_group(*args: Any, **kwargs: Any) -> None:
 
 
 dist.destroy_process_group = _destroy_process_group  # sessions stop their threads before their groups go away
+
+
+def _scout_cadence(asked: int | None, interval: int) -> int:
+    """SCOUT's cadence: a multiple of the capture ``interval`` (a cycle runs where GEMINI captures, so a clean cycle
+    can certify that capture); by default the smallest one of at least ``DEFAULT_MIN_CADENCE`` steps."""
+    if asked is None:
+        return interval * -(-DEFAULT_MIN_CADENCE // interval)
+    if asked % interval:
+        raise ConfigError(f"ScoutConfig.interval={asked} is not a multiple of enable_resiliency(interval={interval}); "
+                          f"SCOUT replays at capture steps: use a multiple such as {interval * max(1, asked // interval)}, "
+                          "or None for the default")
+    return asked
 
 
 def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout: timedelta) -> tuple[str, bool]:
@@ -147,7 +159,8 @@ def enable_resiliency(
     - ``on_recovery_decision``: receives the :class:`RecoveryDecision` before anything is restored (and a
       conservative one when the watchdog finds a hang).
     - ``scout``: SCOUT replay on data-parallel peers (:class:`ScoutConfig`); its verdicts gate GEMINI's trust.
-      ``interval`` is the shared cadence (``ScoutConfig.recipe_intervals`` may slow single recipe kinds down).
+      SCOUT replays at capture steps: by default every 10th step (the smallest multiple of ``interval`` >= 10;
+      ``ScoutConfig.interval`` sets another multiple, ``ScoutConfig.recipe_intervals`` slows single kinds down).
     - ``capture_on_inconclusive``: still capture (as an uncertified candidate) when SCOUT cannot decide.
     - ``watch``: out-of-band hang / DataLoader / checkpoint-I/O watching (:class:`WatchConfig`).
     - ``health`` / ``health_sources``: poll hardware health (default source: NVML, when ``nvidia-ml-py`` is installed
@@ -168,6 +181,8 @@ def enable_resiliency(
         raise ConfigError("enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither")
     if scout is not None and not isinstance(scout, ScoutConfig):
         raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
+    if scout is not None:
+        scout = dataclasses.replace(scout, interval=_scout_cadence(scout.interval, interval))
     from gemscout.adapters.detect import resolve  # here, not at the top: importing gemscout loads no adapter
 
     # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
@@ -197,9 +212,6 @@ def enable_resiliency(
         checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
                                     run_id=run_id, topology_digest=_topology_digest(model, world, placement, rep_group, timeout),
                                     on_decision=on_recovery_decision)
-    if scout is not None and scout.interval not in (1, interval):
-        raise ConfigError(f"ScoutConfig.interval={scout.interval} differs from enable_resiliency(interval={interval}); "
-                          "set the shared cadence once, with enable_resiliency(interval=...)")
     if watch is not None and not isinstance(watch, WatchConfig):
         raise ConfigError("enable_resiliency.watch: pass a gemscout.WatchConfig(...)")
     session = Session(sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world)
@@ -221,7 +233,7 @@ def enable_resiliency(
             session._install_signals()
     if scout is not None:
         scout_cls = target.scout_factory or Scout
-        session.scout = scout_cls(dataclasses.replace(scout, interval=interval)).attach(
+        session.scout = scout_cls(scout).attach(
             model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1)
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))

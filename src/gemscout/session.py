@@ -119,6 +119,9 @@ class Session:
             return
         if self.checkpointer is not None and self.step % self.interval == 0:
             self.checkpointer.capture(self.step)
+        rotation = getattr(self.scout, "rotation", None)
+        if cycle is not None and self.checkpointer is not None and rotation is not None:
+            self.checkpointer.retain(rotation.open_steps())
         if cycle is not None and cycle.clean and cycle.certified_step is not None and self.checkpointer is not None:
             certified = cycle.certified_step
             if self.alltoall is not None:  # nothing is verified past the newest clean AllToAll check

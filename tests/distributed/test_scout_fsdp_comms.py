@@ -73,7 +73,7 @@ def rank_main(out: Path) -> None:
     reports: list[dict[str, Any]] = []
     model, opt = _hsdp(seed=0)
     session = gemscout.enable_resiliency(
-        model, opt, scout=ScoutConfig(hidden_per_cycle=None, job_collectives=True,
+        model, opt, scout=ScoutConfig(interval=1, hidden_per_cycle=None, job_collectives=True,
                                       stragglers=StragglerConfig(absolute_margin_s=0.15, confirmations=CONFIRMATIONS)),
         on_fault_report=lambda r: reports.append({"kind": r.kind.value, "ranks": list(r.ranks), "step": r.step,
                                                   "host": r.host, "signal": r.evidence.get("signal"),

@@ -34,7 +34,7 @@ def build():
 plain, watched = DDP(build()), DDP(build())
 opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, watched)]
 both = sys.argv[2] == "both"
-scout = gemscout.ScoutConfig(job_collectives=True, recipes=("optimizer",)) if both else None
+scout = gemscout.ScoutConfig(interval=1, job_collectives=True, recipes=("optimizer",)) if both else None
 session = gemscout.enable_resiliency(watched, opts[1], interval=1, scout=scout,
                                      watch=gemscout.WatchConfig(insecure_dev=True, stall_threshold=timedelta(seconds=30)))
 assert session.watch is not None

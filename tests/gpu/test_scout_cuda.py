@@ -54,7 +54,7 @@ def rank_main(device_name: str, out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reports: list[dict[str, Any]] = []
     session = gemscout.enable_resiliency(
-        model, opt, scout=ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None,
+        model, opt, scout=ScoutConfig(interval=1, hidden_per_cycle=None, optimizer_slices_per_cycle=None,
                                       stragglers=StragglerConfig(absolute_margin_s=0.5)),  # ranks share one device
         on_fault_report=lambda r: reports.append({"kind": r.kind.value, "ranks": list(r.ranks), "step": r.step,
                                                   "recipe": r.recipe}))

@@ -125,3 +125,12 @@ def test_prune_keeps_everything_past_the_frontier(tmp_path: Path) -> None:
         store.step_file(folder, s).write_bytes(b"x")
     store.prune_safe(folder, frontier=4, keep=2)
     assert store.list_steps(folder) == [7, 6, 5, 4, 3]
+
+
+def test_prune_keeps_protected_steps_beyond_the_generations(tmp_path: Path) -> None:
+    folder = tmp_path / "own"
+    folder.mkdir()
+    for s in range(1, 8):
+        store.step_file(folder, s).write_bytes(b"x")
+    store.prune_safe(folder, frontier=6, keep=2, protect={1, 4, 9})  # 9: not on disk, nothing to keep
+    assert store.list_steps(folder) == [7, 6, 5, 4, 1]

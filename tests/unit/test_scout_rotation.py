@@ -295,3 +295,15 @@ def test_every_numerical_fault_changes_the_digest_and_nothing_else(kind: str, dt
         assert int((corrupted != original).sum()) == 1  # exactly one element touched
     with pytest.raises(ValueError, match="stale"):
         corrupt(original, "stale")
+
+
+def test_scout_cadence_defaults_to_a_multiple_of_the_capture_interval_of_at_least_ten_steps() -> None:
+    from gemscout.api import _scout_cadence
+
+    assert [_scout_cadence(None, k) for k in (1, 3, 10, 25)] == [10, 12, 10, 25]
+    assert _scout_cadence(20, 10) == 20 and _scout_cadence(1, 1) == 1
+    with pytest.raises(ConfigError, match=r"ScoutConfig.interval=7 is not a multiple of .*interval=2.* such as 6"):
+        _scout_cadence(7, 2)
+    with pytest.raises(ConfigError, match="ScoutConfig.interval"):
+        ScoutConfig(interval=0)
+    assert ScoutConfig().interval is None and ScoutConfig().cadence == 1  # a Scout without a session: every step

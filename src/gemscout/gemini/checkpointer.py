@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
@@ -76,6 +76,7 @@ class Checkpointer:
         self.persisted_step = -1
         self.persisted_replica: dict[int, int] = {}
         self.frontier = -1
+        self.retained: frozenset[int] = frozenset()  # see retain()
         """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
         self.errors: list[str] = []
         self.stats: dict[str, float] = {"capture_stall_s": 0.0, "replicate_s": 0.0, "persist_s": 0.0,
@@ -265,9 +266,12 @@ class Checkpointer:
                       self.config.timeout, "frontier agreement")
         self.frontier = max(self.frontier, int(t.item()))
         keep = self.config.keep_generations
-        store.prune_safe(self.paths.own, self.frontier, keep)
+        trusted = [s for s, st in list(self.ledger.states.items())
+                   if st in (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE) and s > 0]
+        protect = self.retained | ({max(trusted)} if trusted else set())
+        store.prune_safe(self.paths.own, self.frontier, keep, protect)
         for owner in self.paths.held_owners():
-            store.prune_safe(self.paths.replicas(owner), self.frontier, keep)
+            store.prune_safe(self.paths.replicas(owner), self.frontier, keep, protect)
         steps = store.list_steps(self.paths.own)
         if steps:
             self.ledger.forget_before(steps[-1])
@@ -342,6 +346,14 @@ class Checkpointer:
         return self.persisted_step
 
     # ------------------------------------------------------------------ trust
+    def retain(self, steps: Iterable[int]) -> None:
+        """Keep the captures of ``steps`` on disk (own files and held replicas) beyond ``keep_generations``, until the
+        next call. SCOUT's session passes the steps a later certification can still name: certifying step ``s``
+        marks the captures up to ``s``, so a capture at ``s`` must still exist then. The newest RECOVERY_VERIFIED or
+        DURABLE step is always kept too: it is what a rejection of the candidates falls back to. Every rank must
+        pass the same steps (the rotation is the same everywhere)."""
+        self.retained = frozenset(int(s) for s in steps)
+
     def certify(self, step: int) -> list[int]:
         """Collectively mark every candidate <= ``step`` RECOVERY_VERIFIED (all ranks must call); queues a durable
         promotion when one is due (see :mod:`gemscout.gemini.promotion`). Returns the steps changed."""

@@ -17,7 +17,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,11 +142,14 @@ def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bo
         fh.write(data.numpy().data)
 
 
-def prune_safe(folder: Path, frontier: int, keep: int) -> None:
-    """Keep every step newer than ``frontier`` and the ``keep`` newest steps at or below it; delete the rest."""
+def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = ()) -> None:
+    """Keep every step newer than ``frontier``, the ``keep`` newest steps at or below it and every step in
+    ``protect``; delete the rest."""
+    kept = set(protect)
     safe = [s for s in list_steps(folder) if s <= frontier]
     for step in safe[keep:]:
-        step_file(folder, step).unlink(missing_ok=True)
+        if step not in kept:
+            step_file(folder, step).unlink(missing_ok=True)
 
 
 def read_verified(path: Path) -> tuple[Parsed, torch.Tensor]:

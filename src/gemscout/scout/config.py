@@ -15,6 +15,8 @@ from gemscout.scout.stragglers import StragglerConfig
 __all__ = ["RECIPE_KINDS", "ScoutConfig"]
 
 RECIPE_KINDS: tuple[str, ...] = ("embedding", "hidden", "output", "optimizer")
+DEFAULT_MIN_CADENCE = 10
+"""With ``ScoutConfig(interval=None)``, SCOUT's cadence is the smallest multiple of the capture interval >= this."""
 """Every recipe kind, in the order a cycle replays them."""
 
 
@@ -31,8 +33,14 @@ class ScoutConfig:
     each due kind, the recipes the rotation picks for ``s`` (a pure function of ``s``, so every rank picks the same).
     """
 
-    interval: int = 1
-    """Cadence in optimizer steps, shared with GEMINI: pass the session's ``interval``. Int >= 1."""
+    interval: int | None = None
+    """SCOUT's cadence in optimizer steps: a cycle runs at steps divisible by it. ``None`` (default): chosen by
+    ``enable_resiliency`` as the smallest multiple of the session's capture ``interval`` that is at least
+    :data:`DEFAULT_MIN_CADENCE` (10) steps — GEMINI's default is a capture at every step, and a cycle replays a
+    real slice of the step's work (one block's forward and backward, the output, an optimizer slice), so replaying
+    at every step costs a large fraction of a step (docs/scout.md, "Healthy path"). An int >= 1: that cadence; with
+    ``enable_resiliency`` it must be a multiple of the session's ``interval`` (a cycle runs where GEMINI captures,
+    so the clean cycle can certify that capture). A ``Scout`` used without a session reads ``None`` as 1."""
     recipe_intervals: Mapping[str, int] = field(default_factory=dict, hash=False)
     """Per-kind cadence overrides, e.g. ``{"optimizer": 4}``; keys among :data:`RECIPE_KINDS`, values ints >= 1."""
     recipes: tuple[str, ...] = RECIPE_KINDS
@@ -89,7 +97,8 @@ class ScoutConfig:
 
     def __post_init__(self) -> None:
         c = "ScoutConfig"
-        require(_is_int(self.interval) and self.interval >= 1, c, "interval", f"must be an int >= 1, got {self.interval!r}")
+        require(self.interval is None or (_is_int(self.interval) and self.interval >= 1), c, "interval",
+                f"must be None (chosen by enable_resiliency) or an int >= 1, got {self.interval!r}")
         require(isinstance(self.recipe_intervals, Mapping), c, "recipe_intervals",
                 f"must be a mapping of recipe kind to int, got {type(self.recipe_intervals).__name__}")
         for kind, every in self.recipe_intervals.items():
@@ -136,6 +145,11 @@ class ScoutConfig:
         require(not self.job_collectives or self.stragglers is not None, c, "job_collectives",
                 "needs stragglers=StragglerConfig(...) (its margins judge who is late); stragglers is None")
 
+    @property
+    def cadence(self) -> int:
+        """:attr:`interval`, with ``None`` read as 1 (``enable_resiliency`` replaces ``None`` before SCOUT starts)."""
+        return self.interval or 1
+
     def interval_of(self, kind: str) -> int:
-        """The cadence of ``kind``: its override, else :attr:`interval`."""
-        return self.recipe_intervals.get(kind, self.interval)
+        """The cadence of ``kind``: its override, else :attr:`cadence`."""
+        return self.recipe_intervals.get(kind, self.cadence)

@@ -309,9 +309,9 @@ class Catalog:
         """
         if self.config.rotate_kinds:
             present = [kind for kind in RecipeKind if self._by_kind[kind]]
-            if not present or step % self.config.interval:
+            if not present or step % self.config.cadence:
                 return ()
-            n = step // self.config.interval
+            n = step // self.config.cadence
             return self._take(present[n % len(present)], n // len(present))
         out: list[Recipe] = []
         for kind in RecipeKind:

@@ -64,6 +64,12 @@ class RotationTracker:
         """Recipes that have not passed clean since the last SDC (or ever): what certification still waits for."""
         return tuple(name for name in self.catalog if name not in self._last_clean)
 
+    def open_steps(self) -> set[int]:
+        """The steps a later :attr:`certified_step` can name among those seen so far: each recipe's last clean
+        pass (a certified step is always the minimum of those, and they only move forward). The captures of these
+        steps must still exist when their certification comes."""
+        return set(self._last_clean.values())
+
     @property
     def certified_step(self) -> int | None:
         """The newest step ``s`` such that every recipe passed clean at some step ``>= s`` with no SDC since; or
