@@ -243,7 +243,7 @@ class AllToAllCheck:
         gloo groups, created here the first time a group is seen (every rank creates every group, in one order); the
         replayed AllToAlls run on the recorded group, on the device the recorded ones used (CUDA under NCCL). Sets
         :attr:`job_mismatch`. Raises ``CollectiveTimeout`` when a rank misses a collective."""
-        if step % self.config.cadence:
+        if step % self.config.interval:
             return None
         timeout = self.config.timeout
         if self._control is None:
