@@ -11,7 +11,8 @@ reads and writes the CUDA generator. :func:`install` points exactly those calls 
 Consequence to keep in mind: Megatron's "CUDA" RNG tracker states are CPU generator states here, and forking the
 tracker swaps the CPU generator — what a GPU run does with the CUDA generator. These shims are for the CPU test tier
 only (qualification rank programs and tests/distributed); the runtime never imports this module, and a machine with a
-GPU must not install them (:func:`install` refuses). Megatron's DDP, schedules and optimizers stay GPU-only.
+GPU must not install them (:func:`install` refuses). Megatron's DDP, schedules and optimizers need more:
+:mod:`qualification.frameworks.megatron_cpu` (which installs these too).
 """
 
 from __future__ import annotations

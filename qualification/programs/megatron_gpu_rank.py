@@ -63,7 +63,7 @@ def main() -> None:
     dist.init_process_group("nccl", timeout=timedelta(seconds=120))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -79,6 +79,10 @@ def main() -> None:
                      share_embeddings_and_output_weights=False).cuda()
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                         overlap_grad_reduce=False), model)
+    # Megatron-LM's wiring: without finalize_model_grads the schedule never syncs DDP's grad buffers (found on CPU,
+    # qualification/programs/megatron_loop_rank.py: every rank stepped on its own gradients).
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01,
                                                        use_distributed_optimizer=True), [ddp])
     rank, dp_rank = dist.get_rank(), ps.get_data_parallel_rank()

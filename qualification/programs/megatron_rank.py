@@ -2,8 +2,9 @@
 
 The model is Megatron Core's own ``GPTModel`` (local layer spec: ColumnParallel / RowParallel linears, vocab-parallel
 embedding and cross entropy) on ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=--tp)``; the
-loop is hand-written because Megatron's schedules, DDP and optimizers hard-code CUDA: gradients are averaged over the
-data-parallel group with one all-reduce per parameter, and a torch AdamW updates. Dropout is on (hidden and attention),
+loop is hand-written (Megatron's own DDP, optimizers and schedules run in
+:mod:`qualification.programs.megatron_loop_rank`): gradients are averaged over the data-parallel group with one
+all-reduce per parameter, and a torch AdamW updates. Dropout is on (hidden and attention),
 so Megatron's RNG tracker is exercised (attention dropout forks it). CUDA calls Megatron makes on its CPU path are
 redirected by :mod:`qualification.programs._megatron_cpu_shims` (test-only).
 

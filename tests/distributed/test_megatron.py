@@ -4,9 +4,9 @@ What runs for real: ``parallel_state.initialize_model_parallel`` (TP and DP grou
 ``GPTModel`` with its ColumnParallel / RowParallel linears, vocab-parallel embedding and cross entropy, dropout on.
 What is stood in, and why: Megatron reaches for CUDA on its CPU path (buffers on ``torch.cuda.current_device()``, the
 RNG tracker on the CUDA generator), redirected to the CPU by the test-only
-``qualification.programs._megatron_cpu_shims``; Megatron's DDP, schedules and optimizers hard-code CUDA, so the rank
-program averages gradients over the data-parallel group itself and steps a torch AdamW (the MegatronOptimizer path is
-covered in tests/gpu/test_megatron_gpu.py).
+``qualification.programs._megatron_cpu_shims``; the rank program averages gradients over the data-parallel group
+itself and steps a torch AdamW (Megatron's own DDP, MegatronOptimizer and schedules: tests/distributed/
+test_megatron_loop.py on CPU, tests/gpu/test_megatron_gpu.py on a GPU).
 
 - Topology: SCOUT's peers are exactly Megatron's data-parallel group, TP coordinates kept (TP=2 x DP=2 on 4 ranks).
 - A healthy run under gemscout (GEMINI + SCOUT every step) ends bitwise equal to the run without it, on every rank,

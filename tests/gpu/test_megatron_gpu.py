@@ -5,9 +5,8 @@
 A run killed after step 4 and relaunched resumes at step 4 and ends bitwise equal to the uninterrupted run: model,
 this rank's optimizer shard (fp32 main parameters and Adam state) and Megatron's RNG tracker streams.
 
-Skipped, with the reason, without CUDA or megatron-core. One rank per GPU (NCCL), up to 2. On CPU these parts of
-Megatron hard-code CUDA; the CPU tier is tests/distributed/test_megatron.py (GPTModel with a torch optimizer) and the
-view's unit tests in tests/unit/test_adapters_megatron_titan.py.
+Skipped, with the reason, without CUDA or megatron-core. One rank per GPU (NCCL), up to 2. The same path runs on CPU
+under a test-only shim of Megatron's CUDA calls in tests/distributed/test_megatron_loop.py (with SCOUT, DP=3 and PP=2).
 """
 
 from __future__ import annotations

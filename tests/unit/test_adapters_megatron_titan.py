@@ -21,6 +21,7 @@ from gemscout.adapters.detect import Framework, resolve
 from gemscout.adapters.megatron import MegatronOptimizerView, capture_rng_tracker, restore_rng_tracker
 from gemscout.adapters.torchtitan import OptimizersView
 from gemscout.state.codec import decode, encode
+from gemscout.state.training_state import StateSources, collect, restore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,6 +131,19 @@ def test_megatron_optimizer_view_hooks_and_bitwise_state() -> None:
         MegatronOptimizerView(MegatronOptimizer(numel=5)).load_state_dict(saved)
     with pytest.raises(RunMismatchError, match=r"not a Megatron optimizer's"):
         view.load_state_dict({"format": "other"})
+
+
+def test_megatron_optimizer_view_restores_through_the_training_state() -> None:
+    # The path a recovery takes (collect -> codec -> restore), not only the view's own load_state_dict: the view's
+    # state has "parts", no torch "state", which restore's DTensor pass once indexed blindly (KeyError: 'state').
+    live, fresh = MegatronOptimizer(), MegatronOptimizer()
+    live.step()
+    saved = _roundtrip(collect(StateSources(model=GPTModel(), optimizer=MegatronOptimizerView(live)), step=1))
+    restore(StateSources(model=GPTModel(), optimizer=MegatronOptimizerView(fresh)), saved)
+    assert torch.equal(fresh.main, live.main)
+    live.step()
+    fresh.step()
+    assert torch.equal(fresh.main, live.main) and _equal(fresh.optimizer.state_dict(), live.optimizer.state_dict())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")

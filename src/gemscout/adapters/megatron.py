@@ -8,7 +8,8 @@ What a Megatron job hands to ``enable_resiliency``:
 - ``optimizer``: a ``torch.optim.Optimizer`` (used as is: its own step hooks), or a ``MegatronOptimizer``
   (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``ChainedOptimizer``), which
   is not a torch optimizer: :class:`MegatronOptimizerView` gives it step hooks around ``optimizer.step()`` and a
-  pickle-free per-rank state (see its docstring). That path is GPU-tier: Megatron's optimizers allocate on CUDA.
+  pickle-free per-rank state (see its docstring). Megatron's optimizers allocate on CUDA; on CPU that path runs in
+  tests only, under a test-only shim of those calls (tests/distributed/test_megatron_loop.py).
 
 SCOUT's peers come from ``megatron.core.parallel_state``: ranks that share this rank's tensor-, context- and
 pipeline-parallel coordinates and differ only along data parallelism (the data-parallel group). The layout is read

@@ -115,7 +115,9 @@ def _rebuild_shards(sources: StateSources, state: dict[str, Any]) -> None:
         if isinstance(value, LocalShard):
             model_sd[name] = _as_dtensor(value, live[name])
     flat = [p for group in sources.optimizer.param_groups for p in group["params"]]
-    for idx, per_param in state["optimizer"]["state"].items():
+    # An adapter's optimizer view may keep its own layout (MegatronOptimizerView: "parts", no torch "state"); its
+    # tensors are plain, so there is nothing to rebuild.
+    for idx, per_param in state["optimizer"].get("state", {}).items():
         for key, value in per_param.items():
             if isinstance(value, LocalShard):
                 per_param[key] = _as_dtensor(value, flat[int(idx)])
