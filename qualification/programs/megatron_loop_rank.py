@@ -156,7 +156,7 @@ def main() -> None:
         import gemscout
 
         t_attach = time.time()
-        scout = (gemscout.ScoutConfig(recipes=("embedding", "hidden", "output"), stragglers=None,
+        scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output"), stragglers=None,
                                       timeout=timedelta(seconds=60)) if args.scout else None)
         session = gemscout.enable_resiliency(
             [ddp], optimizer, scout=scout, interval=args.interval,
