@@ -104,7 +104,11 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def unmet_requirement(requirement: str) -> str | None:
-    """Why ``requirement`` is not met on this machine, or None when it is."""
+    """Why ``requirement`` is not met on this machine, or None when it is.
+
+    ``gpu`` / ``gpu:N``: CUDA devices; ``torchtitan_cpu``: the separate TorchTitan interpreter
+    (:mod:`qualification.frameworks.titan_env`: ``$GEMSCOUT_TT_PYTHON`` or ``.venv-tt``) has torchtitan 0.3.0;
+    anything else: a module importable by this interpreter."""
     return _probe(requirement)
 
 
@@ -119,6 +123,10 @@ def _probe(requirement: str) -> str | None:
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return None if have >= need else f"needs {need} CUDA device(s), this machine has {have}"
+    if name == "torchtitan_cpu":  # runs in another interpreter: the main one never has torchtitan
+        from qualification.frameworks import titan_env
+
+        return titan_env.unavailable()
     try:
         found = importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a dotted name whose parent package is absent

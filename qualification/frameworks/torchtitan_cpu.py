@@ -17,7 +17,11 @@ smallest changes that let it run; each changes torchtitan's (never gemscout's) C
    2.13); here it only synchronises, and the groups keep the timeout they were created with;
 5. attention (CHANGES THE MODEL): FlexAttention has no backward on CPU. The llama3 model registry builds plain causal
    ``ScaledDotProductAttention`` instead, so attention crosses document boundaries inside a packed sequence (the
-   per-document block-causal mask is gone; RoPE positions still restart per document).
+   per-document block-causal mask is gone; RoPE positions still restart per document);
+6. pipeline schedules: torchtitan 0.3.0 calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)`` with
+   microbatches it split itself, a keyword form newer than torch 2.13 (whose ``step`` splits a whole batch and would
+   take those keywords for model inputs); the schedules accept that call and run their own ``_step_microbatches`` on
+   the given microbatches after torch's per-step set-up (same numerics, no model change).
 
 :func:`trainer_config` adds what is configuration rather than code: ``spmd_backend="partial_dtensor"`` (the default
 ``spmd_types`` rejects FSDP2 parameters that are not DTensors on the full mesh), fp32 parameters (bf16 matmuls are
@@ -135,14 +139,50 @@ def apply() -> None:
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()  # type: ignore[attr-defined]
+
+    # 6. Pipeline schedules: torchtitan 0.3.0 hands step() microbatches it split itself (a newer torch's keywords).
+    _accept_presplit_microbatches()
     _APPLIED = True
 
 
+def _accept_presplit_microbatches() -> None:
+    """Let torch 2.13's pipeline schedules take ``step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)``, as torchtitan
+    0.3.0's ``pp_forward_backward_step`` calls them: the same per-iteration set-up as torch's own ``step`` (backward
+    flag on every stage, runtime state cleared), then the schedule's ``_step_microbatches`` on the given microbatches
+    instead of torch splitting a whole batch. Any other call goes to torch's ``step`` unchanged."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+
+        def step(self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
+                 losses: Any = None, return_outputs: bool = True, loss_kwargs: Any = None, _torch: Any = original,
+                 **kwargs: Any) -> Any:
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _torch(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                              **kwargs)
+            if args or kwargs or return_outputs:
+                raise RuntimeError("pre-split pipeline step: only torchtitan's call (microbatches, no outputs) is "
+                                   "supported by the CPU shim")
+            if self._has_backward and not torch.is_grad_enabled():
+                raise RuntimeError("step() requires gradients to be enabled for backward computation")
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs)
+            return None
+
+        cls.step = step  # type: ignore[method-assign]
+
+
 def trainer_config(*, assets: Path, dump: Path, steps: int, seq_len: int = 128, local_batch: int = 2,
-                   seed: int = 0, dp_shard: int = -1, dp_replicate: int = 1) -> Any:
+                   seed: int = 0, dp_shard: int = -1, dp_replicate: int = 1, pp: int = 1,
+                   pp_schedule: str = "1F1B") -> Any:
     """The llama3 debug model's ``Trainer.Config`` (torchtitan's own ``llama3_debugmodel``) set up for this CPU:
     fp32 parameters, ``partial_dtensor``, no CUDA graphs, no validation, TorchTitan's own checkpointing off, a fixed
-    seed, the assets of :func:`make_assets`. Call after :func:`apply`."""
+    seed, the assets of :func:`make_assets`. ``pp`` > 1: TorchTitan's own pipeline split and ``pp_schedule``
+    (``1F1B``, ``Interleaved1F1B``, ...). Call after :func:`apply`."""
     if not _APPLIED:
         raise RuntimeError("call apply() before building a TorchTitan config")
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -159,6 +199,8 @@ def trainer_config(*, assets: Path, dump: Path, steps: int, seq_len: int = 128, 
     config.parallelism.spmd_backend = "partial_dtensor"  # spmd_types wants every parameter on the full SPMD mesh
     config.parallelism.data_parallel_shard_degree = dp_shard
     config.parallelism.data_parallel_replicate_degree = dp_replicate
+    config.parallelism.pipeline_parallel_degree = pp  # microbatches of 1 sample: local_batch of them per step
+    config.parallelism.pipeline_parallel_schedule = pp_schedule
     config.checkpoint.enable = False  # gemscout restores; Trainer.train() would load its own DCP checkpoint
     config.validator.enable = False
     config.debug.seed = seed

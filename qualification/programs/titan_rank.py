@@ -8,8 +8,10 @@ The CPU layer (:mod:`qualification.frameworks.torchtitan_cpu`) is applied first;
     trainer.train()                                 # unchanged
 
 Writes ``<out>/rank<r>.json``: the resume step, the recovery decision, per-step losses (from torchtitan's own metrics
-logger), and digests of what must come back bit for bit: every parameter's local shard, the inner optimizers'
+logger), the fault reports, recovery decisions and trust ledger, the number of ``model_parts`` (pipeline stages on
+this rank), and digests of what must come back bit for bit: every parameter's local shard, the inner optimizers'
 state, the lr schedulers' state, ``trainer.step``, ``trainer.ntokens_seen`` and the dataloader's state.
+``--pp N --pp-schedule NAME``: TorchTitan's own pipeline split and schedule (``1F1B``, ``Interleaved1F1B``, ...).
 
 ``--kill-rank R --kill-step S`` SIGKILLs rank R right after step S: an optimizer post-hook registered after the
 session's (so step S was captured), after its checkpoint drained. ``--scout`` attaches SCOUT too;
@@ -87,6 +89,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="local batch size")
     ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicate degree (1: FSDP over all ranks)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (TorchTitan's own split)")
+    ap.add_argument("--pp-schedule", default="1F1B", help="TorchTitan's pipeline_parallel_schedule")
     ap.add_argument("--ckpt", type=Path, default=None, help="gemscout checkpoint directory; omit for the baseline")
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--kill-rank", type=int, default=-1)
@@ -112,7 +116,8 @@ def main() -> None:
 
     config = torchtitan_cpu.trainer_config(assets=args.assets, dump=args.out / "dump", steps=args.steps,
                                            seq_len=args.seq_len, local_batch=args.batch,
-                                           dp_replicate=args.dp_replicate)
+                                           dp_replicate=args.dp_replicate, pp=args.pp,
+                                           pp_schedule=args.pp_schedule)
     trainer = Trainer(config)
     losses: dict[int, float] = {}
     log = trainer.metrics_processor.log
@@ -124,13 +129,15 @@ def main() -> None:
     trainer.metrics_processor.log = record_loss
     session = None
     reports: list[dict[str, Any]] = []
+    decisions: list[dict[str, Any]] = []
     cycles: dict[str, Any] = {}
     if args.ckpt is not None:
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan-cpu", ranks_per_node=1, fsync=False,
                                         timeout=timedelta(seconds=120))
         scout = gemscout.ScoutConfig(interval=args.interval) if args.scout else None
         session = gemscout.enable_resiliency(trainer, None, interval=args.interval, checkpoint=cfg, scout=scout,
-                                             on_fault_report=lambda r: reports.append(r.to_dict()))
+                                             on_fault_report=lambda r: reports.append(r.to_dict()),
+                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
         if session.scout is not None and args.replay_fault_rank == rank:
             from qualification.faults import Injector, ReplayFault
 
@@ -159,10 +166,13 @@ def main() -> None:
     t0 = time.monotonic()
     trainer.train()
     wall = time.monotonic() - t0
+    trust: dict[str, str] = {}
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
-    result = {"rank": rank, **resume, "train_wall_s": wall, "losses": {str(k): v for k, v in sorted(losses.items())},
-              "state": state(trainer), "reports": reports,
+        trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+    result = {"rank": rank, **resume, "train_wall_s": wall, "model_parts": len(trainer.model_parts),
+              "losses": {str(k): v for k, v in sorted(losses.items())},
+              "state": state(trainer), "reports": reports, "decisions": decisions, "trust": trust,
               "scout_cycles": cycles, "scout_disabled": getattr(session.scout, "disabled_reason", None) if session else None,
               "errors": session.checkpointer.errors if session and session.checkpointer else []}
     if session is not None:

@@ -14,7 +14,12 @@ The tokenizer and the c4_test data are synthetic, built here (they are not in th
 - SCOUT on the FSDP mesh (2 peers): healthy steps agree and report nothing; a one-bit replay fault on rank 1 is
   detected (an SDC report naming the pair); training stays bitwise equal;
 - SCOUT on HSDP (dp_replicate=2 x fsdp=2, 4 ranks): peers are the replicate pairs {0, 2} and {1, 3}, whose shards
-  stay bitwise equal; a replay fault on rank 3 is reported for the pair {1, 3} only.
+  stay bitwise equal; a replay fault on rank 3 is reported for the pair {1, 3} only;
+- pipeline parallelism (TorchTitan's own split, pp=2, 4 steps): with 1F1B (one stage per rank) GEMINI's run is
+  bitwise equal to the run without gemscout, and SIGKILL of rank 1 after step 2 + node loss recovers bitwise from
+  rank 0's replica; with Interleaved1F1B (two stages per rank, so ``model_parts`` holds two modules) the same for a
+  SIGKILL of rank 0. torch 2.13's schedules get torchtitan's pre-split microbatches through a CPU shim (6 in
+  torchtitan_cpu.py), which does not change the numerics.
 
 Skipped, with the reason, when ``.venv-tt`` (or ``GEMSCOUT_TT_PYTHON``) has no torchtitan 0.3.0.
 """
@@ -30,24 +35,14 @@ from typing import Any
 
 import pytest
 
+from qualification.frameworks import titan_env
 from qualification.launch import launch
 
 REPO = Path(__file__).resolve().parents[2]
-PYTHON = os.environ.get("GEMSCOUT_TT_PYTHON", str(REPO / ".venv-tt" / "bin" / "python"))
+PYTHON = titan_env.python()  # $GEMSCOUT_TT_PYTHON, else .venv-tt/bin/python
 STEPS, WORLD, LAUNCH_TIMEOUT_S = 6, 2, 420
-
-
-def _torchtitan_version() -> str | None:
-    if not Path(PYTHON).exists():
-        return None
-    probe = subprocess.run([PYTHON, "-c", "import importlib.metadata as m; print(m.version('torchtitan'))"],
-                           capture_output=True, text=True, timeout=60)
-    return probe.stdout.strip() if probe.returncode == 0 else None
-
-
-VERSION = _torchtitan_version()
-pytestmark = pytest.mark.skipif(VERSION != "0.3.0", reason=f"needs torchtitan 0.3.0 in {PYTHON} (found "
-                                f"{VERSION}); create it with `make test-torchtitan` (see docs/torchrun.md)")
+UNAVAILABLE = titan_env.unavailable(PYTHON)
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"{UNAVAILABLE} (see docs/torchrun.md)")
 
 
 def titan(out: Path, assets: Path, *extra: str, attempt: int = 0, world: int = WORLD, steps: int = STEPS) -> Any:
@@ -158,3 +153,35 @@ def test_scout_on_hsdp_pairs_replicate_peers_and_reports_the_faulty_pair(assets:
     for a, b in ((0, 2), (1, 3)):  # replicas of one shard: bitwise equal parameters and optimizer state
         assert [run[a]["state"][k] for k in ("params", "optimizer")] == [run[b]["state"][k] for k in ("params", "optimizer")]
     assert run[0]["state"]["params"] != run[1]["state"]["params"]
+
+
+PP_STEPS = 4
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("schedule", "killed", "parts"), [("1F1B", 1, 1), ("Interleaved1F1B", 0, 2)])
+def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_loss(
+        assets: Path, tmp_path: Path, schedule: str, killed: int, parts: int) -> None:
+    """TorchTitan's own pp=2 split and schedule, 2 ranks: healthy with GEMINI (1F1B only) and a SIGKILL of ``killed``
+    after step 2 with its node folder deleted, each bitwise equal to the run without gemscout."""
+    pp = ("--pp", "2", "--pp-schedule", schedule)
+    base_out = tmp_path / "baseline"
+    assert titan(base_out, assets, *pp, steps=PP_STEPS).ok, base_out / "logs"
+    base = ranks(base_out)
+    assert [r["model_parts"] for r in base] == [parts, parts]
+    assert base[0]["state"]["params"] != base[1]["state"]["params"], "each rank should hold its own stages"
+    assert all(v == -1.0 for v in base[0]["losses"].values()), "only the last stage logs a loss"
+    if schedule == "1F1B":
+        healthy = tmp_path / "healthy"
+        assert titan(healthy, assets, *pp, "--ckpt", str(healthy / "ckpt"), steps=PP_STEPS).ok, healthy / "logs"
+        assert_bitwise(ranks(healthy), base)
+    out, ckpt = tmp_path / "kill", tmp_path / "kill" / "ckpt"
+    res = titan(out, assets, *pp, "--ckpt", str(ckpt), "--kill-rank", str(killed), "--kill-step", "2", steps=PP_STEPS)
+    assert res.first_failed == killed and res.returncodes[killed] == -9, res
+    shutil.rmtree(ckpt / f"node-{killed}")
+    assert titan(out, assets, *pp, "--ckpt", str(ckpt), attempt=1, steps=PP_STEPS).ok, out / "logs"
+    run = ranks(out)
+    for r in run:
+        assert r["resume_step"] == 2 and r["errors"] == [] and r["model_parts"] == parts, r
+        assert r["decision"]["sources"][str(killed)] == f"peer:{1 - killed}", r["decision"]
+    assert_bitwise(run, base, first_step=3)
