@@ -350,7 +350,7 @@ class Checkpointer:
         """Keep the captures of ``steps`` on disk (own files and held replicas) beyond ``keep_generations``, until the
         next call. SCOUT's session passes the steps a later certification can still name: certifying step ``s``
         marks the captures up to ``s``, so a capture at ``s`` must still exist then. The newest RECOVERY_VERIFIED or
-        DURABLE step is always kept too: it is what a rejection of the candidates falls back to. Every rank must
+        DURABLE step after step 0 is always kept too (step 0, the attach-time capture, is not held forever): it is what a rejection of the candidates falls back to. Every rank must
         pass the same steps (the rotation is the same everywhere)."""
         self.retained = frozenset(int(s) for s in steps)
 
