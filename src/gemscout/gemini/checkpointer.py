@@ -65,6 +65,8 @@ class Checkpointer:
             self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
         self.pool = SlotPool(config.slots)
+        self.spares = store.Spares()
+        """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
         self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
         self.replicas: dict[int, ReplicaBuffers] = {}
         self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
@@ -203,7 +205,7 @@ class Checkpointer:
         self._phase("persist", slot.step)
         t0 = time.perf_counter()
         store.write_checkpoint(store.step_file(self.paths.own, slot.step), slot.prefix, slot.data,
-                               fsync=self.config.fsync)
+                               fsync=self.config.fsync, spares=self.spares)
         self.persisted_step = slot.step
         # No save here: an unrecorded step reads as CANDIDATE anyway, every transition saves, and the frontier
         # agreement right after this capture saves: one atomic ledger write (two fsyncs) per capture, not two.
@@ -247,7 +249,8 @@ class Checkpointer:
     def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
         self._phase("persist_replica", step)
         folder = self.paths.replicas(owner)
-        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync)
+        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync,
+                               spares=self.spares)
         self.persisted_replica[owner] = step
 
     def _advance_frontier(self, step: int) -> None:
@@ -265,9 +268,9 @@ class Checkpointer:
                       self.config.timeout, "frontier agreement")
         self.frontier = max(self.frontier, int(t.item()))
         keep = self.config.keep_generations
-        store.prune_safe(self.paths.own, self.frontier, keep)
+        store.prune_safe(self.paths.own, self.frontier, keep, spares=self.spares)
         for owner in self.paths.held_owners():
-            store.prune_safe(self.paths.replicas(owner), self.frontier, keep)
+            store.prune_safe(self.paths.replicas(owner), self.frontier, keep, spares=self.spares)
         steps = store.list_steps(self.paths.own)
         if steps:
             self.ledger.forget_before(steps[-1])
@@ -381,5 +384,6 @@ class Checkpointer:
             log.warning("gemini close: %s", exc)
         self._io.shutdown(wait=False, cancel_futures=True)
         self.capturer.shutdown()
+        self.spares.discard()
 
 
