@@ -1,10 +1,13 @@
-"""What every rank program does at its two ends: leave with the documented exit code, and leave without teardown."""
+"""What every rank program does at its two ends — leave with the documented exit code, leave without teardown — and
+the lifecycle driver's fail-stop faults between steps."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,3 +43,34 @@ def run(main: Callable[[], None]) -> None:
         print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
         sys.stderr.flush()
         os._exit(exc.exit_code)
+
+
+def fail_stop(session: Any, rank: int, step: int, args: Any) -> None:
+    """After ``step``: ``--kill-rank R --kill-step S`` SIGKILLs rank R once its checkpoint of S is out (drained, so the
+    process dies before the next step); ``--sigterm-step S`` sends SIGTERM to rank 0 (GEMINI's handler flushes the
+    newest recoverable state and re-raises; the sleep is never reached)."""
+    if rank == args.kill_rank and step == args.kill_step:
+        if session is not None and session.checkpointer is not None:
+            session.checkpointer.drain()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and step == getattr(args, "sigterm_step", None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+
+def trust_states(session: Any) -> dict[str, str]:
+    """Drain GEMINI's io and return its trust state per step (empty without GEMINI)."""
+    if session is None or session.checkpointer is None:
+        return {}
+    session.checkpointer.drain()
+    return {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+
+
+def megatron_run_arguments(ap: Any) -> None:
+    """The run arguments the Megatron rank programs share with the lifecycle driver (an ``argparse`` parser)."""
+    ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--ranks-per-node", type=int, default=1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import signal
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import finish, run
+from qualification.programs._rank import fail_stop, finish, run
 
 VOCAB, SEQ, BATCH = 128, 32, 4
 
@@ -117,10 +116,7 @@ def main() -> None:
                                micro_batch_size=BATCH, forward_only=False)
         losses[step] = float(out[0]["lm loss"])
         optimizer.step()  # the session's hooks run around this call
-        if rank == args.kill_rank and step == args.kill_step:
-            if session is not None and session.checkpointer is not None:
-                session.checkpointer.drain()
-            os.kill(os.getpid(), signal.SIGKILL)
+        fail_stop(session, rank, step, args)
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
     result = {"rank": rank, "resume_step": session.resume_step if session else 0,

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -31,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import finish, run
+from qualification.programs._rank import fail_stop, finish, megatron_run_arguments, run, trust_states
+from qualification.programs.megatron_gpu_rank import state_digest
 
 VOCAB, SEQ, BATCH, MICRO = 128, 32, 4, 2
 # The lifecycle driver's names for the layouts (campaign cells): flags each one sets.
@@ -51,37 +50,12 @@ def _model_hash(h: Any, model: torch.nn.Module) -> None:
             h.update(_bytes(t))
 
 
-def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
-    """SHA-256 over the model, this rank's optimizer shard (main parameters + state) and the RNG tracker streams."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    h = hashlib.sha256()
-    _model_hash(h, model)
-    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = part.optimizer
-        for g in inner.param_groups:
-            for p in g["params"]:
-                h.update(_bytes(p))
-                for key, value in sorted(inner.state.get(p, {}).items()):
-                    h.update(key.encode())
-                    h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
-    for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
-        h.update(name.encode())
-        h.update(_bytes(state))
-    return h.hexdigest()
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
                     help="the lifecycle driver's name for the layout (sets --pp / --distopt / --overlap)")
-    ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--persist-every", type=int, default=1)
-    ap.add_argument("--ranks-per-node", type=int, default=1)
+    megatron_run_arguments(ap)
     ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
     ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
     ap.add_argument("--sigterm-step", type=int, default=-1)
@@ -216,17 +190,8 @@ def main() -> None:
         cycle = session.scout.last_result if session is not None and session.scout is not None else None
         if cycle is not None and cycle.step == step:
             verdicts[str(step)] = {name: r.verdict.value for name, r in cycle.results.items()}
-        if rank == args.kill_rank and step == args.kill_step:
-            if session is not None and session.checkpointer is not None:
-                session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-            os.kill(os.getpid(), signal.SIGKILL)
-        if rank == 0 and step == args.sigterm_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # the handler flushes and re-raises; we never get here
-    trust: dict[str, str] = {}
-    if session is not None and session.checkpointer is not None:
-        session.checkpointer.drain()
-        trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+        fail_stop(session, rank, step, args)
+    trust = trust_states(session)
     h = hashlib.sha256()
     _model_hash(h, model)
     replicas: list[Any] = [None] * dist.get_world_size()

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import finish, run
+from qualification.programs._rank import fail_stop, finish, megatron_run_arguments, run, trust_states
 
 VOCAB, SEQ, BATCH = 128, 32, 4
 TOPOLOGIES = {"megatron-tp1": 1, "megatron-tp2": 2}
@@ -110,12 +108,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (SCOUT refuses > 1)")
     ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
                     help="the lifecycle driver's name for the layout (sets --tp)")
-    ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--persist-every", type=int, default=1)
-    ap.add_argument("--ranks-per-node", type=int, default=1)
+    megatron_run_arguments(ap)
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
     ap.add_argument("--run-id", default="qualify")
     ap.add_argument("--keep-generations", type=int, default=2)
@@ -207,17 +200,8 @@ def main() -> None:
             cycles[str(step)] = {
                 "verdicts": {n: {"verdict": r.verdict.value, "reason": r.reason} for n, r in result.results.items()},
                 "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
-        if rank == args.kill_rank and step == args.kill_step:
-            if session is not None and session.checkpointer is not None:
-                session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-            os.kill(os.getpid(), signal.SIGKILL)
-        if rank == 0 and step == args.sigterm_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # the handler flushes and re-raises; we never get here
-    trust: dict[str, str] = {}
-    if session is not None and session.checkpointer is not None:
-        session.checkpointer.drain()
-        trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
+        fail_stop(session, rank, step, args)
+    trust = trust_states(session)
     # Replicas: ranks with the same TP coordinate hold the same shard (test-side comparison; gemscout never pickles).
     shards: list[Any] = [None] * world
     dist.all_gather_object(shards, (ps.get_tensor_model_parallel_rank(), module_digest(model)))

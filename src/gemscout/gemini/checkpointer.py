@@ -65,6 +65,8 @@ class Checkpointer:
             self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
         self.pool = SlotPool(config.slots)
+        self.spares = store.Spares()
+        """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
         self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
         self.replicas: dict[int, ReplicaBuffers] = {}
         self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
@@ -204,7 +206,7 @@ class Checkpointer:
         self._phase("persist", slot.step)
         t0 = time.perf_counter()
         store.write_checkpoint(store.step_file(self.paths.own, slot.step), slot.prefix, slot.data,
-                               fsync=self.config.fsync)
+                               fsync=self.config.fsync, spares=self.spares)
         self.persisted_step = slot.step
         # No save here: an unrecorded step reads as CANDIDATE anyway, every transition saves, and the frontier
         # agreement right after this capture saves: one atomic ledger write (two fsyncs) per capture, not two.
@@ -248,7 +250,8 @@ class Checkpointer:
     def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
         self._phase("persist_replica", step)
         folder = self.paths.replicas(owner)
-        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync)
+        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync,
+                               spares=self.spares)
         self.persisted_replica[owner] = step
 
     def _advance_frontier(self, step: int) -> None:
@@ -269,9 +272,9 @@ class Checkpointer:
         trusted = [s for s, st in list(self.ledger.states.items())
                    if st in (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE) and s > 0]
         protect = self.retained | ({max(trusted)} if trusted else set())
-        store.prune_safe(self.paths.own, self.frontier, keep, protect)
+        store.prune_safe(self.paths.own, self.frontier, keep, protect, spares=self.spares)
         for owner in self.paths.held_owners():
-            store.prune_safe(self.paths.replicas(owner), self.frontier, keep, protect)
+            store.prune_safe(self.paths.replicas(owner), self.frontier, keep, protect, spares=self.spares)
         steps = store.list_steps(self.paths.own)
         if steps:
             self.ledger.forget_before(steps[-1])
@@ -347,11 +350,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ trust
     def retain(self, steps: Iterable[int]) -> None:
-        """Keep the captures of ``steps`` on disk (own files and held replicas) beyond ``keep_generations``, until the
-        next call. SCOUT's session passes the steps a later certification can still name: certifying step ``s``
-        marks the captures up to ``s``, so a capture at ``s`` must still exist then. The newest RECOVERY_VERIFIED or
-        DURABLE step after step 0 is always kept too (step 0, the attach-time capture, is not held forever): it is what a rejection of the candidates falls back to. Every rank must
-        pass the same steps (the rotation is the same everywhere)."""
+        """Keep the captures of ``steps`` (own files, held replicas) past ``keep_generations`` until the next call:
+        SCOUT's session names those a later certification can still name (certifying ``s`` marks captures up to
+        ``s``). The newest RECOVERY_VERIFIED / DURABLE step after step 0 is kept anyway. Same steps on every rank."""
         self.retained = frozenset(int(s) for s in steps)
 
     def certify(self, step: int) -> list[int]:
@@ -393,5 +394,6 @@ class Checkpointer:
             log.warning("gemini close: %s", exc)
         self._io.shutdown(wait=False, cancel_futures=True)
         self.capturer.shutdown()
+        self.spares.discard()
 
 

@@ -7,7 +7,9 @@ Layout under the checkpoint directory (one folder per rank, grouped by node so a
     node-<n>/rank-<r>/status.json                      trust states, rejected steps, recovery attempts
 
 Writes go to a temp file in the same folder, are fsynced, renamed into place and the folder fsynced, so a reader sees
-either the old file or the whole new one. A file whose digests do not match is never loaded (fail closed).
+either the old file or the whole new one. A file whose digests do not match is never loaded (fail closed). A pruned
+generation may be kept as its folder's *spare* (a temp file) and overwritten by the next write there (see
+:class:`Spares`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import struct
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -135,20 +138,111 @@ def list_steps(folder: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True) -> None:
-    """Publish ``prefix + data`` atomically at ``path``."""
-    with atomic_writer(path, fsync=fsync) as fh:
-        fh.write(prefix)
-        fh.write(data.numpy().data)
+class Spares:
+    """Pruned generation files kept, one per folder, under a temp name, for the next write there to overwrite.
+
+    Writing a checkpoint into a new file makes the kernel allocate a page-cache page and disk blocks for every 4 KiB,
+    and pruning the old one frees them again; overwriting a file that already has them costs the copy only. A spare
+    is only ever a temp file (``.tmp-<pid>-…-spare``), never a published name: no reader lists it, and a crash
+    leaves it to :func:`clean_stale_temps`. A file with another hard link is deleted, never recycled (writing into it
+    would change the other name's content). Thread-safe: a spare is handed to one writer at most.
+    """
+
+    def __init__(self) -> None:
+        self._by_folder: dict[Path, Path] = {}
+        self._lock = threading.Lock()
+
+    def retire(self, path: Path) -> None:
+        """Take a pruned file out of view: keep it as its folder's spare, or delete it if the folder has one."""
+        with self._lock:
+            if path.parent in self._by_folder:
+                path.unlink(missing_ok=True)
+                return
+            spare = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-spare"
+            try:
+                os.rename(path, spare)
+            except FileNotFoundError:
+                return
+            if os.lstat(spare).st_nlink != 1:
+                spare.unlink(missing_ok=True)
+                return
+            self._by_folder[path.parent] = spare
+
+    def take(self, folder: Path) -> Path | None:
+        """The folder's spare, now owned by the caller (who publishes or deletes it), or None."""
+        with self._lock:
+            return self._by_folder.pop(folder, None)
+
+    def discard(self) -> None:
+        """Delete every spare (at close: an idle run keeps no extra file per folder)."""
+        with self._lock:
+            spares, self._by_folder = list(self._by_folder.values()), {}
+        for spare in spares:
+            spare.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_folder)
 
 
-def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = ()) -> None:
+def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True,
+                     spares: Spares | None = None) -> None:
+    """Publish ``prefix + data`` atomically at ``path``: written with ``pwrite`` straight from ``data``'s memory
+    into a temp file (the folder's spare from ``spares`` when it has one, overwritten in place and cut to size),
+    fsynced, renamed over ``path``, the folder fsynced. On any error the temp file is deleted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = spares.take(path.parent) if spares is not None else None
+    fd = -1
+    if tmp is not None:
+        try:
+            fd = os.open(tmp, os.O_WRONLY)
+        except FileNotFoundError:  # removed behind our back: write a new file
+            tmp = None
+    if tmp is None:
+        tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
+    try:
+        if fd < 0:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            end = _pwrite_all(fd, prefix, 0)
+            end = _pwrite_all(fd, data.numpy().data if data.numel() else b"", end)
+            os.ftruncate(fd, end)  # a recycled file may be longer; a no-op for a new one
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _pwrite_all(fd: int, buf: bytes | memoryview, offset: int) -> int:
+    """Write all of ``buf`` at ``offset`` (a write may be partial); returns the offset after it."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"write made no progress at offset {offset + done}")
+        done += n
+    return offset + done
+
+
+def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = (), *,
+               spares: Spares | None = None) -> None:
     """Keep every step newer than ``frontier``, the ``keep`` newest steps at or below it and every step in
-    ``protect``; delete the rest."""
+    ``protect``; delete the rest (or hand them to ``spares``)."""
     kept = set(protect)
     safe = [s for s in list_steps(folder) if s <= frontier]
     for step in safe[keep:]:
-        if step not in kept:
+        if step in kept:
+            continue
+        if spares is not None:
+            spares.retire(step_file(folder, step))
+        else:
             step_file(folder, step).unlink(missing_ok=True)
 
 
