@@ -45,6 +45,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _publish(tmp: Path, path: Path, fsync: bool) -> None:
+    """Rename the finished temp file over ``path`` (atomic), then fsync the folder so the rename is durable."""
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
 @contextmanager
 def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator[Any]:
     """Open a temp file beside ``path``; on clean exit publish it atomically, on error remove it."""
@@ -56,9 +63,7 @@ def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator[Any]:
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
+        _publish(tmp, path, fsync)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -211,9 +216,7 @@ def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bo
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
+        _publish(tmp, path, fsync)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
