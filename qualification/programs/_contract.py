@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 RunCell = Callable[[dict[str, Any], Path], dict[str, Any]]
+
+
+def measured(cell: dict[str, Any], observed: dict[str, Any], timeline: list[dict[str, Any]],
+             started: float) -> dict[str, Any]:
+    """A cell result that ran to the end: its observations (the engine judges them against ``expect``), the
+    timeline and the duration since ``started`` (``time.monotonic()``)."""
+    return {"cell_id": cell["id"], "status": "passed", "observed": observed,
+            "metrics": {"duration_s": round(time.monotonic() - started, 3)}, "timeline": timeline, "message": ""}
 
 
 def cell_main(prog: str, run_cell: RunCell, argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, measured
 
 
 def _launch(argv: list[str], world: int, celldir: Path, name: str, timeout_s: float) -> list[dict[str, Any]] | None:
@@ -87,8 +87,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     for rep in sdc:
         timeline.append({"t": round(time.monotonic() - t0, 3), "event": "detection", "detail": rep["reason"]})
     timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
-    return {"cell_id": cell["id"], "status": "passed", "observed": obs,
-            "metrics": {"duration_s": round(time.monotonic() - t0, 3)}, "timeline": timeline, "message": ""}
+    return measured(cell, obs, timeline, t0)
 
 
 def main(argv: list[str] | None = None) -> int:

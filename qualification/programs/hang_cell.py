@@ -20,7 +20,7 @@ from typing import Any
 
 from gemscout.oob import generate_secret
 from qualification.launch import free_port
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, measured
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -81,8 +81,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     for d in decisions:
         timeline.append({"t": round(d["t"] - wall0, 3), "event": "decision", "detail": d["reason"]})
     timeline.sort(key=lambda e: e["t"])
-    return {"cell_id": cell["id"], "status": "passed", "observed": obs,
-            "metrics": {"duration_s": round(time.monotonic() - t0, 3)}, "timeline": timeline, "message": ""}
+    return measured(cell, obs, timeline, t0)
 
 
 def main(argv: list[str] | None = None) -> int:

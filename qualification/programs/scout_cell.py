@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, measured
 
 
 def _argv(cell: dict[str, Any], out: Path) -> list[str]:
@@ -126,8 +126,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             timeline.append({"t": round(found[0]["timestamp"] - wall0 + 0.001, 3) if found else 0.0,
                              "event": "decision", "detail": f"{d['mode']} step {d['step']}: {d['reason']}"})
     timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
-    return {"cell_id": cell["id"], "status": "passed", "observed": obs,
-            "metrics": {"duration_s": round(time.monotonic() - t0, 3)}, "timeline": timeline, "message": ""}
+    return measured(cell, obs, timeline, t0)
 
 
 def main(argv: list[str] | None = None) -> int:
