@@ -5,7 +5,8 @@ the same seed, workload (``--workload``: its model and batch shape, :data:`quali
 DDP settings and thread count; ``--device cuda`` puts the model and batches on the GPU. Writes ``<out>/rank<r>.json``
 with, per measured step (after warm-up): its number, wall latency, the training thread's CPU time
 (``time.thread_time``) and the whole process's CPU time (``time.process_time``: GEMINI's and SCOUT's background
-threads included, so a busy shared machine, which stretches wall time, barely moves it); and the peak RSS.
+threads included, so a busy shared machine, which stretches wall time, barely moves it), the minor page faults
+(``minor_faults``); and the peak RSS.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
         if args.mode in ("scout", "combined"):
             kwargs["scout"] = gemscout.ScoutConfig(interval=args.scout_interval, rotate_kinds=args.rotate_kinds)
         session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
-    latencies, thread_cpu, process_cpu, measured = [], [], [], []
+    latencies, thread_cpu, process_cpu, measured, faults = [], [], [], [], []
     # Steps that capture (GEMINI) or replay (SCOUT): the finer of the two cadences that run in this mode.
     cadences = [args.interval] if args.mode in ("gemini", "combined") else []
     if session is not None and session.scout is not None:
@@ -75,6 +76,7 @@ def main() -> None:
     for step in range(1, total + 1):
         x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq))
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = lm_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,6 +88,7 @@ def main() -> None:
             measured.append(step)
             thread_cpu.append(time.thread_time() - c0)
             process_cpu.append(time.process_time() - p0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             cycle = session.scout.last_result if session is not None and session.scout is not None else None
             if cycle is not None and cycle.step == step:
                 for recipe, by_rank in cycle.replay_s.items():
@@ -97,7 +100,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "mode": args.mode, "steps": measured, "due_every": due_every, "latencies_s": latencies,
-        "thread_cpu_s": thread_cpu, "process_cpu_s": process_cpu, "replay_s": replay,
+        "thread_cpu_s": thread_cpu, "process_cpu_s": process_cpu,
+        "minor_faults": faults, "replay_s": replay,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
     dist.barrier()
