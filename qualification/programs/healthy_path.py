@@ -14,6 +14,11 @@ SCOUT −3 % / +7.5 %, combined −7.5 % / +15 %).
 ``params.scout_interval``: SCOUT's cadence (``ScoutConfig.interval``, a multiple of ``interval``); unset: SCOUT's
 default (the smallest multiple of ``interval`` that is at least 10 steps). A mode's due steps are those of the finer
 cadence that runs in it.
+``params.interleave`` (N > 0): instead of one launch per mode, each round is one launch in which the modes take
+turns in segments of ``params.segment_steps`` steps, in ABBA order repeated N times, after a warm-up without
+gemscout; gemscout is attached at the start of each of its segments and closed at its end (not timed). What differs
+from one launch to the next (memory layout, core placement) then hits every mode alike; a mode's peak RSS is the
+process's.
 ``params.device``: ``cpu`` (default) or ``cuda`` (the model and batches on GPU 0, shared by the ranks over gloo: the
 GPU tier's healthy path). Observed: ``within_thresholds`` (bool), ``overhead`` per mode; metrics: ``modes`` and ``thresholds`` (the report's
 overhead chart reads them). Each mode's process start costs seconds, but more, shorter rounds interleave the modes
@@ -69,32 +74,45 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     replay: dict[str, list[float]] = {}
     rss: dict[str, float] = {}
     timeline = [{"t": 0.0, "event": "start", "detail": f"{rounds} rounds of {', '.join(modes)} on {world} ranks"}]
+    # ``params.interleave``: each round is one launch in which the modes alternate in segments (ABBA order) instead
+    # of one launch per mode.
+    interleave = int(p.get("interleave", 0))
+    segment_steps = int(p.get("segment_steps", 20))
+    launches = [[m] for m in modes] if not interleave else [[*modes, *reversed(modes)] * interleave]
     for r in range(rounds):
-        for mode in modes:
-            out = celldir / "modes" / f"{mode}-{r}"
-            argv = ["-m", "qualification.programs.perf_rank", "--out", str(out), "--mode", mode,
+        for li, run_modes in enumerate(launches):
+            name = run_modes[0] if not interleave else "interleaved"
+            out = celldir / "modes" / f"{name}-{r}"
+            which = ["--mode", name, "--steps", str(p.get("steps", 40))] if not interleave else \
+                ["--segments", ",".join(run_modes), "--segment-steps", str(segment_steps)]
+            argv = ["-m", "qualification.programs.perf_rank", "--out", str(out), *which,
                     "--workload", cell["workload"], "--seed", str(cell.get("seed", 0)),
-                    "--steps", str(p.get("steps", 40)), "--warmup", str(p.get("warmup", 5)),
-                    "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{mode}-{r}"),
+                    "--warmup", str(p.get("warmup", 5)),
+                    "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{name}-{r}"),
                     "--device", str(p.get("device", "cpu"))] + (["--rotate-kinds"] if p.get("rotate_kinds") else []) \
                 + (["--scout-interval", str(p["scout_interval"])] if p.get("scout_interval") else [])
             res = launch(argv, world_size=world, timeout_s=float(cell.get("timeout_s", 300)), log_dir=celldir / "logs",
-                         attempt=r * len(modes) + modes.index(mode))
+                         attempt=r * len(launches) + li)
             if not res.ok:
                 return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
-                        "message": f"mode {mode} round {r} failed: exit codes {res.returncodes}"}
+                        "message": f"{name} round {r} failed: exit codes {res.returncodes}"}
             ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(world)]
+            labels = ranks[0]["modes"]
             # A step is as slow as its slowest rank: take the max over ranks per step.
-            pooled[mode] += [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
-            for kind in ("thread", "process"):
-                cpu[mode][kind] += [max(v) for v in zip(*(rk[f"{kind}_cpu_s"] for rk in ranks), strict=True)]
-            every = int(ranks[0].get("due_every", interval))
-            due[mode] += [step % every == 0 for step in ranks[0]["steps"]]
-            rss[mode] = max(rss.get(mode, 0.0), max(rk["peak_rss_mib"] for rk in ranks))
+            per_step = [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
+            per_cpu = {kind: [max(v) for v in zip(*(rk[f"{kind}_cpu_s"] for rk in ranks), strict=True)]
+                       for kind in ("thread", "process")}
+            for i, mode in enumerate(labels):
+                pooled[mode].append(per_step[i])
+                due[mode].append(bool(ranks[0]["due"][i]))
+                for kind in ("thread", "process"):
+                    cpu[mode][kind].append(per_cpu[kind][i])
+            for mode in set(labels):
+                rss[mode] = max(rss.get(mode, 0.0), max(rk["peak_rss_mib"] for rk in ranks))
             for rk in ranks:
                 for recipe, times in rk.get("replay_s", {}).items():
                     replay.setdefault(recipe.split(".")[0], []).extend(times)
-            timeline.append({"t": round(time.monotonic() - t0, 3), "event": "measured", "detail": f"{mode} round {r}"})
+            timeline.append({"t": round(time.monotonic() - t0, 3), "event": "measured", "detail": f"{name} round {r}"})
     shutil.rmtree(celldir / "ckpt", ignore_errors=True)
     stats = {}
     for mode, lat in pooled.items():

@@ -19,6 +19,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,10 @@ MODES = ("baseline", "gemini", "scout", "combined")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mode", choices=MODES, required=True)
+    ap.add_argument("--mode", choices=MODES, default=None)
+    ap.add_argument("--segments", default="", help="comma-separated modes run in turn in this one process "
+                    "(after --warmup steps without gemscout), --segment-steps each; replaces --mode/--steps")
+    ap.add_argument("--segment-steps", type=int, default=20)
     ap.add_argument("--workload", default="three-block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=5)
@@ -45,6 +49,8 @@ def main() -> None:
     ap.add_argument("--scout-interval", type=int, default=None,
                     help="ScoutConfig.interval (a multiple of --interval); default: SCOUT's own default cadence")
     args = ap.parse_args()
+    if not args.segments and args.mode is None:
+        ap.error("give --mode or --segments")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
@@ -53,44 +59,49 @@ def main() -> None:
     model = build_model(args.workload, seed=args.seed).to(device)
     ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    session = None
-    if args.mode != "baseline":
-        import gemscout
-
-        kwargs = {}
-        if args.mode in ("gemini", "combined"):
-            kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt, run_id=f"perf-{args.mode}",
-                                                             fsync=False)
-        if args.mode in ("scout", "combined"):
-            kwargs["scout"] = gemscout.ScoutConfig(interval=args.scout_interval, rotate_kinds=args.rotate_kinds)
-        session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
-    latencies, thread_cpu, process_cpu, measured, faults = [], [], [], [], []
-    # Steps that capture (GEMINI) or replay (SCOUT): the finer of the two cadences that run in this mode.
-    cadences = [args.interval] if args.mode in ("gemini", "combined") else []
-    if session is not None and session.scout is not None:
-        cadences.append(session.scout.config.interval)
-    due_every = min(cadences) if cadences else args.interval
+    if args.segments:
+        # One process, the modes alternating segment by segment after a warm-up without gemscout: what differs
+        # between two launches (memory layout, core placement, a neighbour's load) then hits every mode alike.
+        schedule = [("baseline", args.warmup, False)]
+        schedule += [(m, args.segment_steps, True) for m in args.segments.split(",")]
+    else:
+        schedule = [(args.mode, args.warmup, False), (args.mode, args.steps, True)]
+    rec: dict[str, list] = {k: [] for k in ("modes", "steps", "due", "latencies_s", "thread_cpu_s", "process_cpu_s",
+                                            "minor_faults")}
     replay: dict[str, list[float]] = {}
-    total = args.warmup + args.steps
     batch, seq = BATCH_SHAPES[args.workload]
-    for step in range(1, total + 1):
-        x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq))
-        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        loss = lm_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # a step ends when its kernels do
-        if step > args.warmup:
-            latencies.append(time.perf_counter() - t0)
-            measured.append(step)
-            thread_cpu.append(time.thread_time() - c0)
-            process_cpu.append(time.process_time() - p0)
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    step, session, attached, due_every = 0, None, None, args.interval
+    for i, (mode, steps, measure) in enumerate(schedule):
+        if mode != attached:
+            if session is not None:
+                session.close()
+            session = _attach(mode, ddp, opt, args, segment=i)
+            attached = mode
+            due_every = _due_every(mode, session, args.interval)
+        for _ in range(steps):
+            step += 1
+            x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq))
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            loss = lm_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # a step ends when its kernels do
+            if not measure:
+                continue
+            rec["latencies_s"].append(time.perf_counter() - t0)
+            rec["thread_cpu_s"].append(time.thread_time() - c0)
+            rec["process_cpu_s"].append(time.process_time() - p0)
+            rec["minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            rec["modes"].append(mode)
+            rec["steps"].append(step)
+            # The session counts its own steps from attach: a step is due when it captures or replays.
+            own = session.step if session is not None else step
+            rec["due"].append(mode != "baseline" and own % due_every == 0)
             cycle = session.scout.last_result if session is not None and session.scout is not None else None
-            if cycle is not None and cycle.step == step:
+            if cycle is not None and cycle.step == own:
                 for recipe, by_rank in cycle.replay_s.items():
                     if rank in by_rank or str(rank) in by_rank:
                         replay.setdefault(recipe, []).append(float(by_rank.get(rank, by_rank.get(str(rank)))))
@@ -99,9 +110,7 @@ def main() -> None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "mode": args.mode, "steps": measured, "due_every": due_every, "latencies_s": latencies,
-        "thread_cpu_s": thread_cpu, "process_cpu_s": process_cpu,
-        "minor_faults": faults, "replay_s": replay,
+        "rank": rank, "mode": args.mode or "interleaved", **rec, "due_every": due_every, "replay_s": replay,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
     dist.barrier()
@@ -109,6 +118,29 @@ def main() -> None:
     # destructor holds it): every rank has written its result and passed the barrier, so leave without it.
     sys.stdout.flush()
     os._exit(0)
+
+
+def _attach(mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: argparse.Namespace, *, segment: int) -> Any:
+    """gemscout in ``mode`` on the live model and optimizer (None for the baseline)."""
+    if mode == "baseline":
+        return None
+    import gemscout
+
+    kwargs: dict[str, Any] = {}
+    if mode in ("gemini", "combined"):
+        kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt / f"segment{segment}",
+                                                         run_id=f"perf-{mode}-{segment}", fsync=False)
+    if mode in ("scout", "combined"):
+        kwargs["scout"] = gemscout.ScoutConfig(interval=args.scout_interval, rotate_kinds=args.rotate_kinds)
+    return gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
+
+
+def _due_every(mode: str, session: Any, interval: int) -> int:
+    """The finer cadence of the work that runs in ``mode``: GEMINI's captures, SCOUT's replays."""
+    cadences = [interval] if mode in ("gemini", "combined") else []
+    if session is not None and session.scout is not None:
+        cadences.append(session.scout.config.interval)
+    return min(cadences) if cadences else interval
 
 
 if __name__ == "__main__":
