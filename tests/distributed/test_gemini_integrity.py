@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gemscout.inventory import Inventory, inventory
 from qualification.corruption import drop_digest, flip_byte, own_slot, replica_slot, truncate
 from qualification.launch import launch
 
@@ -38,15 +39,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return root, reference
 
 
-def relaunch(trained: tuple[Path, dict], name: str, corrupt) -> tuple[object, list[dict] | None, Path]:
+def relaunch(trained: tuple[Path, dict], name: str, corrupt) -> tuple[object, list[dict] | None, Path, Inventory]:
+    """Copy the checkpoints, damage them, read them offline as ``gemscout inspect --verify`` does (what a restart
+    should restore), then restart the job on them."""
     root, _ = trained
     case = root / name
     shutil.copytree(root / "ckpt", case / "ckpt")
     corrupt(case / "ckpt")
+    predicted = inventory(case / "ckpt", verify=True, world_size=WORLD)
     res = launch(argv(case / "out", case / "ckpt", 8), world_size=WORLD, timeout_s=120, log_dir=case / "logs")
     if not res.ok:
-        return res, None, case
-    return res, [json.loads((case / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)], case
+        return res, None, case, predicted
+    return res, [json.loads((case / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)], case, predicted
 
 
 CASES = {
@@ -64,12 +68,15 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_corruption_is_refused_and_recovery_falls_back(trained, name: str) -> None:
     corrupt, step, source, why = CASES[name]
-    ok, ranks, case = relaunch(trained, name, corrupt)
+    ok, ranks, case, predicted = relaunch(trained, name, corrupt)
     assert ok and ranks is not None, (case / "logs").as_posix()
     decision = ranks[0]["decision"]
     assert decision["step"] == step
     assert decision["sources"]["1"] == source
     assert why in decision["reason"]
+    # The offline inventory found the damaged file and predicted exactly what the restart did.
+    assert any(why in bad or "digest" in bad for bad in predicted.unusable), predicted.unusable
+    assert (predicted.decision.step, predicted.decision.to_dict()["sources"]) == (step, decision["sources"])
     _, reference = trained
     assert all(r["state_digest"] == reference["state_digest"] for r in ranks), "recovered run diverged"
 
@@ -81,8 +88,9 @@ def test_every_source_corrupted_stops_with_a_report(trained) -> None:
         for step in (5, 6):
             flip_byte(replica(c, 1, step))
 
-    res, _, case = relaunch(trained, "all-corrupt", corrupt_all)
+    res, _, case, predicted = relaunch(trained, "all-corrupt", corrupt_all)
     assert not res.ok and 4 in res.returncodes, res  # RecoveryError.exit_code
+    assert predicted.decision.mode == "stop", predicted.decision  # gemscout inspect saw it coming
     status = json.loads((case / "ckpt" / "node-0" / "rank-0" / "status.json").read_text())
     assert status["last_decision"]["mode"] == "stop"
     assert "replica of rank 1 step 5" in status["last_decision"]["reason"]

@@ -1,0 +1,207 @@
+"""What a GEMINI checkpoint directory holds, read offline, and what a restart on it would restore.
+
+:func:`inventory` walks ``<directory>/node-*/rank-*`` (own generations, replicas held for peers, the trust ledger)
+and an optional durable tier, checks every file the way recovery does (header digest, identity, size; with
+``verify=True`` every tensor digest too, and the SHA-256 sidecar of each durable promotion), and runs recovery's own
+choice (:func:`gemscout.gemini.recovery.decide`) on what it found: the step, the per-rank sources, and why. Memory
+is not visible offline, so the decision is the one a job restarted after *every* process died would make; a job
+whose survivors still hold their slots may restore a newer step.
+
+``gemscout inspect DIR`` (:mod:`gemscout.cli`) prints it. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemscout.config import TrustState
+from gemscout.errors import ConfigError, IntegrityError
+from gemscout.gemini import store
+from gemscout.gemini.durable import DurableTier
+from gemscout.gemini.lifecycle import TrustLedger
+from gemscout.gemini.recovery import RecoveryDecision, decide
+
+__all__ = ["FileEntry", "Inventory", "RankEntry", "inventory"]
+
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+_NODE_DIR = re.compile(r"^node-(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One checkpoint file: ``kind`` "own" (the rank's own state) or "replica" (held for ``owner``)."""
+
+    kind: str
+    owner: int
+    step: int
+    path: str
+    nbytes: int
+    status: str
+    """``verified`` (every digest checked), ``header-ok`` (header, identity and size checked; tensor digests are
+    checked when recovery loads it) or ``unusable``."""
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class RankEntry:
+    rank: int
+    node: int | None
+    files: list[FileEntry] = field(default_factory=list)
+    trust: dict[int, str] = field(default_factory=dict)
+    attempts: dict[int, int] = field(default_factory=dict)
+    last_decision: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Inventory:
+    directory: str
+    run_id: str
+    topology_digest: str
+    world_size: int
+    ranks: list[RankEntry]
+    durable: list[dict[str, Any]]
+    decision: RecoveryDecision
+    verified: bool
+
+    @property
+    def unusable(self) -> list[str]:
+        """Every file or promotion that recovery would refuse, with why."""
+        bad = [f"{f.path}: {f.reason}" for r in self.ranks for f in r.files if f.status == "unusable"]
+        return bad + [f"durable step {d['step']}: {d['reason']}" for d in self.durable if d["status"] == "unusable"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"directory": self.directory, "run_id": self.run_id, "topology_digest": self.topology_digest,
+                "world_size": self.world_size, "verified": self.verified,
+                "ranks": [{**asdict(r), "trust": {str(k): v for k, v in sorted(r.trust.items())},
+                           "attempts": {str(k): v for k, v in sorted(r.attempts.items())}} for r in self.ranks],
+                "durable": self.durable, "decision": self.decision.to_dict(), "unusable": self.unusable}
+
+
+def _rank_dirs(directory: Path) -> dict[int, tuple[int, Path]]:
+    found: dict[int, tuple[int, Path]] = {}
+    for node_dir in sorted(directory.iterdir()):
+        node = _NODE_DIR.match(node_dir.name)
+        if node is None or not node_dir.is_dir():
+            continue
+        for rank_dir in sorted(node_dir.iterdir()):
+            m = _RANK_DIR.match(rank_dir.name)
+            if m is not None and rank_dir.is_dir():
+                found[int(m.group(1))] = (int(node.group(1)), rank_dir)
+    return found
+
+
+def _check(path: Path, *, kind: str, owner: int, step: int, verify: bool, run_id: str) -> tuple[FileEntry, str]:
+    """The file's entry and the topology digest its header names ("" when unreadable)."""
+    try:
+        parsed = store.read_verified(path)[0] if verify else store.read_header(path)
+        ident = parsed.identity
+        problems = [f"{key} is {ident.get(key)!r}, expected {want!r}"
+                    for key, want in (("run_id", run_id), ("owner", owner), ("step", step))
+                    if want != "" and ident.get(key) != want]
+        if problems:
+            raise IntegrityError("; ".join(problems))
+        status, reason, topology = ("verified" if verify else "header-ok"), "", str(ident.get("topology", ""))
+    except (IntegrityError, OSError, ValueError, KeyError) as exc:
+        status, reason, topology = "unusable", str(exc), ""
+    size = path.stat().st_size if path.exists() else 0
+    return FileEntry(kind, owner, step, str(path), size, status, reason), topology
+
+
+def inventory(directory: Path | str, *, durable_directory: Path | str | None = None, verify: bool = False,
+              world_size: int | None = None, min_trust: TrustState = TrustState.CANDIDATE,
+              max_attempts: int = 3) -> Inventory:
+    """Read ``directory`` (a ``CheckpointConfig.directory``) and decide what a restart would restore.
+
+    ``world_size``: the job's ranks when some rank's folder is gone entirely (default: the highest rank seen in a
+    folder or as the owner of a held replica, plus one). Raises ``ConfigError`` when ``directory`` is not a
+    GEMINI checkpoint directory.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"gemscout inspect: {directory} is not a directory; give the CheckpointConfig.directory "
+                          "of the job")
+    ranks_found = _rank_dirs(directory)
+    marker = directory / "run.json"
+    if not ranks_found and not marker.exists():
+        raise ConfigError(f"gemscout inspect: {directory} holds no GEMINI checkpoint (no run.json, no node-*/rank-* "
+                          "folders); give the CheckpointConfig.directory of the job")
+    try:
+        run_id = str(json.loads(marker.read_text()).get("run_id", "")) if marker.exists() else ""
+    except (OSError, ValueError, AttributeError):
+        run_id = ""
+    owners = {o for _, d in ranks_found.values() for o in store.RankPaths(d).held_owners()}
+    world = world_size or max([*ranks_found, *owners, -1]) + 1
+    entries: list[RankEntry] = []
+    topologies: Counter[str] = Counter()
+    checked: list[tuple[RankEntry, FileEntry, str]] = []
+    for rank in range(world):
+        node, rank_dir = ranks_found.get(rank, (None, None))
+        entry = RankEntry(rank, node)
+        entries.append(entry)
+        if rank_dir is None:
+            continue
+        paths = store.RankPaths(rank_dir)
+        ledger = TrustLedger.load(paths.status)
+        entry.trust = {s: st.value for s, st in ledger.states.items()}
+        entry.attempts, entry.last_decision = dict(ledger.attempts), ledger.last_decision
+        folders = [("own", rank, paths.own)] + [("replica", o, paths.replicas(o)) for o in paths.held_owners()]
+        for kind, owner, folder in folders:
+            for step in sorted(store.list_steps(folder)):
+                f, topology = _check(store.step_file(folder, step), kind=kind, owner=owner, step=step, verify=verify,
+                                     run_id=run_id)
+                checked.append((entry, f, topology))
+                if topology:
+                    topologies[topology] += 1
+    topology = topologies.most_common(1)[0][0] if topologies else ""
+    for entry, f, theirs in checked:  # a file of another topology is refused at recovery like a corrupt one
+        if theirs not in ("", topology):
+            f = FileEntry(f.kind, f.owner, f.step, f.path, f.nbytes, "unusable",
+                          f"written by another topology ({theirs}; most files say {topology})")
+        entry.files.append(f)
+    durable = _durable(Path(durable_directory), run_id) if durable_directory is not None else []
+    newest_durable = next((d["step"] for d in durable if d["status"] != "unusable"), None)
+    decision = decide([_proposal(e) for e in entries], run_id=run_id, topology_digest=topology, min_trust=min_trust,
+                      max_attempts=max_attempts, durable_step=newest_durable)
+    return Inventory(str(directory), run_id, topology, world, entries, durable, decision, verify)
+
+
+def _proposal(entry: RankEntry) -> dict[str, Any]:
+    """What this rank would propose at a restart (no memory: every process is new)."""
+    usable = [f for f in entry.files if f.status != "unusable"]
+    held: dict[str, list[int]] = {}
+    for f in usable:
+        if f.kind == "replica":
+            held.setdefault(str(f.owner), []).append(f.step)
+    states = {s: TrustState(v) for s, v in entry.trust.items()}
+    return {"rank": entry.rank, "memory": [], "memory_held": {}, "held": held,
+            "own": [f.step for f in usable if f.kind == "own"],
+            "unusable": [f"rank {entry.rank} {_describe(f)}: {f.reason}" for f in entry.files
+                         if f.status == "unusable"],
+            "rejected": sorted(s for s, st in states.items() if st == TrustState.REJECTED),
+            "trust": {str(s): st.value for s, st in states.items()},
+            "attempts": {str(s): n for s, n in entry.attempts.items()}}
+
+
+def _describe(f: FileEntry) -> str:
+    """Recovery's own words for the file (see :func:`gemscout.gemini.restore.propose`)."""
+    return f"own step {f.step}" if f.kind == "own" else f"replica of rank {f.owner} step {f.step}"
+
+
+def _durable(directory: Path, run_id: str) -> list[dict[str, Any]]:
+    """Every promotion, newest first, with its sidecar check (the SHA-256 of every file)."""
+    tier = DurableTier(directory, run_id=run_id)
+    out = []
+    for step in tier.steps():
+        try:
+            sidecar = tier.verify(step)
+            if run_id and sidecar.get("run_id") != run_id:
+                raise IntegrityError(f"belongs to run {sidecar.get('run_id')!r}, not {run_id!r}")
+            out.append({"step": step, "status": "verified", "reason": "", "sharded": bool(sidecar.get("sharded"))})
+        except IntegrityError as exc:
+            out.append({"step": step, "status": "unusable", "reason": str(exc), "sharded": False})
+    return out
