@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--replay-fault-recipe", default="hidden.0")
     ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
     ap.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)")
+    ap.add_argument("--keep-ckpt", action="store_true", help="leave <out>/ckpt (checkpoints, trust, fault log) behind")
     ap.add_argument("--baseline", action="store_true", help="train again without gemscout; record both digests")
     ap.add_argument("--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective")
     ap.add_argument("--collective-delay-s", type=float, default=0.4)
@@ -222,7 +223,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and not args.keep_ckpt:
         shutil.rmtree(ckpt, ignore_errors=True)
     dist.destroy_process_group()
 

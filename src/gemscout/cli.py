@@ -88,6 +88,12 @@ def _print(inv: Inventory) -> None:
     console.print(table)
     for d in inv.durable:
         console.print(f"durable step {d['step']}: {d['status']}" + (f" ({d['reason']})" if d["reason"] else ""))
+    if inv.faults:
+        console.print(f"fault reports ({len(inv.faults)}, oldest first):")
+        for f in inv.faults[-20:]:
+            where = f" recipe {f['recipe']}" if f.get("recipe") else ""
+            console.print(f"  step {f.get('step')} [bold]{f.get('kind')}[/] {f.get('scope')} {f.get('ranks')}{where}: "
+                          f"{f.get('reason')} (reported by {sorted(f.get('reported_by', []))})")
     for bad in inv.unusable:
         console.print(f"[red]unusable[/] {bad}")
     dec = inv.decision

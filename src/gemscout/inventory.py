@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemscout import faultlog
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, IntegrityError
 from gemscout.gemini import store
@@ -67,6 +68,9 @@ class Inventory:
     durable: list[dict[str, Any]]
     decision: RecoveryDecision
     verified: bool
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every FaultReport the ranks kept (``faults.jsonl``), oldest first; one report seen by several ranks (an SDC
+    verdict is every peer's) is listed once, with ``reported_by`` naming them."""
 
     @property
     def unusable(self) -> list[str]:
@@ -79,7 +83,8 @@ class Inventory:
                 "world_size": self.world_size, "verified": self.verified,
                 "ranks": [{**asdict(r), "trust": {str(k): v for k, v in sorted(r.trust.items())},
                            "attempts": {str(k): v for k, v in sorted(r.attempts.items())}} for r in self.ranks],
-                "durable": self.durable, "decision": self.decision.to_dict(), "unusable": self.unusable}
+                "durable": self.durable, "decision": self.decision.to_dict(), "unusable": self.unusable,
+                "faults": self.faults}
 
 
 def _rank_dirs(directory: Path) -> dict[int, tuple[int, Path]]:
@@ -167,7 +172,21 @@ def inventory(directory: Path | str, *, durable_directory: Path | str | None = N
     newest_durable = next((d["step"] for d in durable if d["status"] != "unusable"), None)
     decision = decide([_proposal(e) for e in entries], run_id=run_id, topology_digest=topology, min_trust=min_trust,
                       max_attempts=max_attempts, durable_step=newest_durable)
-    return Inventory(str(directory), run_id, topology, world, entries, durable, decision, verify)
+    faults = _faults([d for _, d in ranks_found.values()])
+    return Inventory(str(directory), run_id, topology, world, entries, durable, decision, verify, faults)
+
+
+def _faults(folders: list[Path]) -> list[dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for folder in folders:
+        for doc in faultlog.read(folder):
+            by = doc.pop("reported_by", None)
+            key = json.dumps({k: v for k, v in doc.items() if k not in ("timestamp", "evidence")}, sort_keys=True)
+            entry = merged.setdefault(key, {**doc, "reported_by": []})
+            entry["timestamp"] = min(entry.get("timestamp", doc.get("timestamp", 0)), doc.get("timestamp", 0))
+            if by is not None and by not in entry["reported_by"]:
+                entry["reported_by"].append(by)
+    return sorted(merged.values(), key=lambda d: (d.get("timestamp", 0), d.get("step", 0)))
 
 
 def _proposal(entry: RankEntry) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError
+from gemscout.faultlog import FILE_NAME, FaultLog
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.oob import HealthMonitor
@@ -62,6 +63,9 @@ class Session:
         self.quarantine: set[str] = set()
         """Recipes that disagreed and have not passed clean since: no capture while any is listed."""
         self.reports: list[FaultReport] = []
+        self.fault_log = FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync) \
+            if checkpointer is not None else None
+        """Where every report is also kept on disk (the rank's checkpoint folder), for ``gemscout inspect``."""
         self.on_fault_report: Callable[[FaultReport], None] | None = None
         self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
         self.step = 0
@@ -230,6 +234,8 @@ class Session:
 
     def _report(self, report: FaultReport) -> None:
         self.reports.append(report)
+        if self.fault_log is not None:
+            self.fault_log.append({**report.to_dict(), "reported_by": self.rank})
         if self.on_fault_report is not None:
             try:
                 self.on_fault_report(report)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gemscout.inventory import inventory
 from qualification.launch import launch
 
 WORLD = 4
@@ -44,7 +45,8 @@ def test_compute_and_communication_stragglers_are_localized_without_sdc(tmp_path
 
 @pytest.mark.timeout(300)
 def test_transient_replay_fault_is_rejected_then_certification_resumes(tmp_path: Path) -> None:
-    ranks = run(tmp_path, "--replay-fault-rank", "3", "--replay-fault-step", "4", "--replay-fault-recipe", "embedding")
+    ranks = run(tmp_path, "--replay-fault-rank", "3", "--replay-fault-step", "4", "--replay-fault-recipe", "embedding",
+                "--keep-ckpt")
     for r in ranks:
         sdc = kinds(r, "sdc")
         assert [(rep["step"], list(rep["ranks"]), rep["recipe"]) for rep in sdc] == [(4, [3], "embedding")]
@@ -53,3 +55,10 @@ def test_transient_replay_fault_is_rejected_then_certification_resumes(tmp_path:
         trust = {int(k): v for k, v in r["trust"].items()}
         assert trust.get(4) != "recovery_verified"
         assert any(st == "recovery_verified" for s, st in trust.items() if s > 4), trust
+
+    # Every rank kept the report beside its checkpoints; gemscout inspect lists it once, seen by all four.
+    inv = inventory(tmp_path / "ckpt")
+    sdc = [f for f in inv.faults if f["kind"] == "sdc"]
+    assert [(f["step"], f["ranks"], f["recipe"], sorted(f["reported_by"])) for f in sdc] == \
+        [(4, [3], "embedding", [0, 1, 2, 3])], inv.faults
+    assert inv.decision.step is not None and inv.decision.step != 4  # a restart never takes the rejected capture
