@@ -207,9 +207,10 @@ def main() -> None:
     trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
     topology = session.scout.topology.to_dict() if session.scout.topology is not None else None
     disabled = session.scout.disabled_reason
+    metrics = session.metrics()
     session.close()
     doc: dict[str, Any] = {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust,
-                           "recoveries": recoveries}
+                           "recoveries": recoveries, "metrics": metrics}
     if args.topology != "ddp" or args.baseline:
         doc.update(topology=topology, disabled_reason=disabled, cycles=cycles, fired=injector.fired,
                    state_digest=digest, compared_steps=compared_steps)

@@ -20,11 +20,13 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+from gemscout import metrics
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError
 from gemscout.faultlog import FILE_NAME, FaultLog
@@ -72,6 +74,8 @@ class Session:
         self.resume_step = 0
         self.last_decision: RecoveryDecision | None = None
         self.closed = False
+        self.cycles, self.cycle_s_total, self.last_cycle_s = 0, 0.0, 0.0
+        """SCOUT cycles run by this session and their wall seconds on the training thread (see :meth:`metrics`)."""
         self._handles: list[Any] = []
         self._prev_signals: dict[int, Any] = {}
 
@@ -81,7 +85,12 @@ class Session:
             self.checkpointer.wait_copied()
         if self.scout is not None:
             # Parameters are still those the forward used: the update has not run yet.
+            t0 = time.perf_counter()
             self.last_cycle = self.scout.before_step(self.step + 1)
+            if self.last_cycle is not None:
+                self.cycles += 1
+                self.last_cycle_s = time.perf_counter() - t0
+                self.cycle_s_total += self.last_cycle_s
         if self.alltoall is not None and self.alltoall.before_step(self.step + 1) is not None:
             if self.alltoall.job_mismatch:
                 self._a2a_mismatch_step = self.step + 1
@@ -170,6 +179,12 @@ class Session:
         self._handles = [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
 
     # -- public ---------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, int | float | None]:
+        """A flat snapshot for the loop's logger: step, GEMINI's captures, stalls, io times, bytes, newest steps in
+        memory / on disk / verified / durable, SCOUT's cycles and their cost, fault reports by kind
+        (:mod:`gemscout.metrics`). No lock, no collective."""
+        return metrics.snapshot(self)
+
     def flush(self, timeout: timedelta | None = None) -> int:
         """Persist the newest captured state (no collective). Returns the newest step on disk, or -1."""
         return self.checkpointer.flush(timeout) if self.checkpointer else -1

@@ -48,7 +48,7 @@ on_disk = {"own": store.list_steps(paths.own),
            "replica": [s for owner in paths.held_owners() for s in store.list_steps(paths.replicas(owner))]}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"cadence": session.scout.config.interval, "replayed": replayed,
-               "verified": sorted(verified), "on_disk": on_disk}, f)
+               "verified": sorted(verified), "on_disk": on_disk, "metrics": session.metrics()}, f)
 session.close()
 dist.barrier()
 os._exit(0)
@@ -74,3 +74,14 @@ def test_scout_replays_at_its_cadence_and_certifies_the_captures_before_it(tmp_p
         assert newest > 0 and newest % cadence == 0 and newest <= max(got["replayed"]), got
         assert got["on_disk"]["own"] and newest in got["on_disk"]["own"], got
         assert newest in got["on_disk"]["replica"], got
+        # What the loop's logger would see: the same facts, from session.metrics().
+        m = got["metrics"]
+        assert (m["step"], m["gemini.captures"], m["gemini.newest_in_memory_step"]) == (21, 21, 21), m
+        assert m["scout.cycles"] == len(got["replayed"]) and m["scout.last_cycle_step"] == got["replayed"][-1], m
+        assert m["scout.cycle_s_total"] >= m["scout.last_cycle_s"] > 0 and m["scout.last_cycle_clean"] == 1, m
+        assert m["gemini.newest_verified_step"] == newest and m["gemini.rejected"] == 0, m
+        assert m["gemini.newest_persisted_step"] == 21 and m["gemini.io_errors"] == 0, m
+        assert m["gemini.buffer_bytes"] > 0 and m["gemini.replicated_bytes"] > 0, m
+        assert {k: v for k, v in m.items() if k.startswith("reports.")} == {
+            f"reports.{k}": 0 for k in ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health")}
+        json.dumps(m)  # plain values, ready for any logger

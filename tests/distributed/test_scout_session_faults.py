@@ -55,6 +55,9 @@ def test_transient_replay_fault_is_rejected_then_certification_resumes(tmp_path:
         trust = {int(k): v for k, v in r["trust"].items()}
         assert trust.get(4) != "recovery_verified"
         assert any(st == "recovery_verified" for s, st in trust.items() if s > 4), trust
+        m = r["metrics"]  # session.metrics(): what the loop's logger saw
+        assert m["reports.sdc"] == 1 and m["gemini.rejected"] >= 1 and m["scout.last_cycle_clean"] == 1, m
+        assert m["gemini.newest_verified_step"] > 4, m
 
     # Every rank kept the report beside its checkpoints; gemscout inspect lists it once, seen by all four.
     inv = inventory(tmp_path / "ckpt")
