@@ -4,7 +4,10 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params
 
 - ``fault.kind``: ``none`` (healthy run, compared with a baseline without gemscout) or ``sigkill`` (``rank``, ``step``,
   ``phase`` as in :mod:`qualification.programs.train_rank`, ``node_loss`` = delete that rank's node folder before the
-  relaunch, so it must recover from its peer's replica) or ``sigterm`` (``step``: rank 0 gets SIGTERM after that
+  relaunch, so it must recover from its peer's replica; ``recovery_kill`` = ``{"rank", "phase"}``: a second launch
+  in which that rank is SIGKILLed during the recovery itself, ``phase`` one of ``recover-send``,
+  ``recover-receive``, ``recover-restore`` (:mod:`qualification.programs._recovery_faults`), before the final
+  relaunch) or ``sigterm`` (``step``: rank 0 gets SIGTERM after that
   step; the restart must resume from the flushed step).
 - ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1), ``schedule``
   (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers).
@@ -108,8 +111,20 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             node = int(fault["rank"]) // int(cell.get("params", {}).get("ranks_per_node", 1))
             shutil.rmtree(ckpt / f"node-{node}", ignore_errors=True)
             event("fault", f"node {node} lost: its checkpoint folder deleted")
+        attempt = 1
+        second = fault.get("recovery_kill")
+        if second:  # a second failure, in the middle of the recovery from the first
+            again = launch(_rank_argv(celldir / "run", cell, ckpt, [
+                "--kill-rank", str(second["rank"]), "--recovery-kill-phase", str(second["phase"])]),
+                world_size=world, timeout_s=timeout, log_dir=logs, attempt=attempt)
+            observed["recovery_kill_exit_codes"] = again.returncodes
+            if again.ok:
+                return _result(cell, "failed", observed, timeline, "the recovery-time kill did not end the run")
+            event("fault", f"rank {second['rank']} killed during recovery ({second['phase']}); exit codes "
+                           f"{again.returncodes}")
+            attempt += 1
         run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
-                     attempt=1)
+                     attempt=attempt)
         if not run.ok:
             return _result(cell, "failed", observed, timeline, f"relaunch failed: exit codes {run.returncodes}")
     ranks = _read(celldir / "run", world)

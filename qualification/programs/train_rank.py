@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline
 from qualification.programs._rank import finish, run
+from qualification.programs._recovery_faults import armed
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -138,6 +140,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--kill-phase", default="after-step")
     ap.add_argument("--sigterm-step", type=int, default=-1)
+    ap.add_argument("--recovery-kill-phase", default="",
+                    help="SIGKILL --kill-rank during the recovery at attach: recover-send | recover-receive | "
+                         "recover-restore (qualification/programs/_recovery_faults.py)")
     ap.add_argument("--kill-seed", type=int, default=0)
     ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
     ap.add_argument("--durable-every", type=int, default=0)
@@ -184,6 +189,7 @@ def main() -> None:
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict) -> None:
+            in_restore()  # the recovery-kill injector's point inside the restore (a no-op otherwise)
             losses.clear()
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
@@ -195,8 +201,11 @@ def main() -> None:
             when_busy=args.when_busy,
         )
         t_attach = time.time()
-        session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg, schedulers=[sched],
-                                             extra_state_fn=extra, load_extra_state_fn=load_extra)
+        injector = armed(args.recovery_kill_phase, args.chunk_bytes) if killer and args.recovery_kill_phase \
+            else nullcontext(lambda: None)
+        with injector as in_restore:
+            session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg,
+                                                 schedulers=[sched], extra_state_fn=extra, load_extra_state_fn=load_extra)
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(model, opt)
         if args.full_digest:

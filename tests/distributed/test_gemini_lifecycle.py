@@ -78,3 +78,20 @@ def test_sigterm_flushes_newest_step_and_restart_resumes_there(tmp_path: Path) -
     obs = result["observed"]
     assert obs["recovered_step"] == 7, result
     assert obs["bitwise_equal"] and obs["losses_equal"], result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("phase", "rank"), [("recover-receive", 1), ("recover-send", 2), ("recover-restore", 0)])
+def test_a_kill_during_recovery_is_survived_by_the_next_relaunch(tmp_path: Path, phase: str, rank: int) -> None:
+    """Rank 1 dies after step 4 and its node's files are lost; at the relaunch a rank dies again in the middle of
+    the recovery: rank 1 itself while its replica streams in from rank 2, rank 2 as it starts sending it, or rank 0
+    half-way through loading its state. The next relaunch recovers the same step from the same sources (the
+    interrupted attempt consumed none of what it needs) and ends bitwise equal to the uninterrupted run."""
+    fault = {"kind": "sigkill", "rank": 1, "step": 4, "node_loss": True,
+             "recovery_kill": {"rank": rank, "phase": phase}}
+    result = run_cell(cell(3, fault, steps=6), tmp_path)
+    obs = result["observed"]
+    assert obs["recovery_kill_exit_codes"][rank] == -9, result
+    assert obs["recovered_step"] == 4, result
+    assert obs["decision"]["sources"] == {"0": "local", "1": "peer:2", "2": "local"}, result
+    assert obs["bitwise_equal"] and obs["losses_equal"] and obs["final_step"] == 6, result
