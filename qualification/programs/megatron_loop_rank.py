@@ -5,12 +5,15 @@ Megatron's machinery, unchanged: ``DistributedDataParallel`` (its grad buffers, 
 ``DistributedOptimizer``, fp32 main-parameter shards; otherwise ``FP32Optimizer``), grad clipping, and the
 ``get_forward_backward_func()`` schedule with ``finalize_model_grads`` (Megatron-LM's wiring of ``config``), on a small
 ``GPTModel`` with dropout on. Megatron's hard-coded CUDA is redirected to the CPU by the test-only
-:mod:`qualification.frameworks.megatron_cpu`. ``--pp 2`` runs two pipeline stages with the 1F1B schedule (GEMINI only).
+:mod:`qualification.frameworks.megatron_cpu`. ``--pp 2`` runs two pipeline stages with the 1F1B schedule; ``--vpp 2``
+adds virtual pipeline stages (each rank builds one ``GPTModel`` chunk per virtual stage, as Megatron-LM's
+``get_model`` does, each in its own DDP) and Megatron's interleaved 1F1B schedule. The model has ``--layers``
+transformer layers (default ``max(2, pp * vpp)``: every (virtual) stage holds at least one).
 
 Writes ``<out>/rank<r>.json``: losses per step, resume step, recovery decision, ``state_digest`` (SHA-256 over the
 model, this rank's optimizer shard — fp32 main parameters and Adam state — and the RNG tracker streams),
-``replicas_equal`` (data-parallel peers hold the same model: Megatron's gradient sync ran), SCOUT's peers and
-reports, the replay faults that fired.
+``replicas_equal`` (data-parallel peers hold the same model: Megatron's gradient sync ran), SCOUT's peers, topology,
+catalog, recipes due per cycle, verdicts and reports, the replay faults that fired.
 
 Faults: ``--kill-rank R --kill-step S`` SIGKILLs rank R after step S (its checkpoint drained first);
 ``--fault-rank R --fault-step S --fault-recipe NAME`` corrupts what rank R computes when replaying NAME at step S.
@@ -60,6 +63,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
     ap.add_argument("--sigterm-step", type=int, default=-1)
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule when > 1)")
+    ap.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B when > 1)")
+    ap.add_argument("--layers", type=int, default=0, help="transformer layers (0: max(2, pp * vpp))")
     ap.add_argument("--distopt", action="store_true", help="use_distributed_optimizer=True")
     ap.add_argument("--overlap", action="store_true", help="overlap_grad_reduce=True")
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
@@ -76,8 +81,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """Parallel state, a seeded GPTModel (this stage of it), Megatron's DDP around it and its optimizer."""
+def build(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], Any]:
+    """Parallel state, a seeded GPTModel (this rank's stage chunks of it), Megatron's DDP around each chunk and the
+    optimizer over all of them."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -86,26 +92,33 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=args.pp)
+    vpp = args.vpp if args.vpp > 1 else None
+    ps.initialize_model_parallel(pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.1,
-                               attention_dropout=0.1, use_cpu_initialization=True, deterministic_mode=True,
-                               pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        use_distributed_optimizer=args.distopt, overlap_grad_reduce=args.overlap), model)
+    config = TransformerConfig(num_layers=args.layers or max(2, args.pp * args.vpp), hidden_size=64, num_attention_heads=4,
+                               hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
+                               deterministic_mode=True, pipeline_model_parallel_size=args.pp,
+                               virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+    chunks, ddps = [], []
+    for i in range(args.vpp):  # Megatron-LM's get_model: one chunk per virtual stage, each in its own DDP
+        stage = {"ignore_virtual": False, "vp_stage": i} if vpp else {}
+        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                         share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(**stage),
+                         post_process=ps.is_pipeline_last_stage(**stage), vp_stage=i if vpp else None)
+        chunks.append(chunk)
+        ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(
+            use_distributed_optimizer=args.distopt, overlap_grad_reduce=args.overlap), chunk,
+            disable_bucketing=i > 0))
     # Megatron-LM's wiring (training.py): without finalize_model_grads the schedule never syncs the DDP grad
     # buffers, and every rank would step on its own gradients.
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = [d.no_sync for d in ddps] if vpp else ddps[0].no_sync
     if args.overlap:
-        config.grad_sync_func = ddp.start_grad_sync
+        config.grad_sync_func = [d.start_grad_sync for d in ddps] if vpp else ddps[0].start_grad_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01,
-                                                       use_distributed_optimizer=args.distopt), [ddp])
-    return ps, model, ddp, optimizer
+                                                       use_distributed_optimizer=args.distopt), ddps)
+    return ps, chunks, ddps, optimizer
 
 
 def main() -> None:
@@ -116,7 +129,8 @@ def main() -> None:
     megatron_cpu.install()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    ps, model, ddp, optimizer = build(args)
+    ps, chunks, ddps, optimizer = build(args)
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # what the digests read
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     dp_rank = ps.get_data_parallel_rank()
@@ -133,7 +147,7 @@ def main() -> None:
         scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output"), stragglers=None,
                                       timeout=timedelta(seconds=60)) if args.scout else None)
         session = gemscout.enable_resiliency(
-            [ddp], optimizer, scout=scout, interval=args.interval,
+            ddps, optimizer, scout=scout, interval=args.interval,
             checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="mc-loop", fsync=False,
                                                  ranks_per_node=args.ranks_per_node, persist_every=args.persist_every,
                                                  keep_generations=args.keep_generations,
@@ -162,22 +176,26 @@ def main() -> None:
     # Count DDP's gradient syncs: a distributed optimizer keeps its replicas equal even when none ran (every rank
     # all-gathers the shards its peers updated from their own gradients), so equal replicas alone would not show it.
     grad_syncs = [0]
-    finish_grad_sync = ddp.finish_grad_sync
+    finish_grad_sync = ddps[0].finish_grad_sync
 
     def counted_finish_grad_sync(*a: Any, **k: Any) -> Any:
         grad_syncs[0] += 1
         return finish_grad_sync(*a, **k)
 
-    ddp.finish_grad_sync = counted_finish_grad_sync
+    ddps[0].finish_grad_sync = counted_finish_grad_sync
     forward_backward = get_forward_backward_func()
+    due: dict[str, list[str]] = {}
     for step in range((session.resume_step if session else 0) + 1, args.steps + 1):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + dp_rank)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
         micro = [(tokens[i:i + BATCH // MICRO, :-1], tokens[i:i + BATCH // MICRO, 1:].contiguous())
                  for i in range(0, BATCH, BATCH // MICRO)]
-        ddp.zero_grad_buffer()
+        for d in ddps:
+            d.zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp],
+        # Interleaved: one iterator per chunk (each chunk's forward reads every micro-batch once).
+        data: Any = [iter(micro) for _ in ddps] if len(ddps) > 1 else iter(micro)
+        out = forward_backward(forward_step_func=forward_step, data_iterator=data, model=ddps,
                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=BATCH // MICRO,
                                forward_only=False)
         # The last pipeline stage holds the loss of each micro-batch; every stage records it (the lifecycle reads rank 0).
@@ -190,6 +208,7 @@ def main() -> None:
         cycle = session.scout.last_result if session is not None and session.scout is not None else None
         if cycle is not None and cycle.step == step:
             verdicts[str(step)] = {name: r.verdict.value for name, r in cycle.results.items()}
+            due[str(step)] = [r.name for r in session.scout.catalog.due(step)]
         fail_stop(session, rank, step, args)
     trust = trust_states(session)
     h = hashlib.sha256()
@@ -204,6 +223,9 @@ def main() -> None:
         "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": state_digest(model, optimizer),
         "replicas_equal": len({d for s, d in replicas if s == stage}) == 1, "grad_syncs": grad_syncs[0],
         "peers": list(session.scout.peers) if session and session.scout else None,
+        "topology": session.scout.topology.to_dict() if session and session.scout and session.scout.topology else None,
+        "catalog": list(session.scout.catalog.names) if session and session.scout else [], "due": due,
+        "schedule": forward_backward.__name__,
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
         "verdicts": verdicts, "trust": trust, "reports": reports, "decisions": decisions,
         "fired": injector.fired if injector is not None else [], "times": times, "final_step": args.steps,

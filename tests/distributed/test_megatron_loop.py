@@ -17,7 +17,7 @@ on ``torch.cuda.current_device()`` and dispatches on ``param.type() == "torch.cu
   peer's replica and ends bitwise equal to the uninterrupted run.
 - FP32Optimizer, DP=3: a fault in rank 2's replay of a block is attributed to rank 2 alone, the candidates are rejected.
 - PP=2 (1F1B) x DistributedOptimizer through the lifecycle driver (campaign topology ``megatron-pp2``): SIGKILL +
-  node loss after step 3 recovers bitwise, stage by stage (GEMINI; SCOUT refuses pipeline parallelism).
+  node loss after step 3 recovers bitwise, stage by stage (GEMINI; SCOUT under PP: test_megatron_pp_scout.py).
 
 Skipped, with the reason, where megatron-core is not installed.
 """

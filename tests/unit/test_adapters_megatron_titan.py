@@ -97,7 +97,7 @@ def test_megatron_is_resolved_and_its_argument_rules_name_the_fix() -> None:
         resolve(model, opt, group=object())
     with pytest.raises(ConfigError, match=r"ScoutConfig.data_parallel_dims: Megatron's data-parallel peers"):
         resolve(model, opt, scout=ScoutConfig(data_parallel_dims=("dp",)))
-    with pytest.raises(ConfigError, match=r"SCOUT under Megatron pipeline parallelism .* pass scout=None"):
+    with pytest.raises(ConfigError, match=r"2 model chunks on this rank, but parallel_state has pipeline_model_para"):
         resolve([GPTModel(), GPTModel()], opt, scout=ScoutConfig())
     with pytest.raises(ConfigError, match=r"'optimizer' recipe is not supported with a MegatronOptimizer"):
         resolve(model, MegatronOptimizer(), scout=ScoutConfig())

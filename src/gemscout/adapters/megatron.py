@@ -19,6 +19,19 @@ tensors flagged ``tensor_model_parallel``) lie on that mesh's ``tp`` dim
 (:func:`~gemscout.scout.materialize.param_model_dims`), so a block whose replay all-reduces with its TP partners
 replays on every rank or on none.
 
+Pipeline parallelism (``pipeline_model_parallel_size > 1``) goes through SCOUT's pipeline machinery: ``pp`` is the
+topology's stage dim, so each rank replays its own stage's recipes, named by the stage (``pp0.embedding``,
+``pp0.hidden.<i>`` on the first stage; ``pp1.hidden.<i>``, ``pp1.output`` — final norm and output layer, backward from
+the loss's gradient — on the last), and every rank judges every stage's recipes over that stage's dp group. The
+module paths are GPTModel's (``embedding``, ``decoder.layers``, ``decoder.final_layernorm``, ``output_layer``): named
+on every stage, a stage skips those it does not hold. Virtual pipeline stages (``get_model`` returns one chunk per
+virtual stage; Megatron's interleaved schedule gives the rank at pp coordinate ``c`` of ``n`` the virtual stages
+``c, c + n, ...``) are ScoutConfig's ``stage_order="loop"``: each chunk's recipes are named by its own virtual stage
+(``pp1``, ``pp3`` on coordinate 1 of 2). Refused with a ConfigError: ``stage_order="v"``, several chunks without
+pipeline parallelism or other than ``virtual_pipeline_model_parallel_size``, ``ScoutConfig.mesh`` (the stages come
+from parallel_state), and — as without pipelining — expert parallelism, a custom ``order=``, ``data_parallel_dims``
+and the ``optimizer`` recipe with a MegatronOptimizer (with a torch optimizer each stage slices its own parameters).
+
 Megatron's RNG tracker (``get_cuda_rng_tracker()``: the model-parallel, data-parallel and expert RNG streams that
 dropout inside TP regions draws from) is captured with every step and restored with it; SCOUT's replays do not move
 it (it is put back after each cycle). Nothing here imports megatron at import time; ``parallel_state`` is imported
@@ -104,6 +117,7 @@ class _TrackerGuard:
 # -- topology ---------------------------------------------------------------------------------------------------------
 def megatron_topology(rank: int | None = None) -> Topology:
     """This rank's SCOUT topology from ``megatron.core.parallel_state``: mesh ``(pp, dp, cp, tp)``, peers along dp.
+    With ``pipeline_model_parallel_size > 1``, ``pp`` is the topology's stage dim (``stage_label`` ``pp<c>``).
 
     Raises ConfigError when model parallelism is not initialised, when expert parallelism is on (expert weights have
     other replicas than the data-parallel group), or when the data-parallel group is not the one the default order
@@ -131,8 +145,9 @@ def megatron_topology(rank: int | None = None) -> Topology:
     if sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"] != world:
         raise ConfigError(f"Megatron: parallel sizes {sizes} do not multiply to the world size {world}")
     dims = tuple(d for d in ("pp", "dp", "cp", "tp") if d == "dp" or sizes[d] > 1)
+    # pp is a stage dim: ranks at other pp coordinates hold other layers, so peers keep it and recipe names carry it.
     topology = derive(dims=dims, shape=[sizes[d] for d in dims], ranks=range(world), data_dims=("dp",),
-                      shard_dims=(), rank=rank)
+                      shard_dims=(), rank=rank, stage_dims=("pp",) if "pp" in dims else ())
     live = tuple(sorted(dist.get_process_group_ranks(ps.get_data_parallel_group())))
     if tuple(sorted(topology.peers)) != live:
         raise ConfigError(f"Megatron: the data-parallel group of rank {rank} is {list(live)}, but the default order "
@@ -251,15 +266,46 @@ def _model(model: Any) -> nn.Module:
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
 
 
-def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int) -> Any:
-    """Megatron's module paths for the recipes SCOUT looks for (GPTModel's layout), unless the caller named them."""
-    if chunks > 1 or pp > 1:
-        raise ConfigError("enable_resiliency.scout: SCOUT under Megatron pipeline parallelism (several model chunks "
-                          "or pipeline_model_parallel_size > 1) is not supported yet: stages hold different recipes; "
-                          "pass scout=None (GEMINI still covers every stage)")
+def _stage_paths(scout: Any, roots: Sequence[nn.Module]) -> dict[str, str]:
+    """The module paths to fill on a pipeline stage: every field the caller left unset gets Megatron's path, present
+    here or not. SCOUT's stage catalog skips a named path the stage does not hold (stage 0 has no ``output_layer``),
+    whereas an unset field would send it looking for an ``nn.Embedding`` / ``nn.Linear`` elsewhere in the stage.
+    The final norm is named only where a chunk holding the head has it (``post_layer_norm=False`` has none)."""
+    fill = {field: path for field, path in _SCOUT_PATHS.items() if field != "norm" and getattr(scout, field) is None}
+    head = scout.head or _SCOUT_PATHS["head"]
+    names = [dict(root.named_modules()) for root in roots]
+    if scout.norm is None and any(head in n and _SCOUT_PATHS["norm"] in n for n in names):
+        fill["norm"] = _SCOUT_PATHS["norm"]
+    if "blocks" in fill and any(fill["blocks"] in n and not isinstance(n[fill["blocks"]], nn.ModuleList)
+                                for n in names):
+        del fill["blocks"]
+    return fill
+
+
+def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int | None = None) -> Any:
+    """Megatron's module paths for the recipes SCOUT looks for (GPTModel's layout), unless the caller named them.
+
+    ``chunks``: model chunks on this rank (virtual pipeline stages); ``pp``: pipeline_model_parallel_size; ``vpp``:
+    parallel_state's virtual pipeline size (None when unset). Raises ConfigError for what SCOUT cannot map: several
+    chunks without pipeline parallelism or other than the virtual pipeline size, ``stage_order="v"``, a
+    ``ScoutConfig.mesh`` or ``data_parallel_dims`` (the layout comes from parallel_state)."""
     if scout.data_parallel_dims is not None:
         raise ConfigError("ScoutConfig.data_parallel_dims: Megatron's data-parallel peers come from "
                           "megatron.core.parallel_state, not a DeviceMesh; leave it unset")
+    if scout.mesh is not None:
+        raise ConfigError("ScoutConfig.mesh: under Megatron Core the pipeline stages come from "
+                          "megatron.core.parallel_state (pipeline_model_parallel_size); leave mesh unset")
+    if chunks > 1 and (pp == 1 or chunks != (vpp or 1)):
+        raise ConfigError(f"enable_resiliency.model: {chunks} model chunks on this rank, but parallel_state has "
+                          f"pipeline_model_parallel_size={pp} and virtual_pipeline_model_parallel_size={vpp}; pass "
+                          "the list get_model() returned (one chunk per virtual stage) with the same settings")
+    if chunks > 1 and scout.stage_order != "loop":
+        raise ConfigError(f"ScoutConfig.stage_order: Megatron's interleaved schedule places virtual stages in the "
+                          f"loop order (pp rank c of n holds stages c, c + n, ...), got {scout.stage_order!r}; "
+                          "leave stage_order='loop'")
+    if pp > 1:
+        roots = [_unwrap(c) for c in model.children()] if chunks > 1 else [_unwrap(model)]
+        return replace(scout, **_stage_paths(scout, roots))
     root = _unwrap(model)
     names = dict(root.named_modules())
     fill = {field: path for field, path in _SCOUT_PATHS.items()
@@ -310,8 +356,10 @@ def resolve_megatron(
     if scout is not None:
         from megatron.core import parallel_state as ps
 
-        pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        scout = _scout_config(scout, module, chunks, pp)
+        ready = ps.model_parallel_is_initialized()
+        pp = ps.get_pipeline_model_parallel_world_size() if ready else 1
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ready else None
+        scout = _scout_config(scout, module, chunks, pp, vpp)
         if "optimizer" in scout.recipes and isinstance(view, MegatronOptimizerView):
             raise ConfigError("ScoutConfig.recipes: the 'optimizer' recipe is not supported with a MegatronOptimizer "
                               "(its main parameters are not the model's, and the distributed optimizer shards "
