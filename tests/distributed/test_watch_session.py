@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gemscout.inventory import inventory
 from gemscout.oob import generate_secret
 from qualification.launch import free_port
 
@@ -50,7 +51,7 @@ def wait_for(out: Path, procs: list[subprocess.Popen[bytes]], pred, timeout: flo
 def test_stalls_and_hang_are_localized_through_the_session(tmp_path: Path) -> None:
     procs = start(tmp_path, 3, "--steps", "12", "--data-delay-rank", "2", "--data-delay-s", "0.15",
                   "--io-delay-rank", "0", "--io-delay-s", "0.5", "--delay-from", "3",
-                  "--hang-rank", "1", "--hang-step", "9", "--threshold-s", "2")
+                  "--hang-rank", "1", "--hang-step", "9", "--threshold-s", "2", "--ckpt", str(tmp_path / "ckpt"))
     try:
         evs = wait_for(tmp_path, procs, lambda e: any(x.get("kind") == "hang" for x in e), 90)
     finally:
@@ -66,5 +67,9 @@ def test_stalls_and_hang_are_localized_through_the_session(tmp_path: Path) -> No
     assert list(by_kind["checkpoint_stall"]["ranks"]) == [0]
     assert list(by_kind["hang"]["ranks"]) == [1]
     assert by_kind["data_stall"]["confirmations"] >= 2
-    decisions = [e for e in evs if e["type"] == "decision"]
+    decisions = [e for e in evs if e["type"] == "decision" and e["failure_kind"] != "none"]  # not the fresh start
     assert decisions and decisions[0]["failure_kind"] == "hang"
+    # The job was SIGKILLed while hung; what it reported survives beside its checkpoints (gemscout inspect).
+    kept = inventory(tmp_path / "ckpt").faults
+    assert [tuple(f["ranks"]) for f in kept if f["kind"] == "hang"][:1] == [(1,)], kept
+    assert {f["kind"] for f in kept} >= {"data_stall", "checkpoint_stall", "hang"}, kept
