@@ -20,7 +20,9 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault``, ``params``.
 
 Observed: ``recovered_step``, ``source_rank<R>`` (where rank R restored from, e.g. ``peer:2``), ``bitwise_equal``,
 ``losses_equal``, ``decision_mode``, ``decision_reason``, ``reason_names_fault``, ``relaunch_exit_code`` (0, or the
-exit code of the first rank that failed), ``relaunch_exit_codes``, ``traceback_free`` (no rank log has a traceback).
+exit code of the first rank that failed), ``relaunch_exit_codes``, ``traceback_free`` (no rank log has a traceback),
+``inspect_predicted`` (what ``gemscout inspect --verify`` said a restart would do, read before the relaunch) and
+``inspect_agrees`` (it said what the restart then did: mode, and for a restore the step and every rank's source).
 The checkpoint folder is deleted at the end: binary state does not belong in an evidence bundle.
 """
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gemscout.errors import RecoveryError
+from gemscout.inventory import inventory
 from qualification.corruption import INJECTORS, lose_node, own_slot, replica_slot
 from qualification.launch import LaunchResult, launch
 from qualification.programs._contract import cell_main
@@ -129,11 +132,16 @@ def _protocol(cell: dict[str, Any], celldir: Path, event: _Timeline, *, world: i
     problem = _inject(ckpt, cell, event)
     if problem is not None:
         return _result(cell, "error", {}, event, problem)
+    # What the operator's `gemscout inspect --verify` says a restart will do, read before the restart.
+    predicted = inventory(ckpt, verify=True, world_size=world).decision.to_dict()
+    event("detection", f"gemscout inspect predicts {predicted['mode']} step {predicted['step']} from "
+                       f"{predicted['sources']}")
 
     event("start", f"relaunch to step {steps}")
     relaunch = launch(_rank_argv(celldir / "run", cell, ckpt, steps), world_size=world, timeout_s=timeout,
                       log_dir=logs / "relaunch")
     observed = _relaunch_facts(relaunch, logs / "relaunch")
+    observed["inspect_predicted"] = {k: predicted[k] for k in ("mode", "step", "sources")}
     if relaunch.ok:
         return _recovered(cell, celldir, event, observed, reference)
     return _stopped(cell, ckpt, event, observed, relaunch)
@@ -149,6 +157,10 @@ def _relaunch_facts(relaunch: LaunchResult, log_dir: Path) -> dict[str, Any]:
 
 
 def _observe_decision(observed: dict[str, Any], decision: dict[str, Any], cell: dict[str, Any]) -> None:
+    predicted = observed.get("inspect_predicted", {})
+    observed["inspect_agrees"] = bool(predicted) and all(
+        predicted.get(k) == decision.get(k) for k in (("mode",) if decision.get("mode") == "stop"
+                                                      else ("mode", "step", "sources")))
     observed["decision_mode"] = decision.get("mode")
     observed["decision_reason"] = decision.get("reason", "")
     observed["recovered_step"] = decision.get("step")
