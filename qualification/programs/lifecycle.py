@@ -34,7 +34,8 @@ def _rank_program(cell: dict[str, Any]) -> str:
     step. Both programs take the same arguments and write the same rank<r>.json."""
     if str(cell.get("topology", "")).startswith("deepspeed-"):
         return "qualification.programs.ds_rank"
-    if str(cell.get("topology", "")) in ("megatron-ddp", "megatron-distopt", "megatron-pp2"):  # Megatron's own loop
+    if str(cell.get("topology", "")) in ("megatron-ddp", "megatron-distopt", "megatron-pp2",
+                                         "megatron-pp2-vpp2"):  # Megatron's own loop
         return "qualification.programs.megatron_loop_rank"
     if str(cell.get("topology", "")).startswith("megatron-"):  # megatron-tp1, megatron-tp2: Megatron Core GPTModel
         return "qualification.programs.megatron_rank"

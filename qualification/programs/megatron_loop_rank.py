@@ -38,7 +38,8 @@ from qualification.programs.megatron_gpu_rank import state_digest
 VOCAB, SEQ, BATCH, MICRO = 128, 32, 4, 2
 # The lifecycle driver's names for the layouts (campaign cells): flags each one sets.
 TOPOLOGIES = {"megatron-ddp": ["--overlap"], "megatron-distopt": ["--distopt", "--overlap"],
-              "megatron-pp2": ["--pp", "2", "--distopt"]}
+              "megatron-pp2": ["--pp", "2", "--distopt"],
+              "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]}
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
 
 

@@ -263,7 +263,10 @@ def _model(model: Any) -> nn.Module:
     if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
         raise ConfigError("enable_resiliency.model: with Megatron Core pass the model (a MegatronModule) or the list "
                           "of model chunks get_model() returned")
-    return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+    # Several chunks are held unwrapped: Megatron's DistributedDataParallel and Float16Module return their inner
+    # module's state_dict (no "module." prefix) but a parent's load_state_dict recurses through them by attribute
+    # ("0.module.embedding..."), so a list of wrapped chunks would save keys its own load refuses.
+    return chunks[0] if len(chunks) == 1 else nn.ModuleList(_unwrap(c) for c in chunks)
 
 
 def _stage_paths(scout: Any, roots: Sequence[nn.Module]) -> dict[str, str]:
@@ -304,7 +307,7 @@ def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int |
                           f"loop order (pp rank c of n holds stages c, c + n, ...), got {scout.stage_order!r}; "
                           "leave stage_order='loop'")
     if pp > 1:
-        roots = [_unwrap(c) for c in model.children()] if chunks > 1 else [_unwrap(model)]
+        roots = list(model.children()) if chunks > 1 else [_unwrap(model)]
         return replace(scout, **_stage_paths(scout, roots))
     root = _unwrap(model)
     names = dict(root.named_modules())
