@@ -1,6 +1,6 @@
 """Pipeline parallelism for the rank programs: ``torch.distributed.pipelining`` stages, optionally replicated along dp.
 
-Topologies (:data:`PIPELINE_TOPOLOGIES`; rank = pp coordinate * dp + replica):
+Topologies (:data:`PIPELINE_TOPOLOGIES`; rank = (pp coordinate * dp + replica) * tp + tp coordinate):
 
 * ``pp``, ``pp-dp``, ``pp-dp3`` — two stages, 1, 2 or 3 data-parallel replicas; ``pp3``, ``pp3-dp2`` — three stages
   (the middle one has neither embedding nor head), 1 or 2 replicas. One stage per rank: GPipe or 1F1B.
@@ -18,6 +18,10 @@ Topologies (:data:`PIPELINE_TOPOLOGIES`; rank = pp coordinate * dp + replica):
   the ("pp", "dp") mesh: FSDP2 reduce-scatters the averaged gradients (no hand-written average); GPipe or 1F1B.
 * ``pp-tp`` — two stages x tensor parallelism 2 on a ("pp", "tp") mesh: each block's MLP is sharded over tp (fc1
   column-wise, fc2 row-wise); the tp partners read the same batch. No dp dim, so SCOUT has no peers.
+* ``pp-dp-tp``, ``pp-dp3-tp`` — two stages x dp 2 or 3 x tp 2 on a ("pp", "dp", "tp") mesh (8 or 12 ranks):
+  ``pp-tp``'s TP-sharded MLPs, each (stage, tp) shard replicated along dp, gradients averaged by hand over the dp
+  sub-mesh (the local part of a DTensor gradient: the dp replicas of one shard hold the same part). SCOUT's peers
+  keep the pp and tp coordinates.
 
 Each rank builds only its stage(s) (:func:`qualification.workloads.pipeline.build_stage`), runs its schedule with
 :data:`MICROBATCHES` micro-batches and — with replicas and neither DDP nor FSDP2 — averages its gradients over the dp
@@ -39,7 +43,7 @@ from qualification.workloads import lm_loss
 from qualification.workloads.pipeline import build_stage
 
 __all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Layout", "Pipeline", "build_pipeline",
-           "fitting_schedules", "stage_ids"]
+           "fitting_schedules", "replica_of", "stage_ids"]
 
 
 class Layout(NamedTuple):
@@ -59,7 +63,7 @@ class Layout(NamedTuple):
     fsdp: bool = False
     """``fully_shard`` each stage module over the dp dim (its parameters become DTensors)."""
     tp: int = 1
-    """Tensor-parallel degree inside each stage (a ``tp`` mesh dim instead of ``dp``; replicas must be 1)."""
+    """Tensor-parallel degree inside each stage (a ``tp`` mesh dim, innermost: beside ``dp`` when replicas > 1)."""
 
 
 PIPELINE_TOPOLOGIES: dict[str, Layout] = {
@@ -68,7 +72,7 @@ PIPELINE_TOPOLOGIES: dict[str, Layout] = {
     "pp-virtual": Layout(4, 1, per_rank=2), "pp-virtual-dp": Layout(4, 2, per_rank=2),
     "pp-v": Layout(4, 1, per_rank=2, order="v"), "pp-v-dp": Layout(4, 2, per_rank=2, order="v"),
     "pp-dp-ddp": Layout(2, 2, ddp=True), "pp-fsdp": Layout(2, 2, fsdp=True),
-    "pp-tp": Layout(2, 1, tp=2),
+    "pp-tp": Layout(2, 1, tp=2), "pp-dp-tp": Layout(2, 2, tp=2), "pp-dp3-tp": Layout(2, 3, tp=2),
 }
 """Topology name → layout. ``PIPELINE_TOPOLOGIES[name][1]`` is the replica count."""
 SINGLE_SCHEDULES = ("gpipe", "1f1b")
@@ -92,7 +96,8 @@ class Pipeline:
     """This rank's coordinate along dp: the data shard it reads."""
     replicas: int
     mesh: Any
-    """The DeviceMesh: ``("pp",)``, ``("pp", "dp")`` or ``("pp", "tp")``; give it to ``ScoutConfig(mesh=...)``."""
+    """The DeviceMesh: ``("pp",)``, ``("pp", "dp")``, ``("pp", "tp")`` or ``("pp", "dp", "tp")``; give it to
+    ``ScoutConfig(mesh=...)``."""
     schedule: Any
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
@@ -126,7 +131,10 @@ class Pipeline:
         return loss
 
     def _average_grads(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # A TP-sharded parameter's gradient is a DTensor: its dp replicas hold the same part, so the local parts
+        # are what is averaged (to_local is a view: the copy back lands in the gradient).
+        grads = [g.to_local() if hasattr(g, "to_local") else g
+                 for p in self.module.parameters() if (g := p.grad) is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.replicas
@@ -163,6 +171,13 @@ def stage_ids(layout: Layout, coord: int) -> tuple[int, ...]:
     return tuple(coord + i * pp_size for i in range(layout.per_rank))
 
 
+def replica_of(topology: str, rank: int) -> int:
+    """The dp coordinate of global ``rank`` under ``topology``: the data shard it reads (its tp partners and the other
+    stages of its pipeline read the same one)."""
+    layout = PIPELINE_TOPOLOGIES[topology]
+    return rank // layout.tp % layout.replicas
+
+
 def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) -> Pipeline:
     """Build the mesh, this rank's stage(s) and the schedule. Collective over every rank (it creates the mesh groups,
     and DDP broadcasts its module). Raises ``SystemExit`` naming the fix for an unknown topology or schedule, a
@@ -180,7 +195,7 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
         raise SystemExit(f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank, "
                          f"{layout.order} order); choose one of {fits}")
     pp_size, replicas = layout.stages // layout.per_rank, layout.replicas
-    inner = replicas * layout.tp  # ranks per pp coordinate (a layout has a dp or a tp dim, never both)
+    inner = replicas * layout.tp  # ranks per pp coordinate
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != pp_size * inner:
         raise SystemExit(f"topology {topology} needs {pp_size * inner} ranks, the job has {world}")
@@ -188,8 +203,9 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
         mesh = init_device_mesh("cpu", (pp_size,), mesh_dim_names=("pp",))
         pp_mesh, dp_group, replica = mesh, None, 0
     else:
-        mesh = init_device_mesh("cpu", (pp_size, inner), mesh_dim_names=("pp", "tp" if layout.tp > 1 else "dp"))
-        pp_mesh, replica = mesh["pp"], rank % replicas
+        dims = [(d, n) for d, n in (("pp", pp_size), ("dp", replicas), ("tp", layout.tp)) if n > 1 or d == "pp"]
+        mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+        pp_mesh, replica = mesh["pp"], replica_of(topology, rank)
         dp_group = mesh["dp"].get_group() if replicas > 1 else None
     coord = rank // inner
     ids = stage_ids(layout, coord)

@@ -2,7 +2,8 @@
 
 Launches :mod:`qualification.programs.moe_rank` on ``world_size`` ranks (4: dp=2, 6: dp=3, where a replay fault is
 attributed to exactly its rank). ``workload``: ``moe`` (mesh ("dp", "ep")) or ``cp``
-(mesh ("dp", "cp")); ``topology`` is a label only. ``params.steps`` (default 8).
+(mesh ("dp", "cp")); ``topology`` is a label only. ``params.steps`` (default 8); ``params.etp`` (MoE, default 1): 2
+puts expert tensor parallelism on a ("dp", "ep", "etp") mesh of ``world_size`` = dp x 2 x 2 ranks (8: dp=2, 12: dp=3).
 
 ``fault.kind``: ``none`` (healthy), ``replay`` (``rank``, ``step``, ``recipe``: one corrupted SCOUT replay),
 ``alltoall`` (``rank``, ``step``: that rank corrupts its replayed ``balanced`` AllToAll send after digesting it; MoE
@@ -31,8 +32,9 @@ from qualification.programs._contract import cell_main
 def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dict[str, Any]]]:
     steps = int(cell.get("params", {}).get("steps", 8))
     world = int(cell.get("world_size", 4))  # a (world/2) x 2 mesh: 4 ranks for dp=2, 6 for dp=3
+    etp = int(cell.get("params", {}).get("etp", 1))  # expert TP: a (world/4) x 2 x 2 mesh
     res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", str(cell["workload"]),
-                  "--steps", str(steps), *extra], world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
+                  "--steps", str(steps), "--etp", str(etp), *extra], world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
                  log_dir=out / "logs")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
     return res, ranks

@@ -3,7 +3,9 @@ SCOUT, with the AllToAll check on the MoE dispatch, and optional faults.
 
 ``--workload moe|cp`` on a (world/2) x 2 mesh. Under MoE every rank reads its own batch; under CP the two ranks of a
 CP group read one batch of their dp row, each its half of the sequence. Gradients are averaged by hand
-(:func:`qualification.workloads.moe.sync_grads`).
+(:func:`qualification.workloads.moe.sync_grads`). ``--etp 2`` (MoE only): expert tensor parallelism on a
+(world/4, 2, 2) mesh ("dp", "ep", "etp"): each expert's MLP sharded over etp (w1 by column, w2 by row), the etp
+partners reading the same batch; SCOUT's peers vary along dp and keep the ep and etp coordinates.
 
 Faults: ``--kill-rank R --kill-step S`` SIGKILLs rank R right after step S (its checkpoint drained), for a relaunch
 to recover; ``--replay-fault-rank R --replay-fault-step S --replay-fault-recipe N`` flips a bit in one SCOUT replay;
@@ -37,20 +39,29 @@ from qualification.workloads.moe import build_moe, place_on_mesh, sync_grads
 class Job:
     """The mesh, the model and one training step, for either workload."""
 
-    def __init__(self, workload: str, seed: int) -> None:
+    def __init__(self, workload: str, seed: int, etp: int = 1) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.workload, self.seed = workload, seed
+        self.workload, self.seed, self.etp = workload, seed, etp
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if etp > 1 and workload != "moe":
+            raise SystemExit(f"--etp {etp}: expert tensor parallelism needs --workload moe")
+        if self.world % (2 * etp):
+            raise SystemExit(f"--etp {etp}: the world size {self.world} must be a multiple of 2 x {etp}")
         self.model_dim = "ep" if workload == "moe" else "cp"
-        self.mesh = init_device_mesh("cpu", (self.world // 2, 2), mesh_dim_names=("dp", self.model_dim))
-        self.dp_rank, self.mp_rank = self.rank // 2, self.rank % 2
+        inner = ((self.model_dim, 2),) + ((("etp", etp),) if etp > 1 else ())
+        self.mesh = init_device_mesh("cpu", (self.world // (2 * etp), *(n for _, n in inner)),
+                                     mesh_dim_names=("dp", *(d for d, _ in inner)))
+        self.data_rank = self.rank // etp  # etp partners read the same batch
+        self.dp_rank, self.mp_rank, self.etp_rank = self.data_rank // 2, self.data_rank % 2, self.rank % etp
         self.dp_group, self.mp_group = self.mesh.get_group("dp"), self.mesh.get_group(self.model_dim)
+        self.etp_group = self.mesh.get_group("etp") if etp > 1 else None
 
     def build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         if self.workload == "moe":
-            model: torch.nn.Module = build_moe(seed=self.seed, ep_size=2, ep_rank=self.mp_rank, group=self.mp_group)
-            place_on_mesh(model, self.mesh, shard_dim="ep")
+            model: torch.nn.Module = build_moe(seed=self.seed, ep_size=2, ep_rank=self.mp_rank, group=self.mp_group,
+                                               etp_size=self.etp, etp_rank=self.etp_rank, etp_group=self.etp_group)
+            place_on_mesh(model, self.mesh, shard_dim="ep", tp_dim="etp" if self.etp > 1 else None)
         else:
             model = build_cp(seed=self.seed, cp_rank=self.mp_rank, cp_size=2, group=self.mp_group)
             place_on_mesh(model, self.mesh, shard_dim=None)
@@ -58,14 +69,14 @@ class Job:
 
     def step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, losses: dict[int, float]) -> None:
         if self.workload == "moe":
-            x, y = synthetic_batch(seed=self.seed, step=step, rank=self.rank)
+            x, y = synthetic_batch(seed=self.seed, step=step, rank=self.data_rank)
         else:
             x, y = (seq_chunk(t, self.mp_rank, 2) for t in synthetic_batch(seed=self.seed, step=step,
                                                                              rank=self.dp_rank))
         loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        sync_grads(model, dp_group=self.dp_group, world_size=self.world, dp_size=self.world // 2)
+        sync_grads(model, dp_group=self.dp_group, world_size=self.world, dp_size=self.world // (2 * self.etp))
         losses[step] = loss.item()  # before the update: GEMINI takes the caller state inside opt.step()
         opt.step()
 
@@ -76,6 +87,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--workload", choices=("moe", "cp"), default="moe")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--etp", type=int, default=1, choices=(1, 2), help="expert tensor parallelism (MoE only)")
     ap.add_argument("--ckpt", type=Path, default=None)
     ap.add_argument("--baseline", action="store_true")
     ap.add_argument("--kill-rank", type=int, default=-1)
@@ -98,7 +110,7 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    job = Job(args.workload, args.seed)
+    job = Job(args.workload, args.seed, args.etp)
     rank = job.rank
     torch.manual_seed(17)
     model, opt = job.build()

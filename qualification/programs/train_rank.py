@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline
+from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline, replica_of
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_faults import armed
 from qualification.workloads import build_model, lm_loss, synthetic_batch
@@ -82,7 +82,7 @@ def data_rank(topology: str, rank: int) -> int:
     """Which data shard a rank reads: tensor-parallel peers read the same batch, and so do the stages of one
     pipeline (its replica index along dp)."""
     if topology in PIPELINE_TOPOLOGIES:
-        return rank % PIPELINE_TOPOLOGIES[topology][1]
+        return replica_of(topology, rank)
     return {"tp": 0, "fsdp2-tp": rank // 2}.get(topology, rank)
 
 
