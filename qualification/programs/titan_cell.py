@@ -11,13 +11,17 @@ it anyway, the driver reports status ``error`` naming what is missing.
 ``topology``: ``fsdp2`` (FSDP2 over every rank), ``hsdp`` (``dp_replicate`` 2 x ``fsdp`` world/2) or ``pp``
 (TorchTitan's own pipeline split over 2 stages, ``params.schedule``: its ``pipeline_parallel_schedule``, ``1F1B`` by
 default, ``Interleaved1F1B`` puts two stages on each rank; microbatches of one sample) or ``pp-fsdp`` (the same
-on 2 x world/2 ranks, each stage FSDP2-sharded over world/2).
-``params``: ``steps`` (default 6), ``seq_len`` (128), ``batch`` (local batch, 2), ``schedule``.
+on 2 x world/2 ranks, each stage FSDP2-sharded over world/2) or ``pp-ddp`` (2 stages x ``dp_replicate`` world/2:
+each stage replicated, TorchTitan's HSDP with one shard).
+``params``: ``steps`` (default 6), ``seq_len`` (128), ``batch`` (local batch, 2), ``schedule``, ``scout`` (attach SCOUT
+to a ``none`` run too), ``scout_per_cycle`` (blocks and optimizer slices replayed per due step; 0: all, so a clean
+cycle certifies its step at once; default: ScoutConfig's rotation).
 
-``fault.kind``: ``none`` (GEMINI captures every step), ``sigkill`` (``rank``, ``step``: SIGKILL right after that step
-was captured and replicated; ``node_loss``: delete that rank's node folder before the relaunch, so it must recover
-from a peer's replica), ``replay`` (``rank``, ``step``, ``recipe``: SCOUT attached, one bit of that rank's replay of
-that recipe flipped at that step; training itself untouched).
+``fault.kind``: ``none`` (GEMINI captures every step; with ``params.scout`` SCOUT checks every step), ``sigkill``
+(``rank``, ``step``: SIGKILL right after that step was captured and replicated; ``node_loss``: delete that rank's node
+folder before the relaunch, so it must recover from a peer's replica), ``replay`` (``rank``, ``step``, ``recipe``:
+SCOUT attached, one bit of that rank's replay of that recipe flipped at that step; training itself untouched; under
+pipeline parallelism the recipe names its stage, ``pp0.embedding``).
 
 Observed: ``bitwise_equal`` (every rank's parameter shards, AdamW state, lr schedulers, ``trainer.step``,
 ``ntokens_seen`` and dataloader state equal the reference's), ``losses_equal`` (the logged losses of the steps this
@@ -27,10 +31,14 @@ run trained equal the reference's; under ``pp`` only the last stage logs a loss,
 rank restored from), ``killed_rank_source`` (the killed rank's, e.g. ``peer:0``); for ``replay``: ``sdc_reports``
 (rank 0's), ``scope`` / ``group_ranks`` / ``localized_ranks`` / ``detected_step`` / ``recipe`` (its first SDC
 report), ``unexpected_verdicts`` (verdicts other than AGREE, every rank and step, besides the injected one),
-``peer_groups``, ``decision_before_fault`` (the SDC decision names no step or one older than the fault),
-``decision_mode`` (``stop`` when no step was verified yet: SCOUT's rotation over the debug model's six blocks and
-optimizer slices certifies nothing in a few steps), ``fault_step_rejected``, ``certified_after``, ``ranks_agree``
-(every rank saw the same SDC reports), ``scout_disabled``.
+``peer_groups``, ``stages`` (the pipeline stages whose recipes every rank judged, e.g. ``["pp0", "pp1"]``; empty
+without pipelining), ``rejected_steps`` / ``certified_steps`` (rank 0's trust ledger, the captures still kept),
+``decision_before_fault`` (the SDC decision names no step or one older than the fault), ``decision_mode`` (``stop``
+when no step was verified yet: SCOUT's default rotation over the debug model's six blocks and optimizer slices
+certifies nothing in a few steps; ``params.scout_per_cycle`` shortens it), ``fault_step_rejected``,
+``certified_after``, ``ranks_agree`` (every rank saw the same SDC reports), ``scout_disabled``; for ``none`` with
+``params.scout``: ``sdc_reports`` (every rank's), ``unexpected_verdicts``, ``peer_groups``, ``stages``,
+``certified_steps``, ``rejected_steps``, ``scout_disabled``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ from qualification.programs._contract import cell_main
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = {"fsdp2": ("--dp-replicate", "1"), "hsdp": ("--dp-replicate", "2"), "pp": ("--pp", "2"),
-              "pp-fsdp": ("--pp", "2")}  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
+              "pp-fsdp": ("--pp", "2"),  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
+              "pp-ddp": ("--pp", "2", "--dp-replicate", "2")}  # 4 ranks: each stage replicated, one shard
 
 
 class _Job:
@@ -98,6 +107,27 @@ def _compare(run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: 
     }
 
 
+def _scout_seen(run: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every SCOUT run reports: who compared with whom, which stages were judged, what was certified."""
+    trust = {int(s): st for s, st in run[0]["trust"].items()}
+    names = {name for r in run for c in r["scout_cycles"].values() for name in c["verdicts"]}
+    return {
+        "peer_groups": [list(g) for g in sorted({tuple(c["peers"]) for r in run for c in r["scout_cycles"].values()})],
+        "stages": sorted({n.split(".")[0] for n in names if n.startswith("pp")}),
+        "certified_steps": sorted(s for s, st in trust.items() if st == "recovery_verified"),
+        "rejected_steps": sorted(s for s, st in trust.items() if st == "rejected"),
+        "scout_disabled": next((r["scout_disabled"] for r in run if r["scout_disabled"]), None),
+    }
+
+
+def _scout_healthy(run: list[dict[str, Any]]) -> dict[str, Any]:
+    seen = _scout_seen(run)
+    return {"sdc_reports": sum(1 for r in run for rep in r["reports"] if rep["kind"] == "sdc"),
+            "unexpected_verdicts": sum(1 for r in run for c in r["scout_cycles"].values()
+                                       for v in c["verdicts"].values() if v != "agree"),
+            **{k: seen[k] for k in ("peer_groups", "stages", "certified_steps", "rejected_steps", "scout_disabled")}}
+
+
 def _scout(run: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
     fstep, frecipe = int(fault["step"]), str(fault.get("recipe", "embedding"))
     r0 = run[0]
@@ -114,14 +144,13 @@ def _scout(run: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
         "localized_ranks": list(first["ranks"]) if first and first["scope"] in ("rank", "node") else [],
         "detected_step": first["step"] if first else None, "recipe": first["recipe"] if first else None,
         "unexpected_verdicts": len(unexpected),
-        "peer_groups": sorted({tuple(c["peers"]) for r in run for c in r["scout_cycles"].values()}),
         "decision_before_fault": bool(decisions) and (decisions[0]["step"] is None or decisions[0]["step"] < fstep),
         "decision_mode": decisions[0]["mode"] if decisions else None,
         "fault_step_rejected": trust.get(fstep) != "recovery_verified",
         "certified_after": any(st == "recovery_verified" for s, st in trust.items() if s > fstep),
         "ranks_agree": len({json.dumps([(x["step"], x["ranks"], x["recipe"]) for x in r["reports"]
                                         if x["kind"] == "sdc"]) for r in run}) == 1,
-        "scout_disabled": next((r["scout_disabled"] for r in run if r["scout_disabled"]), None),
+        **_scout_seen(run),
     }
 
 
@@ -151,9 +180,13 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     extra: list[str] = []
     observed: dict[str, Any] = {}
     first_step, attempt = 1, 0
+    params = cell.get("params", {})
+    scout = kind == "replay" or (kind == "none" and bool(params.get("scout", False)))
+    if scout:
+        extra = ["--scout", "--scout-per-cycle", str(int(params.get("scout_per_cycle", -1)))]
     if kind == "replay":
-        extra = ["--scout", "--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
-                 "--replay-fault-recipe", str(fault.get("recipe", "embedding"))]
+        extra += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
+                  "--replay-fault-recipe", str(fault.get("recipe", "embedding"))]
     elif kind == "sigkill":
         rank = int(fault["rank"])
         killed = job.launch("run", "--ckpt", str(ckpt), "--kill-rank", str(rank), "--kill-step", str(fault["step"]))
@@ -179,6 +212,10 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                         killed_rank_source=decisions[0].get("sources", {}).get(str(fault["rank"])))
         job.event("decision", f"{decisions[0].get('mode')} step {decisions[0].get('step')} from "
                               f"{decisions[0].get('sources')}: {decisions[0].get('reason')}")
+    if kind == "none" and scout:
+        observed.update(_scout_healthy(run))
+        job.event("scout", f"{observed['sdc_reports']} SDC reports; peers {observed['peer_groups']}; certified steps "
+                           f"{observed['certified_steps']}")
     if kind == "replay":
         observed.update(_scout(run, fault))
         if observed["detected_step"] is not None:

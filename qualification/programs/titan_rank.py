@@ -16,7 +16,9 @@ state, the lr schedulers' state, ``trainer.step``, ``trainer.ntokens_seen`` and 
 ``--kill-rank R --kill-step S`` SIGKILLs rank R right after step S: an optimizer post-hook registered after the
 session's (so step S was captured), after its checkpoint drained. ``--scout`` attaches SCOUT too;
 ``--replay-fault-rank R --replay-fault-step S`` flips one bit of rank R's replay of ``--replay-fault-recipe`` at step
-S (a rank computing wrong numbers, as SCOUT sees it; training itself is untouched).
+S (a rank computing wrong numbers, as SCOUT sees it; training itself is untouched); under pipeline parallelism the
+recipe carries its stage (``pp0.embedding``). ``--scout-per-cycle N`` replays N blocks and N optimizer slices per due
+step (0: all of them, so a clean cycle certifies its capture at once).
 """
 
 from __future__ import annotations
@@ -81,6 +83,15 @@ def state(trainer: Any) -> dict[str, Any]:
     }
 
 
+def scout_topology(session: Any) -> dict[str, Any] | None:
+    """SCOUT's view of the mesh on this rank (peers, stage label, ...) and the stage order it names stages by."""
+    scout = getattr(session, "scout", None)
+    topology = getattr(scout, "topology", None)
+    if topology is None:
+        return None
+    return {**topology.to_dict(), "stage_order": scout.config.stage_order, "catalog": list(scout.catalog.names)}
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -99,6 +110,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--replay-fault-rank", type=int, default=-1, help="with --scout: corrupt this rank's replay")
     ap.add_argument("--replay-fault-step", type=int, default=-1)
     ap.add_argument("--replay-fault-recipe", default="embedding")
+    ap.add_argument("--scout-per-cycle", type=int, default=-1,
+                    help="with --scout: blocks and optimizer slices replayed per due step (0: all, so each clean "
+                         "cycle certifies its step at once; -1: ScoutConfig's defaults)")
     return ap.parse_args()
 
 
@@ -134,7 +148,9 @@ def main() -> None:
     if args.ckpt is not None:
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan-cpu", ranks_per_node=1, fsync=False,
                                         timeout=timedelta(seconds=120))
-        scout = gemscout.ScoutConfig(interval=args.interval) if args.scout else None
+        per = args.scout_per_cycle
+        rotation = {} if per < 0 else {"hidden_per_cycle": per or None, "optimizer_slices_per_cycle": per or None}
+        scout = gemscout.ScoutConfig(interval=args.interval, **rotation) if args.scout else None
         session = gemscout.enable_resiliency(trainer, None, interval=args.interval, checkpoint=cfg, scout=scout,
                                              on_fault_report=lambda r: reports.append(r.to_dict()),
                                              on_recovery_decision=lambda d: decisions.append(d.to_dict()))
@@ -163,17 +179,18 @@ def main() -> None:
     resume = {"resume_step": session.resume_step if session else 0,
               "resume_state": state(trainer) if session and session.resume_step else None,
               "decision": session.last_decision.to_dict() if session and session.last_decision else None}
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     trainer.train()
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0  # CPU: every thread of this rank's process
     trust: dict[str, str] = {}
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
         trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
-    result = {"rank": rank, **resume, "train_wall_s": wall, "model_parts": len(trainer.model_parts),
+    result = {"rank": rank, **resume, "train_wall_s": wall, "train_cpu_s": cpu, "model_parts": len(trainer.model_parts),
               "losses": {str(k): v for k, v in sorted(losses.items())},
               "state": state(trainer), "reports": reports, "decisions": decisions, "trust": trust,
               "scout_cycles": cycles, "scout_disabled": getattr(session.scout, "disabled_reason", None) if session else None,
+              "scout_topology": scout_topology(session),
               "errors": session.checkpointer.errors if session and session.checkpointer else []}
     if session is not None:
         session.close()

@@ -19,7 +19,17 @@ The tokenizer and the c4_test data are synthetic, built here (they are not in th
   bitwise equal to the run without gemscout, and SIGKILL of rank 1 after step 2 + node loss recovers bitwise from
   rank 0's replica; with Interleaved1F1B (two stages per rank, so ``model_parts`` holds two modules) the same for a
   SIGKILL of rank 0. torch 2.13's schedules get torchtitan's pre-split microbatches through a CPU shim (6 in
-  torchtitan_cpu.py), which does not change the numerics.
+  torchtitan_cpu.py), which does not change the numerics. The healthy 1F1B run attaches SCOUT too: with no
+  data-parallel dim no rank has a peer, so SCOUT says why and vouches for nothing;
+- SCOUT on pipeline stages (4 ranks, 5 steps; one launch per scenario, the reference run through ``titan_cell``):
+  1F1B on pp=2 x dp_shard=2 (``pp-fsdp``) and Interleaved1F1B on pp=2 x dp_replicate=2 (``pp-ddp``, two stages per
+  rank). Peers are the two data-parallel ranks of one stage ({0, 1}, {2, 3}); each stage replays its own recipes
+  (``pp0.embedding`` + its blocks on the first stage, only blocks on the last: the debug model's loss applies the head
+  in chunks), and every rank judges every stage's. Healthy (every block and optimizer slice each step): no SDC, every
+  verdict AGREE, every capture certified, training bitwise the run without gemscout. A one-bit replay fault on one rank
+  (a rotation that covers the catalog in two steps): detected in that stage's pair with no culprit named, the
+  uncertified candidate rejected on every rank, the recovery decision naming the certified step before it,
+  certification resumed after it, training bitwise untouched.
 
 Skipped, with the reason, when ``.venv-tt`` (or ``GEMSCOUT_TT_PYTHON``) has no torchtitan 0.3.0.
 """
@@ -173,8 +183,13 @@ def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_l
     assert all(v == -1.0 for v in base[0]["losses"].values()), "only the last stage logs a loss"
     if schedule == "1F1B":
         healthy = tmp_path / "healthy"
-        assert titan(healthy, assets, *pp, "--ckpt", str(healthy / "ckpt"), steps=PP_STEPS).ok, healthy / "logs"
+        assert titan(healthy, assets, *pp, "--ckpt", str(healthy / "ckpt"), "--scout", steps=PP_STEPS).ok, \
+            healthy / "logs"
         assert_bitwise(ranks(healthy), base)
+        for r in ranks(healthy):  # pp alone: SCOUT has no peers, says why, reports and certifies nothing
+            assert "no data-parallel dim in mesh (pp=2)" in (r["scout_disabled"] or ""), r["scout_disabled"]
+            assert r["reports"] == [] and set(r["trust"].values()) == {"candidate"}, r
+            assert {v for c in r["scout_cycles"].values() for v in c["verdicts"].values()} == {"inconclusive"}
     out, ckpt = tmp_path / "kill", tmp_path / "kill" / "ckpt"
     res = titan(out, assets, *pp, "--ckpt", str(ckpt), "--kill-rank", str(killed), "--kill-step", "2", steps=PP_STEPS)
     assert res.first_failed == killed and res.returncodes[killed] == -9, res
@@ -185,3 +200,124 @@ def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_l
         assert r["resume_step"] == 2 and r["errors"] == [] and r["model_parts"] == parts, r
         assert r["decision"]["sources"][str(killed)] == f"peer:{1 - killed}", r["decision"]
     assert_bitwise(run, base, first_step=3)
+
+
+def pipeline_cell(topology: str, schedule: str, fault: dict[str, Any], per_cycle: int) -> dict[str, Any]:
+    return {"id": f"titan-{topology}", "world_size": 4, "workload": "llama3-debug", "topology": topology,
+            "timeout_s": 900, "fault": fault,
+            "params": {"steps": PP_STEPS + 1, "schedule": schedule, "scout": True, "scout_per_cycle": per_cycle}}
+
+
+def check_stages(run: list[dict[str, Any]], stages_per_rank: int) -> None:
+    """SCOUT's view of TorchTitan's pp x dp mesh on every rank: the stage pair as peers, this rank's own stages."""
+    n = 2 * stages_per_rank
+    for r, mine in enumerate(run):
+        coord = r // 2  # torchtitan unflattens (pp, dp...) from the world mesh: rank = 2 * pp + dp
+        held = [f"pp{coord + 2 * k}" for k in range(stages_per_rank)]
+        topo = mine["scout_topology"]
+        assert mine["scout_disabled"] is None and topo["stage_order"] == "loop", mine["scout_disabled"]
+        assert topo["peers"] == [2 * coord, 2 * coord + 1] and topo["peer_groups"] == [[0, 1], [2, 3]], topo
+        assert topo["stage_dims"] == ["pp"] and topo["stage_label"] == f"pp{coord}", topo
+        assert {name.split(".")[0] for name in topo["catalog"]} == set(held), topo["catalog"]
+        kinds = {name.split(".", 1)[1].split(".")[0] for name in topo["catalog"]}
+        assert ("pp0.embedding" in topo["catalog"]) == (coord == 0) and kinds <= {"embedding", "hidden", "optimizer"}
+        for cycle in mine["scout_cycles"].values():  # every rank judges every stage's recipes, each in its own pair
+            assert {name.split(".")[0] for name in cycle["verdicts"]} == {f"pp{i}" for i in range(n)}, cycle
+            assert cycle["peers"] == topo["peers"]
+
+
+@pytest.mark.timeout(1200)
+def test_scout_on_1f1b_stages_of_pp_x_fsdp(assets: Path, tmp_path: Path) -> None:
+    """pp=2 x dp_shard=2, 1F1B: a healthy run through titan_cell, then a replay fault on rank 1's first stage."""
+    from qualification.programs.titan_cell import run_cell
+
+    res = run_cell(pipeline_cell("pp-fsdp", "1F1B", {"kind": "none"}, per_cycle=0), tmp_path / "cell")
+    obs = res["observed"]
+    assert res["status"] == "passed", res
+    assert obs["bitwise_equal"] and obs["losses_equal"] and obs["errors"] == [] and obs["model_parts"] == [1] * 4
+    assert obs["sdc_reports"] == 0 and obs["unexpected_verdicts"] == 0 and obs["scout_disabled"] is None, obs
+    assert obs["peer_groups"] == [[0, 1], [2, 3]] and obs["stages"] == ["pp0", "pp1"], obs
+    assert obs["certified_steps"] and obs["rejected_steps"] == [], obs  # the kept captures (keep_generations=2)
+    healthy = ranks(tmp_path / "cell" / "run", 4)
+    check_stages(healthy, 1)
+    check_certified_every_step(healthy)
+    for a, b in ((0, 1), (2, 3)):  # FSDP: the peers of one stage hold different shards of it
+        assert healthy[a]["state"]["params"] != healthy[b]["state"]["params"]
+
+    base = ranks(tmp_path / "cell" / "reference", 4)
+    out = tmp_path / "fault"
+    res2 = titan(out, assets, "--pp", "2", "--pp-schedule", "1F1B", "--ckpt", str(out / "ckpt"), "--scout",
+                 "--scout-per-cycle", "10", "--replay-fault-rank", "1", "--replay-fault-step", "3",
+                 "--replay-fault-recipe", "pp0.embedding", world=4, steps=PP_STEPS + 1)
+    assert res2.ok, (res2, out / "logs")
+    run = ranks(out, 4)
+    check_stages(run, 1)
+    check_pipeline_fault(run, 3, "pp0.embedding", [0, 1])
+    assert_bitwise(run, base)
+
+
+def check_certified_every_step(run: list[dict[str, Any]]) -> None:
+    """Every block and slice replayed at every step: each clean cycle certifies its own step's capture, and the
+    captures GEMINI still keeps (keep_generations=2 prunes the older ones) are all verified."""
+    for mine in run:
+        assert {int(s): c["certified"] for s, c in mine["scout_cycles"].items()} == \
+            {s: s for s in range(1, PP_STEPS + 2)}, mine["scout_cycles"].keys()
+        assert mine["trust"] and set(mine["trust"].values()) == {"recovery_verified"}, mine["trust"]
+
+
+def check_pipeline_fault(run: list[dict[str, Any]], step: int, recipe: str, pair: list[int]) -> None:
+    """The fault: one SDC report on every rank for that stage's pair and no culprit, the candidate before it rejected
+    on every rank, the decision naming the certified step before it, certification resumed after it."""
+    for mine in run:
+        sdc = [x for x in mine["reports"] if x["kind"] == "sdc"]
+        assert [(x["step"], x["recipe"], x["ranks"], x["scope"]) for x in sdc] == [(step, recipe, pair, "peer_group")]
+        assert "detection without a culprit" in sdc[0]["reason"], sdc[0]
+        bad = {(int(s), n) for s, c in mine["scout_cycles"].items() for n, v in c["verdicts"].items() if v != "agree"}
+        assert bad == {(step, recipe)}, bad
+        decision = next(d for d in mine["decisions"] if d["failure_kind"] == "sdc")
+        assert decision["mode"] == "restore" and decision["step"] == 1, decision
+        # A rotation that covers every stage's catalog in two steps: step 2 certifies step 1, step 3 is the fault,
+        # step 5 certifies step 4. Step 2's capture was a candidate when the fault came: rejected.
+        certified = {int(s): c["certified"] for s, c in mine["scout_cycles"].items()}
+        assert certified == {1: None, 2: 1, 3: None, 4: None, 5: 4}, certified
+        trust = {int(s): v for s, v in mine["trust"].items()}
+        assert trust.get(2) == "rejected" and step not in trust and trust.get(4) == "recovery_verified", trust
+        assert mine["trust"] == run[0]["trust"], "ranks disagree on trust"
+
+
+@pytest.mark.timeout(1200)
+def test_scout_on_interleaved_stages_of_pp_x_ddp(assets: Path, tmp_path: Path) -> None:
+    """pp=2 x dp_replicate=2, Interleaved1F1B (stages 0 and 2 on pp rank 0, 1 and 3 on pp rank 1): a replay fault on
+    rank 3's last stage through titan_cell, then a healthy run."""
+    from qualification.programs.titan_cell import run_cell
+
+    fault = {"kind": "replay", "rank": 3, "step": 3, "recipe": "pp3.hidden.0"}
+    res = run_cell(pipeline_cell("pp-ddp", "Interleaved1F1B", fault, per_cycle=10), tmp_path / "cell")
+    obs = res["observed"]
+    assert res["status"] == "passed", res
+    assert obs["bitwise_equal"] and obs["losses_equal"] and obs["model_parts"] == [2] * 4, obs
+    assert (obs["sdc_reports"], obs["scope"], obs["group_ranks"], obs["localized_ranks"]) == \
+        (1, "peer_group", [2, 3], [])
+    assert (obs["detected_step"], obs["recipe"], obs["unexpected_verdicts"]) == (3, "pp3.hidden.0", 0), obs
+    assert obs["peer_groups"] == [[0, 1], [2, 3]] and obs["stages"] == ["pp0", "pp1", "pp2", "pp3"], obs
+    assert obs["decision_before_fault"] and obs["decision_mode"] == "restore" and obs["rejected_steps"] == [2]
+    assert obs["fault_step_rejected"] and obs["certified_after"] and obs["ranks_agree"], obs
+    run = ranks(tmp_path / "cell" / "run", 4)
+    check_stages(run, 2)
+    check_pipeline_fault(run, 3, "pp3.hidden.0", [2, 3])
+
+    base = ranks(tmp_path / "cell" / "reference", 4)
+    out = tmp_path / "healthy"
+    res2 = titan(out, assets, "--pp", "2", "--dp-replicate", "2", "--pp-schedule", "Interleaved1F1B", "--ckpt",
+                 str(out / "ckpt"), "--scout", "--scout-per-cycle", "0", world=4, steps=PP_STEPS + 1)
+    assert res2.ok, (res2, out / "logs")
+    healthy = ranks(out, 4)
+    check_stages(healthy, 2)
+    for mine in healthy:
+        assert [x for x in mine["reports"] if x["kind"] == "sdc"] == [], mine["reports"]
+        assert {v for c in mine["scout_cycles"].values() for v in c["verdicts"].values()} == {"agree"}
+    check_certified_every_step(healthy)
+    assert_bitwise(healthy, base)
+    for a, b in ((0, 1), (2, 3)):  # replicas of one pair of stages: bitwise equal parameters and optimizer state
+        assert [healthy[a]["state"][k] for k in ("params", "optimizer")] == \
+            [healthy[b]["state"][k] for k in ("params", "optimizer")]
