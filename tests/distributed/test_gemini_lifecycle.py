@@ -6,6 +6,7 @@ compares the final parameters and optimizer state with an uninterrupted run with
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -80,8 +81,14 @@ def test_sigterm_flushes_newest_step_and_restart_resumes_there(tmp_path: Path) -
     assert obs["bitwise_equal"] and obs["losses_equal"], result
 
 
+HEAVY = pytest.mark.skipif(not os.environ.get("GEMSCOUT_HEAVY_TESTS"),
+                           reason="kept out of CI's 30 minutes: the same check is the gemini-recovery campaign cell "
+                                  "kill-during-recovery (qualify run gemini-recovery), or set GEMSCOUT_HEAVY_TESTS=1")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("phase", "rank"), [("recover-receive", 1), ("recover-send", 2), ("recover-restore", 0)])
+@pytest.mark.parametrize(("phase", "rank"), [("recover-receive", 1), pytest.param("recover-send", 2, marks=HEAVY),
+                                             pytest.param("recover-restore", 0, marks=HEAVY)])
 def test_a_kill_during_recovery_is_survived_by_the_next_relaunch(tmp_path: Path, phase: str, rank: int) -> None:
     """Rank 1 dies after step 4 and its node's files are lost; at the relaunch a rank dies again in the middle of
     the recovery: rank 1 itself while its replica streams in from rank 2, rank 2 as it starts sending it, or rank 0

@@ -117,6 +117,10 @@ def test_scout_on_pp_dp_tp_detects_in_the_stage_tp_pair(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.skipif(not os.environ.get("GEMSCOUT_HEAVY_TESTS"),
+                    reason="three 8-rank launches on 2 cores: kept out of CI's 30 minutes; the same check is the "
+                           "topologies campaign cell kill on pp-dp-tp (qualify run topologies), or set "
+                           "GEMSCOUT_HEAVY_TESTS=1")
 def test_gemini_on_pp_dp_tp_recovers_a_lost_node_bitwise(tmp_path: Path) -> None:
     killed_rank = 5
     spec = {"id": "t", "world_size": 8, "workload": "three-block", "topology": "pp-dp-tp", "seed": 0,
