@@ -25,6 +25,20 @@ def measured(cell: dict[str, Any], observed: dict[str, Any], timeline: list[dict
             "metrics": {"duration_s": round(time.monotonic() - started, 3)}, "timeline": timeline, "message": ""}
 
 
+def trust_gating(trust: dict[int, str], decisions: list[dict[str, Any]], fault_step: int,
+                 end: int | None = None) -> dict[str, bool]:
+    """How the trust states answered an SDC first seen at ``fault_step`` and present until ``end`` (default: that step
+    only): ``decision_before_fault`` (the first SDC decision names an older step, or none), ``fault_step_rejected``
+    (no capture in ``[fault_step, end)`` was certified), ``certified_after`` (one at or after ``end`` was)."""
+    end = fault_step + 1 if end is None else end
+    sdc = [d for d in decisions if d["failure_kind"] == "sdc"]
+    return {
+        "decision_before_fault": bool(sdc) and (sdc[0]["step"] is None or sdc[0]["step"] < fault_step),
+        "fault_step_rejected": not any(st == "recovery_verified" for s, st in trust.items() if fault_step <= s < end),
+        "certified_after": any(st == "recovery_verified" for s, st in trust.items() if s >= end),
+    }
+
+
 def cell_main(prog: str, run_cell: RunCell, argv: list[str] | None = None) -> int:
     """Parse the contract's arguments, run ``run_cell(cell, celldir)`` and write its result."""
     ap = argparse.ArgumentParser(prog=prog)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured
+from qualification.programs._contract import cell_main, measured, trust_gating
 
 LAYOUTS = {"megatron-pp2": ["--pp", "2", "--layers", "4", "--distopt", "--overlap"],
            "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]}
@@ -81,11 +81,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                                         r["trust"]], sort_keys=True) for r in runs}) == 1,
     }
     if fault["kind"] == "replay":
-        step = int(fault["step"])
-        decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
-        obs["decision_before_fault"] = bool(decisions) and (decisions[0]["step"] is None or decisions[0]["step"] < step)
-        obs["fault_step_rejected"] = trust.get(step) != "recovery_verified"
-        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > step)
+        obs.update(trust_gating(trust, r0["decisions"], int(fault["step"])))
     timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
     return measured(cell, obs, timeline, t0)
 

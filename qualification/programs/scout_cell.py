@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured
+from qualification.programs._contract import cell_main, measured, trust_gating
 
 
 def _argv(cell: dict[str, Any], out: Path) -> list[str]:
@@ -115,12 +115,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                 due.setdefault(int(k), set()).update(names)
         obs["recipe"] = found[0]["recipe"] if found else None
         obs["expected_step"] = min((s for s, names in due.items() if s >= fstep and recipe in names), default=None)
+        obs.update(trust_gating(trust, r0["decisions"], fstep, int(fault.get("heal_step", fstep + 1))))
         sdc_decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
-        obs["decision_before_fault"] = bool(sdc_decisions) and (sdc_decisions[0]["step"] is None
-                                                                or sdc_decisions[0]["step"] < fstep)
-        end = int(fault.get("heal_step", fstep + 1))
-        obs["fault_step_rejected"] = not any(st == "recovery_verified" for s, st in trust.items() if fstep <= s < end)
-        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s >= end)
         if sdc_decisions:
             d = sdc_decisions[0]
             timeline.append({"t": round(found[0]["timestamp"] - wall0 + 0.001, 3) if found else 0.0,
