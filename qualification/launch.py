@@ -8,6 +8,7 @@ are killed, as an elastic agent would do before a restart.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,11 +17,43 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORT_FLOOR = 20000
+_BIND_RETRIES = 3  # fresh ports tried when the store's port is taken between choosing it and binding it
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port for rank 0's TCPStore, free now and below the kernel's ephemeral range.
+
+    A port the kernel handed out (bind to 0) is in the ephemeral range, which every outgoing connection and every
+    gloo listener on the host draws from too: in the 2-3 s between choosing it and rank 0 binding it, a concurrent job
+    can take it (EADDRINUSE). Below that range only explicit binds compete, and a random pick makes two concurrent
+    launchers unlikely to choose the same one; ``launch`` retries on a fresh port if it happens anyway."""
+    high = _ephemeral_low() - 1
+    for _ in range(200):
+        port = random.randint(_PORT_FLOOR, high) if high > _PORT_FLOOR else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free TCP port between {_PORT_FLOOR} and {high} on 127.0.0.1")
+
+
+def _port_taken(log: Path) -> bool:
+    """rank 0 could not bind the store's port (the only failure a relaunch on another port cures)."""
+    try:
+        return "EADDRINUSE" in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +80,30 @@ def launch(
     python: str | None = None,
 ) -> LaunchResult:
     """Run ``python argv...`` as ``world_size`` ranks; wait for all, or tear down when one fails or time runs out.
-    ``python``: the interpreter (default: this one; e.g. another virtualenv's for an optional framework)."""
+    ``python``: the interpreter (default: this one; e.g. another virtualenv's for an optional framework).
+    If rank 0 could not bind the store's port (taken by another process since it was chosen; nothing has run yet),
+    the ranks are started again on a fresh port, at most ``_BIND_RETRIES`` times within ``timeout_s``."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    for _ in range(_BIND_RETRIES):
+        res = _launch_once(argv, world_size=world_size, timeout_s=timeout_s - (time.monotonic() - t0),
+                           log_dir=log_dir, env=env, local_world_size=local_world_size, attempt=attempt, python=python)
+        if res.first_failed != 0 or not _port_taken(log_dir / f"rank0.attempt{attempt}.log"):
+            break
+    return LaunchResult(res.returncodes, res.first_failed, time.monotonic() - t0, res.timed_out)
+
+
+def _launch_once(
+    argv: list[str],
+    *,
+    world_size: int,
+    timeout_s: float,
+    log_dir: Path,
+    env: dict[str, str] | None,
+    local_world_size: int | None,
+    attempt: int,
+    python: str | None,
+) -> LaunchResult:
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     lws = local_world_size or world_size
