@@ -8,8 +8,9 @@ damage exactly as it would in production, when it reads the file back at recover
 * :func:`drop_digest`: one tensor digest missing from an otherwise well-formed header whose own digest is valid
   (a writer that skipped it), so only the header's content, not its checksum, reveals the fault.
 
-Paths follow the checkpoint layout of :mod:`gemscout.gemini.store` and the replica placement of
-:mod:`gemscout.gemini.replication`, so a campaign names "rank 1's replica of step 6" and never spells a path.
+Paths follow the checkpoint layout of :mod:`gemscout.gemini.store`, the replica placement of
+:mod:`gemscout.gemini.replication` and the durable tier's layout (:mod:`gemscout.gemini.durable`), so a campaign names
+"rank 1's replica of step 6" or "the durable promotion of step 6" and never spells a path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from gemscout.gemini.durable import SIDECAR, DurableTier
 from gemscout.gemini.replication import Placement
 from gemscout.gemini.store import RankPaths, step_file
 from gemscout.state.digest import DIGEST_SIZE
@@ -40,6 +42,26 @@ def replica_slot(ckpt: Path, owner: int, step: int, *, world_size: int, ranks_pe
     holder = placement.target(owner)
     paths = RankPaths.of(ckpt, node=placement.node_of(holder), rank=holder)
     return step_file(paths.replicas(owner), step)
+
+
+def durable_slot(durable: Path, step: int, *, sidecar: bool = False) -> Path:
+    """A file of the durable promotion of ``step``: its largest data file (a DCP ``.distcp``), or its SHA-256
+    sidecar when ``sidecar``."""
+    folder = DurableTier(durable, run_id="").path(step)
+    if sidecar:
+        return folder / SIDECAR
+    data = [f for f in folder.glob("*.distcp") if f.is_file()]
+    if not data:
+        raise FileNotFoundError(f"{folder} holds no DCP data file; was step {step} promoted?")
+    return max(data, key=lambda f: (f.stat().st_size, f.name))
+
+
+def lose_every_node(ckpt: Path) -> list[int]:
+    """Delete every node's folder (all local storage gone); return the nodes lost."""
+    nodes = sorted(int(p.name.split("-", 1)[1]) for p in ckpt.glob("node-*") if p.is_dir())
+    for node in nodes:
+        lose_node(ckpt, node)
+    return nodes
 
 
 def node_dir(ckpt: Path, node: int) -> Path:

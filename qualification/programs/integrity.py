@@ -13,10 +13,13 @@ The protocol, all with real processes and real files:
 Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault``, ``params``.
 
 - ``fault.kind``: the damage, one of ``byte-flip``, ``truncate``, ``drop-digest``; ``fault.target``: ``own`` (the
-  rank's own file) or ``replica`` (the copy its ring peer holds); ``fault.rank``: whose checkpoint; ``fault.step`` or
-  ``fault.steps`` (a list): which generation(s); ``fault.node_loss``: delete that rank's node folder first.
-- ``params``: ``steps`` (8), ``steps_before`` (6), ``interval`` (1), ``ranks_per_node`` (1), ``reason_contains``
-  (text the decision's reason must contain, e.g. the file it refused).
+  rank's own file), ``replica`` (the copy its ring peer holds), ``durable`` (the largest DCP data file of the durable
+  promotion of the step) or ``durable-sidecar`` (that promotion's SHA-256 sidecar); ``fault.rank``: whose checkpoint;
+  ``fault.step`` or ``fault.steps`` (a list): which generation(s); ``fault.node_loss``: delete that rank's node folder
+  first, or ``"all"``: every node's (all local storage gone, only the durable tier is left).
+- ``params``: ``steps`` (8), ``steps_before`` (6), ``interval`` (1), ``ranks_per_node`` (1), ``durable_every`` (0:
+  no durable tier; N: every capture certified and every Nth verified step promoted to ``<cell>/durable``),
+  ``reason_contains`` (text the decision's reason must contain, e.g. the file it refused).
 
 Observed: ``recovered_step``, ``source_rank<R>`` (where rank R restored from, e.g. ``peer:2``), ``bitwise_equal``,
 ``losses_equal``, ``decision_mode``, ``decision_reason``, ``reason_names_fault``, ``relaunch_exit_code`` (0, or the
@@ -36,7 +39,7 @@ from typing import Any
 
 from gemscout.errors import RecoveryError
 from gemscout.inventory import inventory
-from qualification.corruption import INJECTORS, lose_node, own_slot, replica_slot
+from qualification.corruption import INJECTORS, durable_slot, lose_every_node, lose_node, own_slot, replica_slot
 from qualification.launch import LaunchResult, launch
 from qualification.programs._contract import cell_main
 
@@ -55,7 +58,16 @@ def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, steps: int) -
     argv = ["-m", "qualification.programs.train_rank", "--out", str(out), "--workload", cell["workload"],
             "--steps", str(steps), "--seed", str(cell.get("seed", 0)), "--interval", str(p.get("interval", 1)),
             "--ranks-per-node", str(p.get("ranks_per_node", 1))]
-    return argv + (["--ckpt", str(ckpt)] if ckpt is not None else [])
+    if ckpt is None:
+        return argv
+    argv += ["--ckpt", str(ckpt)]
+    if int(p.get("durable_every", 0)) > 0:  # promotions need verified steps: every capture is certified
+        argv += ["--durable", str(_durable_dir(ckpt)), "--durable-every", str(p["durable_every"]), "--certify"]
+    return argv
+
+
+def _durable_dir(ckpt: Path) -> Path:
+    return ckpt.parent / "durable"
 
 
 def _targets(ckpt: Path, fault: dict[str, Any], world: int, ranks_per_node: int) -> list[Path]:
@@ -63,11 +75,13 @@ def _targets(ckpt: Path, fault: dict[str, Any], world: int, ranks_per_node: int)
     rank = int(fault["rank"])
     steps = [int(s) for s in fault["steps"]] if "steps" in fault else [int(fault["step"])]
     target = fault.get("target", "own")
+    if target in ("durable", "durable-sidecar"):
+        return [durable_slot(_durable_dir(ckpt), s, sidecar=target == "durable-sidecar") for s in steps]
     if target == "own":
         return [own_slot(ckpt, rank, s, ranks_per_node=ranks_per_node) for s in steps]
     if target == "replica":
         return [replica_slot(ckpt, rank, s, world_size=world, ranks_per_node=ranks_per_node) for s in steps]
-    raise ValueError(f"fault.target must be 'own' or 'replica', got {target!r}")
+    raise ValueError(f"fault.target must be 'own', 'replica', 'durable' or 'durable-sidecar', got {target!r}")
 
 
 def _inject(ckpt: Path, cell: dict[str, Any], event: _Timeline) -> str | None:
@@ -80,15 +94,18 @@ def _inject(ckpt: Path, cell: dict[str, Any], event: _Timeline) -> str | None:
         return f"unknown fault kind {fault['kind']!r}; known: {', '.join(sorted(INJECTORS))}"
     try:
         targets = _targets(ckpt, fault, world, ranks_per_node)
-        if fault.get("node_loss"):
+        if fault.get("node_loss") == "all":
+            lost = lose_every_node(ckpt)
+            event("fault", f"every node lost ({lost}): all local checkpoint folders deleted")
+        elif fault.get("node_loss"):
             node = int(fault["rank"]) // ranks_per_node
             lose_node(ckpt, node)
             event("fault", f"node {node} lost: its checkpoint folder deleted")
         for path in targets:
             if not path.is_file():
-                return f"the fault names {path.relative_to(ckpt)}, which the first run did not leave behind"
+                return f"the fault names {path.relative_to(ckpt.parent)}, which the first run did not leave behind"
             damage(path)
-            event("fault", f"{fault['kind']} on {path.relative_to(ckpt)}")
+            event("fault", f"{fault['kind']} on {path.relative_to(ckpt.parent)}")
     except (KeyError, ValueError, OSError) as exc:
         return f"cannot apply fault {json.dumps(fault, sort_keys=True)}: {exc}"
     return None
@@ -110,8 +127,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         return _protocol(cell, celldir, event, world=world, timeout=timeout, steps=steps, steps_before=steps_before,
                          logs=logs, ckpt=ckpt)
     finally:
-        if not params.get("keep_checkpoints", False):
-            shutil.rmtree(ckpt, ignore_errors=True)  # binary state has no place in an evidence bundle
+        if not params.get("keep_checkpoints", False):  # binary state has no place in an evidence bundle
+            shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(_durable_dir(ckpt), ignore_errors=True)
 
 
 def _protocol(cell: dict[str, Any], celldir: Path, event: _Timeline, *, world: int, timeout: float, steps: int,
@@ -133,7 +151,8 @@ def _protocol(cell: dict[str, Any], celldir: Path, event: _Timeline, *, world: i
     if problem is not None:
         return _result(cell, "error", {}, event, problem)
     # What the operator's `gemscout inspect --verify` says a restart will do, read before the restart.
-    predicted = inventory(ckpt, verify=True, world_size=world).decision.to_dict()
+    durable = _durable_dir(ckpt) if int(cell.get("params", {}).get("durable_every", 0)) > 0 else None
+    predicted = inventory(ckpt, durable_directory=durable, verify=True, world_size=world).decision.to_dict()
     event("detection", f"gemscout inspect predicts {predicted['mode']} step {predicted['step']} from "
                        f"{predicted['sources']}")
 

@@ -76,7 +76,7 @@ class Inventory:
     def unusable(self) -> list[str]:
         """Every file or promotion that recovery would refuse, with why."""
         bad = [f"{f.path}: {f.reason}" for r in self.ranks for f in r.files if f.status == "unusable"]
-        return bad + [f"durable step {d['step']}: {d['reason']}" for d in self.durable if d["status"] == "unusable"]
+        return bad + [d["reason"] for d in self.durable if d["status"] == "unusable"]  # "durable step N: why"
 
     def to_dict(self) -> dict[str, Any]:
         return {"directory": self.directory, "run_id": self.run_id, "topology_digest": self.topology_digest,
@@ -169,9 +169,12 @@ def inventory(directory: Path | str, *, durable_directory: Path | str | None = N
                           f"written by another topology ({theirs}; most files say {topology})")
         entry.files.append(f)
     durable = _durable(Path(durable_directory), run_id) if durable_directory is not None else []
-    newest_durable = next((d["step"] for d in durable if d["status"] != "unusable"), None)
+    newest_durable = next((d["step"] for d in durable if d["status"] == "verified"), None)
+    # As recovery sees them: the promotions refused above the newest that verifies (another run's are not ours).
+    refused = [d["reason"] for d in durable
+               if d["status"] == "unusable" and (newest_durable is None or d["step"] > newest_durable)]
     decision = decide([_proposal(e) for e in entries], run_id=run_id, topology_digest=topology, min_trust=min_trust,
-                      max_attempts=max_attempts, durable_step=newest_durable)
+                      max_attempts=max_attempts, durable_step=newest_durable, durable_refused=refused)
     faults = _faults([d for _, d in ranks_found.values()])
     return Inventory(str(directory), run_id, topology, world, entries, durable, decision, verify, faults)
 
@@ -219,7 +222,9 @@ def _durable(directory: Path, run_id: str) -> list[dict[str, Any]]:
         try:
             sidecar = tier.verify(step)
             if run_id and sidecar.get("run_id") != run_id:
-                raise IntegrityError(f"belongs to run {sidecar.get('run_id')!r}, not {run_id!r}")
+                out.append({"step": step, "status": "foreign", "sharded": bool(sidecar.get("sharded")),
+                            "reason": f"belongs to run {sidecar.get('run_id')!r}, not {run_id!r}: not this job's"})
+                continue
             out.append({"step": step, "status": "verified", "reason": "", "sharded": bool(sidecar.get("sharded"))})
         except IntegrityError as exc:
             out.append({"step": step, "status": "unusable", "reason": str(exc), "sharded": False})

@@ -31,9 +31,13 @@ def test_resume_from_durable_on_another_world_size_and_refuse_tampering(tmp_path
     assert first.ok, first
     promoted = sorted(p.name for p in durable.iterdir())
     assert promoted == ["step-000000003", "step-000000006"]
-    # Any DCP user can read a promotion: plain dcp metadata, tensors keyed t<i>.
+    # Any DCP user can read a promotion: plain DCP metadata. The replicated model and optimizer are stored once
+    # (keys g/...), each rank's own RNG streams and caller state under r<rank>/...
     meta = dcp.FileSystemReader(str(durable / "step-000000006")).read_metadata()
-    assert "t0" in meta.state_dict_metadata
+    keys = set(meta.state_dict_metadata)
+    assert any(k.startswith("g/model/") for k in keys) and any(k.startswith("g/optimizer/") for k in keys)
+    assert {k.split("/")[0] for k in keys if k.startswith("r")} == {"r0", "r1"}
+    assert not any(k.startswith(("r0/model", "r1/model", "r0/optimizer", "r1/optimizer")) for k in keys)
     sidecar = json.loads((durable / "step-000000006" / SIDECAR).read_text())
     assert all(len(f["sha256"]) == 64 for f in sidecar["files"].values())
     at_six = ranks(tmp_path / "w2", 2)[0]["state_digest"]
@@ -56,7 +60,18 @@ def test_resume_from_durable_on_another_world_size_and_refuse_tampering(tmp_path
     res = launch(argv(tmp_path / "w3b", tmp_path / "local-w3b", durable, 8), world_size=3, timeout_s=120,
                  log_dir=tmp_path / "logs", attempt=2)
     assert res.ok, res
-    assert ranks(tmp_path / "w3b", 3)[0]["decision"]["step"] == 3
+    decision = ranks(tmp_path / "w3b", 3)[0]["decision"]
+    assert decision["step"] == 3 and "refused durable step 6" in decision["reason"], decision
+
+    # Every promotion damaged and no local storage: the job stops (exit 4) naming them; it does not start fresh.
+    data_file = next(p for p in (durable / "step-000000003").iterdir() if p.suffix == ".distcp")
+    data_file.write_bytes(data_file.read_bytes()[:-1] + bytes([data_file.read_bytes()[-1] ^ 1]))
+    shutil.rmtree(tmp_path / "local-w3b")
+    res = launch(argv(tmp_path / "w3c", tmp_path / "local-w3c", durable, 8), world_size=3, timeout_s=120,
+                 log_dir=tmp_path / "logs", attempt=3)
+    assert res.returncodes[res.first_failed or 0] == 4, res
+    log = (tmp_path / "logs" / "rank0.attempt3.log").read_text()
+    assert "refused durable step 3" in log and "Traceback" not in log, log[-2000:]
 
 
 @pytest.mark.timeout(200)
@@ -77,3 +92,5 @@ def test_replicated_promotion_takes_newest_persisted_certified_step(tmp_path: Pa
     b = ranks(tmp_path / "b", 2)
     assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in b)
     assert [r["resume_digest"] for r in b] == [r["state_digest"] for r in a], "durable restore is not bitwise"
+    # Each rank got its own caller state back (its own loss history), not rank 0's.
+    assert [r["losses"] for r in b] == [r["losses"] for r in a] and a[0]["losses"] != a[1]["losses"]

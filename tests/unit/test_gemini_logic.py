@@ -76,6 +76,17 @@ def test_fresh_durable_and_fallback() -> None:
     assert run(broken, durable_step=2).mode == RecoveryMode.DURABLE
 
 
+def test_a_refused_durable_promotion_is_history_not_a_fresh_start() -> None:
+    """Every local folder lost: with the newest promotion refused the older one is restored and the reason names
+    the refusal; with every promotion refused the job stops instead of silently training from step 0."""
+    lost = [proposal(0), proposal(1)]
+    why = "durable step 6: __0_0.distcp does not match its SHA-256"
+    d = run(lost, durable_step=3, durable_refused=[why])
+    assert d.mode == RecoveryMode.DURABLE and d.step == 3 and why in d.reason
+    d = run(lost, durable_refused=[why, "durable step 3: sidecar missing or unreadable"])
+    assert d.mode == RecoveryMode.STOP and why in d.reason and "durable step 3" in d.reason
+
+
 def test_decisions_are_identical_on_every_rank() -> None:
     props = [proposal(r, own=[4, 3], held={str((r - 1) % 4): [4, 3]}) for r in range(4)]
     assert len({repr(run(props)) for _ in range(4)}) == 1

@@ -93,7 +93,7 @@ class Checkpointer:
         """DTensor parameters (FSDP2, HSDP, TP) or rank-local state (DeepSpeed ZeRO partitions): durable promotions
         are collective, on a group of their own."""
         durable_group = None
-        if config.durable_directory is not None and self.sharded:
+        if config.durable_directory is not None:
             # Collective (every rank builds the same Checkpointer). Its own group: a promotion's DCP collectives
             # never interleave with the replication exchange, and its timeout bounds every wait.
             durable_group = dist.new_group(backend="gloo", timeout=config.timeout)

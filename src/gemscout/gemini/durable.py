@@ -5,11 +5,12 @@ Any DCP user can load a promotion (its tensors are keyed ``t<index>``); gemscout
 back into model, optimizer, scheduler, caller and RNG state. Loading verifies the sidecar first: a promotion with a
 missing, extra or altered file is refused (fail closed).
 
-With DDP every rank holds the same model and optimizer state, so rank 0 promotes its own checkpoint alone
-(``no_dist``), off the training thread; any world size can load it, which is how a job resumes on another size.
-Sharded state (DTensor shards) is promoted by every rank together on a dedicated group
-(:mod:`gemscout.gemini.durable_sharded`). The directory is written under a temporary name and renamed into place,
-so a reader never sees half a promotion.
+Every rank promotes together, off the training thread, on a dedicated group (:mod:`gemscout.gemini.durable_sharded`):
+sharded state (DTensor shards, DeepSpeed ZeRO partitions) has a part on each rank, and under DDP, where model,
+optimizer and schedulers are the same everywhere and stored once, each rank's RNG streams and caller state are its
+own. The directory is written under a temporary name and renamed into place, so a reader never sees half a
+promotion. Any world size can load a DDP promotion (on another size, rank r takes rank r % n's own state), which is
+how a job resumes on another size. Format 1 (rank 0's checkpoint alone, tensors keyed ``t<index>``) is still read.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,8 @@ import torch
 import torch.distributed as dist
 
 from gemscout.errors import IntegrityError
-from gemscout.gemini.store import _fsync_dir, write_json_atomic
 from gemscout.state import training_state
 from gemscout.state.codec import decode
-from gemscout.state.layout import Parsed
 
 # torch.distributed.checkpoint is imported where it is used: importing it imports DTensor, ~45 MiB of resident memory
 # and seconds of import time that a job without the durable tier (or without DTensors) should not pay.
@@ -59,40 +56,6 @@ class DurableTier:
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}"
 
-    def promote(self, parsed: Parsed, data: torch.Tensor) -> Path:
-        """Write the verified checkpoint (``parsed`` header + ``data``) as a DCP directory with its sidecar.
-
-        Replicated state (DDP) only: rank 0's checkpoint stands for every rank. Sharded state (DTensor shards:
-        FSDP2, HSDP, TP) needs every rank's shard and is refused here rather than promoted half; it goes through the
-        collective :func:`gemscout.gemini.durable_sharded.promote`."""
-        if _has_shards(parsed.skeleton):
-            raise IntegrityError("this checkpoint has sharded DTensor state: promote it collectively "
-                                 "(durable_sharded.promote), not from rank 0 alone")
-        step = int(parsed.identity["step"])
-        final = self.path(step)
-        if final.exists():
-            return final
-        import torch.distributed.checkpoint as dcp
-
-        tmp = self.directory / f".tmp-{uuid.uuid4().hex[:8]}-step-{step:09d}"
-        tensors = {f"t{i}": v.clone() for i, v in enumerate(parsed.layout.views(data))}
-        try:
-            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=True)
-            files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_json_atomic(tmp / SIDECAR, {
-                "format": 1, "run_id": self.run_id, "step": step, "identity": parsed.identity,
-                "skeleton": parsed.skeleton, "tensors": len(tensors), "files": files,
-            }, fsync=self.fsync)
-            tmp.rename(final)
-            if self.fsync:
-                _fsync_dir(self.directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log.info("gemini: promoted step %d to %s", step, final)
-        return final
-
     def verify(self, step: int) -> dict[str, Any]:
         """Check the sidecar against the directory: exactly its files, each with its SHA-256. Returns the sidecar."""
         folder = self.path(step)
@@ -114,19 +77,29 @@ class DurableTier:
             return []
         return sorted((int(m.group(1)) for p in self.directory.iterdir() if (m := _DIR.match(p.name))), reverse=True)
 
-    def newest_step(self) -> int | None:
-        """The newest promotion that verifies; broken ones are logged and skipped."""
+    def scan(self) -> list[tuple[int, str | None]]:
+        """This run's promotions from the newest down to the first that verifies (included), each with why it is
+        refused (None: it verifies). A promotion of another run is skipped (a shared directory may hold one; it is
+        not this job's history); one whose sidecar cannot even be read is this job's and refused."""
+        found: list[tuple[int, str | None]] = []
         for step in self.steps():
             try:
                 sidecar = self.verify(step)
-                if sidecar.get("run_id") != self.run_id:
-                    log.warning("gemini: durable step %d belongs to run %r, not %r; skipped", step,
-                                sidecar.get("run_id"), self.run_id)
-                    continue
-                return step
             except IntegrityError as exc:
                 log.warning("gemini: %s", exc)
-        return None
+                found.append((step, str(exc)))
+                continue
+            if sidecar.get("run_id") != self.run_id:
+                log.warning("gemini: durable step %d belongs to run %r, not %r; skipped", step,
+                            sidecar.get("run_id"), self.run_id)
+                continue
+            found.append((step, None))
+            break
+        return found
+
+    def newest_step(self) -> int | None:
+        """The newest promotion that verifies; broken ones are logged and skipped."""
+        return next((step for step, why in self.scan() if why is None), None)
 
     def load(self, step: int, sources: training_state.StateSources) -> None:
         """Verify, then restore the promotion of ``step`` into the live objects (any world size). A sharded
@@ -148,12 +121,3 @@ class DurableTier:
         dcp.load(tensors, checkpoint_id=str(self.path(step)), no_dist=True)
         state = decode(sidecar["skeleton"], [tensors[f"t{i}"] for i in range(len(tensors))])
         training_state.restore(sources, state)
-
-
-def _has_shards(skeleton: object) -> bool:
-    """True if the codec skeleton holds a DTensor shard anywhere."""
-    if isinstance(skeleton, dict):
-        return "__dt__" in skeleton or any(_has_shards(v) for v in skeleton.values())
-    if isinstance(skeleton, list):
-        return any(_has_shards(v) for v in skeleton)
-    return False

@@ -1,4 +1,5 @@
-"""Collective promotion of sharded state (FSDP2, HSDP, TP DTensors) to the durable tier, and its collective load.
+"""Collective promotion to the durable tier (sharded FSDP2 / HSDP / TP DTensors, DeepSpeed ZeRO partitions, and
+DDP's replicated state with every rank's own RNG and caller state), and its collective load.
 
 A sharded checkpoint is only whole when every rank's shards of the same step are in it, so promotion is a
 collective on a dedicated gloo group (its own timeout; never the replication group, never the training thread):
@@ -7,7 +8,9 @@ collective on a dedicated gloo group (its own timeout; never the replication gro
 2. every rank writes its shards into one ``torch.distributed.checkpoint`` directory under a temporary name. DTensor
    shards are saved as the global tensor they belong to (key ``s/<path>``), so DCP stores each element once (HSDP's
    replicate dimension is deduplicated) and can reshard on load; everything else (caller state, RNG, step counters)
-   is the rank's own (key ``r<rank>/<path>``);
+   is the rank's own (key ``r<rank>/<path>``). Replicated state (DDP) is promoted the same way, so each rank's own
+   caller state and RNG streams are kept: its model, optimizer and scheduler tensors are keyed ``g/<path>`` on every
+   rank and DCP writes each once; caller state and RNG are the rank's own;
 3. all ranks agree that every write succeeded; rank 0 hashes every file into the sidecar (with each rank's JSON
    skeleton and keys), renames the directory into place and fsyncs; all ranks agree that the commit happened.
 
@@ -48,8 +51,10 @@ its own (DeepSpeed ZeRO: :class:`gemscout.adapters.deepspeed_layout.ZeroPerParam
 rank=)``. Such a promotion loads on any world size; one without a codec only on the world size that wrote it."""
 
 
-def tensor_entries(skeleton: Any, rank: int) -> list[Entry]:
-    """A DCP key per tensor of a codec skeleton, in tensor-index order (see the module docstring)."""
+def tensor_entries(skeleton: Any, rank: int, replicated: tuple[str, ...] = ()) -> list[Entry]:
+    """A DCP key per tensor of a codec skeleton, in tensor-index order (see the module docstring). A plain tensor
+    under a top-level key in ``replicated`` is the same on every rank (DDP's model, optimizer and schedulers): its
+    key ``g/<path>`` is shared by every rank, so DCP stores it once."""
     found: dict[int, Entry] = {}
 
     def walk(node: Any, path: str) -> None:
@@ -65,7 +70,8 @@ def tensor_entries(skeleton: Any, rank: int) -> list[Entry]:
                 found[int(value[0])] = (f"s{path}", list(value[1]), list(value[2]))
                 return
             if key in ("__t__", "__np__"):
-                found[int(value)] = (f"r{rank}{path}", None, None)
+                shared = path.split("/")[1] in replicated
+                found[int(value)] = (f"g{path}" if shared else f"r{rank}{path}", None, None)
                 return
             if key == "__tuple__":
                 walk(value, path)
@@ -118,7 +124,7 @@ def _dtensor(local: torch.Tensor, like: Any, shape: list[int], stride: list[int]
 
 
 def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *, check: Any,
-                     group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
+                     group: dist.ProcessGroup, rank: int, timeout: timedelta, replicated: tuple[str, ...] = ()) -> Path:
     """:func:`promote` with this rank's own checkpoint file of ``step``, read and verified here (``check(identity,
     where=...)`` raises RunMismatchError for another run's file). A rank whose file is missing or bad still joins
     the collective, which then fails on every rank."""
@@ -129,12 +135,14 @@ def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *,
     except (IntegrityError, OSError, RunMismatchError) as exc:
         log.warning("gemini: cannot promote step %d: %s", step, exc)
         frame = None
-    return promote(tier, step, frame, likes, group=group, rank=rank, timeout=timeout)
+    return promote(tier, step, frame, likes, group=group, rank=rank, timeout=timeout, replicated=replicated)
 
 
-def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *, group: dist.ProcessGroup, rank: int, timeout: timedelta) -> Path:
+def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *,
+            group: dist.ProcessGroup, rank: int, timeout: timedelta, replicated: tuple[str, ...] = ()) -> Path:
     """Collectively promote ``step`` (all ranks of ``group`` call, each with its own verified checkpoint, or None
-    when it has none; ``likes`` from :func:`live_shards`). Returns the promotion's path; raises IntegrityError on every rank if any rank failed."""
+    when it has none; ``likes`` from :func:`live_shards`; ``replicated``: see :func:`tensor_entries`). Returns the
+    promotion's path; raises IntegrityError on every rank if any rank failed."""
     import torch.distributed.checkpoint as dcp  # here, not at import: it imports DTensor (see durable.py)
 
     final, tmp = tier.path(step), tier.directory / f".tmp-collective-step-{step:09d}"
@@ -150,7 +158,7 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
             if codec is not None:
                 state, mine = codec.promotion_items(parsed, data, rank)
             else:
-                entries = tensor_entries(parsed.skeleton, rank)
+                entries = tensor_entries(parsed.skeleton, rank, replicated)
                 for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
                     state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
                 mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries}

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("gemscout.gemini")
 
 
+REPLICATED = ("model", "optimizer", "schedulers")
+"""Under DDP, the parts of a capture that are the same on every rank (stored once in a promotion); caller state and
+RNG are each rank's own."""
+
+
 def promotable_step(states: dict[int, TrustState], on_disk: Iterable[int]) -> int:
     """The newest step > 0 that is RECOVERY_VERIFIED in ``states`` and has a file in ``on_disk``, and is newer than
     every DURABLE step; -1 when there is none. Step 0 (the attach-time capture) is never worth promoting."""
@@ -71,28 +76,23 @@ class Promoter:
         if chosen < 0:
             return  # no rank-wide certified file newer than the last promotion yet: keep counting
         self.certified_since_promotion = 0
-        # Sharded state: every rank holds a part, so every rank promotes (collectively, queued in the same order on
-        # every rank since certify is collective). Replicated state: rank 0's copy stands for all.
-        if ck.sharded or ck.rank == 0:
-            # here, on the training thread (see live_shards' docstring)
-            likes = durable_sharded.live_shards(ck.sources) if ck.sharded else {}
-            ck.queue_io(self.promote, chosen, likes)
+        # Every rank promotes, collectively, queued in the same order on every rank since certify is collective:
+        # sharded state has a part on each rank, and even replicated (DDP) state has each rank's own RNG streams and
+        # caller state, which a resumed job needs rank for rank to continue bitwise.
+        # live_shards here, on the training thread (see its docstring)
+        likes = durable_sharded.live_shards(ck.sources) if ck.sharded else {}
+        ck.queue_io(self.promote, chosen, likes)
 
     def promote(self, step: int, likes: dict[str, Any]) -> None:
-        """Promote this rank's checkpoint file of ``step`` (on the io thread): rank 0 alone for replicated state,
-        every rank together for sharded state. Failures are recorded in ``errors`` and logged, never raised."""
+        """Promote this rank's checkpoint file of ``step`` together with every rank (on the io thread; see
+        :mod:`gemscout.gemini.durable_sharded`). Failures are recorded in ``errors`` and logged, never raised."""
         ck = self.ckpt
-        assert ck.durable is not None
+        assert ck.durable is not None and ck.durable.group is not None
         try:
             path = store.step_file(ck.paths.own, step)
-            if ck.sharded:
-                assert ck.durable.group is not None
-                durable_sharded.promote_own_file(ck.durable, step, path, likes, check=ck.check_identity,
-                                                 group=ck.durable.group, rank=ck.rank, timeout=ck.config.timeout)
-            else:
-                parsed, data = store.read_verified(path)
-                ck.check_identity(parsed.identity, where=f"own checkpoint of step {step}")
-                ck.durable.promote(parsed, data)
+            durable_sharded.promote_own_file(ck.durable, step, path, likes, check=ck.check_identity,
+                                             group=ck.durable.group, rank=ck.rank, timeout=ck.config.timeout,
+                                             replicated=() if ck.sharded else REPLICATED)
             ck.ledger.mark(step, TrustState.DURABLE)
             ck.ledger.save()
         except Exception as exc:

@@ -10,6 +10,7 @@ whose attempts are spent. Then the durable tier, then the caller's fallback, els
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,8 +69,12 @@ def decide(
     failure_kind: str = "restart",
     durable_step: int | None = None,
     has_fallback: bool = False,
+    durable_refused: Sequence[str] = (),
 ) -> RecoveryDecision:
-    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.restore.propose`)."""
+    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.restore.propose`).
+
+    ``durable_refused``: why each durable promotion newer than ``durable_step`` was refused. Like an unusable local
+    file, a refused promotion is history: with nothing else left the job stops instead of starting fresh."""
     world = len(proposals)
     rejected = {s for p in proposals for s in p.get("rejected", [])}
     attempts: dict[int, int] = {}
@@ -98,7 +103,8 @@ def decide(
         why = "newest restorable step" + (f" ({'; '.join(skipped)})" if skipped else "")
         return RecoveryDecision(failure_kind, RecoveryMode.RESTORE, step, f"{run_id}:{step}", sources,
                                 topology_digest, why)
-    history = bool(steps or rejected or any(p.get("unusable") for p in proposals))
+    skipped += [f"refused {why}" for why in durable_refused]
+    history = bool(steps or rejected or durable_refused or any(p.get("unusable") for p in proposals))
     detail = "; ".join(skipped) if skipped else "no checkpoint found"
     if durable_step is not None:
         return RecoveryDecision(failure_kind, RecoveryMode.DURABLE, durable_step, f"{run_id}:durable:{durable_step}",

@@ -90,8 +90,10 @@ def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[di
                 continue
             held.setdefault(str(o), []).append(step)
             where[("held", o, step)] = path
+    durable = ck.durable.scan() if ck.durable else []
     proposal = {"rank": ck.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held,
-                "unusable": unusable, "durable": ck.durable.newest_step() if ck.durable else None}
+                "unusable": unusable, "durable": next((s for s, why in durable if why is None), None),
+                "durable_refused": [why for _, why in durable if why is not None]}
     proposal.update(ck.ledger.summary())
     return proposal, where
 
@@ -121,9 +123,11 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
         proposals = comm.gather_json(proposal, group=ck.group, timeout=ck.config.timeout)
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
+        refused = list(dict.fromkeys(why for p in proposals for why in p.get("durable_refused", [])))
         decision = decide(proposals, run_id=ck.run_id, topology_digest=ck.topology_digest,
                           min_trust=min_trust or ck.config.min_trust, max_attempts=ck.config.max_recovery_attempts,
-                          failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None)
+                          failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None,
+                          durable_refused=refused)
         if decision.mode == RecoveryMode.RESTORE:
             assert decision.step is not None
             fetched = _fetch(ck, decision, where)
