@@ -4,13 +4,16 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params
 
 - ``fault.kind``: ``none`` (healthy run, compared with a baseline without gemscout) or ``sigkill`` (``rank``, ``step``,
   ``phase`` as in :mod:`qualification.programs.train_rank`, ``node_loss`` = delete that rank's node folder before the
-  relaunch, so it must recover from its peer's replica; ``recovery_kill`` = ``{"rank", "phase"}``: a second launch
+  relaunch, so it must recover from its peer's replica, or ``"all"``: every node's folder, so only the durable tier
+  is left; ``recovery_kill`` = ``{"rank", "phase"}``: a second launch
   in which that rank is SIGKILLed during the recovery itself, ``phase`` one of ``recover-send``,
   ``recover-receive``, ``recover-restore`` (:mod:`qualification.programs._recovery_faults`), before the final
   relaunch) or ``sigterm`` (``step``: rank 0 gets SIGTERM after that
   step; the restart must resume from the flushed step).
 - ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1), ``schedule``
-  (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers).
+  (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers),
+  ``durable_every`` (0: no durable tier; N: every capture certified and every Nth verified step promoted to
+  ``<cell>/durable``; native topologies and DeepSpeed).
 
 Observed: ``recovered_step``, ``source`` (weakest source any rank restored from), ``bitwise_equal`` (final state
 digest of every rank equals the uninterrupted run's), ``losses_equal``, ``replicas_equal``, ``final_step``,
@@ -55,6 +58,9 @@ def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[s
         argv += ["--schedule", str(p["schedule"])]
     if ckpt is not None:
         argv += ["--ckpt", str(ckpt)]
+        if int(p.get("durable_every", 0)) > 0:  # promotions need verified steps: every capture is certified
+            argv += ["--durable", str(ckpt.parent / "durable"), "--durable-every", str(p["durable_every"]),
+                     "--certify"]
     return argv + extra
 
 
@@ -108,7 +114,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             return _result(cell, "failed", observed, timeline, "the fault did not end the run")
         event("detection", f"rank {first.first_failed} exited with {first.returncodes[first.first_failed or 0]}; "
                            "remaining ranks torn down")
-        if fault.get("node_loss"):
+        if fault.get("node_loss") == "all":  # a fail-stop of the whole job's local storage: the durable tier is left
+            lost = sorted(p.name for p in ckpt.glob("node-*"))
+            for name in lost:
+                shutil.rmtree(ckpt / name, ignore_errors=True)
+            event("fault", f"every node lost ({', '.join(lost)}): all local checkpoint folders deleted")
+        elif fault.get("node_loss"):
             node = int(fault["rank"]) // int(cell.get("params", {}).get("ranks_per_node", 1))
             shutil.rmtree(ckpt / f"node-{node}", ignore_errors=True)
             event("fault", f"node {node} lost: its checkpoint folder deleted")
@@ -149,6 +160,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     event("finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}")
     if not cell.get("params", {}).get("keep_checkpoints", False):
         shutil.rmtree(ckpt, ignore_errors=True)  # binary state has no place in an evidence bundle
+        shutil.rmtree(celldir / "durable", ignore_errors=True)
     metrics = {"duration_s": round(time.monotonic() - t0, 3), "stats_rank0": ranks[0].get("stats", {})}
     status = "passed" if observed["bitwise_equal"] and observed["losses_equal"] else "failed"
     return _result(cell, status, observed, timeline, "", metrics)

@@ -94,3 +94,32 @@ def test_replicated_promotion_takes_newest_persisted_certified_step(tmp_path: Pa
     assert [r["resume_digest"] for r in b] == [r["state_digest"] for r in a], "durable restore is not bitwise"
     # Each rank got its own caller state back (its own loss history), not rank 0's.
     assert [r["losses"] for r in b] == [r["losses"] for r in a] and a[0]["losses"] != a[1]["losses"]
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_stages_are_promoted_rank_by_rank_and_resume_only_on_their_world_size(tmp_path: Path) -> None:
+    """Pipeline stages are plain tensors under the same names on every rank (each stage has its own blocks.0): a
+    promotion must keep each rank's own, where DCP would store one tensor per name for all. Resumed on 2 ranks after
+    every local folder is lost, each stage gets its own state back bitwise; on 4 ranks the promotion is refused with
+    one clear line (exit 2), not loaded into the wrong stages."""
+    durable = tmp_path / "durable"
+    pp = ("--topology", "pp", "--workload", "three-block", "--schedule", "1f1b")
+    res = launch(argv(tmp_path / "a", tmp_path / "local-a", durable, 6, "--durable-every", "3", "--certify", *pp),
+                 world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
+    assert res.ok, res
+    a = ranks(tmp_path / "a", 2)
+    keys = set(dcp.FileSystemReader(str(durable / "step-000000006")).read_metadata().state_dict_metadata)
+    assert "r0/model/blocks.0.fc1.weight" in keys and "r1/model/blocks.0.fc1.weight" in keys
+    assert "g/model/blocks.0.fc1.weight" not in keys
+    res = launch(argv(tmp_path / "b", tmp_path / "local-b", durable, 6, *pp), world_size=2, timeout_s=120,
+                 log_dir=tmp_path / "logs", attempt=1)
+    assert res.ok, res
+    b = ranks(tmp_path / "b", 2)
+    assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 6 for r in b)
+    assert [r["resume_digest"] for r in b] == [r["state_digest"] for r in a], "a stage did not get its own state"
+    res = launch(argv(tmp_path / "c", tmp_path / "local-c", durable, 6, "--topology", "pp-dp", "--workload",
+                      "three-block", "--schedule", "1f1b"), world_size=4, timeout_s=120, log_dir=tmp_path / "logs",
+                 attempt=2)
+    assert res.returncodes[res.first_failed or 0] == 2, res
+    log = (tmp_path / "logs" / f"rank{res.first_failed}.attempt2.log").read_text()
+    assert "restores on 2 ranks only, not 4" in log and "Traceback" not in log, log[-2000:]

@@ -151,18 +151,29 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
     state: dict[str, Any] = {}
     mine: dict[str, Any] = {}
     err = "" if frame is not None else "no verified checkpoint of this step on disk"
+    entries: list[Entry] | None = None
     if frame is not None:
         try:
-            parsed, data = frame
-            codec = next((c for c in PARTITION_CODECS.values() if c.accepts(parsed.skeleton)), None)
+            codec = next((c for c in PARTITION_CODECS.values() if c.accepts(frame[0].skeleton)), None)
             if codec is not None:
-                state, mine = codec.promotion_items(parsed, data, rank)
+                state, mine = codec.promotion_items(frame[0], frame[1], rank)
             else:
-                entries = tensor_entries(parsed.skeleton, rank, replicated)
-                for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
-                    state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
-                mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries}
+                entries = tensor_entries(frame[0].skeleton, rank, replicated)
         except Exception as exc:  # recorded and voted on below: a rank never skips the collective
+            err = f"{type(exc).__name__}: {exc}"
+    if replicated:  # collective: every rank takes part, whatever happened above
+        ok = frame is not None and entries is not None and not err
+        entries = _agree_on_shared(entries or [], frame[0].digests if ok and frame is not None else (), rank,
+                                   group=group, timeout=timeout)
+    if frame is not None and entries is not None and not err:
+        try:
+            parsed, data = frame
+            for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
+                state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
+            own = [k for k, _, _ in entries if k.startswith(f"r{rank}/") and k.split("/")[1] in replicated]
+            mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries,
+                    "rank_specific": len(own)}
+        except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt's files would be mixed into this one
@@ -190,6 +201,19 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
         raise IntegrityError(f"durable step {step}: {err or 'rank 0 could not commit the promotion'}")
     log.info("gemini: promoted step %d (sharded, %d ranks) to %s", step, len(ranks), final)
     return final
+
+
+def _agree_on_shared(entries: list[Entry], digests: Any, rank: int, *, group: dist.ProcessGroup,
+                     timeout: timedelta) -> list[Entry]:
+    """Keep a ``g/`` key shared only where every rank holds that key with the same digest; any other becomes this
+    rank's own ``r<rank>/`` key. DDP's model and optimizer are the same on every rank, but model parallelism without
+    DTensors (Megatron TP/PP, pipeline stages, experts held as plain tensors) gives ranks different tensors under the
+    same name, which DCP would otherwise store once for all. Collective on ``group``."""
+    offered = {key: d for (key, _, _), d in zip(entries, digests, strict=False) if key.startswith("g/")}
+    everyone = comm.gather_json(offered, group=group, timeout=timeout)
+    common = {k for k, d in offered.items() if all(o.get(k) == d for o in everyone)}
+    return [(k if not k.startswith("g/") or k in common else f"r{rank}{k[1:]}", shape, stride)
+            for k, shape, stride in entries]
 
 
 def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, Any]]) -> None:
@@ -220,6 +244,10 @@ def load(folder: Path, sidecar: dict[str, Any], sources: training_state.StateSou
         codec.load(folder, saved, sources, group=group, rank=rank)
         return
     world = dist.get_world_size(group)
+    if len(saved) != world and any(r.get("rank_specific") for r in saved):
+        raise RunMismatchError(f"durable promotion {folder.name} holds model or optimizer state that differs from "
+                               f"rank to rank without DTensors (model parallelism: pipeline stages, Megatron TP/PP); "
+                               f"it restores on {len(saved)} ranks only, not {world}")
     if sources.rank_local and len(saved) != world:
         raise RunMismatchError(f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
                                f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}")
