@@ -1,11 +1,14 @@
-"""SCOUT cells on Megatron Core's own training loop under pipeline parallelism (CPU, test-only CUDA redirection).
+"""SCOUT cells on Megatron Core under pipeline or expert parallelism (CPU, test-only CUDA redirection).
 
-Launches :mod:`qualification.programs.megatron_loop_rank` twice on ``world_size`` ranks: without gemscout (the
-baseline), then with GEMINI + SCOUT at every step and the cell's fault, and compares what every rank saw.
+Launches the topology's rank program twice on ``world_size`` ranks: without gemscout (the baseline), then with
+GEMINI + SCOUT at every step and the cell's fault, and compares what every rank saw.
 
 ``topology``: ``megatron-pp2`` (two stages, 1F1B, four layers: two blocks per stage) or ``megatron-pp2-vpp2`` (two
 stages x two virtual stages, Megatron's interleaved 1F1B, one layer per virtual stage); data parallelism is
-``world_size / 2``; both with Megatron's DDP (overlapped grad reduce) and the DistributedOptimizer.
+``world_size / 2``; both with Megatron's DDP (overlapped grad reduce) and the DistributedOptimizer
+(:mod:`qualification.programs.megatron_loop_rank`). ``megatron-ep2``: a MoE GPTModel, 4 experts per layer over
+``expert_model_parallel_size=2``, tp=1, expert-data-parallel size ``world_size / 2``, with the AllToAll check on the
+dispatch (:mod:`qualification.programs.megatron_rank`; ``schedule`` is then ``hand-written``).
 ``fault.kind``: ``none`` or ``replay`` (``rank``, ``step``, ``recipe``: one corrupted replay, e.g. ``pp0.hidden.1``).
 ``params.steps``: steps (default 8).
 
@@ -27,8 +30,10 @@ from typing import Any
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, measured, trust_gating
 
-LAYOUTS = {"megatron-pp2": ["--pp", "2", "--layers", "4", "--distopt", "--overlap"],
-           "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]}
+_LOOP, _GPT = "qualification.programs.megatron_loop_rank", "qualification.programs.megatron_rank"
+LAYOUTS = {"megatron-pp2": (_LOOP, ["--pp", "2", "--layers", "4", "--distopt", "--overlap"]),
+           "megatron-pp2-vpp2": (_LOOP, ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]),
+           "megatron-ep2": (_GPT, ["--topology", "megatron-ep2"])}
 
 
 def _launch(cell: dict[str, Any], celldir: Path, name: str, extra: list[str]) -> tuple[list[dict[str, Any]], list[int]]:
@@ -38,8 +43,9 @@ def _launch(cell: dict[str, Any], celldir: Path, name: str, extra: list[str]) ->
     if topology not in LAYOUTS:
         raise ValueError(f"megatron_scout_cell: unknown topology {topology!r}; use one of {sorted(LAYOUTS)}")
     world = int(cell["world_size"])
-    res = launch(["-m", "qualification.programs.megatron_loop_rank", "--out", str(celldir / name), "--steps",
-                  str(steps), "--seed", str(cell.get("seed", 0)), *LAYOUTS[topology], *extra], world_size=world,
+    program, layout = LAYOUTS[topology]
+    res = launch(["-m", program, "--out", str(celldir / name), "--steps",
+                  str(steps), "--seed", str(cell.get("seed", 0)), *layout, *extra], world_size=world,
                  timeout_s=float(cell.get("timeout_s", 240)), log_dir=celldir / "logs" / name)
     if not res.ok:
         return [], list(res.returncodes)

@@ -16,6 +16,8 @@ test_megatron_loop.py on CPU, tests/gpu/test_megatron_gpu.py on a GPU).
 - TP=2 x DP=2, one rank's captures of a step thrown away: its TP blocks all-reduce in replay, so they replay on every
   rank or on none; every rank agrees on INCONCLUSIVE (with the reason) for them at that step, nothing hangs or is
   reported as SDC, the other recipes still agree, and training stays bitwise equal to the run without gemscout.
+- An expert TP size of its own (tp=2, expert tp=1) is refused with exit code 2 and one line naming the layout
+  (expert parallelism at tp=1: tests/distributed/test_megatron_moe.py).
 
 Skipped, with the reason, where megatron-core is not installed.
 """
@@ -141,15 +143,18 @@ def test_tp2_dp2_a_missing_capture_stops_the_tp_replay_on_every_rank(tmp_path: P
 
 
 @pytest.mark.timeout(300)
-def test_scout_refuses_expert_parallelism_with_exit_code_2(tmp_path: Path) -> None:
-    # expert_model_parallel_size=2 on 2 ranks (a dense GPTModel: Megatron allows it, and the refusal must not depend
-    # on the model having experts): expert weights would have other replicas than SCOUT's data-parallel peers.
+def test_scout_refuses_an_expert_tp_size_of_its_own_with_exit_code_2(tmp_path: Path) -> None:
+    # tensor_model_parallel_size=2 with expert_tensor_parallel_size=1 on 2 ranks (a dense GPTModel: Megatron allows
+    # it, and the refusal must not depend on the model having experts): expert weights would be laid out otherwise
+    # than the dense TP shards SCOUT's mesh describes. Expert parallelism at tp=1 is supported
+    # (tests/distributed/test_megatron_moe.py); EP with TP or CP is refused as well (tests/unit/test_adapters_megatron_ep.py).
     res = launch(["-m", "qualification.programs.megatron_rank", "--out", str(tmp_path / "ep"), "--steps", "2",
-                  "--ep", "2", "--scout", "--ckpt", str(tmp_path / "ckpt")], world_size=2, timeout_s=200,
-                 log_dir=tmp_path / "logs")
+                  "--tp", "2", "--etp", "1", "--scout", "--ckpt", str(tmp_path / "ckpt")], world_size=2,
+                 timeout_s=200, log_dir=tmp_path / "logs")
     # The first rank to fail exits 2; the launcher then stops the other (2 as well, or -9 if it was still starting).
     assert not res.ok and res.returncodes[res.first_failed] == 2 and set(res.returncodes) <= {2, -9}, res
     log = (tmp_path / "logs" / f"rank{res.first_failed}.attempt0.log").read_text(errors="replace")
-    assert "SCOUT does not support expert parallelism" in log and "Traceback" not in log, log[-2000:]
+    assert "SCOUT does not support this expert layout yet" in log and "Traceback" not in log, log[-2000:]
+    assert "'expert_tensor_parallel_size': 1" in log and "'tensor_model_parallel_size': 2" in log, log[-2000:]
     written = sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
     assert written == [], f"refused before anything was written: {written}"

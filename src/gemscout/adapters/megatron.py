@@ -19,6 +19,16 @@ tensors flagged ``tensor_model_parallel``) lie on that mesh's ``tp`` dim
 (:func:`~gemscout.scout.materialize.param_model_dims`), so a block whose replay all-reduces with its TP partners
 replays on every rank or on none.
 
+Expert parallelism (MoE layers with ``expert_model_parallel_size > 1``; tp = cp = 1) reads the layout as
+``(pp, dp, ep)`` with ``dp`` Megatron's expert-data-parallel size: expert weights are replicated only over the
+expert-data-parallel group (the ranks with this rank's ``ep`` coordinate), so that group is SCOUT's peers, for the
+dense recipes too (their weights are replicated over it as over the whole data-parallel group). Megatron flags expert
+weights ``allreduce=False``: they lie on the ``ep`` dim, so a MoE layer, whose replay dispatches tokens with AllToAlls
+over the expert-parallel group, replays on every rank or on none; the EP partners of a replaying rank replay their
+own peer group's source inputs, the same in every peer group, so peers still compute the same thing. The dispatch
+itself is verified by SCOUT's AllToAll check: pass :func:`moe_layers` to ``session.check_alltoall``. Refused with a
+ConfigError: expert parallelism with tensor or context parallelism, and an expert TP size of its own.
+
 Pipeline parallelism (``pipeline_model_parallel_size > 1``) goes through SCOUT's pipeline machinery: ``pp`` is the
 topology's stage dim, so each rank replays its own stage's recipes, named by the stage (``pp0.embedding``,
 ``pp0.hidden.<i>`` on the first stage; ``pp1.hidden.<i>``, ``pp1.output`` — final norm and output layer, backward from
@@ -29,7 +39,7 @@ virtual stage; Megatron's interleaved schedule gives the rank at pp coordinate `
 ``c, c + n, ...``) are ScoutConfig's ``stage_order="loop"``: each chunk's recipes are named by its own virtual stage
 (``pp1``, ``pp3`` on coordinate 1 of 2). Refused with a ConfigError: ``stage_order="v"``, several chunks without
 pipeline parallelism or other than ``virtual_pipeline_model_parallel_size``, ``ScoutConfig.mesh`` (the stages come
-from parallel_state), and — as without pipelining — expert parallelism, a custom ``order=``, ``data_parallel_dims``
+from parallel_state), and — as without pipelining — a custom ``order=``, ``data_parallel_dims``
 and the ``optimizer`` recipe with a MegatronOptimizer (with a torch optimizer each stage slices its own parameters).
 
 Megatron's RNG tracker (``get_cuda_rng_tracker()``: the model-parallel, data-parallel and expert RNG streams that
@@ -40,6 +50,7 @@ when a Megatron object was detected, i.e. when megatron is already loaded.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -54,8 +65,8 @@ from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.topology import Topology, derive
 
-__all__ = ["MegatronOptimizerView", "MegatronParts", "capture_rng_tracker", "megatron_topology", "resolve_megatron",
-           "restore_rng_tracker"]
+__all__ = ["MegatronOptimizerView", "MegatronParts", "capture_rng_tracker", "megatron_topology", "moe_layers",
+           "resolve_megatron", "restore_rng_tracker"]
 
 FORMAT = "gemscout.megatron-optimizer.v1"
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -119,41 +130,61 @@ def megatron_topology(rank: int | None = None) -> Topology:
     """This rank's SCOUT topology from ``megatron.core.parallel_state``: mesh ``(pp, dp, cp, tp)``, peers along dp.
     With ``pipeline_model_parallel_size > 1``, ``pp`` is the topology's stage dim (``stage_label`` ``pp<c>``).
 
-    Raises ConfigError when model parallelism is not initialised, when expert parallelism is on (expert weights have
-    other replicas than the data-parallel group), or when the data-parallel group is not the one the default order
-    ``tp-cp-ep-dp-pp`` gives (a custom ``order=``)."""
+    Expert parallelism (``expert_model_parallel_size > 1``, tp = cp = 1): mesh ``(pp, dp, ep)`` with ``dp`` the
+    expert-data-parallel size, so peers are Megatron's expert-data-parallel group (the ranks holding the same experts;
+    dense weights are replicated over them too) and ``ep`` is a model dim along which a MoE layer's replay runs its
+    AllToAlls (expert weights are flagged ``allreduce=False``, :func:`~gemscout.scout.materialize.param_model_dims`).
+
+    Raises ConfigError when model parallelism is not initialised, for expert parallelism combined with tensor or
+    context parallelism or with an expert TP size of its own, and when the live data-parallel (or expert) groups are
+    not the ones the default order ``tp-cp-ep-dp-pp`` gives (a custom ``order=``)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         raise ConfigError("Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
                           "enable_resiliency; SCOUT reads its data-parallel groups")
-    # Expert TP defaults to the TP size (then experts replicate over the data-parallel group like dense weights);
-    # expert parallelism, or an expert TP of its own, gives expert weights other replicas than SCOUT's peers.
-    tp = ps.get_tensor_model_parallel_world_size()
-    experts = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-               "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
-               "tensor_model_parallel_size": tp}
-    if experts["expert_model_parallel_size"] > 1 or experts["expert_tensor_parallel_size"] not in (None, tp):
-        raise ConfigError(f"Megatron: SCOUT does not support expert parallelism yet ({experts}): expert weights are "
-                          "replicated over the expert-data-parallel group, not the data-parallel group its peers "
-                          "come from, so a replayed MoE layer would be compared against ranks holding other experts; "
-                          "pass scout=None (GEMINI alone works) or initialize_model_parallel without expert parallelism")
     rank = dist.get_rank() if rank is None else rank
+    world = dist.get_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
              "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
-    world = dist.get_world_size()
-    if sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"] != world:
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if etp not in (None, sizes["tp"]) or (ep > 1 and (sizes["tp"] > 1 or sizes["cp"] > 1)):
+        experts = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
+                   "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"]}
+        raise ConfigError(f"Megatron: SCOUT does not support this expert layout yet ({experts}): it supports expert "
+                          "parallelism with tensor_model_parallel_size=1 and context_parallel_size=1 (peers: the "
+                          "expert-data-parallel group), and an expert TP size only equal to the TP size; pass "
+                          "scout=None (GEMINI alone works) or initialize_model_parallel with such a layout")
+    if ep > 1:
+        sizes = {"pp": sizes["pp"], "dp": ps.get_expert_data_parallel_world_size(), "ep": ep}
+    if math.prod(sizes.values()) != world:
         raise ConfigError(f"Megatron: parallel sizes {sizes} do not multiply to the world size {world}")
-    dims = tuple(d for d in ("pp", "dp", "cp", "tp") if d == "dp" or sizes[d] > 1)
+    dims = tuple(d for d in sizes if d == "dp" or sizes[d] > 1)
     # pp is a stage dim: ranks at other pp coordinates hold other layers, so peers keep it and recipe names carry it.
     topology = derive(dims=dims, shape=[sizes[d] for d in dims], ranks=range(world), data_dims=("dp",),
                       shard_dims=(), rank=rank, stage_dims=("pp",) if "pp" in dims else ())
-    live = tuple(sorted(dist.get_process_group_ranks(ps.get_data_parallel_group())))
-    if tuple(sorted(topology.peers)) != live:
-        raise ConfigError(f"Megatron: the data-parallel group of rank {rank} is {list(live)}, but the default order "
-                          f"tp-cp-ep-dp-pp gives {list(topology.peers)}; initialize_model_parallel with the default "
-                          "order (or leave scout unset)")
+    live = {"data-parallel": ps.get_expert_data_parallel_group() if ep > 1 else ps.get_data_parallel_group()}
+    expect = {"data-parallel": topology.peers}
+    if ep > 1:
+        live["expert-model-parallel"] = ps.get_expert_model_parallel_group()
+        expect["expert-model-parallel"] = topology.group_of(rank, ("ep",))
+    for name, group in live.items():
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        if ranks != tuple(sorted(expect[name])):
+            kind = f"expert-{name}" if ep > 1 and name == "data-parallel" else name
+            raise ConfigError(f"Megatron: the {kind} group of rank {rank} is {list(ranks)}, but the default order "
+                              f"tp-cp-ep-dp-pp gives {sorted(expect[name])}; initialize_model_parallel with the "
+                              "default order (or leave scout unset)")
     return topology
+
+
+def moe_layers(model: Any) -> list[nn.Module]:
+    """Every Megatron ``MoELayer`` of ``model`` (a module or a list of chunks), in module order: what
+    ``session.check_alltoall`` records the token dispatch of (the alltoall dispatcher calls ``all_to_all_single``
+    inside the layer's forward)."""
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if "MoELayer" in _class_names(m)]
 
 
 # -- a MegatronOptimizer as gemscout sees it -------------------------------------------------------------------------

@@ -223,8 +223,12 @@ class AllToAllCheck:
             range(dist.get_world_size()))
         width = len(ranks)
         rows_in, rows_out = (input.shape[0] if input.dim() else 0), (output.shape[0] if output.dim() else 0)
-        ins = tuple(int(n) for n in input_splits) if input_splits else tuple([rows_in // width] * width)
-        outs = tuple(int(n) for n in output_splits) if output_splits else tuple([rows_out // width] * width)
+        # Split sizes may come as a list, a tensor or a numpy array (Megatron's dispatcher): test for None and
+        # length, never truthiness, which an array of several sizes refuses.
+        ins = tuple(int(n) for n in input_splits) if input_splits is not None and len(input_splits) \
+            else tuple([rows_in // width] * width)
+        outs = tuple(int(n) for n in output_splits) if output_splits is not None and len(output_splits) \
+            else tuple([rows_out // width] * width)
         record = AllToAllRecord(ranks, str(input.dtype).removeprefix("torch."), tuple(input.shape[1:]), ins, outs)
         self.records.append((record, group))
         self._devices[ranks] = input.device

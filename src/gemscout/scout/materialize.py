@@ -60,11 +60,16 @@ def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
     A DTensor says so through its mesh's dim names. A plain tensor flagged ``tensor_model_parallel`` is Megatron
     Core's TP shard (ColumnParallel / RowParallel linears, the vocab-parallel embedding): its module all-reduces over
     Megatron's TP group, the topology's ``tp`` dim (how :func:`~gemscout.adapters.megatron.megatron_topology` names
-    it). Anything else is replicated along every model dim. Pure; no framework is imported."""
+    it). A plain tensor flagged ``allreduce=False`` is Megatron's expert weight under expert parallelism: its layer
+    dispatches tokens with AllToAlls over the ``ep`` dim. Anything else is replicated along every model dim. Pure;
+    no framework is imported."""
     model = set(topology.model_dims)
     if _is_dtensor(param):
         return model & set(param.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
-    return model & {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
+    dims = {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
+    if getattr(param, "allreduce", True) is False:
+        dims.add("ep")
+    return model & dims
 
 
 def uses_model_dims(params: Sequence[torch.Tensor], topology: Topology) -> bool:
