@@ -145,6 +145,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
     ap.add_argument("--sigterm-step", type=int, default=-1)
     ap.add_argument("--scout", action="store_true", help="SCOUT forward recipes on the data-parallel peers")
+    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument("--durable-every", type=int, default=0)
+    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--fault-rank", type=int, default=-1)
@@ -195,7 +198,8 @@ def main() -> None:
 
         cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
                                         persist_every=args.persist_every, keep_generations=args.keep_generations,
-                                        timeout=timedelta(seconds=60), fsync=False)
+                                        timeout=timedelta(seconds=60), fsync=False, durable_directory=args.durable,
+                                        durable_every=args.durable_every)
         scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output", "optimizer"), stragglers=None,
                                       timeout=timedelta(seconds=60)) if args.scout else None)
         t_attach = time.time()
@@ -239,6 +243,8 @@ def main() -> None:
                 and step == args.drop_capture_step:
             session.scout.set_next_step(step)  # this rank's captures of the step are gone; training is untouched
         opt.step()
+        if session is not None and args.certify:
+            session.certify(session.step)
         if check is not None:  # the session checked this step's recorded AllToAlls before its update
             a2a[str(step)] = [r.to_dict() for r in check.last_results]
         result = session.scout.last_result if session is not None and session.scout is not None else None
