@@ -112,6 +112,33 @@ def test_a_rejected_step_is_never_chosen(job: Path) -> None:
     assert code == 4 and out["decision"]["mode"] == "stop"  # step 5 is only recovery_verified
 
 
+@pytest.mark.timeout(180)
+def test_damaged_and_foreign_promotions_as_recovery_sees_them(job: Path) -> None:
+    """Every local folder gone: the newest promotion damaged → the older one, the reason naming the refusal; every
+    promotion damaged → STOP (not a fresh start); a promotion of another run is listed as not this job's and skipped."""
+    ckpt, durable = case(job, "promotions"), job / "promotions-durable"
+    shutil.copytree(job / "durable", durable)
+    for node in ckpt.glob("node-*"):
+        shutil.rmtree(node)
+    steps = sorted(durable.iterdir())
+    assert [p.name for p in steps] == ["step-000000002", "step-000000004", "step-000000006"]
+    flip_byte(max(steps[-1].glob("*.distcp"), key=lambda f: f.stat().st_size))
+    code, doc = as_json(str(ckpt), "--durable", str(durable), "--verify", "--world-size", str(WORLD))
+    assert code == 3 and doc["decision"]["mode"] == "durable" and doc["decision"]["step"] == 4, doc["decision"]
+    assert "refused durable step 6" in doc["decision"]["reason"]
+    sidecar = steps[-2] / "gemscout-sidecar.json"  # step 4 now belongs to another run: not ours, skipped
+    side = json.loads(sidecar.read_text())
+    side["run_id"] = "another-run"
+    sidecar.write_text(json.dumps(side))
+    code, doc = as_json(str(ckpt), "--durable", str(durable), "--verify", "--world-size", str(WORLD))
+    assert {d["step"]: d["status"] for d in doc["durable"]} == {6: "unusable", 4: "foreign", 2: "verified"}
+    assert code == 3 and doc["decision"]["step"] == 2, doc["decision"]
+    flip_byte(max(steps[0].glob("*.distcp"), key=lambda f: f.stat().st_size))
+    code, doc = as_json(str(ckpt), "--durable", str(durable), "--verify", "--world-size", str(WORLD))
+    assert code == 4 and doc["decision"]["mode"] == "stop", doc["decision"]
+    assert "refused durable step 2" in doc["decision"]["reason"] and "refused durable step 6" in doc["decision"]["reason"]
+
+
 @pytest.mark.timeout(120)
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("gemscout")
