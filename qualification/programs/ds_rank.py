@@ -1,9 +1,11 @@
-"""One rank of a deterministic DeepSpeed ZeRO-1/2 run on CPU (gloo), with or without gemscout, with optional faults.
+"""One rank of a deterministic DeepSpeed ZeRO-1/2/3 run on CPU (gloo), with or without gemscout, with optional faults.
 
 The DeepSpeed counterpart of :mod:`qualification.programs.train_rank`: same arguments for the lifecycle driver, same
 ``<out>/rank<r>.json`` (losses per step, resume step, recovery decision, ``state_digest``), plus the engine's
 ``global_steps`` / ``global_samples``. ``state_digest`` is a SHA-256 over this rank's module state (every parameter:
 ZeRO-1/2 keep them all on every rank), its fp32 master partition and the optimizer state of that partition.
+``deepspeed-zero3`` digests the parameter partitions instead and gathers the module for ``module_digest``
+(:mod:`qualification.programs.ds_zero3`).
 
 Faults: ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank R at step S in phase ``after-step``, ``in-step``
 (between backward and engine.step), ``capture`` (inside GEMINI's capture), ``persist`` / ``replicate`` /
@@ -45,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from gemscout.scout import StragglerConfig
+from qualification.programs import ds_zero3
 from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
-STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2}
+STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed-zero3": 3}
 MICRO_BATCH = 4  # synthetic_batch's default batch
 
 
@@ -65,7 +68,8 @@ def import_deepspeed() -> Any:
 
 def ds_config(stage: int, *, accumulation: int = 1, bf16: bool = False) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": ds_zero3.zero3_config() if stage == 3 else {"stage": stage},
+            "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": bf16}, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
 
 
@@ -75,6 +79,8 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def state_digest(engine: Any) -> str:
     """SHA-256 over this rank's module state, fp32 master partition and the optimizer state of that partition."""
+    if engine.zero_optimization_stage() == 3:
+        return ds_zero3.state_digest(engine)
     h = hashlib.sha256()
     for name, t in engine.module.state_dict().items():
         h.update(name.encode())
@@ -104,6 +110,8 @@ def full_state(engine: Any) -> dict[str, Any]:
     """Per parameter, the SHA-256 of its full fp32 master and AdamW moments, gathered by DeepSpeed's own helpers
     (an all-reduce of each rank's fragment: independent of gemscout's layout code), and the step count and lr of
     every group. Collective: every rank calls."""
+    if engine.zero_optimization_stage() == 3:
+        return ds_zero3.full_state(engine)
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     inner = engine.optimizer.optimizer
@@ -123,6 +131,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def dump_full(engine: Any, path: Path) -> None:
     """Rank 0 writes the full state of the job to ``path`` (see the module doc). Collective: every rank calls."""
+    if engine.zero_optimization_stage() == 3:
+        return ds_zero3.dump_full(engine, path)
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _link_moments(engine)
@@ -131,18 +141,14 @@ def dump_full(engine: Any, path: Path) -> None:
     inner = engine.optimizer.optimizer
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": inner.state[g["params"][0]]["step"].clone()}
               for g in inner.param_groups]
-    blob = {"params": params, "model": {k: v.clone() for k, v in engine.module.state_dict().items()}, "groups": groups,
-            "scheduler": engine.lr_scheduler.state_dict(), "rng": torch.get_rng_state(),
-            "counters": {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "micro_steps",
-                                                              "skipped_steps")}}
-    if dist.get_rank() == 0:
-        torch.save(blob, path)
+    ds_zero3.save_blob(engine, path, params=params, groups=groups,
+                       model={k: v.clone() for k, v in engine.module.state_dict().items()})
 
 
 def load_full(engine: Any, path: Path) -> int:
     """Load a :func:`dump_full` into a fresh engine with DeepSpeed's own setters; returns the step it holds."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    if engine.zero_optimization_stage() == 3:
+        return ds_zero3.load_full(engine, path)
     blob = torch.load(path, weights_only=False)
     inner = engine.optimizer.optimizer
     with torch.no_grad():
@@ -153,18 +159,12 @@ def load_full(engine: Any, path: Path) -> int:
                                    **{k: torch.zeros_like(master) for k in _MOMENTS}}
             group.update({k: v for k, v in saved.items() if k != "step"})
         _link_moments(engine)
-        for name, p in engine.module.named_parameters():
-            safe_set_full_fp32_param(p, blob["params"][name]["master"])
-            for k in _MOMENTS:
-                safe_set_full_optimizer_state(p, blob["params"][name][k], k)
-    engine.lr_scheduler.load_state_dict(blob["scheduler"])
-    for k, v in blob["counters"].items():
-        setattr(engine, k, v)
-    torch.set_rng_state(blob["rng"])
-    return int(blob["counters"]["global_steps"])
+    return ds_zero3.set_full_state(engine, blob)
 
 
 def module_digest(engine: Any) -> str:
+    if engine.zero_optimization_stage() == 3:  # collective: gathers the partitioned parameters
+        return ds_zero3.module_digest(engine)
     h = hashlib.sha256()
     for t in engine.module.state_dict().values():
         h.update(_bytes(t))

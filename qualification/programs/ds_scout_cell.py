@@ -1,4 +1,5 @@
-"""SCOUT's optimizer recipe on DeepSpeed ZeRO-1/2: the partition owner's update replayed by every rank.
+"""SCOUT on DeepSpeed ZeRO: the optimizer recipe (ZeRO-1/2: the partition owner's update replayed by every rank) and
+the forward recipes (ZeRO-3: replayed on the gathered blocks).
 
 Launches :mod:`qualification.programs.ds_rank` twice on ``world_size`` ranks: once without gemscout (the baseline),
 once with GEMINI and SCOUT (``params.recipes``, default ``hidden,optimizer``; every slice of the owner at every step,
@@ -6,7 +7,10 @@ once with GEMINI and SCOUT (``params.recipes``, default ``hidden,optimizer``; ev
 
 ``fault.kind``: ``none``; ``replay`` (``rank``, ``steps``: a bit flip in that rank's replay of the first due slice at
 each of those steps — training untouched); ``update`` (``rank``, ``step``: a bit flipped in that rank's fp32 master
-partition right after its real update — training diverges from the baseline from then on).
+partition right after its real update — training diverges from the baseline from then on); ``module`` (``rank``,
+``step``, ``heal``, ``block``: a persistent corruption of that block's output on that rank from ``step`` until
+``heal``, in the baseline too — the forward recipes' fault, e.g. under ZeRO-3 with ``params.recipes``
+``embedding,hidden,output``).
 
 Observed: ``bitwise_equal`` (every rank's state digest and losses equal the baseline's), ``sdc_reports``,
 ``localized_ranks`` (every rank named by an SDC report, sorted), ``detected_steps``, ``slices_agree`` (every other
@@ -54,8 +58,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     elif kind == "update":
         faulted = [int(fault["step"])]
         scout += ["--update-fault-rank", str(fault["rank"]), "--update-fault-step", str(faulted[0])]
+    elif kind == "module":  # training itself is faulty: the baseline runs the same fault
+        faulted = [int(fault["step"])]
+        common += ["--fault-rank", str(fault["rank"]), "--fault-step", str(faulted[0]), "--heal-step",
+                   str(fault["heal"]), "--fault-block", str(fault.get("block", 1))]
     elif kind != "none":
-        raise ValueError(f"ds_scout_cell: unknown fault kind {kind!r}; use none, replay or update")
+        raise ValueError(f"ds_scout_cell: unknown fault kind {kind!r}; use none, replay, update or module")
     timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}]
     limit = float(cell.get("timeout_s", 240))
     baseline = _launch(common, world, celldir, "baseline", limit)

@@ -33,7 +33,7 @@ from qualification.programs._contract import cell_main
 
 
 def _rank_program(cell: dict[str, Any]) -> str:
-    """DeepSpeed topologies (``deepspeed-zero1``, ``deepspeed-zero2``) run their own rank program: the engine owns the
+    """DeepSpeed topologies (``deepspeed-zero1``, ``-zero2``, ``-zero3``) run their own rank program: the engine owns the
     step. Both programs take the same arguments and write the same rank<r>.json."""
     if str(cell.get("topology", "")).startswith("deepspeed-"):
         return "qualification.programs.ds_rank"

@@ -146,7 +146,7 @@ def enable_resiliency(
     """Attach resiliency to a training loop. Collective: every rank of ``group`` must call it.
 
     - ``model`` / ``optimizer``: a torch ``nn.Module`` (DDP, FSDP2, HSDP, TP) and its ``torch.optim.Optimizer``, or a
-      ``DeepSpeedEngine`` (ZeRO-1/2) and ``engine.optimizer``, a Megatron Core model (or its list of chunks) and
+      ``DeepSpeedEngine`` (ZeRO-1/2/3) and ``engine.optimizer``, a Megatron Core model (or its list of chunks) and
       its torch optimizer or MegatronOptimizer, or a TorchTitan ``Trainer`` (optimizer None). See docs/torchrun.md.
     - ``interval``: capture every N optimizer steps.
     - ``checkpoint``: GEMINI settings (None disables GEMINI).

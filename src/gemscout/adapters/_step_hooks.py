@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Hook", "StepHooks"]
+__all__ = ["EngineStepView", "Hook", "StepHooks"]
 
 Hook = Callable[[Any, Any, Any], None]
 """``hook(owner, args, kwargs)``: ``owner`` is the optimizer view the hook was registered on."""
@@ -78,3 +78,58 @@ class StepHooks:
             for hook in list(self.post.values()):
                 hook(self.owner, args, kwargs)
         return result
+
+
+class EngineStepView:
+    """The part of the ``torch.optim.Optimizer`` interface gemscout uses, over a DeepSpeed engine's optimizer:
+    ``param_groups`` / ``state`` / ``defaults`` of the torch optimizer it wraps, and step hooks run around
+    ``engine.step()`` at gradient-accumulation boundaries (called as ``hook(self, args, kwargs)``). Subclasses add
+    ``state_dict`` / ``load_state_dict`` for their ZeRO stage."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.zero = engine.optimizer
+        self.inner: Any = engine.optimizer.optimizer
+        self._hooks = StepHooks(self, engine, when=self._boundary)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups  # type: ignore[no-any-return]
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults  # type: ignore[no-any-return]
+
+    def register_step_pre_hook(self, hook: Hook) -> Any:
+        """Run ``hook(self, args, kwargs)`` at the start of every ``engine.step()`` that updates the weights."""
+        return self._hooks.add_pre(hook)
+
+    def register_step_post_hook(self, hook: Hook) -> Any:
+        """Run ``hook(self, args, kwargs)`` when such an ``engine.step()`` has finished (scheduler and counters
+        included)."""
+        return self._hooks.add_post(hook)
+
+    def _boundary(self) -> bool:
+        """Will this ``engine.step()`` update the weights? Asked before it runs, as the engine itself does."""
+        if not self.engine.managed_gradient_accumulation():
+            return True  # the caller owns accumulation: every step() is a boundary
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    @staticmethod
+    def _restore_entry(live: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Put ``saved`` (one parameter's optimizer state) into ``live`` in place: tensors of the same shape and
+        dtype are copied into (DeepSpeed may have linked them to its own mappings), others cloned (never aliasing
+        the checkpoint's buffer), keys the checkpoint lacks dropped."""
+        for key in [k for k in live if k not in saved]:
+            del live[key]
+        for key, value in saved.items():
+            if not hasattr(value, "copy_"):
+                live[key] = value
+            elif hasattr(live.get(key), "copy_") and live[key].shape == value.shape and live[key].dtype == value.dtype:
+                live[key].copy_(value)
+            else:
+                live[key] = value.clone()

@@ -1,4 +1,7 @@
-"""DeepSpeed ZeRO-1/2: what GEMINI captures from a ``DeepSpeedEngine`` and where the step hooks go.
+"""DeepSpeed ZeRO-1/2/3: what GEMINI captures from a ``DeepSpeedEngine`` and where the step hooks go.
+
+This module holds ZeRO-1/2 and the checks common to every stage; stage 3 (partitioned parameters) is
+:mod:`gemscout.adapters.deepspeed_zero3`.
 
 The engine owns the step: ``engine.step()`` runs the ZeRO optimizer (each rank updates its own flat fp32 partition
 with the client's torch optimizer), copies the partition into the module's parameters, all-gathers them, then steps
@@ -34,13 +37,13 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout.adapters import deepspeed_layout
-from gemscout.adapters._step_hooks import Hook, StepHooks
+from gemscout.adapters._step_hooks import EngineStepView
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.state.codec import encode
 
 __all__ = ["EngineOptimizer", "SUPPORTED_STAGES", "capture_engine", "resolve_engine", "restore_engine"]
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 FORMAT = deepspeed_layout.FORMAT
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -49,7 +52,7 @@ def _class_names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 
 
-class EngineOptimizer:
+class EngineOptimizer(EngineStepView):
     """A ZeRO-1/2 engine's optimizer as gemscout's session and GEMINI see it.
 
     It offers the part of the ``torch.optim.Optimizer`` interface gemscout uses: ``register_step_pre_hook`` /
@@ -60,39 +63,9 @@ class EngineOptimizer:
     """
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.zero = engine.optimizer
+        super().__init__(engine)
         self.inner: torch.optim.Optimizer = engine.optimizer.optimizer
-        self._hooks = StepHooks(self, engine, when=self._boundary)
         self._table = deepspeed_layout.partition_table(self.zero)  # fixed once the engine is built
-
-    # -- the torch.optim.Optimizer subset -------------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.inner.defaults
-
-    def register_step_pre_hook(self, hook: Hook) -> Any:
-        """Run ``hook(self, args, kwargs)`` at the start of every ``engine.step()`` that updates the weights."""
-        return self._hooks.add_pre(hook)
-
-    def register_step_post_hook(self, hook: Hook) -> Any:
-        """Run ``hook(self, args, kwargs)`` when such an ``engine.step()`` has finished (scheduler and counters
-        included)."""
-        return self._hooks.add_post(hook)
-
-    def _boundary(self) -> bool:
-        """Will this ``engine.step()`` update the weights? Asked before it runs, as the engine itself does."""
-        if not self.engine.managed_gradient_accumulation():
-            return True  # the caller owns accumulation: every step() is a boundary
-        return bool(self.engine.is_gradient_accumulation_boundary())
 
     # -- this rank's partition ------------------------------------------------------------------------------------
     def partition_table(self) -> dict[str, Any]:
@@ -152,18 +125,7 @@ class EngineOptimizer:
                 master.copy_(state["master"][i])
                 for key, value in state["param_groups"][i].items():
                     group[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                live = self.inner.state[master]
-                saved = state["state"].get(i, {})
-                for key in [k for k in live if k not in saved]:
-                    del live[key]
-                for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor):
-                        live[key] = value
-                    elif isinstance(live.get(key), torch.Tensor) and live[key].shape == value.shape \
-                            and live[key].dtype == value.dtype:
-                        live[key].copy_(value)  # keep the tensor DeepSpeed may have linked to its param mappings
-                    else:
-                        live[key] = value.clone()  # never alias the checkpoint's buffer
+                self._restore_entry(self.inner.state[master], state["state"].get(i, {}))
 
 
 def capture_engine(engine: Any) -> dict[str, Any]:
@@ -203,18 +165,22 @@ def _check_engine(engine: Any) -> None:
     for unsupported in ("PipelineEngine", "DeepSpeedHybridEngine"):
         if unsupported in names:
             raise ConfigError(f"enable_resiliency.model: a DeepSpeed {unsupported} is not supported; gemscout supports "
-                              "the plain DeepSpeedEngine with ZeRO stage 1 or 2")
+                              "the plain DeepSpeedEngine with ZeRO stage 1, 2 or 3")
     stage = int(engine.zero_optimization_stage())
     if stage not in SUPPORTED_STAGES:
         raise ConfigError(f"DeepSpeed zero_optimization.stage={stage} is not supported; gemscout supports stages "
-                          f"{SUPPORTED_STAGES} (stage 3 partitions the parameters themselves, stage 0 has no ZeRO "
-                          "optimizer)")
+                          f"{SUPPORTED_STAGES} (stage 0 has no ZeRO optimizer: use plain PyTorch DDP instead)")
     if engine.fp16_enabled():
         raise ConfigError("DeepSpeed fp16 is not supported (its dynamic loss scaler is not captured yet); use "
                           "bf16 or fp32")
     if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
         raise ConfigError("DeepSpeed zero_optimization.offload_optimizer / offload_param is not supported yet; "
                           "turn offloading off")
+    if stage == 3:
+        from gemscout.adapters.deepspeed_zero3 import check_zero3
+
+        check_zero3(engine)
+        return
     zero = engine.optimizer
     if "DeepSpeedZeroOptimizer" not in _class_names(zero) or not isinstance(
             getattr(zero, "optimizer", None), torch.optim.Optimizer):
@@ -225,6 +191,48 @@ def _check_engine(engine: Any) -> None:
     if any(len(g["params"]) != 1 for g in groups) or len(groups) != len(zero.single_partition_of_fp32_groups):
         raise ConfigError("the ZeRO optimizer does not hold one flat fp32 partition per param group; this "
                           "DeepSpeed version is not supported (tested: deepspeed==0.19.8)")
+
+
+def _extra_fns(engine: Any, extra_state_fn: Callable[[], Any] | None,
+               load_extra_state_fn: Callable[[Any], None] | None) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """The engine's counters and lr scheduler plus the caller's own state, and the inverse."""
+
+    def extra() -> dict[str, Any]:
+        return {"engine": capture_engine(engine), "caller": extra_state_fn() if extra_state_fn else None}
+
+    def load_extra(state: dict[str, Any]) -> None:
+        restore_engine(engine, state["engine"])
+        if load_extra_state_fn is not None and state["caller"] is not None:
+            load_extra_state_fn(state["caller"])
+
+    return extra, load_extra
+
+
+def _resolve_zero3(engine: Any, *, extra_state_fn: Callable[[], Any] | None,
+                   load_extra_state_fn: Callable[[Any], None] | None, scout: Any) -> EngineParts:
+    """Stage 3: the module's partitions and the optimizer's fp32 master partitions (``deepspeed_zero3``)."""
+    from gemscout.adapters import deepspeed_zero3_layout
+    from gemscout.adapters.deepspeed_zero3 import Zero3EngineOptimizer, Zero3ModuleState
+
+    scout_factory = None
+    if scout is not None:
+        if "optimizer" in getattr(scout, "recipes", ()):
+            raise ConfigError("ScoutConfig.recipes: the optimizer recipe is not supported under DeepSpeed ZeRO stage 3 "
+                              "yet; pass recipes=('embedding', 'hidden', 'output') (the forward recipes replay on "
+                              "the gathered parameters), or scout=None")
+        # The forward recipes replay on the replayed blocks' gathered parameters (adapters/deepspeed_zero3_scout.py).
+        from gemscout.adapters.deepspeed_zero3_scout import Zero3Scout
+
+        scout_factory = Zero3Scout
+    deepspeed_zero3_layout.register()  # durable promotions of this job are stored per parameter
+    view = Zero3EngineOptimizer(engine)
+    model = Zero3ModuleState(cast(nn.Module, engine.module))
+    extra, load_extra = _extra_fns(engine, extra_state_fn, load_extra_state_fn)
+    encode(capture_engine(engine), path="deepspeed.engine")
+    encode(view.state_dict(), path="deepspeed.optimizer")
+    encode(model.state_dict(), path="deepspeed.model")
+    return EngineParts(model=model, optimizer=cast(EngineOptimizer, view), extra_state_fn=extra,
+                       load_extra_state_fn=load_extra, scout_factory=scout_factory)
 
 
 def resolve_engine(
@@ -242,7 +250,6 @@ def resolve_engine(
     or None. Raises ConfigError for an engine setting or argument the adapter cannot take, naming the fix.
     """
     _check_engine(engine)
-    deepspeed_layout.register()  # durable promotions of this job are stored per parameter
     zero = engine.optimizer
     if optimizer is not None and optimizer is not zero and optimizer is not zero.optimizer:
         raise ConfigError(f"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer (the second "
@@ -250,6 +257,10 @@ def resolve_engine(
     if engine.lr_scheduler is not None and any(s is engine.lr_scheduler for s in schedulers):
         raise ConfigError("enable_resiliency.schedulers: engine.lr_scheduler is stepped by engine.step() and captured "
                           "by the DeepSpeed adapter; list only schedulers your loop steps itself")
+    if int(engine.zero_optimization_stage()) == 3:
+        return _resolve_zero3(engine, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+                              scout=scout)
+    deepspeed_layout.register()  # durable promotions of this job are stored per parameter
     scout_factory = None
     if "optimizer" in getattr(scout, "recipes", ()):
         # Each rank updates a different partition: the optimizer recipe replays the partition owner's update
@@ -258,14 +269,7 @@ def resolve_engine(
 
         scout_factory = ZeroScout
     view = EngineOptimizer(engine)
-
-    def extra() -> dict[str, Any]:
-        return {"engine": capture_engine(engine), "caller": extra_state_fn() if extra_state_fn else None}
-
-    def load_extra(state: dict[str, Any]) -> None:
-        restore_engine(engine, state["engine"])
-        if load_extra_state_fn is not None and state["caller"] is not None:
-            load_extra_state_fn(state["caller"])
+    extra, load_extra = _extra_fns(engine, extra_state_fn, load_extra_state_fn)
 
     # Fail at attach, not inside the first engine.step(), when the scheduler holds something only pickle could store.
     encode(capture_engine(engine), path="deepspeed.engine")

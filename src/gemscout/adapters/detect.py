@@ -3,7 +3,7 @@
 Detection reads class modules and names along each object's MRO; it never imports a framework, so it costs nothing
 when the framework is absent and cannot fail on a broken install. The kinds:
 
-- **DeepSpeed**: a ``deepspeed…DeepSpeedEngine`` → :mod:`gemscout.adapters.deepspeed` (ZeRO-1/2);
+- **DeepSpeed**: a ``deepspeed…DeepSpeedEngine`` → :mod:`gemscout.adapters.deepspeed` (ZeRO-1/2/3);
 - **TorchTitan**: a ``torchtitan…Trainer`` → :mod:`gemscout.adapters.torchtitan` (pass the trainer as ``model``);
 - **Megatron Core**: a list of model chunks, a module or an optimizer from ``megatron…`` →
   :mod:`gemscout.adapters.megatron`;

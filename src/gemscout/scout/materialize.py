@@ -210,19 +210,22 @@ def _owned_by_fsdp(hook: Any) -> bool:
 
 
 @contextmanager
-def without_wrapper_hooks(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Detach FSDP's forward hooks from ``modules`` (and their submodules) for the replay, then put them back in order.
+def without_wrapper_hooks(modules: Sequence[nn.Module],
+                          owned_by: Callable[[Any], bool] | None = None) -> Iterator[None]:
+    """Detach a sharding wrapper's forward hooks from ``modules`` (and their submodules) for the replay, then put them
+    back in order. ``owned_by(hook)`` says which hooks are the wrapper's (default: FSDP2's).
 
     Those hooks would all-gather into the live module, reshard it and register the post-backward reduce-scatter that
     writes ``.grad``: the replay's backward would then change training. Every other hook stays: a user's module hook
     (a persistent fault included) and TP's input/output hooks, which the replay needs.
     """
+    owned_by = owned_by or _owned_by_fsdp
     saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
     try:
         for module in modules:
             for sub in module.modules():
                 for registry in (sub._forward_pre_hooks, sub._forward_hooks):
-                    owned = [key for key, hook in registry.items() if _owned_by_fsdp(hook)]
+                    owned = [key for key, hook in registry.items() if owned_by(hook)]
                     if owned:
                         saved.append((registry, dict(registry)))
                         for key in owned:
