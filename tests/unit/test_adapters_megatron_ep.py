@@ -3,7 +3,7 @@
 - :func:`gemscout.scout.materialize.param_model_dims`: Megatron flags expert weights under expert parallelism
   ``allreduce=False`` (and its TP shards ``tensor_model_parallel``): they lie on the topology's ``ep`` (``tp``) dim,
   so a MoE layer replays with its AllToAlls on every rank; everything else is replicated along every model dim.
-- :func:`gemscout.adapters.megatron.megatron_topology` for layouts a CPU test cannot afford to launch for real (each
+- :func:`gemscout.adapters.megatron_topology.megatron_topology` for layouts a CPU test cannot afford to launch for real (each
   needs 4–8 Megatron ranks): ``parallel_state``'s size getters and ``torch.distributed``'s rank / group queries are
   stood in (monkeypatched) with what Megatron reports for that layout. The mesh it derives, the live-group check and
   what stays refused (expert parallelism with TP or CP, an expert TP of its own), each naming the fix. The real
@@ -53,7 +53,7 @@ class _Layout:
                  ep: int = 1, etp: int | None = None, edp_group: list[int], ep_group: list[int]) -> None:
         from megatron.core import parallel_state as ps
 
-        import gemscout.adapters.megatron as adapter
+        import gemscout.adapters.megatron_topology as adapter
 
         etp = tp if etp is None else etp
         sizes = {"pipeline_model_parallel": 1, "data_parallel": world // (tp * cp), "context_parallel": cp,
