@@ -180,16 +180,17 @@ def test_autocast_bf16_replay_and_late_collectives(tmp_path: Path) -> None:
         assert cells and all(c["dtype"] == dtype for c in cells)
         clean = [c for c in cells if c["recipe"] is None]
         assert len(clean) == CLEAN
-        for c in clean:
+        for c in clean:  # numbers, not timing: a rank late by load past the 0.1 s margin may be reported slow
             assert all(v["verdict"] == "agree" for v in c["verdicts"].values()), c
-            assert c["reports"] == [], c
+            assert [p for p in c["reports"] if p["kind"] != "straggler"] == [], c
         faulty = [c for c in cells if c["recipe"] is not None]
         assert len(faulty) == len(clean[0]["verdicts"])  # every recipe of the catalog, once
         for c in faulty:
             assert c["verdicts"][c["recipe"]]["verdict"] == "attributed", c
             assert c["verdicts"][c["recipe"]]["ranks"] == [1], c
             assert all(v["verdict"] == "agree" for n, v in c["verdicts"].items() if n != c["recipe"]), c
-            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"]] == [("sdc", "rank", [1])], c
+            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"] if p["kind"] != "straggler"] == \
+                [("sdc", "rank", [1])], c
 
     for r in ranks:  # the timing hook left training bitwise equal to DDP without it
         assert r["timed_digest"] == r["untimed_digest"], f"rank {r['rank']}: the timing hook changed training"
