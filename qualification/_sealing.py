@@ -11,11 +11,28 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from qualification.evidence.facts import Boundaries, CampaignRef, CommandRecord, SealInput, Summary, Topology
+from qualification.evidence.facts import (
+    BackedClaim,
+    Boundaries,
+    CampaignRef,
+    CommandRecord,
+    Scope,
+    SealInput,
+    Summary,
+    Topology,
+    UnbackedClaim,
+)
 
 
 def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
     """The seal facts of the run in ``out_dir`` described by ``summary``; CI facts come from GitHub's variables."""
+    if not isinstance(summary, dict) or summary.get("summary_version") != 2 or not isinstance(summary.get("cells"),
+                                                                                          list):
+        from qualification.errors import UsageError
+
+        version = summary.get("summary_version") if isinstance(summary, dict) else None
+        raise UsageError(f"{out_dir / 'summary.json'} is not a summary this qualify can seal (summary_version "
+                         f"{version!r}, expected 2: it records the run's scope); re-run the campaign")
     cells = summary["cells"]
     commands = tuple(
         CommandRecord(
@@ -41,16 +58,33 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
                              path=_campaign_file(out_dir, summary)),
         commands=commands,
         summary=Summary(total=counts["total"], passed=counts["passed"], failed=counts["failed"],
-                        skipped=counts["skipped"]),
+                        skipped=counts["skipped"], measured=counts.get("measured", 0)),
         topology=Topology(hosts=1, world_size=max((c["world_size"] for c in ran), default=1),
                           backends=backends,
                           devices=_cuda_devices() if gpu else ("cpu",)),
-        boundaries=Boundaries(validated=tuple(summary["boundaries"]["validated"]),
-                              not_validated=tuple(summary["boundaries"]["not_validated"])),
+        boundaries=_boundaries(summary["boundaries"]),
+        scope=_scope(summary.get("scope")),
         started_on=datetime.fromisoformat(summary["started_at"]),
         finished_on=datetime.fromisoformat(summary["finished_at"]),
         **_ci_facts(),
     )
+
+
+def _boundaries(raw: dict[str, Any]) -> Boundaries:
+    """The claims as the engine evaluated them (summary v2); a v1 summary's plain strings are left to sealing,
+    which binds them to the run's commands."""
+    validated = tuple(BackedClaim(claim=c["claim"], backed_by=tuple(c["backed_by"])) if isinstance(c, dict) else c
+                      for c in raw["validated"])
+    not_validated = tuple(UnbackedClaim(claim=c["claim"], reason=c["reason"]) if isinstance(c, dict) else c
+                          for c in raw["not_validated"])
+    return Boundaries(validated=validated, not_validated=not_validated)
+
+
+def _scope(raw: dict[str, Any] | None) -> Scope | None:
+    if raw is None:
+        return None
+    return Scope(cells_in_campaign=raw["cells_in_campaign"], campaign_cells_run=raw["campaign_cells_run"],
+                 cells_run=raw["cells_run"], filter=raw["filter"], seed_override=raw["seed_override"])
 
 
 def _campaign_file(out_dir: Path, summary: dict[str, Any]) -> Path:

@@ -36,8 +36,9 @@ MERGED_TABLES = ("params", "expect")
 
 @cache
 def load_schema(name: str) -> dict[str, Any]:
-    """Load ``name`` (e.g. ``"campaign.schema.json"``) from the checkout's ``schemas/``, else the packaged copy."""
-    for folder in (REPO_ROOT / "schemas", Path(__file__).resolve().parent / "schemas"):
+    """Load ``name`` (e.g. ``"campaign.schema.json"``) from ``qualification/schemas/`` (the one source; a root
+    ``schemas/`` in a checkout, where it exists, mirrors it)."""
+    for folder in (Path(__file__).resolve().parent / "schemas", REPO_ROOT / "schemas"):
         candidate = folder / name
         if candidate.is_file():
             loaded: dict[str, Any] = json.loads(candidate.read_text(encoding="utf-8"))
@@ -79,6 +80,23 @@ class Cell:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Claim:
+    """One ``validated`` boundary and the cells that back it: it holds for a run only if every one of them ran and
+    passed (:mod:`qualification.claims`)."""
+
+    text: str
+    cells: tuple[str, ...]
+    """Patterns as for ``--filter`` (substring, or a glob over the id with or without ``<campaign>/``); empty: every
+    cell of the campaign backs the claim (a plain string in the file)."""
+
+    def backing(self, cell_ids: Sequence[str]) -> list[str]:
+        """The ids among ``cell_ids`` that back this claim, in their order."""
+        if not self.cells:
+            return list(cell_ids)
+        return [cell_id for cell_id in cell_ids if any(_matches(cell_id, p) for p in self.cells)]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Campaign:
     """A validated campaign file and the cells it expands to."""
 
@@ -86,11 +104,14 @@ class Campaign:
     tier: str
     description: str
     validated: tuple[str, ...]
+    """The claims' texts, in file order (see ``claims`` for what backs each)."""
     not_validated: tuple[str, ...]
     path: Path
     source: bytes
     """The file exactly as read; copied into the run directory so the evidence shows what was run."""
     cells: tuple[Cell, ...]
+    claims: tuple[Claim, ...] = ()
+    """The ``validated`` boundaries with their backing cells."""
 
 
 def campaigns_dir() -> Path:
@@ -136,16 +157,38 @@ def load(ref: str | Path) -> Campaign:
     validate_document(document, path=path, text=text)
     cells = expand(document, path=path)
     boundaries = document["boundaries"]
+    claims = _claims(boundaries["validated"], cells, path=path)
     return Campaign(
         name=document["name"],
         tier=document["tier"],
         description=document["description"],
-        validated=tuple(boundaries["validated"]),
+        validated=tuple(claim.text for claim in claims),
         not_validated=tuple(boundaries["not_validated"]),
         path=path,
         source=source,
         cells=tuple(cells),
+        claims=claims,
     )
+
+
+def _claims(raw: Sequence[Any], cells: Sequence[Cell], *, path: Path) -> tuple[Claim, ...]:
+    """The schema-valid ``validated`` entries as claims; a pattern that matches no cell is an error, since a claim
+    backed by nothing would be validated by nothing."""
+    ids = [cell.id for cell in cells]
+    claims = []
+    for index, entry in enumerate(raw):
+        if isinstance(entry, str):
+            claim = Claim(text=entry, cells=())
+        else:
+            claim = Claim(text=entry["claim"], cells=tuple(entry["cells"]))
+        for pattern in claim.cells:
+            if not any(_matches(cell_id, pattern) for cell_id in ids):
+                raise CampaignError(
+                    f"{path}: boundaries.validated[{index}] names cells {pattern!r}, which match none of the "
+                    f"{len(ids)} cells; name cells the campaign has (substring or glob of their ids)"
+                )
+        claims.append(claim)
+    return tuple(claims)
 
 
 def validate_document(document: Mapping[str, Any], *, path: Path, text: str = "") -> None:

@@ -118,9 +118,15 @@ def run(
     summary = engine.build_summary(loaded, outcomes, started_at=started, finished_at=now(),
                                    invocation=invocation)
     engine.write_json(out_dir / "summary.json", summary)
-    counts = summary["counts"]
-    typer.echo(f"{loaded.name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-               f"in {summary['duration_s']:.1f} s; results in {out_dir / 'summary.json'}")
+    counts, scope = summary["counts"], summary["scope"]
+    partial = "" if scope["complete"] else (
+        f"; PARTIAL: {scope['campaign_cells_run']} of {scope['cells_in_campaign']} cells of the campaign")
+    typer.echo(f"{loaded.name}: {summary['verdict'].upper()}: {counts['passed']} passed, {counts['failed']} failed, "
+               f"{counts['skipped']} skipped, {counts['measured']} measured in {summary['duration_s']:.1f} s"
+               f"{partial}; results in {out_dir / 'summary.json'}")
+    for claim in summary["boundaries"]["not_validated"]:
+        if claim["reason"] != "declared not validated by the campaign":
+            typer.echo(f"not validated by this run: {claim['claim'][:100]} [{claim['reason'][:200]}]", err=True)
 
     if no_seal:
         typer.echo("not sealed (--no-seal)", err=True)
@@ -160,11 +166,13 @@ def verify(
     require_signature: Annotated[bool, typer.Option("--require-signature", help="Reject an unsigned bundle.")] = False,
     main_ref: Annotated[str, typer.Option(help="The ref that is main, for freshness (fetch first).")] = "main",
     allow_stale: Annotated[bool, typer.Option("--allow-stale", help="Exit 0 for a valid STALE bundle.")] = False,
+    require_complete: Annotated[bool, typer.Option(
+        "--require-complete", help="Exit 7 for a PARTIAL run (narrowed by --filter or --seed).")] = False,
 ) -> None:
     """Verify an evidence bundle (signature, schema, digests, consistency, commit, freshness).
 
     The same check as `validation-evidence verify`, with the same exit codes: 0 valid and CURRENT, 1 invalid,
-    3 STALE, 4 commit mismatch, 5 signature, 6 NOT-ON-MAIN or UNKNOWN.
+    3 STALE, 4 commit mismatch, 5 signature, 6 NOT-ON-MAIN or UNKNOWN, 7 PARTIAL under --require-complete.
     """
     if importlib.util.find_spec("qualification.evidence.cli") is None:
         raise QualificationError("the bundle verifier (qualification.evidence.cli) is not part of this build yet")
@@ -173,7 +181,8 @@ def verify(
     argv = ["verify", str(bundle), "--expected-commit", expected_commit, "--main-ref", main_ref]
     argv += ["--public-key", str(public_key)] if public_key else []
     argv += [flag for flag, on in (("--json", as_json), ("--require-signature", require_signature),
-                                   ("--allow-stale", allow_stale)) if on]
+                                   ("--allow-stale", allow_stale), ("--require-complete", require_complete))
+             if on]
     code = evidence_main(argv)
     if code:
         raise typer.Exit(code)
@@ -227,7 +236,7 @@ def _run_with_progress(cells: list[campaigns.Cell], out_dir: Path,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True, highlight=False)
-    style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
+    style = {"passed": "green", "failed": "bold red", "skipped": "yellow", "measured": "cyan"}
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
         task = progress.add_task("cells", total=len(cells))

@@ -28,7 +28,8 @@ from qualification import _proctree
 from qualification.campaign import REPO_ROOT, Campaign, Cell
 from qualification.outcome import CellOutcome, Verdict, iso, judge, now, relative
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
+"""2: ``scope``, claim records in ``boundaries``, the ``measured`` count and verdicts."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -78,22 +79,45 @@ def prepare_out_dir(out_dir: Path, campaign: Campaign) -> None:
 
 def build_summary(campaign: Campaign, outcomes: Sequence[CellOutcome], *, started_at: datetime,
                   finished_at: datetime, invocation: dict[str, Any]) -> dict[str, Any]:
-    """The content of ``summary.json``: campaign, boundaries, counts, verdict and one record per cell."""
+    """The content of ``summary.json``: campaign, scope, boundaries as this run backs them, counts, verdict and one
+    record per cell.
+
+    ``invocation`` holds ``filter`` and ``seed_override`` (None when unused): they narrow the run, so they decide its
+    scope. The verdict is :func:`campaign_verdict` of the counts."""
+    from qualification.claims import evaluate, scope_of
+
     counts = {v.value: sum(o.verdict is v for o in outcomes) for v in Verdict}
+    scope = scope_of(campaign, outcomes, filter_expr=invocation.get("filter"),
+                     seed_override=invocation.get("seed_override"))
     return {
         "summary_version": SUMMARY_VERSION,
         "campaign": {"name": campaign.name, "tier": campaign.tier, "description": campaign.description,
                      "file": "campaign.toml", "source_path": str(campaign.path)},
-        "boundaries": {"validated": list(campaign.validated), "not_validated": list(campaign.not_validated)},
+        "scope": scope.to_json(),
+        "boundaries": evaluate(campaign, outcomes, scope),
         "started_at": iso(started_at),
         "finished_at": iso(finished_at),
         "duration_s": round((finished_at - started_at).total_seconds(), 3),
         "invocation": invocation,
         "counts": {"total": len(outcomes), **counts},
-        # A campaign where nothing ran (all skipped) proves nothing: it is not reported as passed.
-        "verdict": "failed" if counts["failed"] else ("passed" if counts["passed"] else "skipped"),
+        "verdict": campaign_verdict(counts),
         "cells": [o.to_json() for o in outcomes],
     }
+
+
+def campaign_verdict(counts: dict[str, int]) -> str:
+    """``failed`` if a cell failed; ``skipped`` if nothing ran (it proves nothing); ``passed-with-skips`` if any cell
+    was skipped; ``measured`` if only measurement cells ran; else ``passed``. Measured cells never make a campaign
+    PASSED on their own: a measurement is read, not passed."""
+    if counts.get("failed", 0):
+        return "failed"
+    if not counts.get("passed", 0) and not counts.get("measured", 0):
+        return "skipped"
+    if counts.get("skipped", 0):
+        return "passed-with-skips"
+    if not counts.get("passed", 0):
+        return "measured"
+    return "passed"
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ code  meaning
 4     bundle commit differs from ``--expected-commit``
 5     signature missing where required, invalid, or made by another key
 6     bundle valid but its commit is NOT-ON-MAIN, or freshness is UNKNOWN
+7     bundle valid but PARTIAL (narrowed by --filter / --seed, or no scope recorded) under ``--require-complete``
 ====  =======================================================================
 """
 
@@ -24,6 +25,7 @@ EXIT_STALE = 3
 EXIT_COMMIT_MISMATCH = 4
 EXIT_SIGNATURE = 5
 EXIT_NOT_ON_MAIN = 6
+EXIT_INCOMPLETE = 7
 
 
 class QualificationError(Exception):

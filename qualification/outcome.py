@@ -3,6 +3,8 @@
 PASSED iff the driver exited 0, ``result.json`` is present, schema-valid and names this cell, the program's own status
 is ``passed``, and every expectation holds (:mod:`qualification.expect`). Anything else is FAILED with the first
 reason that applies, stated precisely enough to act on. SKIPPED is decided before a cell runs (unmet requirement).
+A measurement cell (its result lists ``targets``) that would pass is MEASURED instead, its reason naming each target
+met or missed: a measurement is evidence to read, and a missed target must never read as PASSED.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Verdict(enum.StrEnum):
     PASSED = "passed"
     FAILED = "failed"
     SKIPPED = "skipped"
+    MEASURED = "measured"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +74,15 @@ class CellOutcome:
         }
         for key in ("observed", "metrics", "timeline", "message"):
             record[key] = self.result.get(key) if self.result else None
+        if self.result and "targets" in self.result:
+            record["targets"] = self.result["targets"]
         return record
+
+    @property
+    def missed_targets(self) -> list[dict[str, Any]]:
+        """The targets a measurement cell missed (empty for any other cell)."""
+        targets = self.result.get("targets", []) if self.result else []
+        return [t for t in targets if not t["met"]]
 
 
 def now() -> datetime:
@@ -99,15 +110,27 @@ def judge(outcome: CellOutcome, cell_dir: Path, out_dir: Path) -> None:
     elif result["status"] != "passed":
         outcome.reason = f"program reported status {result['status']!r}{said}"
     else:
-        mismatches = expect.check(cell.expect, result["observed"])
+        mismatches = expect.check(cell.expect, result["observed"], params=cell.params, fault=cell.fault)
         if mismatches:
             outcome.reason = "; ".join(mismatches)
+        elif "targets" in result:
+            outcome.verdict = Verdict.MEASURED
+            outcome.reason = describe_targets(result["targets"])
         else:
             outcome.verdict = Verdict.PASSED
             outcome.reason = f"all {len(cell.expect)} expectations met" if cell.expect else "no expectations"
     if outcome.swept_pids and not outcome.timed_out:
         # Not a failure of what the cell checks, but the evidence must show that its program did not clean up.
         outcome.reason += f"; the engine ended {len(outcome.swept_pids)} process(es) the cell left running"
+
+
+def describe_targets(targets: list[dict[str, Any]]) -> str:
+    """``measured: 2 of 3 targets met; missed: scout throughput (-4.1 % < -3 %)``."""
+    missed = [t for t in targets if not t["met"]]
+    text = f"measured: {len(targets) - len(missed)} of {len(targets)} targets met"
+    if missed:
+        text += "; missed: " + "; ".join(f"{t['name']} ({t['detail']})" if t["detail"] else t["name"] for t in missed)
+    return text
 
 
 def _read_result(path: Path, cell: Cell) -> tuple[dict[str, Any] | None, str | None]:

@@ -56,6 +56,7 @@ from qualification.evidence.manifest import (  # noqa: E402
     parse_json,
 )
 from qualification.evidence.sign import GITHUB_OIDC_ISSUER  # noqa: E402
+from qualification.evidence.verdict import Headline, scope_text  # noqa: E402
 from qualification.evidence.verify import TrustPolicy, VerificationResult, verify_bundle  # noqa: E402
 
 PROG = "render_validation_doc"
@@ -81,13 +82,23 @@ class Evidence:
     @property
     def ran_cells(self) -> int:
         counts = self.predicate["summary"]
-        return int(counts["passed"]) + int(counts["failed"])
+        return int(counts["passed"]) + int(counts["failed"]) + int(counts.get("measured", 0))
+
+    @property
+    def partial(self) -> str | None:
+        """``PARTIAL 1 of 4 cells (...)`` for a narrowed run, a note for a bundle that records no scope, else None."""
+        return scope_text(self.predicate.get("scope"))
+
+    @property
+    def headline(self) -> Headline:
+        return self.verification.headline
 
     @property
     def is_current(self) -> bool:
-        """Current qualification: this commit, head of main, clean tree, PASSED, and something actually ran."""
+        """Current qualification: this commit, head of main, clean tree, not FAILED, the whole campaign, and
+        something actually ran."""
         return (self.current_commit and self.verification.exit_code == 0 and self.ran_cells > 0
-                and str(self.verification.freshness.state) == "CURRENT")
+                and str(self.verification.freshness.state) == "CURRENT" and self.partial is None)
 
     def label(self) -> str:
         """What this evidence is, in one sentence that never overstates it."""
@@ -99,12 +110,21 @@ class Evidence:
             return f"{older}evidence from a dirty tree at commit {short}: not current qualification"
         if self.ran_cells == 0:
             return f"{older}nothing ran at commit {short} (every cell was skipped): shows nothing"
-        if self.predicate["result"] != "PASSED":
+        if self.predicate["result"] == "FAILED":
             return f"{older}a FAILED run at commit {short}: not a qualification"
+        if self.partial is not None:
+            return f"{older}{self.partial} at commit {short}: not a qualification of the whole campaign"
         if not self.current_commit:
             behind = f", {freshness.commits_behind} commit(s) behind {freshness.main_ref}" if state == "STALE" else ""
             return f"historical: evidence for commit {short}{behind}, not for the commit this page describes"
         if state == "CURRENT":
+            result = self.predicate["result"]
+            if result == "PASSED-WITH-SKIPS":
+                return (f"current, PASSED-WITH-SKIPS: commit {short} is the head of {freshness.main_ref}; "
+                        f"{self.predicate['summary']['skipped']} cell(s) skipped, and the claims they back are not "
+                        "validated")
+            if result == "MEASURED":
+                return f"current, MEASURED: commit {short} is the head of {freshness.main_ref}; read each target"
             return f"current qualification: commit {short} is the head of {freshness.main_ref}"
         if state == "STALE":
             return f"stale: {freshness.main_ref} is {freshness.commits_behind} commit(s) past {short}"
@@ -174,9 +194,12 @@ def load_evidence(bundle: Path, *, expected_commit: str, trust: TrustPolicy, rep
 
 def _check_summary_agrees(summary: dict[str, Any], predicate: dict[str, Any]) -> None:
     counts = summary.get("counts", {})
-    for key in ("total", "passed", "failed", "skipped"):
-        if counts.get(key) != predicate["summary"][key]:
-            raise BundleInvalid(f"consistency: {SUMMARY_NAME} counts {key}={counts.get(key)}, the manifest "
+    for key in ("total", "passed", "failed", "skipped", "measured"):
+        if key not in predicate["summary"]:
+            continue  # a 1.0.0 manifest counts no measured cells
+        recorded = counts.get(key, 0) if key == "measured" else counts.get(key)  # older summaries count none
+        if recorded != predicate["summary"][key]:
+            raise BundleInvalid(f"consistency: {SUMMARY_NAME} counts {key}={recorded}, the manifest "
                                 f"{predicate['summary'][key]}")
 
 
@@ -236,8 +259,10 @@ def _evidence_table(evidence: Evidence) -> list[str]:
         ("campaign", f"{esc(campaign['name'])} (tier {esc(campaign['tier'])}, `{esc(campaign['path'])}`)"),
         ("commit", f"`{esc(evidence.commit)}`" + (" (dirty tree)" if p["source"]["dirty"] else "")),
         ("ref", esc(p["source"].get("ref") or "-")),
+        ("verdict", f"**{esc(v.headline.text)}**"),
         ("result", f"{esc(p['result'])}: {counts['passed']} passed, {counts['failed']} failed, "
-                   f"{counts['skipped']} skipped of {counts['total']} cells"),
+                   f"{counts['skipped']} skipped, {counts.get('measured', 0)} measured of {counts['total']} cells"),
+        ("scope", esc(evidence.partial or f"complete: all {p['scope']['cellsInCampaign']} cells of the campaign")),
         ("run", esc(f"{run['startedOn']} to {run['finishedOn']}, trigger {run['trigger']}, runner {run['runner']}")),
         ("artifact", f"`{esc(artifact['name'])}`"
                      + (f", workflow run {esc(artifact['runUrl'])}" if artifact.get("runUrl") else "")),
@@ -249,11 +274,28 @@ def _evidence_table(evidence: Evidence) -> list[str]:
 
 
 def _boundaries(evidence: Evidence) -> list[str]:
+    """Claims as the verified manifest records them: validated only with the cells that back them, every other one
+    with its reason (a 1.0.0 manifest's plain lists are shown as they were, marked as unbacked)."""
     bounds = evidence.predicate["boundaries"]
-    lines = ["**Validated** (by this run, only if it passed):", ""]
-    lines += [f"- {_cell_text(item)}" for item in bounds["validated"]] or ["- nothing declared"]
+    old = evidence.predicate["schemaVersion"].startswith("1.0.")
+    headline = ("**Validated** (schema 1.0.0: the campaign's list, not checked against its cells):" if old
+                else "**Validated by this run** (every backing cell ran and passed):")
+    lines = [headline, ""]
+    for item in bounds["validated"]:
+        if isinstance(item, str):
+            lines.append(f"- {_cell_text(item)}")
+        else:
+            lines.append(f"- {_cell_text(item['claim'])} ({len(item['backedBy'])} backing cell(s))")
+    if not bounds["validated"]:
+        lines.append("- nothing")
     lines += ["", "**Not validated:**", ""]
-    lines += [f"- {_cell_text(item)}" for item in bounds["notValidated"]] or ["- nothing declared"]
+    for item in bounds["notValidated"]:
+        if isinstance(item, str):
+            lines.append(f"- {_cell_text(item)}")
+        else:
+            lines.append(f"- {_cell_text(item['claim'])} — {_cell_text(item['reason'])}")
+    if not bounds["notValidated"]:
+        lines.append("- nothing declared")
     return lines
 
 

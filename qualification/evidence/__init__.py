@@ -4,13 +4,24 @@ The engine calls :func:`seal_bundle` with a :class:`SealInput`; people and CI ca
 (:func:`verify_bundle`). See docs/evidence.md for the layout, the checks and the exit codes.
 """
 
-from qualification.evidence.facts import Boundaries, CampaignRef, CommandRecord, SealInput, Summary, Topology
+from qualification.evidence.facts import (
+    BackedClaim,
+    Boundaries,
+    CampaignRef,
+    CommandRecord,
+    Scope,
+    SealInput,
+    Summary,
+    Topology,
+    UnbackedClaim,
+)
 from qualification.evidence.freshness import Freshness, FreshnessReport
 from qualification.evidence.seal import SealedBundle, seal_bundle, sign_bundle
 from qualification.evidence.sign import KeySigner, NoneSigner, Signer, SigstoreSigner, generate_key, make_signer
 from qualification.evidence.verify import TrustPolicy, VerificationResult, verify_bundle
 
 __all__ = [
+    "BackedClaim",
     "Boundaries",
     "CampaignRef",
     "CommandRecord",
@@ -18,6 +29,7 @@ __all__ = [
     "FreshnessReport",
     "KeySigner",
     "NoneSigner",
+    "Scope",
     "SealInput",
     "SealedBundle",
     "Signer",
@@ -25,6 +37,7 @@ __all__ = [
     "Summary",
     "Topology",
     "TrustPolicy",
+    "UnbackedClaim",
     "VerificationResult",
     "generate_key",
     "make_signer",

@@ -18,6 +18,7 @@ from qualification.errors import EXIT_FAILED, EXIT_OK, BundleInvalid, Qualificat
 from qualification.evidence.facts import load_facts
 from qualification.evidence.seal import seal_bundle, sign_bundle
 from qualification.evidence.sign import GITHUB_OIDC_ISSUER, generate_key, keyid, load_public_key, make_signer
+from qualification.evidence.verdict import scope_text
 from qualification.evidence.verify import TrustPolicy, VerificationResult, verify_bundle
 
 PROG = "validation-evidence"
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--repo", type=Path, default=Path("."), help="git clone to judge freshness in (default: .)")
     verify.add_argument("--main-ref", default="main", help="ref that is main (default: main; fetch first)")
     verify.add_argument("--allow-stale", action="store_true", help="exit 0 for a valid STALE bundle")
+    verify.add_argument("--require-complete", action="store_true",
+                        help="exit 7 for a run narrowed by --filter/--seed (PARTIAL) or one that records no scope")
     verify.add_argument("--public-key", type=Path, help="P-256 public key (PEM) for key-signed bundles")
     verify.add_argument("--require-signature", action="store_true", help="reject an unsigned bundle")
     verify.add_argument("--trusted-root", type=Path, help="pinned Sigstore trusted_root.json (offline)")
@@ -103,6 +106,7 @@ def _verify(args: argparse.Namespace) -> int:
         repo=args.repo,
         main_ref=args.main_ref,
         allow_stale=args.allow_stale,
+        require_complete=args.require_complete,
     )
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
@@ -114,12 +118,30 @@ def _verify(args: argparse.Namespace) -> int:
 def _print_result(result: VerificationResult) -> None:
     freshness = result.freshness
     behind = f", {freshness.commits_behind} commit(s) behind" if freshness.commits_behind else ""
+    counts = result.counts or {}
+    scope = result.scope
     print(f"VALID: {result.message}")
+    print(f"  verdict    {result.headline.text}")
     print(f"  commit     {result.commit}")
-    print(f"  result     {result.result}")
+    print(f"  result     {result.result}: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
+                                                     ("passed", "failed", "skipped", "measured") if k in counts))
+    if scope is None:
+        print(f"  scope      not recorded (schema {result.schema_version})")
+    elif scope["complete"]:
+        print(f"  scope      complete: all {scope['cellsInCampaign']} cells of the campaign")
+    else:
+        print(f"  scope      {scope_text(scope)}")
     print(f"  signature  {result.signature}")
     print(f"  checks     {', '.join(result.checks_passed)}")
     print(f"  freshness  {freshness.state} against {freshness.main_ref}{behind}")
+    bounds = result.boundaries or {}
+    for claim in bounds.get("validated", []):
+        text = claim if isinstance(claim, str) else claim["claim"]
+        backing = "" if isinstance(claim, str) else f" [{len(claim['backedBy'])} cell(s)]"
+        print(f"  validated      {text}{backing}")
+    for claim in bounds.get("notValidated", []):
+        text = claim if isinstance(claim, str) else f"{claim['claim']} [{claim['reason']}]"
+        print(f"  not validated  {text}")
 
 
 def _keygen(args: argparse.Namespace) -> int:

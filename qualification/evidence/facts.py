@@ -81,17 +81,44 @@ class CommandRecord:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Summary:
-    """Cell counts; ``total`` must equal ``passed + failed + skipped``."""
+    """Cell counts; ``total`` must equal ``passed + failed + skipped + measured``."""
 
     total: int
     passed: int
     failed: int
     skipped: int
+    measured: int = 0
+    """Measurement cells (benchmarks, overhead): read, never counted as passed."""
 
     def __post_init__(self) -> None:
-        counts = (self.total, self.passed, self.failed, self.skipped)
+        counts = (self.total, self.passed, self.failed, self.skipped, self.measured)
         _require(all(isinstance(n, int) and n >= 0 for n in counts), "summary", "counts must be integers >= 0")
-        _require(self.total == self.passed + self.failed + self.skipped, "summary.total", "!= passed+failed+skipped")
+        _require(self.total == self.passed + self.failed + self.skipped + self.measured, "summary.total",
+                 "!= passed+failed+skipped+measured")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Scope:
+    """Which part of the campaign ran. ``None`` for a field of :class:`SealInput` means the whole campaign, one
+    command per cell (what a facts file that says nothing about scope describes)."""
+
+    cells_in_campaign: int
+    campaign_cells_run: int
+    cells_run: int
+    filter: str | None = None
+    seed_override: int | None = None
+
+    def __post_init__(self) -> None:
+        counts = (self.cells_in_campaign, self.campaign_cells_run, self.cells_run)
+        _require(all(isinstance(n, int) and n >= 0 for n in counts), "scope", "counts must be integers >= 0")
+        _require(self.campaign_cells_run <= min(self.cells_in_campaign, self.cells_run), "scope.campaign_cells_run",
+                 "exceeds the cells in the campaign or the cells run")
+        _require(self.filter is None or bool(self.filter), "scope.filter", "must be None or non-empty")
+
+    @property
+    def complete(self) -> bool:
+        return (self.filter is None and self.seed_override is None
+                and self.campaign_cells_run == self.cells_in_campaign == self.cells_run)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -111,11 +138,61 @@ class Topology:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Boundaries:
-    """What this qualification shows, and what it explicitly does not (one sentence each)."""
+class BackedClaim:
+    """A claim this run backs, with the ids of the cells (or commands) that back it."""
 
-    validated: tuple[str, ...]
-    not_validated: tuple[str, ...]
+    claim: str
+    backed_by: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _require(bool(self.claim), "boundaries.validated[].claim", "must be non-empty")
+        _require(len(self.backed_by) > 0, f"boundaries.validated[{self.claim!r}]", "names no backing cell")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class UnbackedClaim:
+    """A boundary this run does not validate, and why (declared by the campaign, or a backing cell skipped, ...)."""
+
+    claim: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.claim) and bool(self.reason), "boundaries.not_validated[]", "needs a claim and a reason")
+
+
+DECLARED = "declared not validated by the campaign"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Boundaries:
+    """What this qualification shows, and what it explicitly does not (one sentence each).
+
+    A plain string under ``validated`` is a claim backed by every command of the run: sealing keeps it validated
+    only if every command exited 0. A plain string under ``not_validated`` is declared by the campaign."""
+
+    validated: tuple[BackedClaim | str, ...]
+    not_validated: tuple[UnbackedClaim | str, ...]
+
+    def resolve(self, commands: tuple[CommandRecord, ...]) -> tuple[list[BackedClaim], list[UnbackedClaim]]:
+        """Every claim as a record: plain strings bound to the commands that back them (or moved, with why)."""
+        validated: list[BackedClaim] = []
+        not_validated: list[UnbackedClaim] = []
+        failing = [c for c in commands if c.exit_code != 0]
+        for claim in self.validated:
+            if isinstance(claim, BackedClaim):
+                validated.append(claim)
+            elif not commands:
+                not_validated.append(UnbackedClaim(claim=claim, reason="not run: the run recorded no command"))
+            elif failing:
+                shown = ", ".join(f"{c.id} exited {c.exit_code}" for c in failing[:2])
+                not_validated.append(UnbackedClaim(
+                    claim=claim, reason=f"failed: {len(failing)} of {len(commands)} backing commands ({shown})"))
+            else:
+                validated.append(BackedClaim(claim=claim, backed_by=tuple(c.id for c in commands)))
+        for item in self.not_validated:
+            not_validated.append(item if isinstance(item, UnbackedClaim) else UnbackedClaim(claim=item,
+                                                                                            reason=DECLARED))
+        return validated, not_validated
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -140,6 +217,8 @@ class SealInput:
     run_url: str | None = None
     """http(s) URL of the CI run that produced the bundle, or None."""
     package_name: str = "gemscout"
+    scope: Scope | None = None
+    """What part of the campaign ran; None: all of it, one command per cell."""
 
     def __post_init__(self) -> None:
         _aware(self.started_on, "started_on")
@@ -156,10 +235,30 @@ class SealInput:
 
     @property
     def result(self) -> str:
-        """PASSED only when at least one cell passed, none failed, and every command exited 0 (a campaign whose
-        cells were all skipped proves nothing); the verifier checks the same."""
-        clean = self.summary.passed > 0 and self.summary.failed == 0
-        return "PASSED" if clean and all(c.exit_code == 0 for c in self.commands) else "FAILED"
+        """The campaign's result, as the verifier re-derives it (:func:`result_of`)."""
+        return result_of(self.summary.passed, self.summary.failed, self.summary.skipped, self.summary.measured,
+                         [c.exit_code for c in self.commands])
+
+    @property
+    def effective_scope(self) -> Scope:
+        if self.scope is not None:
+            return self.scope
+        return Scope(cells_in_campaign=self.summary.total, campaign_cells_run=self.summary.total,
+                     cells_run=self.summary.total)
+
+
+RESULTS = ("PASSED", "PASSED-WITH-SKIPS", "MEASURED", "FAILED")
+
+
+def result_of(passed: int, failed: int, skipped: int, measured: int, exit_codes: list[int]) -> str:
+    """FAILED when a cell failed, a command exited non-zero, or nothing ran (a campaign whose cells were all skipped
+    proves nothing); MEASURED when only measurement cells ran; PASSED-WITH-SKIPS when a cell was skipped; else PASSED.
+    Scope (a narrowed run) is recorded apart and does not change the result."""
+    if failed or any(code != 0 for code in exit_codes) or passed + measured == 0:
+        return "FAILED"
+    if passed == 0:
+        return "MEASURED"
+    return "PASSED-WITH-SKIPS" if skipped else "PASSED"
 
 
 def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
@@ -199,7 +298,8 @@ def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
             for c in reader.get(data, "commands", list)
         ),
         summary=Summary(
-            **{k: reader.get(summary, k, int, "summary.") for k in ("total", "passed", "failed", "skipped")}
+            **{k: reader.get(summary, k, int, "summary.") for k in ("total", "passed", "failed", "skipped")},
+            measured=reader.get(summary, "measured", int, "summary.") if "measured" in summary else 0,
         ),
         topology=Topology(
             hosts=reader.get(topology, "hosts", int, "topology."),
@@ -208,9 +308,12 @@ def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
             devices=tuple(reader.get(topology, "devices", list, "topology.")),
         ),
         boundaries=Boundaries(
-            validated=tuple(reader.get(boundaries, "validated", list, "boundaries.")),
-            not_validated=tuple(reader.get(boundaries, "notValidated", list, "boundaries.")),
+            validated=tuple(reader.claim(item, "validated") for item in reader.get(boundaries, "validated", list,
+                                                                                    "boundaries.")),
+            not_validated=tuple(reader.claim(item, "notValidated") for item in reader.get(
+                boundaries, "notValidated", list, "boundaries.")),
         ),
+        scope=reader.scope(data.get("scope")),
         started_on=reader.time(data, "startedOn"),
         finished_on=reader.time(data, "finishedOn"),
         trigger=data.get("trigger", "local"),
@@ -232,6 +335,32 @@ class _Reader:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise UsageError(f"facts file {self._path}: {where}{key} must be a {kind.__name__}")
         return value
+
+    def claim(self, item: Any, where: str) -> Any:
+        """A boundary: a plain string, or ``{"claim", "backedBy"}`` / ``{"claim", "reason"}`` as the manifest has."""
+        if isinstance(item, str):
+            return item
+        text = self.get(item, "claim", str, f"boundaries.{where}[].")
+        if where == "validated":
+            backed = self.get(item, "backedBy", list, "boundaries.validated[].")
+            return BackedClaim(claim=text, backed_by=tuple(str(cell) for cell in backed))
+        return UnbackedClaim(claim=text, reason=self.get(item, "reason", str, "boundaries.notValidated[]."))
+
+    def scope(self, data: Any) -> Scope | None:
+        if data is None:
+            return None
+        seed = data.get("seedOverride") if isinstance(data, Mapping) else None
+        filter_expr = data.get("filter") if isinstance(data, Mapping) else None
+        if (seed is not None and not isinstance(seed, int)) or (filter_expr is not None
+                                                                 and not isinstance(filter_expr, str)):
+            raise UsageError(f"facts file {self._path}: scope.seedOverride must be an int, scope.filter a string")
+        return Scope(
+            cells_in_campaign=self.get(data, "cellsInCampaign", int, "scope."),
+            campaign_cells_run=self.get(data, "campaignCellsRun", int, "scope."),
+            cells_run=self.get(data, "cellsRun", int, "scope."),
+            filter=filter_expr,
+            seed_override=seed,
+        )
 
     def time(self, data: Any, key: str, where: str = "") -> datetime:
         text = self.get(data, key, str, where)

@@ -29,7 +29,9 @@ from qualification.errors import BundleInvalid
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://gemscout.dev/qualification-evidence/v1"
-SCHEMA_VERSION = "1.0.0"
+SCHEMA_VERSION = "1.1.0"
+"""1.1.0: ``scope``; boundaries as claim records (backing cells / reason); ``summary.measured``; results
+PASSED-WITH-SKIPS and MEASURED. A 1.0.0 manifest still verifies, by the rules of its own version."""
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 """DSSE payloadType of a signed manifest."""
 
@@ -103,12 +105,9 @@ def parse_json(data: bytes) -> Any:
 
 @cache
 def load_schema() -> dict[str, Any]:
-    """The manifest schema: the repo's ``schemas/`` copy when running from a checkout, else the packaged copy."""
-    checkout_copy = Path(__file__).resolve().parents[2] / "schemas" / SCHEMA_FILE
-    if checkout_copy.is_file():
-        text = checkout_copy.read_text(encoding="utf-8")
-    else:
-        text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
+    """The manifest schema (``qualification/schemas/``)."""
+    # The packaged copy is the one source; a root schemas/ folder in a checkout, if any, is a mirror of it.
+    text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 

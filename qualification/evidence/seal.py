@@ -122,6 +122,8 @@ def seal_bundle(
 
 
 def _predicate(facts: SealInput, source: SourceFacts, timeout: timedelta) -> dict[str, Any]:
+    validated, not_validated = facts.boundaries.resolve(facts.commands)
+    scope = facts.effective_scope
     return {
         "schemaVersion": SCHEMA_VERSION,
         "campaign": {
@@ -168,11 +170,20 @@ def _predicate(facts: SealInput, source: SourceFacts, timeout: timedelta) -> dic
             "passed": facts.summary.passed,
             "failed": facts.summary.failed,
             "skipped": facts.summary.skipped,
+            "measured": facts.summary.measured,
         },
         "result": facts.result,
+        "scope": {
+            "complete": scope.complete,
+            "cellsInCampaign": scope.cells_in_campaign,
+            "campaignCellsRun": scope.campaign_cells_run,
+            "cellsRun": scope.cells_run,
+            "filter": scope.filter,
+            "seedOverride": scope.seed_override,
+        },
         "boundaries": {
-            "validated": list(facts.boundaries.validated),
-            "notValidated": list(facts.boundaries.not_validated),
+            "validated": [{"claim": c.claim, "backedBy": list(c.backed_by)} for c in validated],
+            "notValidated": [{"claim": c.claim, "reason": c.reason} for c in not_validated],
         },
         "artifact": {
             "name": facts.artifact_name or f"qualification-evidence-{source.commit}",

@@ -7,11 +7,15 @@ check) and exit code; :func:`verify_bundle` never half-succeeds:
 2. signature    when present or required; manifest.json must equal the signed bytes                 exit 5
 3. schema       draft 2020-12 with formats asserted; schemaVersion not newer than this verifier     exit 1
 4. files        files on disk equal the subject set exactly: no missing, no extra, size + sha256    exit 1
-5. consistency  PASSED only with a cell passed, none failed, every exit 0; counts add up; times ordered  exit 1
+5. consistency  the result follows from the counts and exit codes; counts add up; times ordered;     exit 1
+                (1.1) the scope adds up, every validated claim is backed by commands that exited 0,
+                and the sealed summary.json records the same scope, claims and cell verdicts
 6. commit       the manifest's commit equals ``expected_commit``                                   exit 4
 
-Freshness is then reported apart from validity (see :mod:`.freshness`); it only decides the exit code of a valid
-bundle: 0 CURRENT, 3 STALE (0 with ``allow_stale``), 6 NOT-ON-MAIN or UNKNOWN, and 1 for a valid record of a FAILED run.
+Freshness is then reported apart from validity (see :mod:`.freshness`); with the result and the scope it decides the
+exit code of a valid bundle: 1 for a valid record of a FAILED run, 7 for a PARTIAL one under ``require_complete``,
+then 0 CURRENT, 3 STALE (0 with ``allow_stale``), 6 NOT-ON-MAIN or UNKNOWN. The one-line verdict that combines them
+all is :func:`.verdict.headline`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from qualification.errors import (
     EXIT_FAILED,
+    EXIT_INCOMPLETE,
     EXIT_NOT_ON_MAIN,
     EXIT_OK,
     EXIT_STALE,
@@ -35,6 +40,7 @@ from qualification.errors import (
     SignatureInvalid,
     UsageError,
 )
+from qualification.evidence.facts import result_of
 from qualification.evidence.freshness import GIT_TIMEOUT, Freshness, FreshnessReport, check_freshness
 from qualification.evidence.manifest import (
     DSSE_NAME,
@@ -54,7 +60,10 @@ from qualification.evidence.manifest import (
     sha256_file,
 )
 from qualification.evidence.sign import GITHUB_OIDC_ISSUER, load_public_key, verify_dsse, verify_sigstore
+from qualification.evidence.verdict import Headline, headline, scope_text
 
+SUMMARY_NAME = "summary.json"
+"""The engine's run record; when a bundle holds it, it must agree with the manifest."""
 _FULL_SHA = re.compile(r"[0-9a-fA-F]{40}")
 
 
@@ -85,14 +94,34 @@ class VerificationResult:
     manifest_sha256: str
     exit_code: int
     message: str
+    schema_version: str = SCHEMA_VERSION
+    scope: dict[str, Any] | None = None
+    """The manifest's ``scope`` (camelCase); None for a 1.0.0 manifest, which records none."""
+    boundaries: dict[str, Any] | None = None
+    """The manifest's ``boundaries``: claim records from 1.1.0, plain strings in 1.0.0."""
+    counts: dict[str, int] | None = None
+
+    @property
+    def headline(self) -> Headline:
+        return headline(validity="VALID", result=self.result, scope=self.scope, freshness=str(self.freshness.state))
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.scope and self.scope.get("complete"))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "status": "VALID",
+            "verdict": self.headline.to_json(),
             "exit_code": self.exit_code,
             "message": self.message,
             "commit": self.commit,
             "result": self.result,
+            "schema_version": self.schema_version,
+            "scope": self.scope,
+            "complete": self.complete,
+            "counts": self.counts,
+            "boundaries": self.boundaries,
             "signature": self.signature,
             "checks_passed": list(self.checks_passed),
             "freshness": str(self.freshness.state),
@@ -111,13 +140,15 @@ def verify_bundle(
     repo: Path | None = None,
     main_ref: str = "main",
     allow_stale: bool = False,
+    require_complete: bool = False,
     max_files: int = MAX_FILES,
     max_file_bytes: int = MAX_FILE_BYTES,
     timeout: timedelta = GIT_TIMEOUT,
 ) -> VerificationResult:
     """Verify the bundle directory or ``.tar.gz`` at ``bundle`` (checks in the module docstring).
 
-    ``repo`` is a clone to judge freshness in (UNKNOWN without one). Blocks on reading every payload file once and on
+    ``repo`` is a clone to judge freshness in (UNKNOWN without one). ``require_complete`` gives a valid bundle of a
+    narrowed run (or one that records no scope) exit code 7. Blocks on reading every payload file once and on
     git (``timeout`` per call). Raises :class:`UsageError` for bad arguments, :class:`BundleInvalid` (or its
     subclasses :class:`SignatureInvalid`, :class:`CommitMismatch`) for a bundle that fails a check.
     """
@@ -140,7 +171,8 @@ def verify_bundle(
     freshness = check_freshness(
         verify_dir.expected_commit, repo=repo, main_ref=main_ref, dirty=source["dirty"], timeout=timeout
     )
-    exit_code, message = _verdict(predicate["result"], freshness, allow_stale)
+    scope = predicate.get("scope")
+    exit_code, message = _verdict(predicate["result"], scope, freshness, allow_stale, require_complete)
     return VerificationResult(
         commit=source["digest"]["gitCommit"],
         result=predicate["result"],
@@ -150,18 +182,27 @@ def verify_bundle(
         manifest_sha256=verify_dir.manifest_sha256,
         exit_code=exit_code,
         message=message,
+        schema_version=predicate["schemaVersion"],
+        scope=scope,
+        boundaries=predicate["boundaries"],
+        counts=dict(predicate["summary"]),
     )
 
 
-def _verdict(result: str, freshness: FreshnessReport, allow_stale: bool) -> tuple[int, str]:
+def _verdict(result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool,
+             require_complete: bool) -> tuple[int, str]:
     state = freshness.state
-    if result != "PASSED":
+    partial = scope_text(scope)
+    what = result + (f", {partial}" if partial else "")
+    if result == "FAILED":
         return EXIT_FAILED, f"valid bundle of a FAILED run; freshness {state}: {freshness.reason}"
+    if require_complete and partial is not None:
+        return EXIT_INCOMPLETE, f"valid, but not a complete campaign ({partial}); --require-complete refuses it"
     if state is Freshness.CURRENT:
-        return EXIT_OK, f"valid, PASSED and CURRENT: {freshness.reason}"
+        return EXIT_OK, f"valid, {what} and CURRENT: {freshness.reason}"
     if state is Freshness.STALE:
-        return (EXIT_OK if allow_stale else EXIT_STALE), f"valid and PASSED, but STALE: {freshness.reason}"
-    return EXIT_NOT_ON_MAIN, f"valid and PASSED, but {state}: {freshness.reason}"
+        return (EXIT_OK if allow_stale else EXIT_STALE), f"valid and {what}, but STALE: {freshness.reason}"
+    return EXIT_NOT_ON_MAIN, f"valid and {what}, but {state}: {freshness.reason}"
 
 
 class _Verification:
@@ -183,6 +224,8 @@ class _Verification:
         self._check_schema(document)
         self._check_files(document, files)
         _check_consistency(document)
+        if not document["predicate"]["schemaVersion"].startswith("1.0."):
+            _check_claims(document, files)
         commit = document["predicate"]["source"]["digest"]["gitCommit"]
         if commit != self.expected_commit:
             raise CommitMismatch(f"commit: bundle was made from {commit}, expected {self.expected_commit}")
@@ -281,7 +324,7 @@ def _check_consistency(document: dict[str, Any]) -> None:
     predicate = document["predicate"]
     summary, commands, run = predicate["summary"], predicate["commands"], predicate["run"]
     counted = summary["passed"] + summary["failed"] + summary["skipped"]
-    if summary["total"] != counted:
+    if predicate["schemaVersion"].startswith("1.0.") and summary["total"] != counted:
         raise BundleInvalid(f"consistency: summary total {summary['total']} != passed+failed+skipped {counted}")
     subjects = {s["name"] for s in document["subject"]}
     run_start, run_finish = _time(run["startedOn"]), _time(run["finishedOn"])
@@ -295,16 +338,95 @@ def _check_consistency(document: dict[str, Any]) -> None:
             raise BundleInvalid(f"consistency: command {command['id']!r} ran outside the run's start..finish")
         if command["log"] not in subjects:
             raise BundleInvalid(f"consistency: log {command['log']!r} of command {command['id']!r} is not a subject")
-    if predicate["result"] == "PASSED":
-        if summary["passed"] == 0:
-            raise BundleInvalid("consistency: result is PASSED but no cell passed")
-        if summary["failed"]:
-            raise BundleInvalid(f"consistency: result is PASSED but summary.failed is {summary['failed']}")
-        for command in commands:
-            if command["exitCode"] != 0:
-                raise BundleInvalid(
-                    f"consistency: result is PASSED but command {command['id']!r} exited {command['exitCode']}"
-                )
+    if predicate["schemaVersion"].startswith("1.0."):
+        if predicate["result"] == "PASSED":
+            if summary["passed"] == 0:
+                raise BundleInvalid("consistency: result is PASSED but no cell passed")
+            if summary["failed"]:
+                raise BundleInvalid(f"consistency: result is PASSED but summary.failed is {summary['failed']}")
+            for command in commands:
+                if command["exitCode"] != 0:
+                    raise BundleInvalid(
+                        f"consistency: result is PASSED but command {command['id']!r} exited {command['exitCode']}"
+                    )
+        return
+    if summary["total"] != counted + summary["measured"]:
+        raise BundleInvalid(
+            f"consistency: summary total {summary['total']} != passed+failed+skipped+measured "
+            f"{counted + summary['measured']}"
+        )
+    derived = result_of(summary["passed"], summary["failed"], summary["skipped"], summary["measured"],
+                        [c["exitCode"] for c in commands])
+    if predicate["result"] != derived:
+        raise BundleInvalid(f"consistency: result is {predicate['result']} but the counts and exit codes make it "
+                            f"{derived}")
+
+
+def _check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> None:
+    """Scope and claims (1.1): they add up, every validated claim is backed by commands that exited 0, and the sealed
+    ``summary.json`` of an engine run records the same scope and claims, with every backing cell passed or measured
+    with every target met. A claim moved into ``validated`` by hand, or a filter removed, fails here."""
+    predicate = document["predicate"]
+    scope, summary = predicate["scope"], predicate["summary"]
+    if scope["cellsRun"] != summary["total"]:
+        raise BundleInvalid(f"consistency: scope.cellsRun {scope['cellsRun']} != summary.total {summary['total']}")
+    if scope["campaignCellsRun"] > min(scope["cellsInCampaign"], scope["cellsRun"]):
+        raise BundleInvalid("consistency: scope.campaignCellsRun exceeds the cells in the campaign or the cells run")
+    complete = (scope["filter"] is None and scope["seedOverride"] is None
+                and scope["campaignCellsRun"] == scope["cellsInCampaign"] == scope["cellsRun"])
+    if scope["complete"] != complete:
+        raise BundleInvalid(f"consistency: scope.complete is {str(scope['complete']).lower()} but its filter, seed "
+                            f"and cell counts make it {str(complete).lower()}")
+    exits = {c["id"]: c["exitCode"] for c in predicate["commands"]}
+    for claim in predicate["boundaries"]["validated"]:
+        for cell in claim["backedBy"]:
+            if exits.get(cell) != 0:
+                why = "is not a command of this run" if cell not in exits else f"exited {exits[cell]}"
+                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by {cell!r}, "
+                                    f"which {why}")
+    if SUMMARY_NAME in files:
+        _check_summary(predicate, files[SUMMARY_NAME])
+
+
+def _check_summary(predicate: dict[str, Any], summary_file: BundleFile) -> None:
+    try:
+        summary = parse_json(summary_file.path.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise BundleInvalid(f"consistency: {SUMMARY_NAME} is not valid JSON ({exc})") from exc
+    if not isinstance(summary, dict) or summary.get("summary_version") != 2:
+        # Not the engine's run record as `qualify run` seals it (which refuses older summaries): a bundle sealed
+        # from facts may hold any file of that name. Its bytes are still bound by their digest.
+        return
+    if not isinstance(summary.get("scope"), dict):
+        raise BundleInvalid(f"consistency: {SUMMARY_NAME} records no scope, but the manifest does")
+    recorded = summary["scope"]
+    scope = predicate["scope"]
+    pairs = (("complete", "complete"), ("cells_in_campaign", "cellsInCampaign"),
+             ("campaign_cells_run", "campaignCellsRun"), ("cells_run", "cellsRun"), ("filter", "filter"),
+             ("seed_override", "seedOverride"))
+    for snake, camel in pairs:
+        if recorded.get(snake) != scope[camel]:
+            raise BundleInvalid(f"consistency: scope.{camel} is {scope[camel]!r} in the manifest but "
+                                f"{recorded.get(snake)!r} in {SUMMARY_NAME}")
+    bounds = summary.get("boundaries") if isinstance(summary.get("boundaries"), dict) else {}
+    sealed_validated = [{"claim": c.get("claim"), "backedBy": c.get("backed_by")}
+                        for c in bounds.get("validated") or [] if isinstance(c, dict)]
+    sealed_not = [{"claim": c.get("claim"), "reason": c.get("reason")}
+                  for c in bounds.get("not_validated") or [] if isinstance(c, dict)]
+    if sealed_validated != predicate["boundaries"]["validated"]:
+        raise BundleInvalid(f"consistency: the manifest's validated claims differ from those in {SUMMARY_NAME}")
+    if sealed_not != predicate["boundaries"]["notValidated"]:
+        raise BundleInvalid(f"consistency: the manifest's not-validated claims differ from those in {SUMMARY_NAME}")
+    cells = {c.get("id"): c for c in summary.get("cells") or [] if isinstance(c, dict)}
+    for claim in sealed_validated:
+        for cell_id in claim["backedBy"] or []:
+            cell = cells.get(cell_id) or {}
+            verdict = cell.get("verdict")
+            missed = [t for t in cell.get("targets") or [] if isinstance(t, dict) and t.get("met") is not True]
+            if verdict not in ("passed", "measured") or missed:
+                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by "
+                                    f"{cell_id!r}, whose verdict in {SUMMARY_NAME} is {verdict!r}"
+                                    + (" with a missed target" if missed else ""))
 
 
 def _time(text: str) -> datetime:

@@ -39,8 +39,12 @@ class RunRecord:
     started_at: str | None
     finished_at: str | None
     duration_s: float | None
-    validated: list[str]
-    not_validated: list[str]
+    validated: list[dict[str, Any]]
+    """``{"claim", "backed_by"}``: the claims this run backs (``backed_by`` empty when the record names no cells)."""
+    not_validated: list[dict[str, Any]]
+    """``{"claim", "reason"}``: every other boundary, and why."""
+    scope: dict[str, Any] | None
+    """The manifest's camelCase scope (from summary.json when unsealed); None when the record has none."""
     environment: list[tuple[str, str]]
     cells: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
@@ -114,12 +118,45 @@ def load_run(source: Path) -> RunRecord:
         started_at=run.get("startedOn") or summary.get("started_at"),
         finished_at=run.get("finishedOn") or summary.get("finished_at"),
         duration_s=float(duration) if isinstance(duration, int | float) else None,
-        validated=_strings(boundaries.get("validated")),
-        not_validated=_strings(boundaries.get("notValidated", boundaries.get("not_validated"))),
+        validated=_validated(boundaries.get("validated")),
+        not_validated=_not_validated(boundaries.get("notValidated", boundaries.get("not_validated"))),
+        scope=_scope(predicate.get("scope") if manifest else summary.get("scope")),
         environment=_environment(predicate) if manifest else _invocation(_dict(summary.get("invocation"))),
         cells=cells,
         notes=notes,
     )
+
+
+def _validated(raw: Any) -> list[dict[str, Any]]:
+    """Claim records from any recorded shape: manifest 1.1 (``backedBy``), summary v2 (``backed_by``), a plain string
+    (manifest 1.0, summary v1), or a campaign table (``cells``)."""
+    claims = []
+    for item in raw if isinstance(raw, list) else []:
+        if isinstance(item, str):
+            claims.append({"claim": item, "backed_by": []})
+        elif isinstance(item, dict):
+            backing = item.get("backedBy", item.get("backed_by", item.get("cells")))
+            claims.append({"claim": str(item.get("claim", "")), "backed_by": _strings(backing)})
+    return claims
+
+
+def _not_validated(raw: Any) -> list[dict[str, Any]]:
+    claims = []
+    for item in raw if isinstance(raw, list) else []:
+        if isinstance(item, str):
+            claims.append({"claim": item, "reason": ""})
+        elif isinstance(item, dict):
+            claims.append({"claim": str(item.get("claim", "")), "reason": str(item.get("reason", ""))})
+    return claims
+
+
+def _scope(raw: Any) -> dict[str, Any] | None:
+    """The scope in the manifest's camelCase, from either record (summary.json writes snake_case)."""
+    if not isinstance(raw, dict):
+        return None
+    names = {"cells_in_campaign": "cellsInCampaign", "campaign_cells_run": "campaignCellsRun",
+             "cells_run": "cellsRun", "seed_override": "seedOverride"}
+    return {names.get(key, key): value for key, value in raw.items()}
 
 
 def _campaign_file(path: Path) -> dict[str, Any]:
@@ -139,7 +176,7 @@ def _campaign(summary: dict[str, Any], predicate: dict[str, Any], campaign_file:
 
 def _counts(raw: dict[str, Any]) -> dict[str, int]:
     return {key: int(raw[key]) if isinstance(raw.get(key), int) else 0
-            for key in ("total", "passed", "failed", "skipped")}
+            for key in ("total", "passed", "failed", "skipped", "measured")}
 
 
 def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +209,7 @@ def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "timeline": _timeline(raw.get("timeline")),
         "message": str(raw.get("message") or ""),
         "log": str(raw.get("log") or ""),
+        "targets": [t for t in raw.get("targets") or [] if isinstance(t, dict)],
     }
 
 
@@ -192,7 +230,7 @@ def _command_cell(raw: dict[str, Any]) -> dict[str, Any]:
         "reason": f"exit code {code}: {shlex.join(str(a) for a in argv) if isinstance(argv, list) else ''}",
         "duration_s": None, "exit_code": code if isinstance(code, int) else None, "timed_out": False, "swept": 0,
         "topology": "", "world_size": None, "fault": "", "seed": None, "expect": {}, "observed": {}, "metrics": {},
-        "timeline": [], "message": "", "log": str(raw.get("log") or ""),
+        "timeline": [], "message": "", "log": str(raw.get("log") or ""), "targets": [],
     }
 
 

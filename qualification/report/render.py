@@ -19,13 +19,14 @@ import pandas as pd
 from qualification import expect
 from qualification.errors import UsageError
 from qualification.evidence.manifest import MANIFEST_NAME, sha256_file
+from qualification.evidence.verdict import headline, scope_text
 from qualification.evidence.verify import VerificationResult
 from qualification.report._load import RunRecord, load_run
 from qualification.report._perf import is_performance_cell, performance_view
 from qualification.report.svg import EVENT_COLOURS, TimelineMark, timeline_strip
 
 TEMPLATE = "report.html.j2"
-VERDICTS = ("passed", "failed", "skipped")
+VERDICTS = ("passed", "failed", "skipped", "measured")
 _PHASES = (("fault", "detection"), ("detection", "decision"), ("decision", "recovery"), ("fault", "recovery"))
 
 
@@ -70,16 +71,26 @@ def render_html(run: RunRecord, *, verification: VerificationResult | None = Non
         lstrip_blocks=True,
     )
     cells = run.cells
+    view = _verification_view(run, verification, verification_error)
     return environment.get_template(TEMPLATE).render(
         run=run,
         commit_short=run.commit[:12] if run.commit else None,
-        verification=_verification_view(run, verification, verification_error),
+        verification=view,
+        # One verdict for the banner: INVALID, STALE or NOT VERIFIED dominate PASSED, in words and colour.
+        headline=headline(validity=view["status"], result=run.result, scope=_headline_scope(run),
+                          freshness=view.get("freshness")),
+        scope=scope_text(run.scope) if run.scope is not None else None,
         campaigns=_cell_tables(cells),
         performance=[performance_view(cell) for cell in cells if is_performance_cell(cell)],
         details=[_cell_details(index, cell) for index, cell in enumerate(cells)],
         event_colours=EVENT_COLOURS,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
     )
+
+
+def _headline_scope(run: RunRecord) -> dict[str, Any] | None:
+    # An unsealed run's scope comes from its summary; a record with none (schema 1.0.0, facts) says so.
+    return run.scope
 
 
 def _cell_tables(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -126,6 +137,7 @@ def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
         # A strip of empty lanes says nothing; cells without recovery events get their event table only.
         "strip": timeline_strip(marks, cell["duration_s"]) if key_events else None,
         "open": cell["verdict"] == "failed" or key_events,
+        "targets": cell.get("targets") or [],
     }
 
 

@@ -62,7 +62,7 @@ def test_campaign_completes_and_exits_1_with_one_line(selftest_run: dict[str, An
     assert last.startswith("qualify: 4 of 9 cells failed"), proc.stderr
     assert "Traceback" not in proc.stderr
     gpu = selftest_run["cells"]["needs-gpu"]["verdict"] == "passed"
-    assert summary["counts"] == {"total": 9, "passed": 4 + gpu, "failed": 4, "skipped": 1 - gpu}
+    assert summary["counts"] == {"total": 9, "passed": 4 + gpu, "failed": 4, "skipped": 1 - gpu, "measured": 0}
     assert summary["verdict"] == "failed"
 
 
@@ -124,7 +124,12 @@ def test_no_process_of_any_cell_survives(selftest_run: dict[str, Any]) -> None:
 def test_run_directory_layout(selftest_run: dict[str, Any]) -> None:
     out, summary = selftest_run["out"], selftest_run["summary"]
     assert (out / "campaign.toml").read_bytes() == (REPO / "campaigns" / "selftest.toml").read_bytes()
-    assert summary["boundaries"]["validated"] and summary["boundaries"]["not_validated"]
+    # The failure paths fail by design, so only the claim backed by passing cells holds.
+    validated = {c["claim"][:30] for c in summary["boundaries"]["validated"]}
+    assert "the cell engine's PASSED verdi" in validated
+    reasons = {c["claim"][:12]: c["reason"] for c in summary["boundaries"]["not_validated"]}
+    assert reasons["the failure "] == "declared not validated by the campaign"
+    assert summary["scope"]["complete"] is True and summary["scope"]["cells_in_campaign"] == 9
     assert summary["invocation"]["jobs"] == 2
     for cell in summary["cells"]:
         assert {"id", "verdict", "reason", "duration_s", "exit_code", "log", "argv", "started_at", "finished_at",
@@ -188,7 +193,9 @@ def test_run_seals_the_run_directory(tmp_path: Path) -> None:
     names = {s["name"] for s in manifest["subject"]}
     assert {"summary.json", "campaign.toml"} <= names
     assert any(n.endswith("/log.txt") for n in names) and any(n.endswith("/result.json") for n in names)
-    assert manifest["predicate"]["summary"] == {"total": 1, "passed": 1, "failed": 0, "skipped": 0}
+    assert manifest["predicate"]["summary"] == {"total": 1, "passed": 1, "failed": 0, "skipped": 0, "measured": 0}
+    assert manifest["predicate"]["scope"]["filter"] == "selftest-pass-*-s0"
+    assert manifest["predicate"]["scope"]["complete"] is False
     # A run directory left unsealed can be sealed later from its summary.
     later = tmp_path / "later"
     assert qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(later), "--no-seal",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tarfile
@@ -21,7 +22,7 @@ from qualification.errors import (
     CommitMismatch,
     UsageError,
 )
-from qualification.evidence import Freshness, seal_bundle, verify_bundle
+from qualification.evidence import Freshness, Summary, seal_bundle, verify_bundle
 from qualification.evidence.manifest import MANIFEST_NAME
 from qualification.evidence.seal import write_archive
 
@@ -185,10 +186,16 @@ def test_duplicate_subject(sealed: tuple[Path, Path, str]) -> None:
 @pytest.mark.parametrize(
     ("mutation", "message"),
     [
-        (lambda p: p["commands"][1].update(exitCode=2), "result is PASSED but command '001' exited 2"),
-        (lambda p: p["summary"].update(passed=2, failed=1), "result is PASSED but summary.failed is 1"),
-        (lambda p: p["summary"].update(total=4), "summary total 4 != passed+failed+skipped 3"),
-        (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but no cell passed"),
+        (lambda p: p["commands"][1].update(exitCode=2), "result is PASSED but the counts and exit codes make it FAILED"),
+        (lambda p: p["summary"].update(passed=2, failed=1), "result is PASSED but the counts and exit codes make it "),
+        (lambda p: p["summary"].update(total=4), "summary total 4 != passed+failed+skipped+measured 3"),
+        (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but the counts and exit codes make it "),
+        (lambda p: p["summary"].update(passed=2, skipped=1), "result is PASSED but the counts and exit codes make it "
+                                                              "PASSED-WITH-SKIPS"),
+        (lambda p: p["scope"].update(filter="two-peers"), "scope.complete is true but its filter, seed and cell counts"),
+        (lambda p: p["scope"].update(campaignCellsRun=1), "scope.complete is true but"),
+        (lambda p: p["boundaries"]["validated"].append({"claim": "NCCL", "backedBy": ["999"]}),
+         "validated claim 'NCCL' is backed by '999', which is not a command of this run"),
         (lambda p: p["run"].update(finishedOn="2026-08-13T09:00:00Z"), "run.startedOn is after run.finishedOn"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T10:30:00Z"), "'000' startedOn is after"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T09:59:00Z"), "ran outside the run"),
@@ -323,3 +330,69 @@ def test_unsafe_archive_members_are_rejected(
     error = _fails(hostile, commit)
     assert "intake: archive member" in str(error) and message in str(error)
     assert not (tmp_path / "escape.log").exists()
+
+
+# scope and claims (schema 1.1)
+
+
+def test_a_partial_run_is_valid_but_require_complete_refuses_it(tmp_path: Path) -> None:
+    from qualification.errors import EXIT_INCOMPLETE
+    from qualification.evidence import Scope
+
+    repo, commit = make_repo(tmp_path)
+    bundle = make_payload(tmp_path)
+    scope = Scope(cells_in_campaign=4, campaign_cells_run=2, cells_run=2, filter="two-peers")
+    seal_bundle(bundle, make_facts(repo, summary=Summary(total=2, passed=2, failed=0, skipped=0), scope=scope),
+                repo=repo)
+    result = verify_bundle(bundle, expected_commit=commit, repo=repo)
+    assert result.exit_code == EXIT_OK and not result.complete
+    assert result.headline.word == "PARTIAL" and result.headline.tone == "warning"
+    assert "PARTIAL 2 of 4 cells (--filter 'two-peers')" in result.headline.text
+    refused = verify_bundle(bundle, expected_commit=commit, repo=repo, require_complete=True)
+    assert refused.exit_code == EXIT_INCOMPLETE and "--require-complete" in refused.message
+    # The filter is part of the evidence: removing it (and calling the run complete) breaks consistency.
+    rewrite_manifest(bundle, lambda m: m["predicate"]["scope"].update(filter=None, complete=True))
+    assert "scope.complete is true but" in str(_fails(bundle, commit))
+
+
+def test_a_failed_command_moves_its_claim_to_not_validated(tmp_path: Path) -> None:
+    repo, commit = make_repo(tmp_path)
+    bundle = make_payload(tmp_path)
+    seal_bundle(bundle, make_facts(repo, exit_codes=(0, 3), failed=1), repo=repo)
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())["predicate"]
+    assert manifest["boundaries"]["validated"] == []
+    moved = manifest["boundaries"]["notValidated"][0]
+    assert moved["claim"] == "two-rank gloo recovery" and moved["reason"].startswith("failed: 1 of 2 backing commands")
+    assert manifest["boundaries"]["notValidated"][1] == {"claim": "NCCL",
+                                                         "reason": "declared not validated by the campaign"}
+
+
+def test_a_boundary_moved_into_validated_by_hand_fails(sealed: tuple[Path, Path, str]) -> None:
+    bundle, _, commit = sealed
+
+    def promote(m: dict) -> None:  # type: ignore[type-arg]
+        bounds = m["predicate"]["boundaries"]
+        claim = bounds["notValidated"].pop(0)
+        bounds["validated"].append({"claim": claim["claim"], "backedBy": []})
+
+    rewrite_manifest(bundle, promote)
+    assert "backedBy" in str(_fails(bundle, commit))  # schema: a validated claim names its backing
+
+
+def test_a_schema_1_0_bundle_still_verifies_by_its_own_rules(sealed: tuple[Path, Path, str]) -> None:
+    bundle, repo, commit = sealed
+
+    def downgrade(m: dict) -> None:  # type: ignore[type-arg]
+        p = m["predicate"]
+        p["schemaVersion"] = "1.0.0"
+        del p["scope"], p["summary"]["measured"]
+        p["boundaries"] = {"validated": [c["claim"] for c in p["boundaries"]["validated"]],
+                           "notValidated": [c["claim"] for c in p["boundaries"]["notValidated"]]}
+
+    rewrite_manifest(bundle, downgrade)
+    result = verify_bundle(bundle, expected_commit=commit, repo=repo)
+    assert result.exit_code == EXIT_OK and result.schema_version == "1.0.0" and result.scope is None
+    assert result.headline.word == "SCOPE UNKNOWN" and result.headline.tone == "warning"
+    assert verify_bundle(bundle, expected_commit=commit, repo=repo, require_complete=True).exit_code == 7
+    rewrite_manifest(bundle, lambda m: m["predicate"].update(result="PASSED-WITH-SKIPS"))
+    assert "schema" in str(_fails(bundle, commit))  # 1.0.0 knows PASSED and FAILED only
