@@ -154,7 +154,12 @@ def load(ref: str | Path) -> Campaign:
         raise CampaignError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise CampaignError(f"{path}: invalid TOML: {exc}") from None
-    validate_document(document, path=path, text=text)
+    except RecursionError:
+        raise CampaignError(f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)") from None
+    try:
+        validate_document(document, path=path, text=text)
+    except RecursionError:
+        raise CampaignError(f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)") from None
     cells = expand(document, path=path)
     boundaries = document["boundaries"]
     claims = _claims(boundaries["validated"], cells, path=path)

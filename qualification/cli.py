@@ -56,6 +56,9 @@ def _handled(command: F) -> F:
         except KeyboardInterrupt:
             typer.echo("qualify: interrupted; running cells were terminated", err=True)
             raise typer.Exit(130) from None
+        except OSError as exc:  # an unreadable file or a full disk: the environment's fault, said in one line
+            typer.echo(f"qualify: {exc.strerror or exc}: {exc.filename}", err=True)
+            raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -153,7 +156,13 @@ def seal(
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
         raise UsageError(f"{directory} has no summary.json; is it a run directory of `qualify run`?")
-    _seal(directory, json.loads(summary_path.read_text(encoding="utf-8")), signer=_signer(sign, key), archive=archive)
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise UsageError(f"{summary_path} is not the JSON `qualify run` writes ({reason}); seal a run directory") \
+            from None
+    _seal(directory, summary, signer=_signer(sign, key), archive=archive)
 
 
 @app.command()
@@ -266,7 +275,11 @@ def _seal(out_dir: Path, run_record: dict[str, Any], *, signer: Any, archive: Pa
     from qualification import _sealing
     from qualification.evidence.seal import seal_bundle
 
-    facts = _sealing.seal_input(out_dir, run_record)
+    try:
+        facts = _sealing.seal_input(out_dir, run_record)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a summary.json edited or written by hand
+        raise UsageError(f"{out_dir / 'summary.json'} is malformed ({type(exc).__name__}: {exc}); it must be the "
+                         "record `qualify run` wrote") from None
     sealed = seal_bundle(out_dir, facts, repo=campaigns.REPO_ROOT, signer=signer, archive=archive)
     signed = f", signature {sealed.signature.name}" if sealed.signature else ""
     typer.echo(f"sealed {sealed.subjects} files: {sealed.result} at commit {sealed.commit[:12]}"

@@ -7,7 +7,7 @@ not pass on an observed ``1``.
 
 A bound of ``le``, ``ge`` or ``eq`` may refer to another observed value or to the cell's own parameters instead of a
 literal: ``attributed_step = { ge = "fault.step", le = "fault.step + params.rotation" }``. A reference is a sum of
-terms, each ``observed.KEY``, ``params.KEY``, ``fault.KEY`` or an integer, joined by ``+`` or ``-``; it is resolved
+terms, each ``observed.KEY``, ``params.KEY``, ``fault.KEY``, ``cell.world_size`` / ``cell.seed`` or an integer, joined by ``+`` or ``-``; it is resolved
 before the comparison, and a reference to something absent (or not a number, in a sum) is itself an unmet
 expectation, never a silent pass.
 """
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 OPERATORS = ("le", "ge", "eq", "in")
-REFERENCE = re.compile(r"^\s*(observed|params|fault)\.[A-Za-z_][A-Za-z0-9_]*(\s*[+-]\s*((observed|params|fault)\."
+REFERENCE = re.compile(r"^\s*(observed|params|fault|cell)\.[A-Za-z_][A-Za-z0-9_]*(\s*[+-]\s*((observed|params|fault|cell)\."
                        r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+))*\s*$")
-_TERM = re.compile(r"([+-]?)\s*((observed|params|fault)\.([A-Za-z_][A-Za-z0-9_]*)|[0-9]+)")
+_TERM = re.compile(r"([+-]?)\s*((observed|params|fault|cell)\.([A-Za-z_][A-Za-z0-9_]*)|[0-9]+)")
 
 
 class Unresolved(Exception):
@@ -29,14 +29,14 @@ class Unresolved(Exception):
 
 
 def check(expect: Mapping[str, Any], observed: Mapping[str, Any], *, params: Mapping[str, Any] | None = None,
-          fault: Mapping[str, Any] | None = None) -> list[str]:
+          fault: Mapping[str, Any] | None = None, cell: Mapping[str, Any] | None = None) -> list[str]:
     """Return one line per unmet expectation (empty when all hold), in the order of ``expect``.
 
     Each line names the key, the expectation and the observed value, e.g.
     ``recovered_step: expected 4, observed 3`` or ``loss: expected <= 0.5, observed 0.7``; a reference is shown with
     the value it resolved to (``expected <= fault.step + params.rotation (= 14), observed 15``).
     """
-    scope = {"observed": observed, "params": params or {}, "fault": fault or {}}
+    scope = {"observed": observed, "params": params or {}, "fault": fault or {}, "cell": cell or {}}
     mismatches = []
     for key, want in expect.items():
         if key not in observed:

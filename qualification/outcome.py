@@ -110,7 +110,8 @@ def judge(outcome: CellOutcome, cell_dir: Path, out_dir: Path) -> None:
     elif result["status"] != "passed":
         outcome.reason = f"program reported status {result['status']!r}{said}"
     else:
-        mismatches = expect.check(cell.expect, result["observed"], params=cell.params, fault=cell.fault)
+        mismatches = expect.check(cell.expect, result["observed"], params=cell.params, fault=cell.fault,
+                                  cell={"world_size": cell.world_size, "seed": cell.seed})
         if mismatches:
             outcome.reason = "; ".join(mismatches)
         elif "targets" in result:

@@ -164,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{exc.strerror or exc}: {exc.filename}", EXIT_FAILED, wants_json, "ERROR")
     except KeyboardInterrupt:
         return _fail("interrupted", 130, wants_json, "ERROR")
+    except RecursionError:  # a parser exhausted by nesting in some input file: malformed input, not a crash
+        return _fail("an input file is nested too deeply to be evidence", EXIT_FAILED, wants_json, "INVALID")
 
 
 def _fail(message: str, exit_code: int, wants_json: bool, status: str) -> int:

@@ -273,6 +273,8 @@ def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
         raise UsageError(f"cannot read facts file {path}: {exc.strerror}") from exc
     except ValueError as exc:
         raise UsageError(f"facts file {path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise UsageError(f"facts file {path} is nested too deeply to be run facts") from exc
     reader = _Reader(path)
     campaign = reader.get(data, "campaign", dict)
     campaign_path = campaign_file or Path(reader.get(campaign, "path", str, "campaign."))

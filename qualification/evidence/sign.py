@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod
@@ -138,6 +139,9 @@ def make_signer(mode: str, *, key: Path | None = None, identity_token: str | Non
             raise UsageError("--sign key needs --key PATH (make one with: validation-evidence keygen PATH)")
         return KeySigner(load_private_key(key))
     if mode == "sigstore":
+        # Checked here, before any cell runs: hours of cells must not end in "the extra is not installed".
+        if importlib.util.find_spec("sigstore") is None:
+            raise UsageError(f"--sign sigstore needs the sigstore package, which is not installed; {_INSTALL_HINT}")
         return SigstoreSigner(identity_token=identity_token)
     raise UsageError(f"unknown signing mode {mode!r}; choose none, key or sigstore")
 
@@ -215,6 +219,8 @@ def verify_dsse(envelope_bytes: bytes, public_key: ec.EllipticCurvePublicKey) ->
         envelope = json.loads(envelope_bytes)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SignatureInvalid(f"signature: {DSSE_NAME} is not JSON: {exc}") from exc
+    except RecursionError as exc:  # a parser stack exhausted by nesting is a malformed envelope, not a crash
+        raise SignatureInvalid(f"signature: {DSSE_NAME} is nested too deeply to be a DSSE envelope") from exc
     signatures = envelope.get("signatures") if isinstance(envelope, dict) else None
     if not isinstance(signatures, list) or not signatures or not all(isinstance(s, dict) for s in signatures):
         raise SignatureInvalid(f"signature: {DSSE_NAME} is not a DSSE envelope (no signatures)")

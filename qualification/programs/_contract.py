@@ -29,13 +29,19 @@ def trust_gating(trust: dict[int, str], decisions: list[dict[str, Any]], fault_s
                  end: int | None = None) -> dict[str, bool]:
     """How the trust states answered an SDC first seen at ``fault_step`` and present until ``end`` (default: that step
     only): ``decision_before_fault`` (the first SDC decision names an older step, or none), ``fault_step_rejected``
-    (no capture in ``[fault_step, end)`` was certified), ``certified_after`` (one at or after ``end`` was)."""
+    (no capture in ``[fault_step, end)`` was certified, while certification did happen elsewhere in the run),
+    ``certified_after`` (one at or after ``end`` was).
+
+    Every flag is false when nothing was ever certified: a run whose certification never worked would otherwise
+    "reject" the faulty step for free."""
     end = fault_step + 1 if end is None else end
     sdc = [d for d in decisions if d["failure_kind"] == "sdc"]
+    certified = {s for s, st in trust.items() if st == "recovery_verified"}
     return {
-        "decision_before_fault": bool(sdc) and (sdc[0]["step"] is None or sdc[0]["step"] < fault_step),
-        "fault_step_rejected": not any(st == "recovery_verified" for s, st in trust.items() if fault_step <= s < end),
-        "certified_after": any(st == "recovery_verified" for s, st in trust.items() if s >= end),
+        "decision_before_fault": bool(certified) and bool(sdc)
+        and (sdc[0]["step"] is None or sdc[0]["step"] < fault_step),
+        "fault_step_rejected": bool(certified) and not any(fault_step <= s < end for s in certified),
+        "certified_after": any(s >= end for s in certified),
     }
 
 

@@ -4,9 +4,10 @@ in the cell directory, so the evidence bundle seals the figures with the commit 
 ``params``: ``bench`` (``gemini``, default: 2 CPU ranks; ``gemini_cuda``: the capture on one GPU vs the raw pinned
 copy, ``device`` "cuda" or "cpu" for a dry run), ``sizes_mib`` (default "64"; "256,1024" for ``gemini_cuda``),
 ``quick`` (bool: a ~4 MiB smoke run of ``gemini``), ``steps``. Observed: every ratio the
-benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met). A benchmark cell
-passes when the program ran and produced every ratio: meeting a target is reported, not required, because figures
-from a shared 2-core machine are evidence to read, not a gate.
+benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met), and ``targets``
+(each met or missed). The cell is MEASURED, never PASSED, when the program ran and produced every ratio: each target
+is reported met or missed, and a claim the cell backs holds only when all were met — figures from a shared 2-core
+machine are evidence to read, not a gate, and a missed one must never read as a pass.
 """
 
 from __future__ import annotations
@@ -53,16 +54,23 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                 "message": f"benchmark exited {proc.returncode}; see bench.log"}
     doc = json.loads(out.read_text())
     observed: dict[str, Any] = {"targets_met": 0, "targets_total": 0}
+    targets: list[dict[str, Any]] = []
     for size in doc["sizes"]:
         tag = f"{size['state_mib']}MiB"
         for name, value in size["ratios"].items():
             observed[f"{name}.{tag}"] = value
-        for met in size.get("met", {}).values():
+        for name, met in size.get("met", {}).items():
             observed["targets_total"] += 1
             observed["targets_met"] += bool(met)
-    return {"cell_id": cell["id"], "status": "passed", "observed": observed,
-            "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
-            "timeline": timeline, "message": ""}
+            value = size["ratios"].get(name)
+            targets.append({"name": f"{name} at {tag}", "met": bool(met),
+                            "detail": f"ratio {value}" if value is not None else ""})
+    result: dict[str, Any] = {"cell_id": cell["id"], "status": "passed", "observed": observed,
+                              "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
+                              "timeline": timeline, "message": ""}
+    if targets:  # a measurement: the engine's verdict is MEASURED, each target met or missed
+        result["targets"] = targets
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

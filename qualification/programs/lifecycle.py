@@ -13,11 +13,22 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params
 - ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1), ``schedule``
   (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers),
   ``durable_every`` (0: no durable tier; N: every capture certified and every Nth verified step promoted to
-  ``<cell>/durable``; native topologies and DeepSpeed).
+  ``<cell>/durable``; native topologies and DeepSpeed), ``relaunch_ignores_checkpoints`` (the harness's own
+  negative control, never set by a campaign: the relaunch deletes every checkpoint first, so it starts fresh — a
+  deterministic fresh start is bitwise equal to the baseline too, and the kill cell must still FAIL on it).
 
-Observed: ``recovered_step``, ``source`` (weakest source any rank restored from), ``bitwise_equal`` (final state
-digest of every rank equals the uninterrupted run's), ``losses_equal``, ``replicas_equal``, ``final_step``,
+Observed: ``recovered_step``, ``source`` (weakest source any rank restored from), ``recovery_mode`` (the decision's
+mode: ``restore``, ``durable``, ``fresh``, ...), ``rank_sources`` (each rank's source: ``memory``, ``local``,
+``peer:N``, ``durable``), ``killed_rank_source`` (the SIGKILLed rank's source kind: ``local``, ``peer``, ...),
+``survivor_sources`` (the sorted source kinds of the other ranks), ``ranks_restored`` (ranks with a source), ``resume_step`` (the step every rank resumed
+after; a list when ranks disagree), ``bitwise_equal`` (final state digest of every rank equals the uninterrupted
+run's), ``losses_equal`` (the whole loss trajectory, every rank's, equals the uninterrupted run's: the steps restored
+from the checkpoint's extra state and the ones trained after it), ``replicas_equal``, ``final_step``,
 ``decision`` (the RecoveryDecision as a dict), ``rank_exit_codes`` of the failed launch.
+
+Timeline: ``fault`` carries the SIGKILL's own time (the killed rank writes it just before signalling itself), then
+``detection`` (the launcher saw the rank exit), ``relaunch``, ``decision`` (attach on the relaunch) and ``recovery``
+(state restored, ``resume_step``); times are seconds since the program started.
 """
 
 from __future__ import annotations
@@ -135,6 +146,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             event("fault", f"rank {second['rank']} killed during recovery ({second['phase']}); exit codes "
                            f"{again.returncodes}")
             attempt += 1
+        if cell.get("params", {}).get("relaunch_ignores_checkpoints"):
+            shutil.rmtree(ckpt, ignore_errors=True)  # the negative control: a relaunch that starts from scratch
+            shutil.rmtree(celldir / "durable", ignore_errors=True)
+            event("fault", "relaunch_ignores_checkpoints: every checkpoint deleted before the relaunch")
+        event("relaunch", f"{world} ranks relaunched (attempt {attempt})")
         run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
                      attempt=attempt)
         if not run.ok:
@@ -144,6 +160,16 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     if kind != "none":
         observed["recovered_step"] = decision.get("step")
         observed["source"] = decision.get("source")
+        observed["recovery_mode"] = decision.get("mode")
+        sources = decision.get("sources") or {}
+        observed["rank_sources"] = [sources.get(str(r)) for r in range(world)]
+        killed = int(fault.get("rank", 0))
+        observed["killed_rank_source"] = str(sources.get(str(killed), "none")).split(":")[0]
+        observed["ranks_restored"] = sum(1 for r in range(world) if sources.get(str(r)))
+        observed["survivor_sources"] = sorted({str(sources.get(str(r), "none")).split(":")[0]
+                                               for r in range(world) if r != killed})
+        resumed = sorted({int(r.get("resume_step", 0)) for r in ranks})
+        observed["resume_step"] = resumed[0] if len(resumed) == 1 else resumed
         times = ranks[0].get("times", {})
         event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
                           f"{decision.get('reason')}", times.get("attach_wall"))

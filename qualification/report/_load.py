@@ -55,6 +55,8 @@ def _json_file(path: Path) -> dict[str, Any]:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path} cannot be read as JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise UsageError(f"{path} is nested too deeply to be a run record") from exc
     if not isinstance(document, dict):
         raise UsageError(f"{path} is not a JSON object")
     return document

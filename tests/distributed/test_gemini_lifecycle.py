@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,9 @@ def test_healthy_run_is_bitwise_equal_to_baseline(tmp_path: Path, world: int, in
 def test_quickstart_kill_with_node_loss_recovers_from_peer_replica(tmp_path: Path) -> None:
     result = run_cell(cell(3, {"kind": "sigkill", "rank": 1, "step": 4, "node_loss": True}, steps=6), tmp_path)
     obs = result["observed"]
-    assert obs["recovered_step"] == 4
+    assert obs["recovered_step"] == 4 and obs["resume_step"] == 4 and obs["recovery_mode"] == "restore"
     assert obs["decision"]["sources"] == {"0": "local", "1": "peer:2", "2": "local"}
+    assert obs["rank_sources"] == ["local", "peer:2", "local"] and obs["killed_rank_source"] == "peer"
     assert obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["rank_exit_codes"][1] == -9
 
@@ -64,8 +66,13 @@ def test_randomized_sigkill_recovers_bitwise(tmp_path: Path, world: int, rank: i
     # Step 0 (taken at attach, replicated before training starts) is the floor when a rank dies before its first
     # step's replica has landed. A "random:<ms>" kill is a timer started after step S: on a quiet machine a step is
     # shorter than the delay, so the rank may die in a later step, whose capture can already be everywhere.
+    # Never 0 once a step had been captured everywhere: the kill at step S can beat S's capture (and S-1's replica
+    # while it is still in flight), not the steps before; step 0 only when S is 1 or 2.
     last = 8 if phase.startswith("random:") else step
-    assert obs["recovered_step"] is not None and 0 <= obs["recovered_step"] <= last, result
+    assert obs["recovery_mode"] == "restore", result
+    assert obs["recovered_step"] is not None and max(0, step - 2) <= obs["recovered_step"] <= last, result
+    assert obs["resume_step"] == obs["recovered_step"], result
+    assert obs["ranks_restored"] == world and None not in obs["rank_sources"], result
     if node_loss:
         assert obs["decision"]["sources"][str(rank)].startswith("peer:"), result
     assert obs["bitwise_equal"] and obs["losses_equal"], result
@@ -102,3 +109,23 @@ def test_a_kill_during_recovery_is_survived_by_the_next_relaunch(tmp_path: Path,
     assert obs["recovered_step"] == 4, result
     assert obs["decision"]["sources"] == {"0": "local", "1": "peer:2", "2": "local"}, result
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["final_step"] == 6, result
+
+
+@pytest.mark.timeout(420)
+def test_a_relaunch_that_ignores_checkpoints_fails_the_kill_cell(tmp_path: Path) -> None:
+    """The negative control of every kill cell: quickstart's own cell and expectations, with a relaunch that deletes
+    every checkpoint first. A deterministic fresh start is bitwise equal to the baseline, so bitwise_equal alone would
+    pass it; the recovery expectations (decision, step, each rank's source, resume step) must make it FAIL."""
+    import dataclasses
+
+    from qualification import campaign
+    from qualification.engine import EngineOptions, run_cells
+
+    (quick,) = campaign.load("quickstart").cells
+    # A longer cell timeout than the campaign's 120 s: three launches of three ranks, on a machine shared by others.
+    broken = dataclasses.replace(quick, params={**quick.params, "relaunch_ignores_checkpoints": True}, timeout_s=360)
+    (outcome,) = run_cells([broken], tmp_path, EngineOptions(grace=timedelta(seconds=1)))
+    assert outcome.verdict.value == "failed", outcome.reason
+    observed = outcome.result["observed"] if outcome.result else {}
+    assert observed.get("bitwise_equal") is True, "the fresh start is bitwise equal: only the recovery checks catch it"
+    assert "recovered_step: expected 4" in outcome.reason and "recovery_mode: expected 'restore'" in outcome.reason

@@ -52,6 +52,17 @@ def write(tmp_path: Path, text: str, name: str = "t.toml") -> Path:
     return path
 
 
+def test_a_claim_is_backed_by_the_cells_it_names_or_by_every_cell(tmp_path: Path) -> None:
+    text = VALID.replace('validated = ["the engine"]',
+                         'validated = ["the engine", { claim = "grids", cells = ["t/selftest-grid-*"] }]')
+    loaded = campaign.load(write(tmp_path, text))
+    ids = [c.id for c in loaded.cells]
+    plain, grids = loaded.claims
+    assert loaded.validated == ("the engine", "grids")
+    assert plain.backing(ids) == ids
+    assert grids.backing(ids) == [i for i in ids if "-grid-" in i] and len(grids.backing(ids)) == 8
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "campaigns").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_campaign_validates(path: Path) -> None:
     loaded = campaign.load(path)
@@ -75,8 +86,11 @@ def test_quickstart_cell_is_the_documented_one() -> None:
     assert (cell.program, cell.workload, cell.topology, cell.world_size) == ("lifecycle", "tiny-causal-lm", "ddp", 3)
     assert cell.fault == {"kind": "sigkill", "rank": 1, "step": 4, "phase": "after-step", "node_loss": True}
     assert cell.params == {"steps": 6, "interval": 1}
-    assert cell.expect == {"recovered_step": 4, "source": "peer", "bitwise_equal": True, "losses_equal": True,
-                           "final_step": 6}
+    # Recovery, not a fresh start: the decision, its step, every rank's source and the resume step are checked too.
+    assert cell.expect == {"recovered_step": 4, "source": "peer", "recovery_mode": "restore",
+                           "rank_sources": ["local", "peer:2", "local"],
+                           "resume_step": {"eq": "observed.recovered_step"}, "bitwise_equal": True,
+                           "losses_equal": True, "final_step": 6}
     assert cell.timeout_s == 120
 
 
@@ -155,6 +169,11 @@ MALFORMED = {
                             "'matrix[0].requires': must be array"),
     "empty matrix": (lambda t: "matrix = []\n" + t.split("[defaults]")[0], "'matrix'"),
     "duplicate cell id": (lambda t: t + "\n[[matrix]]\nworld_size = 1\n", "give the entries distinct 'label's"),
+    "claim backed by no cell": (lambda t: t.replace('validated = ["the engine"]',
+                                                    'validated = [{ claim = "x", cells = ["no-such-*"] }]'),
+                                "boundaries.validated[0] names cells 'no-such-*', which match none of the 9 cells"),
+    "claim without cells": (lambda t: t.replace('validated = ["the engine"]', 'validated = [{ claim = "x" }]'),
+                            "'boundaries.validated[0].cells': missing required key"),
 }
 
 

@@ -104,3 +104,60 @@ def test_failures_say_why(tmp_path: Path, kwargs: dict[str, Any], reason: str) -
     outcome = judged(tmp_path, make_cell(answer=42), **kwargs)
     assert outcome.verdict is Verdict.FAILED
     assert reason in outcome.reason, outcome.reason
+
+
+def test_references_compare_one_observation_with_another_or_with_the_cells_parameters() -> None:
+    want = {"attributed_step": {"ge": "fault.step", "le": "fault.step + params.rotation"},
+            "detected_step": {"eq": "observed.expected_step"}, "ranks": {"eq": "cell.world_size"}}
+    scope = {"params": {"rotation": 4}, "fault": {"step": 10}, "cell": {"world_size": 3}}
+    good = {"attributed_step": 14, "detected_step": 12, "expected_step": 12, "ranks": 3}
+    assert expect.check(want, good, **scope) == []
+    late = {**good, "attributed_step": 15, "detected_step": 13}
+    assert expect.check(want, late, **scope) == [
+        "attributed_step: expected >= fault.step (= 10) and <= fault.step + params.rotation (= 14), observed 15",
+        "detected_step: expected == observed.expected_step (= 12), observed 13",
+    ]
+
+
+def test_a_reference_to_something_absent_is_unmet_never_a_pass() -> None:
+    want = {"detected_step": {"eq": "observed.expected_step"}, "step": {"le": "params.rotation + 1"}}
+    assert expect.check(want, {"detected_step": None, "step": 1}) == [
+        "detected_step: expected == observed.expected_step, but observed.expected_step is not reported or set for "
+        "this cell",
+        "step: expected <= params.rotation + 1, but params.rotation is not reported or set for this cell",
+    ]
+    # A sum over a non-number is unmet too (None + 1 is not a bound).
+    assert expect.check({"step": {"le": "observed.x + 1"}}, {"step": 1, "x": None}) == [
+        "step: expected <= observed.x + 1, but observed.x is null, not a number"]
+    # ... and so is eq against an observation that is null: null never equals a number.
+    assert expect.check({"d": {"eq": "observed.e"}}, {"d": 4, "e": None}) == ["d: expected == observed.e (= null), observed 4"]
+
+
+def test_a_measurement_cell_is_measured_with_each_target_never_passed(tmp_path: Path) -> None:
+    from qualification.campaign import Campaign, Claim
+    from qualification.claims import evaluate, scope_of
+
+    targets = [{"name": "gemini throughput", "met": True, "detail": "-2.0 % against a floor of -5 %"},
+               {"name": "scout p95", "met": False, "detail": "+20.0 % against a ceiling of +7.5 %"}]
+    outcome = judged(tmp_path, make_cell(), result={**good_result(), "targets": targets})
+    assert outcome.verdict is Verdict.MEASURED
+    assert outcome.reason == ("measured: 1 of 2 targets met; missed: scout p95 (+20.0 % against a ceiling of "
+                              "+7.5 %)")
+    assert outcome.to_json()["targets"] == targets
+    # A claim it backs holds only when every target was met.
+    claims = Campaign(name="t", tier="cpu", description="d", validated=("overhead within thresholds",),
+                      not_validated=(), path=tmp_path, source=b"", cells=(outcome.cell,),
+                      claims=(Claim(text="overhead within thresholds", cells=()),))
+    bounds = evaluate(claims, [outcome], scope_of(claims, [outcome], filter_expr=None, seed_override=None))
+    assert bounds["validated"] == []
+    assert bounds["not_validated"][0]["reason"].startswith("target missed: 1 of 1 backing cells (t/cell: measured: 1")
+
+
+def test_campaign_verdicts_count_measured_cells_apart() -> None:
+    from qualification.engine import campaign_verdict
+
+    assert campaign_verdict({"passed": 3, "failed": 0, "skipped": 0, "measured": 1}) == "passed"
+    assert campaign_verdict({"passed": 0, "failed": 0, "skipped": 0, "measured": 2}) == "measured"
+    assert campaign_verdict({"passed": 2, "failed": 0, "skipped": 1, "measured": 0}) == "passed-with-skips"
+    assert campaign_verdict({"passed": 0, "failed": 0, "skipped": 3, "measured": 0}) == "skipped"
+    assert campaign_verdict({"passed": 5, "failed": 1, "skipped": 0, "measured": 0}) == "failed"
