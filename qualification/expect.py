@@ -72,7 +72,7 @@ def _resolve_bound(text: str, scope: Mapping[str, Mapping[str, Any]]) -> Any:
         sign, whole, table, key = term.group(1), term.group(2), term.group(3), term.group(4)
         if table is None:
             value: Any = int(whole)
-        elif key not in scope[table]:
+        elif key not in scope.get(table, {}):
             raise Unresolved(f"{whole} is not reported or set for this cell")
         else:
             value = scope[table][key]

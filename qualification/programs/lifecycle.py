@@ -26,9 +26,10 @@ run's), ``losses_equal`` (the whole loss trajectory, every rank's, equals the un
 from the checkpoint's extra state and the ones trained after it), ``replicas_equal``, ``final_step``,
 ``decision`` (the RecoveryDecision as a dict), ``rank_exit_codes`` of the failed launch.
 
-Timeline: ``fault`` carries the SIGKILL's own time (the killed rank writes it just before signalling itself), then
-``detection`` (the launcher saw the rank exit), ``relaunch``, ``decision`` (attach on the relaunch) and ``recovery``
-(state restored, ``resume_step``); times are seconds since the program started.
+Timeline (seconds since the program started): ``launch`` (the faulted run starts; the fault fires inside it, at a
+moment the rank program does not report yet, so no ``fault`` event is invented), ``detection`` (the launcher saw the
+rank exit and tore the others down), ``node-loss``, ``relaunch``, ``decision`` (attach on the relaunch) and
+``recovery`` (state restored on every rank, at ``resume_step``).
 """
 
 from __future__ import annotations
@@ -117,23 +118,25 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             extra = ["--sigterm-step", str(fault["step"])]
         else:
             return _result(cell, "error", {}, timeline, f"lifecycle: unknown fault kind {kind!r}")
-        event("fault", f"{kind} {json.dumps(fault, sort_keys=True)}")
+        # Not "fault": the fault fires inside this launch, at a moment only the killed rank knows; a timeline
+        # measured from here would charge the training before the kill to detection.
+        event("launch", f"faulted run launched; {kind} {json.dumps(fault, sort_keys=True)} fires inside it")
         first = launch(_rank_argv(celldir / "run", cell, ckpt, extra), world_size=world, timeout_s=timeout,
                        log_dir=logs)
         observed["rank_exit_codes"] = first.returncodes
         if first.ok:
             return _result(cell, "failed", observed, timeline, "the fault did not end the run")
-        event("detection", f"rank {first.first_failed} exited with {first.returncodes[first.first_failed or 0]}; "
-                           "remaining ranks torn down")
+        event("detection", f"launcher saw rank {first.first_failed} exit with "
+                           f"{first.returncodes[first.first_failed or 0]} and tore down the others (time: teardown done)")
         if fault.get("node_loss") == "all":  # a fail-stop of the whole job's local storage: the durable tier is left
             lost = sorted(p.name for p in ckpt.glob("node-*"))
             for name in lost:
                 shutil.rmtree(ckpt / name, ignore_errors=True)
-            event("fault", f"every node lost ({', '.join(lost)}): all local checkpoint folders deleted")
+            event("node-loss", f"every node lost ({', '.join(lost)}): all local checkpoint folders deleted")
         elif fault.get("node_loss"):
             node = int(fault["rank"]) // int(cell.get("params", {}).get("ranks_per_node", 1))
             shutil.rmtree(ckpt / f"node-{node}", ignore_errors=True)
-            event("fault", f"node {node} lost: its checkpoint folder deleted")
+            event("node-loss", f"node {node} lost: its checkpoint folder deleted")
         attempt = 1
         second = fault.get("recovery_kill")
         if second:  # a second failure, in the middle of the recovery from the first
@@ -143,13 +146,13 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             observed["recovery_kill_exit_codes"] = again.returncodes
             if again.ok:
                 return _result(cell, "failed", observed, timeline, "the recovery-time kill did not end the run")
-            event("fault", f"rank {second['rank']} killed during recovery ({second['phase']}); exit codes "
-                           f"{again.returncodes}")
+            event("detection", f"rank {second['rank']} killed during recovery ({second['phase']}); exit codes "
+                               f"{again.returncodes}")
             attempt += 1
         if cell.get("params", {}).get("relaunch_ignores_checkpoints"):
             shutil.rmtree(ckpt, ignore_errors=True)  # the negative control: a relaunch that starts from scratch
             shutil.rmtree(celldir / "durable", ignore_errors=True)
-            event("fault", "relaunch_ignores_checkpoints: every checkpoint deleted before the relaunch")
+            event("node-loss", "relaunch_ignores_checkpoints: every checkpoint deleted before the relaunch")
         event("relaunch", f"{world} ranks relaunched (attempt {attempt})")
         run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
                      attempt=attempt)

@@ -206,6 +206,8 @@ def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "fault": _fault_label(_dict(spec.get("fault"))),
         "seed": spec.get("seed"),
         "expect": _dict(spec.get("expect")),
+        "scope": {"params": _dict(spec.get("params")), "fault": _dict(spec.get("fault")),
+                  "cell": {"world_size": spec.get("world_size"), "seed": spec.get("seed")}},
         "observed": _dict(raw.get("observed")),
         "metrics": _dict(raw.get("metrics")),
         "timeline": _timeline(raw.get("timeline")),
@@ -231,7 +233,8 @@ def _command_cell(raw: dict[str, Any]) -> dict[str, Any]:
         "verdict": "passed" if code == 0 else "failed",
         "reason": f"exit code {code}: {shlex.join(str(a) for a in argv) if isinstance(argv, list) else ''}",
         "duration_s": None, "exit_code": code if isinstance(code, int) else None, "timed_out": False, "swept": 0,
-        "topology": "", "world_size": None, "fault": "", "seed": None, "expect": {}, "observed": {}, "metrics": {},
+        "topology": "", "world_size": None, "fault": "", "seed": None, "expect": {}, "scope": {}, "observed": {},
+        "metrics": {},
         "timeline": [], "message": "", "log": str(raw.get("log") or ""), "targets": [],
     }
 

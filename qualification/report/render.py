@@ -27,7 +27,10 @@ from qualification.report.svg import EVENT_COLOURS, TimelineMark, timeline_strip
 
 TEMPLATE = "report.html.j2"
 VERDICTS = ("passed", "failed", "skipped", "measured")
-_PHASES = (("fault", "detection"), ("detection", "decision"), ("decision", "recovery"), ("fault", "recovery"))
+_PHASES = (("fault", "detection"), ("detection", "relaunch"), ("relaunch", "decision"), ("detection", "decision"),
+           ("decision", "recovery"), ("fault", "recovery"), ("detection", "recovery"))
+"""Latencies between the first occurrences of two events, shown only when the cell recorded both, in that order: a
+phase is measured from the event it names, never from a stand-in."""
 
 
 def default_output(source: Path) -> Path:
@@ -114,16 +117,24 @@ def _cell_tables(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
     """Message, expectations against observations, timeline strip with phase latencies, and metrics of one cell."""
-    expectations = [{"key": key, "expected": expect.describe(want),
-                     "observed": _compact(cell["observed"][key]) if key in cell["observed"] else "not reported",
-                     "met": key in cell["observed"] and _holds(want, cell["observed"][key])}
-                    for key, want in cell["expect"].items()]
+    scope = {"observed": cell["observed"], **cell.get("scope", {})}
+    expectations = []
+    for key, want in cell["expect"].items():
+        try:  # a reference to another observation or a parameter is shown with the value it resolved to
+            resolved = expect.resolve(want, scope)
+        except expect.Unresolved:
+            resolved = None
+        expectations.append({
+            "key": key, "expected": expect.describe(want, resolved),
+            "observed": _compact(cell["observed"][key]) if key in cell["observed"] else "not reported",
+            "met": resolved is not None and key in cell["observed"] and _holds(resolved, cell["observed"][key])})
     reported = {k: v for k, v in cell["observed"].items() if k not in cell["expect"]}
     events = cell["timeline"]
     first: dict[str, float] = {}
     for event in events:
         first.setdefault(event["event"], event["t"])
-    phases = [{"name": f"{a} → {b}", "seconds": first[b] - first[a]} for a, b in _PHASES if a in first and b in first]
+    phases = [{"name": f"{a} → {b}", "seconds": first[b] - first[a]} for a, b in _PHASES
+              if a in first and b in first and first[b] >= first[a]]
     marks = [TimelineMark(e["t"], e["event"], e["detail"], e["rank"]) for e in events]
     key_events = any(e["event"] in EVENT_COLOURS for e in events)
     return {

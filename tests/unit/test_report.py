@@ -249,3 +249,19 @@ def test_qualify_report_command_renders_beside_the_directory(sealed_run: tuple[P
     (bundle / "summary.json").unlink()  # a bundle sealed from facts has only its manifest
     out = bundle.parent / "facts.html"
     assert CliRunner().invoke(app, ["report", str(bundle), "--out", str(out)]).exit_code == 0 and out.is_file()
+
+
+def test_phases_are_measured_from_the_events_they_name(tmp_path: Path) -> None:
+    # A lifecycle cell: the fault fires inside the launch at a moment no event records, so no "fault →" phase may be
+    # shown; a node loss recorded after detection must not become a negative "fault → detection".
+    timeline = [{"t": 0.0, "event": "start", "detail": "baseline"},
+                {"t": 5.0, "event": "launch", "detail": "faulted run launched"},
+                {"t": 20.0, "event": "detection", "detail": "launcher saw rank 1 exit"},
+                {"t": 20.5, "event": "fault", "detail": "node 1 lost (recorded late)"},
+                {"t": 23.0, "event": "relaunch", "detail": "3 ranks"},
+                {"t": 28.0, "event": "decision", "detail": "restore step 4"},
+                {"t": 29.0, "event": "recovery", "detail": "resumed at step 4"}]
+    text = text_of(render(make_run(tmp_path / "run", [cell("recover", timeline=timeline)])).read_text())
+    assert "detection → relaunch 3.00 s" in text and "relaunch → decision 5.00 s" in text
+    assert "detection → recovery 9.00 s" in text
+    assert "fault → detection" not in text and "-0.50 s" not in text
