@@ -80,7 +80,8 @@ def render_html(run: RunRecord, *, verification: VerificationResult | None = Non
         commit_short=run.commit[:12] if run.commit else None,
         verification=view,
         # One verdict for the banner: INVALID, STALE or NOT VERIFIED dominate PASSED, in words and colour.
-        headline=headline(validity=view["status"], result=run.result, scope=_headline_scope(run),
+        headline=headline(validity=view["status"], result=run.result,
+                          scope=_headline_scope(run, verification if view["status"] == "VALID" else None),
                           freshness=view.get("freshness")),
         scope=scope_text(run.scope) if run.scope is not None else None,
         campaigns=_cell_tables(cells),
@@ -91,8 +92,11 @@ def render_html(run: RunRecord, *, verification: VerificationResult | None = Non
     )
 
 
-def _headline_scope(run: RunRecord) -> dict[str, Any] | None:
-    # An unsealed run's scope comes from its summary; a record with none (schema 1.0.0, facts) says so.
+def _headline_scope(run: RunRecord, verification: VerificationResult | None) -> dict[str, Any] | None:
+    # The verified manifest's scope when there is one; else what the files record (an unsealed run's summary); a
+    # record with none (schema 1.0.0) says so.
+    if verification is not None and verification.schema_version != "1.0.0":
+        return verification.scope
     return run.scope
 
 

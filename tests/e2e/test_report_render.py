@@ -102,8 +102,41 @@ def png_rows(data: bytes, rows: int) -> tuple[int, int, list[bytes]]:
     return width, height, out
 
 
-def test_chromium_shows_the_summary(tmp_path: Path) -> None:
+def _verified_current() -> object:
+    """What the verifier returns for a valid, CURRENT, complete PASSED bundle: the only state that reads green."""
+    from qualification.evidence.freshness import Freshness, FreshnessReport
+    from qualification.evidence.verify import VerificationResult
+
+    return VerificationResult(
+        commit="a" * 40, result="PASSED", signature="none", checks_passed=("intake", "schema", "files"),
+        manifest_sha256="0" * 64, exit_code=0, message="valid, PASSED and CURRENT",
+        freshness=FreshnessReport(state=Freshness.CURRENT, commits_behind=0, main_ref="main", main_head="a" * 40,
+                                  reason="head of main"),
+        scope={"complete": True, "cellsInCampaign": 1, "campaignCellsRun": 1, "cellsRun": 1, "filter": None,
+               "seedOverride": None})
+
+
+def _green_pixels(shot: Path) -> int:
+    width, height, rows = png_rows(shot.read_bytes(), rows=300)
+    assert (width, height) == (WIDTH, HEIGHT)
+    return sum(
+        all(abs(row[i + c] - PASSED_GREEN[c]) <= 3 for c in range(3)) for row in rows for i in range(0, len(row), 3)
+    )
+
+
+def test_chromium_never_shows_an_unverified_run_in_green(tmp_path: Path) -> None:
+    # Not sealed, so not evidence: the banner says NOT SEALED in grey, whatever the cells say.
     report = render(make_run(tmp_path / "run"))
+    shot = tmp_path / "unverified.png"
+    done = chromium(tmp_path / "profile-grey", f"--screenshot={shot}", f"--window-size={WIDTH},{HEIGHT}",
+                    report.resolve().as_uri())
+    assert shot.is_file(), f"no screenshot (exit {done.returncode}): {done.stderr.decode(errors='replace')[-2000:]}"
+    assert _green_pixels(shot) < 2_000, "an unverified run must not read as a green PASSED"
+    assert '<span class="result">NOT SEALED</span>' in report.read_text()
+
+
+def test_chromium_shows_the_summary(tmp_path: Path) -> None:
+    report = render(make_run(tmp_path / "run"), verification=_verified_current())  # type: ignore[arg-type]
     assert report == tmp_path / "run.html"
     url = report.resolve().as_uri()
 
@@ -111,12 +144,8 @@ def test_chromium_shows_the_summary(tmp_path: Path) -> None:
     done = chromium(tmp_path / "profile-shot", f"--screenshot={shot}", f"--window-size={WIDTH},{HEIGHT}", url)
     assert shot.is_file(), f"no screenshot (exit {done.returncode}): {done.stderr.decode(errors='replace')[-2000:]}"
     assert shot.stat().st_size > 20_000, "a blank page compresses to almost nothing"
-    width, height, rows = png_rows(shot.read_bytes(), rows=300)
-    assert (width, height) == (WIDTH, HEIGHT)
-    # The summary banner sits in the first 300 px and is filled with the PASSED green.
-    green = sum(
-        all(abs(row[i + c] - PASSED_GREEN[c]) <= 3 for c in range(3)) for row in rows for i in range(0, len(row), 3)
-    )
+    # The summary banner sits in the first 300 px and is filled with the PASSED green (valid, CURRENT, complete).
+    green = _green_pixels(shot)
     assert green > 20_000, f"only {green} pixels of the PASSED banner colour near the top"
 
     done = chromium(tmp_path / "profile-dom", "--dump-dom", url)
