@@ -282,6 +282,9 @@ def _seal(out_dir: Path, run_record: dict[str, Any], *, signer: Any, archive: Pa
                          "record `qualify run` wrote") from None
     sealed = seal_bundle(out_dir, facts, repo=campaigns.REPO_ROOT, signer=signer, archive=archive)
     signed = f", signature {sealed.signature.name}" if sealed.signature else ""
+    if not facts.effective_scope.complete:
+        scope = facts.effective_scope
+        signed += f"; PARTIAL: {scope.campaign_cells_run} of {scope.cells_in_campaign} cells of the campaign"
     typer.echo(f"sealed {sealed.subjects} files: {sealed.result} at commit {sealed.commit[:12]}"
                f"{' (dirty tree)' if sealed.dirty else ''}{signed}; manifest sha256 {sealed.manifest_sha256[:16]}",
                err=True)
