@@ -79,6 +79,20 @@ def titan_missing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+def evidence(*args: str) -> subprocess.CompletedProcess[str]:
+    """``validation-evidence ARGS`` in-process (the CLI's own main, output captured): the same code path as the
+    console script, without an interpreter start per call. tests/e2e/test_cli_broken_inputs.py runs the real one."""
+    import contextlib
+    import io
+
+    from qualification.evidence.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*args, "--repo", str(REPO)])
+    return subprocess.CompletedProcess(["validation-evidence", *args], code, out.getvalue(), err.getvalue())
+
+
 def _titan(claims: list[dict[str, Any]]) -> dict[str, Any]:
     return next(c for c in claims if c["claim"].startswith(TITAN))
 
@@ -111,19 +125,17 @@ def test_manifest_moves_skipped_claims_and_records_the_filter(titan_missing: dic
 @pytest.mark.timeout(200)
 def test_verify_text_and_json_say_partial_and_skipped(titan_missing: dict[str, Any]) -> None:
     out, commit = titan_missing["out"], titan_missing["commit"]
-    checked = run("-m", "qualification.evidence.cli", "verify", str(out), "--expected-commit", commit, "--json")
+    checked = evidence("verify", str(out), "--expected-commit", commit, "--json")
     verdict = json.loads(checked.stdout)
     assert verdict["status"] == "VALID" and verdict["result"] == "PASSED-WITH-SKIPS" and verdict["complete"] is False
     assert verdict["verdict"]["tone"] != "passed" and f"PARTIAL 3 of {CELLS} cells" in verdict["verdict"]["text"]
     assert _titan(verdict["boundaries"]["notValidated"])["reason"].startswith("skipped: ")
-    text = run("-m", "qualification.evidence.cli", "verify", str(out), "--expected-commit", commit)
+    text = evidence("verify", str(out), "--expected-commit", commit)
     first, verdict_line = text.stdout.splitlines()[:2]
     assert first.startswith(f"VALID: valid and PASSED-WITH-SKIPS, PARTIAL 3 of {CELLS} cells")
     assert f"PARTIAL 3 of {CELLS} cells" in verdict_line and not verdict_line.split()[1].startswith("PASSED")
     assert re.search(r"not validated\s+TorchTitan 0\.3\.0.*\[skipped: 2 of 12", text.stdout)
-    refused = run(
-        "-m", "qualification.evidence.cli", "verify", str(out), "--expected-commit", commit, "--require-complete"
-    )
+    refused = evidence("verify", str(out), "--expected-commit", commit, "--require-complete")
     assert refused.returncode == 7 and "--require-complete refuses it" in refused.stdout
 
 
@@ -176,7 +188,7 @@ def test_tampered_scope_and_claims_fail_verification(titan_missing: dict[str, An
         document = json.loads((copy / "manifest.json").read_text())
         mutate(document["predicate"])
         (copy / "manifest.json").write_bytes(canonical_bytes(document))
-        return run("-m", "qualification.evidence.cli", "verify", str(copy), "--expected-commit", commit)
+        return evidence("verify", str(copy), "--expected-commit", commit)
 
     def drop_filter(p: dict[str, Any]) -> None:
         p["scope"].update(filter=None)
