@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _MAC_DOMAIN = b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
 _VERSION = 2
+_GET_TIMEOUT = timedelta(milliseconds=500)
 _MAX_JSON_DEPTH = 32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
 
 TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys"]
@@ -158,6 +159,7 @@ class OobChannel:
         self._config = config
         self._secret = resolve_secret(config.secret, insecure_dev=config.insecure_dev)
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()  # serializes reads that change the store's timeout
         # Wall-clock microseconds as the starting sequence number keeps it increasing across a restart of this rank,
         # so readers that remember the previous incarnation's numbers do not take the new messages for replays.
         self._next_seq = time.time_ns() // 1000
@@ -280,16 +282,29 @@ class OobChannel:
                 present = True
             except DistStoreError:  # the wait timed out; network failures still raise
                 present = False
-        raw = None
-        if present:
-            try:
-                raw = self._store.get(slot)
-            except DistStoreError:  # deleted between check and get
-                raw = None
+        raw = self._get_nowait(slot) if present else None
         if raw is None:
             self._absent(rank, key)
             return None
         return self._verify(rank, key, raw)
+
+    def _get_nowait(self, slot: str) -> bytes | None:
+        """The slot's value, or None when it is gone. A TCPStore ``get`` of a missing key waits for the store's
+        whole timeout, so a key deleted between ``check`` and ``get`` (a deleter in a loop) would stall every read;
+        the get runs under a short timeout instead."""
+        set_timeout = getattr(self._store, "set_timeout", None)
+        try:
+            if set_timeout is None:
+                return self._store.get(slot)
+            with self._io_lock:
+                previous = self._store.timeout  # type: ignore[attr-defined]
+                set_timeout(_GET_TIMEOUT)
+                try:
+                    return self._store.get(slot)
+                finally:
+                    set_timeout(previous)
+        except DistStoreError:  # deleted between check and get
+            return None
 
     def sweep(self, expected: Iterable[tuple[int, str]]) -> list[str]:
         """Delete every key of the store that is not one of the ``expected`` ``(rank, key)`` slots; return them.
@@ -409,6 +424,14 @@ class OobChannel:
                 self._replayed += 1
             elif not repeated:
                 self._forged += 1
+        with self._lock:
+            # A message of another epoch in a slot that never held one of ours is a leftover of an earlier run in a
+            # reused store: refused, not an attack. Written over one of ours, it is a replay.
+            stale = kind == "replayed" and (rank, key) not in self._last_seen
+        if stale:
+            if not repeated:
+                logger.info("ignoring OOB slot %s: %s", self.slot(rank, key), why)
+            return
         if not repeated:
             logger.warning("rejected OOB message in slot %s: %s", self.slot(rank, key), why)
         self._record_tamper(rank, key, self.slot(rank, key), kind, why, new=not repeated)

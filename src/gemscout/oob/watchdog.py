@@ -11,7 +11,8 @@ when a rank made no progress for ``stall_threshold`` (or its heartbeat stopped) 
 Only authenticated messages are evidence. A slot the channel saw forged, replayed, deleted or oversized is *tampered*
 for ``heartbeat_timeout`` after the last sign of it: its rank's staleness is unknown (the forger may be hiding its
 heartbeats), so it is never counted as dead or stuck, and a hang is called only when a rank with an untouched slot has
-stopped. Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
+stopped (a rank that was never seen, e.g. because its slot is deleted as fast as it is written, can join a hang as a
+root but never start one). Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
 finding naming the slot, recommendation ``observe``: an outsider can make noise, never a verdict or a restart.
 """
 
@@ -282,7 +283,9 @@ class Watchdog:
                 dead.append(rank)
             elif now - seen[1] >= threshold:
                 stuck.append(rank)
-        if not dead and not stuck:
+        # Absence alone is no evidence: a slot deleted faster than the polls looks like a rank that never published.
+        # A hang needs a rank whose own authentic records show it stopped; never-seen ranks may join it as roots.
+        if not any(rank in self._seen for rank in dead + stuck):
             self._pending, self._agreeing, self._episode_reported = None, 0, False
             return None
         if self._episode_reported:
