@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = 3, 4, 0.4, 5, 4  # CONFIRMATIONS: the default
+WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = 3, 4, 0.4, 5, 4  # CONFIRMATIONS: compute's default, for both
 
 
 def rank_main(rank: int, world: int, port: int, out: Path) -> None:
@@ -59,8 +59,8 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     config = ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None,
-                         stragglers=StragglerConfig(absolute_margin_s=0.1))
-    assert config.stragglers.confirmations == CONFIRMATIONS
+                         stragglers=StragglerConfig(absolute_margin_s=0.1, confirmations=CONFIRMATIONS))
+    assert config.stragglers.compute_confirmations == CONFIRMATIONS
 
     def summary(result: CycleResult | None, **cell: Any) -> dict[str, Any]:
         assert result is not None

@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CLEAN_CYCLES = 70  # whole-catalog clean cycles per launch; plus the rotating phase's
 ROTATION_STEPS = 8  # interval 2: due steps 2, 4, 6, 8
-DELAY_S, DELAY_ROUNDS, CONFIRMATIONS = 0.4, 5, 4  # CONFIRMATIONS: StragglerConfig's default
+DELAY_S, DELAY_ROUNDS, CONFIRMATIONS = 0.4, 5, 4  # CONFIRMATIONS: StragglerConfig's compute default
 SEED = 1234
 
 
@@ -73,7 +73,7 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:  # noqa: C90
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     stragglers = StragglerConfig(absolute_margin_s=0.1)
-    assert stragglers.confirmations == CONFIRMATIONS
+    assert stragglers.compute_confirmations == CONFIRMATIONS
 
     def make() -> tuple[Any, Any]:
         model = DDP(build_model("three-block", seed=0))

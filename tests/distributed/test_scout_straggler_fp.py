@@ -113,7 +113,7 @@ def rank_main(rank: int, world: int, port: int, out: Path, cycles: int) -> None:
     scout.close()
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cells": cells, "medians": medians,
                                                        "delays": delays,
-                                                       "confirmations": scout.config.stragglers.confirmations}))
+                                                       "confirmations": scout.config.stragglers.compute_confirmations}))
     dist.destroy_process_group()
 
 

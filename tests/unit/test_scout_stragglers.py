@@ -42,7 +42,8 @@ def test_config_defaults() -> None:
     config = StragglerConfig()
     assert config.relative_margin == 1.1
     assert config.absolute_margin_s == 0.002
-    assert config.confirmations == 4  # two gave false reports on a loaded machine (docs/scout.md)
+    assert config.confirmations == 2
+    assert config.compute_confirmations == 4  # two gave false reports on a loaded machine (docs/scout.md)
     assert config.noise_factor == 6.0 and config.noise_window == 32
     assert 1 <= config.baseline_min_samples <= config.baseline_window
 
@@ -62,6 +63,7 @@ def test_config_defaults() -> None:
         ("confirmations", 0),
         ("confirmations", 1.5),
         ("confirmations", True),
+        ("compute_confirmations", 0),
         ("baseline_window", 0),
         ("baseline_min_samples", 0),
         ("baseline_min_samples", 17),
@@ -93,7 +95,7 @@ def test_config_is_keyword_only_and_frozen() -> None:
 @pytest.mark.parametrize("confirmations", [1, 2, 3])
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_a_slow_rank_past_both_margins_is_reported_after_r_rounds(confirmations: int, n: int) -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=confirmations))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=confirmations))
     slow_rank = n - 1
     reports = [detector.observe(step, with_slow(n, {slow_rank: 25 * MS})) for step in range(confirmations)]
     assert reports[:-1] == [None] * (confirmations - 1)
@@ -109,7 +111,7 @@ def test_a_slow_rank_past_both_margins_is_reported_after_r_rounds(confirmations:
 
 
 def test_confirmed_straggler_keeps_reporting_with_a_growing_count() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2))
     counts = []
     for step in range(5):
         report = detector.observe(step, with_slow(4, {1: 30 * MS}))
@@ -133,7 +135,7 @@ def test_past_absolute_but_under_relative_margin_is_not_slow() -> None:
 
 
 def test_intermittent_slowness_is_never_confirmed() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2))
     assert detector.observe(0, with_slow(4, {2: 30 * MS})) is None
     assert detector.consecutive(2) == 1
     assert detector.observe(1, healthy(4)) is None
@@ -145,7 +147,7 @@ def test_intermittent_slowness_is_never_confirmed() -> None:
 
 
 def test_missing_from_a_round_breaks_the_chain() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2))
     assert detector.observe(0, with_slow(4, {3: 30 * MS})) is None
     assert detector.observe(1, healthy(3)) is None  # rank 3 did not report this round
     assert detector.observe(2, with_slow(4, {3: 30 * MS})) is None
@@ -153,7 +155,7 @@ def test_missing_from_a_round_breaks_the_chain() -> None:
 
 
 def test_two_stragglers_are_both_named() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2))
     detector.observe(0, with_slow(6, {1: 30 * MS, 4: 40 * MS}))
     report = detector.observe(1, with_slow(6, {1: 30 * MS, 4: 40 * MS}))
     assert report is not None and report.ranks == (1, 4)
@@ -161,13 +163,13 @@ def test_two_stragglers_are_both_named() -> None:
 
 
 def test_a_single_peer_has_nothing_to_compare_with() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=1))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=1))
     assert detector.observe(0, {0: 1.0}) is None
     assert detector.observe(1, {}) is None
 
 
 def test_host_is_recorded_when_known() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=1))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=1))
     hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
     report = detector.observe(0, with_slow(4, {2: 30 * MS}), rank_to_host=hosts)
     assert report is not None
@@ -180,7 +182,7 @@ def test_host_is_recorded_when_known() -> None:
 def test_a_rank_much_slower_than_its_own_baseline_counts_while_peers_are_steady() -> None:
     # Rank 0 is usually the fastest (6 ms vs 10 ms). At 10.9 ms it is still under 1.1x the peer median, so only its
     # own history shows that something changed.
-    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=4, confirmations=2))
+    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=4, compute_confirmations=2))
     usual = {0: 6 * MS, 1: 10 * MS, 2: 10 * MS, 3: 10 * MS}
     for step in range(4):
         assert detector.observe(step, usual) is None
@@ -267,7 +269,7 @@ def chain_round(slow_rank: int | None, slow_s: float = 30 * MS, fast_s: float = 
 
 def test_rank_common_to_the_slow_groups_and_its_host_are_named() -> None:
     comm = CommStragglerDetector(StragglerConfig(confirmations=2))
-    compute = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    compute = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2))
     assert comm.observe(0, chain_round(1), HOSTS) is None
     assert compute.observe(0, healthy(4)) is None
     report = comm.observe(1, chain_round(1), HOSTS)
@@ -390,7 +392,7 @@ def test_heavy_tailed_healthy_rounds_give_no_report_at_the_defaults() -> None:
     defaults = ComputeStragglerDetector()
     assert [s for s, times in enumerate(rounds) if defaults.observe(s, times) is not None] == []
     # The same rounds under the old defaults (two confirmations): reports, so this test can fail.
-    old = ComputeStragglerDetector(StragglerConfig(confirmations=2))
+    old = ComputeStragglerDetector(StragglerConfig(compute_confirmations=2, noise_factor=0.0))
     assert sum(old.observe(s, times) is not None for s, times in enumerate(rounds)) > 0
 
 
@@ -402,18 +404,18 @@ def test_a_20_percent_straggler_is_named_within_the_confirmation_rounds_after_no
     history = _loaded_rounds(200, seed=11, jitter=0.02)
     for step, times in enumerate(history):
         assert detector.observe(step, times) is None
-    quiet = _loaded_rounds(config.confirmations, seed=12, jitter=0.02)
+    quiet = _loaded_rounds(config.compute_confirmations, seed=12, jitter=0.02)
     reports = []
     for offset, times in enumerate(quiet):
         slowed = {**times, 2: times[2] + 0.2 * 20 * MS}  # 20 % of the replay, a real straggler from now on
         reports.append(detector.observe(len(history) + offset, slowed))
-    assert reports[:-1] == [None] * (config.confirmations - 1)
+    assert reports[:-1] == [None] * (config.compute_confirmations - 1)
     assert reports[-1] is not None and reports[-1].ranks == (2,), reports
     assert reports[-1].evidence["effective_absolute_margin_s"] >= config.absolute_margin_s
 
 
 def test_the_absolute_margin_grows_with_the_replays_measured_noise() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(confirmations=1))
+    detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=1))
     assert detector.noise() is None and detector.absolute_margin() == 0.002  # nothing measured yet
     rng = random.Random(3)
     for step in range(40):  # +-1 ms of spread on a 20 ms replay
@@ -435,7 +437,7 @@ def test_the_absolute_margin_grows_with_the_replays_measured_noise() -> None:
 
 
 def test_noise_factor_zero_keeps_the_fixed_margin() -> None:
-    detector = ComputeStragglerDetector(StragglerConfig(noise_factor=0.0, confirmations=1))
+    detector = ComputeStragglerDetector(StragglerConfig(noise_factor=0.0, compute_confirmations=1))
     for step in range(10):
         detector.observe(step, {r: (10 + 5 * (r % 2)) * MS for r in range(4)})
     assert detector.absolute_margin() == 0.002

@@ -17,10 +17,11 @@ No process group here: the caller gathers the timings and feeds one round at a t
   the fastest group are slow; the ranks common to every slow group, less any rank that also sits in a group that
   was fast, are the suspects, mapped to their host.
 
-A rank is reported only after ``confirmations`` (default 4) consecutive slow rounds; one healthy round (or a round it
-is missing from) resets its count, so intermittent blips never add up to a report. Measured on a loaded 2-core machine
-(docs/scout.md): two confirmations at fixed margins reported a healthy rank in one round in three; four, with the
-run-queue wait subtracted and the noise-scaled margin, none. Once confirmed, every further slow round
+A rank is reported only after ``compute_confirmations`` (default 4) or, for communication, ``confirmations``
+(default 2) consecutive slow rounds; one healthy round (or a round it is missing from) resets its count, so
+intermittent blips never add up to a report. Measured on a loaded 2-core machine (docs/scout.md): two compute
+confirmations at fixed margins reported a healthy rank about once per cycle; four, with the run-queue wait subtracted
+and the noise-scaled margin, never in 1,000 cycles. Once confirmed, every further slow round
 reports again with the growing count. Detectors keep state across rounds and are not thread-safe: one thread calls
 ``observe``.
 """
@@ -84,9 +85,12 @@ class StragglerConfig:
     """Slow means time > relative_margin x reference (peer median, or fastest group). Finite, > 1.0."""
     absolute_margin_s: float = 0.002
     """...and time - reference > absolute_margin_s seconds. Finite, >= 0."""
-    confirmations: int = 4
-    """Consecutive slow rounds before a rank is reported (R). Int >= 1. Two let a healthy rank on a loaded machine
-    be reported within a few hundred rounds; four gave none in the measured run (docs/scout.md)."""
+    confirmations: int = 2
+    """Consecutive slow rounds before a communication straggler is reported (R). Int >= 1."""
+    compute_confirmations: int = 4
+    """Consecutive slow rounds of one recipe before a compute straggler is reported. Int >= 1. Replay times on a
+    loaded host have heavy tails that can hit one rank a few rounds running: two reported healthy ranks there, four
+    none in 1,000 measured cycles (docs/scout.md)."""
     baseline_window: int = 16
     """How many of a rank's own healthy rounds its temporal baseline (a rolling median) remembers. Int >= 1."""
     baseline_min_samples: int = 4
@@ -109,7 +113,7 @@ class StragglerConfig:
                 f"StragglerConfig.absolute_margin_s must be a finite number of seconds >= 0 (e.g. 0.002), "
                 f"got {self.absolute_margin_s!r}"
             )
-        for name in ("confirmations", "baseline_window"):
+        for name in ("confirmations", "compute_confirmations", "baseline_window"):
             value = getattr(self, name)
             if not _is_count(value) or value < 1:
                 raise ConfigError(f"StragglerConfig.{name} must be an int >= 1, got {value!r}")
@@ -216,7 +220,7 @@ class ComputeStragglerDetector:
         """Take one round of replay times (seconds, one per peer) and return a straggler report if one is confirmed.
 
         The report has kind ``straggler``, scope ``rank``, the confirmed ranks, ``confirmations`` = the smallest
-        consecutive count among them (>= ``config.confirmations``), and the timings as evidence; ``host`` is filled
+        consecutive count among them (>= ``config.compute_confirmations``), and the timings as evidence; ``host`` is filled
         from ``rank_to_host`` when exactly one rank is named and its host is known. Fewer than two peers give no
         comparison: every count resets and None is returned. Pure computation, never blocks. Raises ``ValueError``
         for a negative or non-increasing step, a bad rank, or a time that is negative, NaN or infinite.
@@ -255,7 +259,7 @@ class ComputeStragglerDetector:
                 # Only healthy rounds teach the baseline, so a persistent straggler never learns that slow is normal.
                 self._history.setdefault(rank, deque(maxlen=cfg.baseline_window)).append(seconds)
 
-        confirmed = [rank for rank, count in self._consecutive.items() if count >= cfg.confirmations]
+        confirmed = [rank for rank, count in self._consecutive.items() if count >= cfg.compute_confirmations]
         if not confirmed:
             return None
         return self._report(step, times, median, baselines, criteria, confirmed, hosts, margin)
