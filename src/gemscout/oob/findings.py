@@ -69,7 +69,9 @@ class StallFinding:
         if self.confirmations < 1:
             raise ConfigError(f"StallFinding.confirmations must be >= 1, got {self.confirmations}")
         if self.kind == "tamper" and self.recommendation != "observe":
-            raise ConfigError("StallFinding: a tamper finding can only recommend 'observe' (forged data decides nothing)")
+            raise ConfigError(
+                "StallFinding: a tamper finding can only recommend 'observe' (forged data decides nothing)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """A plain-JSON dict of every field."""
