@@ -46,6 +46,7 @@ __all__ = [
     "StragglerConfig",
     "compute_reports",
     "run_queue_seconds",
+    "waited_since",
 ]
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
