@@ -111,11 +111,12 @@ def _job(port: int, epoch: str = "run-a") -> tuple[list[ProgressPublisher], OobC
     return pubs, OobChannel(observer_store, config=OobConfig(rank=None, secret=SECRET, epoch=epoch))
 
 
-def _forge(port: int, seconds: float, done: list[int]) -> None:
+def _forge(port: int, seconds: float, done: list[int], ready: threading.Event) -> None:
     """The attacker: its own connection, no secret. A made-up MAC over a plausible record of rank 1, and rank 2's
     slot deleted, as fast as it can. (A thread, not a process: importing torch in a fresh process costs seconds on
     a loaded machine, and a connection is a connection.)"""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    ready.set()
     end, n = time.monotonic() + seconds, 0
     while time.monotonic() < end:
         payload = {"v": 2, "ns": "gemscout/oob", "epoch": "run-a", "rank": 1, "key": "progress", "seq": 2**62 + n}
@@ -156,9 +157,11 @@ def test_forger_without_the_secret_cannot_make_a_hang(served: tuple[dist.TCPStor
     pubs, observer = _job(port)
     findings: list[StallFinding] = []
     done: list[int] = []
-    forger = threading.Thread(target=_forge, args=(port, 2.0, done))
+    ready = threading.Event()
+    forger = threading.Thread(target=_forge, args=(port, 2.0, done, ready))
     trainer = threading.Thread(target=_train_while, args=(pubs, 2.5))
     forger.start()
+    assert ready.wait(20), "the forger could not connect"
     trainer.start()
     _watch(observer, 2.5, findings)
     trainer.join(10)

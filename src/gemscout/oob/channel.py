@@ -1,8 +1,9 @@
 """The out-of-band channel: authenticated JSON messages over a key-value store (a torch ``TCPStore``).
 
 Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites it with its newest message. A message
-is an envelope: the body (JSON with version, namespace, epoch, rank, key, sequence number and payload) and an
-HMAC-SHA256 of that body under the per-job secret. Readers verify the MAC in constant time, check that namespace,
+is an envelope: the body (JSON with version, namespace, epoch, rank, key, sequence number and the payload sealed with
+AES-256-GCM under a key derived from the secret, so a reader of the store learns nothing of it) and an HMAC-SHA256
+of that body under the per-job secret. Readers verify the MAC in constant time, check that namespace,
 epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
 namespace, or replayed from an earlier run of the job under the same secret), and refuse a sequence number older than
 the last one they accepted from that slot (a replay within the run). A rejected message is logged, counted in
@@ -23,10 +24,12 @@ anyone can forge them.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _MAC_DOMAIN = b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
 _VERSION = 2
+_SEAL_DOMAIN = b"gemscout-oob-v2 payload sealing key"
 _GET_TIMEOUT = timedelta(milliseconds=500)
 _MAX_JSON_DEPTH = 32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
 
@@ -158,6 +162,8 @@ class OobChannel:
         self._store = store
         self._config = config
         self._secret = resolve_secret(config.secret, insecure_dev=config.insecure_dev)
+        # A key of its own for sealing payloads, so the MAC key is never also a cipher key.
+        self._seal_key = hmac.new(self._secret, _SEAL_DOMAIN, hashlib.sha256).digest()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()  # serializes reads that change the store's timeout
         # Wall-clock microseconds as the starting sequence number keeps it increasing across a restart of this rank,
@@ -244,6 +250,7 @@ class OobChannel:
             seq = max(self._next_seq, time.time_ns() // 1000)
             self._next_seq = seq + 1
         cfg = self._config
+        plain = json.dumps(dict(payload), sort_keys=True, separators=(",", ":"), allow_nan=False)
         body = json.dumps(
             {
                 "v": _VERSION,
@@ -252,11 +259,10 @@ class OobChannel:
                 "rank": rank,
                 "key": key,
                 "seq": seq,
-                "payload": dict(payload),
+                "sealed": self._seal(plain.encode("utf-8")),
             },
             sort_keys=True,
             separators=(",", ":"),
-            allow_nan=False,
         )
         message = f"{self._mac(body.encode('utf-8'))}\n{body}"
         if len(message) > self._config.max_message_bytes:
@@ -339,6 +345,24 @@ class OobChannel:
                 found[rank] = payload
         return found
 
+    def _seal(self, plain: bytes) -> str:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        nonce = os.urandom(12)  # random per message: 2**-32 collision odds only after ~2**32 messages of one job
+        return base64.b64encode(nonce + AESGCM(self._seal_key).encrypt(nonce, plain, None)).decode("ascii")
+
+    def _unseal(self, sealed: object) -> bytes | None:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        if not isinstance(sealed, str):
+            return None
+        try:
+            raw = base64.b64decode(sealed, validate=True)
+            return AESGCM(self._seal_key).decrypt(raw[:12], raw[12:], None) if len(raw) > 28 else None
+        except (ValueError, InvalidTag):
+            return None
+
     def _mac(self, body: bytes) -> str:
         return hmac.new(self._secret, _MAC_DOMAIN + body, hashlib.sha256).hexdigest()
 
@@ -405,14 +429,18 @@ class OobChannel:
             return "forged", "envelope of another protocol version or namespace"
         if decoded.get("epoch") != cfg.epoch:
             return "replayed", f"message of epoch {str(decoded.get('epoch'))[:64]!r}, not this run's {cfg.epoch!r}"
-        if (
-            decoded.get("rank") != rank
-            or decoded.get("key") != key
-            or type(decoded.get("seq")) is not int
-            or not isinstance(decoded.get("payload"), dict)
-        ):
+        if decoded.get("rank") != rank or decoded.get("key") != key or type(decoded.get("seq")) is not int:
             return "forged", "envelope does not match its slot"
-        return decoded["seq"], decoded["payload"]
+        plain = self._unseal(decoded.get("sealed"))
+        if plain is None or _depth(plain) > _MAX_JSON_DEPTH:
+            return "forged", "sealed payload does not open"
+        try:
+            payload = json.loads(plain)
+        except (ValueError, RecursionError):
+            return "forged", "sealed payload is not JSON"
+        if not isinstance(payload, dict):
+            return "forged", "sealed payload is not an object"
+        return decoded["seq"], payload
 
     def _reject(self, rank: int, key: str, raw: bytes, why: str, *, kind: TamperKind) -> None:
         digest = hashlib.sha256(raw).digest()
