@@ -5,6 +5,11 @@ and the ``torch.distributed`` collectives when ``instrument_collectives``), and 
 to an authenticated TCPStore. Rank 0 (or every rank) runs a watchdog thread that reads them without the training
 thread's help and reports a stall — naming the root rank where the evidence allows — as a ``FaultReport`` plus a
 conservative ``RecoveryDecision``.
+
+The store rank 0 serves listens on ``MASTER_ADDR``'s address only (loopback for a local job), not on every interface,
+and the watchdog deletes any key that is not a rank's slot. Every attach draws a fresh random epoch that rank 0 gives
+the others over the process group (not the store): messages of an earlier attach, replayed into the store, are
+refused. Whatever fails authentication is reported as ``tamper`` and never becomes a hang.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+import secrets
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,12 +40,23 @@ from gemscout.oob import (
     Watchdog,
     WatchdogConfig,
     checkpoint_io,
+    serve_store,
 )
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
 log = logging.getLogger("gemscout.watch")
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
-                "reduce", "gather", "scatter", "all_to_all_single")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+)
 
 
 @strict_fields
@@ -47,10 +65,11 @@ class WatchConfig:
     """How the session watches for hangs and stalls out of band."""
 
     endpoint: str | None = None
-    """``host:port`` of an existing TCPStore to use. Default: rank 0 starts one on a free port of its host and the
-    port is shared through the process group at attach."""
-    secret: bytes | None = None
-    """The per-job HMAC key; default ``GEMSCOUT_OOB_SECRET`` from the launcher's environment."""
+    """``host:port`` of an existing TCPStore to use (it may hold other keys: nothing is swept; the epoch is
+    ``TORCHELASTIC_RUN_ID``-``TORCHELASTIC_RESTART_COUNT`` when set). Default: rank 0 serves one on a free port of
+    ``MASTER_ADDR``'s address only, and port and a random epoch are shared through the process group at attach."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The per-job HMAC key; default ``GEMSCOUT_OOB_SECRET`` from the launcher's environment. Hidden from ``repr``."""
     insecure_dev: bool = False
     """Run without a secret (a public key): local experiments only."""
     stall_threshold: timedelta = timedelta(seconds=120)
@@ -72,64 +91,109 @@ class WatchConfig:
 
     def __post_init__(self) -> None:
         c = "WatchConfig"
-        require(self.watchdog_on in ("rank0", "all"), c, "watchdog_on", f"must be 'rank0' or 'all', got {self.watchdog_on!r}")
-        require(isinstance(self.confirmations, int) and self.confirmations >= 1, c, "confirmations", "must be an int >= 1")
+        require(
+            self.watchdog_on in ("rank0", "all"),
+            c,
+            "watchdog_on",
+            f"must be 'rank0' or 'all', got {self.watchdog_on!r}",
+        )
+        require(
+            isinstance(self.confirmations, int) and self.confirmations >= 1, c, "confirmations", "must be an int >= 1"
+        )
         require(self.section_absolute_s > 0, c, "section_absolute_s", "must be > 0")
         require(self.section_relative >= 1.0, c, "section_relative", "must be >= 1.0")
-        require(timedelta(0) < self.poll_interval < self.stall_threshold, c, "poll_interval",
-                "must be > 0 and smaller than stall_threshold")
-        require(self.endpoint is None or (":" in self.endpoint and self.endpoint.rsplit(":", 1)[1].isdigit()), c,
-                "endpoint", f"must be 'host:port', got {self.endpoint!r}")
+        require(
+            timedelta(0) < self.poll_interval < self.stall_threshold,
+            c,
+            "poll_interval",
+            "must be > 0 and smaller than stall_threshold",
+        )
+        require(
+            self.endpoint is None or (":" in self.endpoint and self.endpoint.rsplit(":", 1)[1].isdigit()),
+            c,
+            "endpoint",
+            f"must be 'host:port', got {self.endpoint!r}",
+        )
 
 
 def finding_to_report(finding: StallFinding) -> FaultReport:
     evidence = dict(finding.evidence)
     evidence["recommendation"] = finding.recommendation
-    return FaultReport(kind=FaultKind(finding.kind), scope=Scope.RANK if finding.ranks else Scope.PEER_GROUP,
-                       ranks=finding.ranks, step=finding.step if finding.step is not None else 0, recipe=None, evidence=evidence, confirmations=finding.confirmations,
-                       reason=finding.reason, host=finding.host, timestamp=finding.timestamp)
+    # A tamper finding's ranks own the touched slots; they are not culprits of anything.
+    culprits = finding.ranks and finding.kind != "tamper"
+    return FaultReport(
+        kind=FaultKind(finding.kind),
+        scope=Scope.RANK if culprits else Scope.PEER_GROUP,
+        ranks=finding.ranks,
+        step=finding.step if finding.step is not None else 0,
+        recipe=None,
+        evidence=evidence,
+        confirmations=finding.confirmations,
+        reason=finding.reason,
+        host=finding.host,
+        timestamp=finding.timestamp,
+    )
 
 
 class Watch:
     """One rank's end of the out-of-band watch. Construct on every rank (collective when no endpoint is given)."""
 
-    def __init__(self, config: WatchConfig, *, rank: int, world_size: int,
-                 on_report: Callable[[FaultReport, StallFinding], None]) -> None:
+    def __init__(
+        self, config: WatchConfig, *, rank: int, world_size: int, on_report: Callable[[FaultReport, StallFinding], None]
+    ) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
-        host, port = self._endpoint()
-        oob = OobConfig(rank=rank, secret=config.secret, insecure_dev=config.insecure_dev)
+        self._server: dist.TCPStore | None = None
+        host, port, epoch = self._endpoint()
+        oob = OobConfig(rank=rank, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch)
         self.channel = OobChannel.connect(host=host, port=port, config=oob, is_master=False)
         self.publisher = ProgressPublisher(self.channel, config=ProgressConfig(host=config.host)).start()
         self.reports: list[FaultReport] = []
         self._on_report = on_report
         self.watchdog: Watchdog | None = None
         if config.watchdog_on == "all" or rank == 0:
-            observer = OobChannel.connect(host=host, port=port, config=OobConfig(
-                rank=None, secret=config.secret, insecure_dev=config.insecure_dev), is_master=False)
+            observer = OobChannel.connect(
+                host=host,
+                port=port,
+                config=OobConfig(rank=None, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch),
+                is_master=False,
+            )
             self.watchdog = Watchdog(
-                observer, world_size=world_size,
-                config=WatchdogConfig(stall_threshold=config.stall_threshold, poll_interval=config.poll_interval,
-                                      confirmations=config.confirmations),
-                stall_config=StallConfig(absolute_threshold=timedelta(seconds=config.section_absolute_s),
-                                         relative_factor=config.section_relative, confirmations=config.confirmations),
-                callbacks=[self._deliver]).start()
+                observer,
+                world_size=world_size,
+                config=WatchdogConfig(
+                    stall_threshold=config.stall_threshold,
+                    poll_interval=config.poll_interval,
+                    confirmations=config.confirmations,
+                ),
+                stall_config=StallConfig(
+                    absolute_threshold=timedelta(seconds=config.section_absolute_s),
+                    relative_factor=config.section_relative,
+                    confirmations=config.confirmations,
+                ),
+                callbacks=[self._deliver],
+                sweep=config.endpoint is None,
+            ).start()
         self._unpatch: list[Callable[[], None]] = []
         if config.instrument_collectives:
             self._patch_collectives()
 
-    def _endpoint(self) -> tuple[str, int]:
+    def _endpoint(self) -> tuple[str, int, str]:
         if self.config.endpoint is not None:
             host, port = self.config.endpoint.rsplit(":", 1)
-            return host, int(port)
+            run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+            return host, int(port), re.sub(r"[^0-9A-Za-z_.-]", "_", run.strip("-"))[:64]
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port_t = torch.zeros(1, dtype=torch.int64)
+        # Port and epoch travel over the process group, which an outsider of the store cannot write to.
+        shared = torch.zeros(3, dtype=torch.int64)
         if self.rank == 0:
-            # The store lives as long as this object; clients connect to it by host and port.
-            self._server = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=60))
-            port_t[0] = self._server.port
-        dist.broadcast(port_t, src=0)
-        return host, int(port_t.item())
+            # The store lives as long as this object; clients connect to it by host and port. It listens on the
+            # job's address only: TCPStore's own server would listen on every interface.
+            self._server = serve_store(host, 0, timeout=timedelta(seconds=60))
+            shared[0] = self._server.port
+            shared[1], shared[2] = secrets.randbits(62), secrets.randbits(62)
+        dist.broadcast(shared, src=0)
+        epoch = f"{int(shared[1]):016x}{int(shared[2]):016x}"
+        return host, int(shared[0].item()), epoch
 
     def _deliver(self, finding: StallFinding) -> None:
         report = finding_to_report(finding)
@@ -174,8 +238,9 @@ class Watch:
         """Fingerprint DDP's gradient all-reduces through SCOUT's job-collective timer (which holds DDP's one comm
         hook) instead of a comm hook of the watch's own."""
         publisher = self.publisher
-        timer.register_around_collective(lambda shape: publisher.enter_collective("all_reduce", "world", [shape]),
-                                         publisher.exit_collective)
+        timer.register_around_collective(
+            lambda shape: publisher.enter_collective("all_reduce", "world", [shape]), publisher.exit_collective
+        )
 
     def _patch_collectives(self) -> None:
         publisher = self.publisher

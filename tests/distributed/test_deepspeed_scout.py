@@ -14,7 +14,7 @@ the owner ``s % 3`` broadcasts all of its slices and every rank replays them.
 - a fault in the owner's real update (a bit flipped in its fp32 master partition right after the optimizer ran) is
   ATTRIBUTED to the owner, with two param groups (two partitions per rank) whose other slices all agree;
 - bf16 module weights with gradient accumulation and the optimizer recipe alone: every slice agrees, bitwise equal;
-- a rank whose slice replays are slow is a compute straggler after two rounds, with no SDC.
+- a rank whose slice replays are slow is a compute straggler after ``compute_confirmations`` rounds, with no SDC.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from gemscout.scout.stragglers import StragglerConfig
 from qualification.launch import launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -133,7 +134,7 @@ def test_zero2_bf16_accumulation_optimizer_recipe_alone_is_bitwise(tmp_path: Pat
 
 @pytest.mark.timeout(400)
 def test_zero2_slow_slice_replay_is_a_compute_straggler(tmp_path: Path) -> None:
-    """Rank 1 sleeps inside each of its slice replays: a compute straggler named after 2 rounds, whoever owns the
+    """Rank 1 sleeps inside each of its slice replays: a compute straggler named after R rounds, whoever owns the
     slices (the rotation changes owner every step), and no SDC."""
     scout = [*SCOUT[:2], "optimizer", *SCOUT[3:]]
     results = run(tmp_path, "run", "deepspeed-zero2", ["--ckpt", str(tmp_path / "ckpt"), *scout,
@@ -143,7 +144,8 @@ def test_zero2_slow_slice_replay_is_a_compute_straggler(tmp_path: Path) -> None:
         assert sdc(r) == []
         late = [rep for rep in r["reports"] if rep["kind"] == "straggler"]
         assert late and {(rep["evidence"]["signal"], tuple(rep["ranks"])) for rep in late} == {("compute", (1,))}, late
-        assert late[0]["step"] == 2 and late[0]["recipe"] == "optimizer", late[0]
-        assert [rep["step"] for rep in late] == list(range(2, STEPS + 1))
+        first = StragglerConfig().compute_confirmations  # a slice is replayed every step: named at round R
+        assert late[0]["step"] == first and late[0]["recipe"] == "optimizer", late[0]
+        assert [rep["step"] for rep in late] == list(range(first, STEPS + 1))
         times = late[0]["evidence"]["times_s"]
         assert times["1"] > 3 * 0.1 and max(times["0"], times["2"]) < 3 * 0.1, times

@@ -48,8 +48,7 @@ on_disk = {"own": store.list_steps(paths.own),
            "replica": [s for owner in paths.held_owners() for s in store.list_steps(paths.replicas(owner))]}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"cadence": session.scout.config.interval, "replayed": replayed,
-               "verified": sorted(verified), "on_disk": on_disk, "metrics": session.metrics(),
-               "report_kinds": [r.kind.value for r in session.reports]}, f)
+               "verified": sorted(verified), "on_disk": on_disk, "metrics": session.metrics()}, f)
 session.close()
 dist.barrier()
 os._exit(0)
@@ -83,9 +82,7 @@ def test_scout_replays_at_its_cadence_and_certifies_the_captures_before_it(tmp_p
         assert m["gemini.newest_verified_step"] == newest and m["gemini.rejected"] == 0, m
         assert m["gemini.newest_persisted_step"] == 21 and m["gemini.io_errors"] == 0, m
         assert m["gemini.buffer_bytes"] > 0 and m["gemini.replicated_bytes"] > 0, m
-        # No SDC; a compute straggler may be reported on a loaded machine (default 2 ms margin): counted as delivered.
-        kinds = ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health")
-        assert {k: v for k, v in m.items() if k.startswith("reports.")} == {
-            f"reports.{k}": got["report_kinds"].count(k) for k in kinds}, (m, got["report_kinds"])
-        assert m["reports.sdc"] == 0, m
+        reports = {k: v for k, v in m.items() if k.startswith("reports.")}  # one counter per FaultKind, all zero
+        assert {f"reports.{k}" for k in ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health")} <= \
+            set(reports) and set(reports.values()) == {0}, m
         json.dumps(m)  # plain values, ready for any logger

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = 3, 4, 0.4, 3, 2
+WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = 3, 4, 0.4, 5, 4  # CONFIRMATIONS: compute's default, for both
 
 
 def rank_main(rank: int, world: int, port: int, out: Path) -> None:
@@ -60,6 +60,7 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
                             timeout=timedelta(seconds=60))
     config = ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None,
                          stragglers=StragglerConfig(absolute_margin_s=0.1, confirmations=CONFIRMATIONS))
+    assert config.stragglers.compute_confirmations == CONFIRMATIONS
 
     def summary(result: CycleResult | None, **cell: Any) -> dict[str, Any]:
         assert result is not None
@@ -180,17 +181,16 @@ def test_autocast_bf16_replay_and_late_collectives(tmp_path: Path) -> None:
         assert cells and all(c["dtype"] == dtype for c in cells)
         clean = [c for c in cells if c["recipe"] is None]
         assert len(clean) == CLEAN
-        for c in clean:  # numbers, not timing: a rank late by load past the 0.1 s margin may be reported slow
+        for c in clean:
             assert all(v["verdict"] == "agree" for v in c["verdicts"].values()), c
-            assert [p for p in c["reports"] if p["kind"] != "straggler"] == [], c
+            assert c["reports"] == [], c
         faulty = [c for c in cells if c["recipe"] is not None]
         assert len(faulty) == len(clean[0]["verdicts"])  # every recipe of the catalog, once
         for c in faulty:
             assert c["verdicts"][c["recipe"]]["verdict"] == "attributed", c
             assert c["verdicts"][c["recipe"]]["ranks"] == [1], c
             assert all(v["verdict"] == "agree" for n, v in c["verdicts"].items() if n != c["recipe"]), c
-            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"] if p["kind"] != "straggler"] == \
-                [("sdc", "rank", [1])], c
+            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"]] == [("sdc", "rank", [1])], c
 
     for r in ranks:  # the timing hook left training bitwise equal to DDP without it
         assert r["timed_digest"] == r["untimed_digest"], f"rank {r['rank']}: the timing hook changed training"

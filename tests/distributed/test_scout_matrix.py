@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CLEAN_CYCLES = 70  # whole-catalog clean cycles per launch; plus the rotating phase's
 ROTATION_STEPS = 8  # interval 2: due steps 2, 4, 6, 8
-DELAY_S, DELAY_ROUNDS, CONFIRMATIONS = 0.4, 3, 2
+DELAY_S, DELAY_ROUNDS, CONFIRMATIONS = 0.4, 5, 4  # CONFIRMATIONS: StragglerConfig's compute default
 SEED = 1234
 
 
@@ -72,7 +72,8 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:  # noqa: C90
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    stragglers = StragglerConfig(absolute_margin_s=0.1, confirmations=CONFIRMATIONS)
+    stragglers = StragglerConfig(absolute_margin_s=0.1)
+    assert stragglers.compute_confirmations == CONFIRMATIONS
 
     def make() -> tuple[Any, Any]:
         model = DDP(build_model("three-block", seed=0))
@@ -214,11 +215,6 @@ def _verdict_view(cell: dict[str, Any]) -> Any:
     return (cell["step"], cell["certified"], cell["verdicts"], cell["reports"])
 
 
-def _not_timing(cell: dict) -> list[dict]:
-    """The cell's reports other than stragglers (timing, not a verdict on the numbers)."""
-    return [p for p in cell["reports"] if p["kind"] != "straggler"]
-
-
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_scout_fault_matrix(tmp_path: Path, world: int) -> None:
@@ -241,9 +237,7 @@ def test_scout_fault_matrix(tmp_path: Path, world: int) -> None:
     assert [c["due"] for c in rotation] == [False, True] * (ROTATION_STEPS // 2)
     due = [c for c in rotation if c["due"]]
     assert all(v["verdict"] == "agree" for c in due for v in c["verdicts"].values())
-    # Timing reports are not verdicts: on a loaded CI machine a rank can really be late by more than the 0.1 s
-    # margin for CONFIRMATIONS cycles in a row. What must hold in a healthy cycle: nothing but such a report.
-    assert all(not _not_timing(c) for c in due), due
+    assert all(c["reports"] == [] for c in due)
     checked = [sorted(c["verdicts"]) for c in due]
     assert all(len(names_at) == 4 for names_at in checked)  # embedding, one block, output, one slice
     assert sorted({n for names_at in checked[:3] for n in names_at}) == sorted(names)
@@ -254,7 +248,7 @@ def test_scout_fault_matrix(tmp_path: Path, world: int) -> None:
     for c in clean:
         assert sorted(c["verdicts"]) == sorted(names)
         assert all(v["verdict"] == "agree" for v in c["verdicts"].values()), c
-        assert not _not_timing(c), c
+        assert c["reports"] == [], c
         assert c["certified"] == c["step"]  # the whole catalog every due step certifies at once
 
     matrix = [c for c in cells if c["phase"] == "matrix"]
@@ -281,9 +275,9 @@ def test_scout_fault_matrix(tmp_path: Path, world: int) -> None:
     for round_index, c in enumerate(delay, start=1):
         assert all(v["verdict"] == "agree" for v in c["verdicts"].values()), c
         assert not [p for p in c["reports"] if p["kind"] == "sdc"]
-        slow = [p for p in c["reports"] if p["kind"] == "straggler" and p["ranks"] == [target]]
+        slow = [p for p in c["reports"] if p["kind"] == "straggler"]
         if round_index < CONFIRMATIONS:
-            assert slow == [], c  # not before CONFIRMATIONS rounds (another rank late by load is not the delay)
+            assert slow == [], c
         else:
             assert slow == [{"kind": "straggler", "scope": "rank", "ranks": [target], "recipe": "hidden.1"}], c
         assert c["replay_s"]["hidden.1"][str(target)] >= DELAY_S

@@ -94,8 +94,11 @@ def test_forged_mac_is_rejected_logged_and_counted(
     writer.publish("progress", {"step": 1})
     genuine = master.get(writer.slot(1, "progress"))
     mac, _, body = genuine.partition(b"\n")
-    # Tamper with exactly the payload and keep the old MAC.
-    master.set(writer.slot(1, "progress"), (mac + b"\n" + body.replace(b'"step":1', b'"step":9')).decode())
+    assert b'"step"' not in genuine  # the payload is sealed: a reader of the store does not see it
+    # Tamper with exactly one character of the sealed payload and keep the old MAC.
+    at = body.index(b'"sealed":"') + 20
+    flipped = body[:at] + (b"A" if body[at : at + 1] != b"A" else b"B") + body[at + 1 :]
+    master.set(writer.slot(1, "progress"), (mac + b"\n" + flipped).decode())
     with caplog.at_level(logging.WARNING, logger="gemscout.oob.channel"):
         assert reader.read(1, "progress") is None
         assert reader.read(1, "progress") is None  # polled again: still rejected, counted and logged once

@@ -183,7 +183,13 @@ def test_forged_progress_cannot_clear_the_root(job: tuple) -> None:  # type: ign
     honest = [pubs[0], pubs[2], pubs[3]]
     first = _tick(clock, watchdog, honest, 11)
     second = _tick(clock, watchdog, honest, 1)
-    assert first == [] and [f.ranks for f in second] == [(1,)]
+    # The forgery itself is reported as tamper naming the slot; the hang comes from the honest ranks' own stop, with
+    # rank 1 named from its last authentic record.
+    assert [(f.kind, f.ranks, f.evidence["tamper"]["slot"]) for f in first] == [
+        ("tamper", (1,), "gemscout/oob/1/progress")
+    ]
+    assert [(f.kind, f.ranks) for f in second] == [("hang", (1,))]
+    assert second[0].evidence["tampered_slots"] == ["gemscout/oob/1/progress"]
     assert observer.stats.forged == 1
 
 

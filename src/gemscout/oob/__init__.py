@@ -4,7 +4,7 @@ Everything here talks through an authenticated :class:`OobChannel` over a torch 
 training process group, so it keeps working while training threads are blocked in a collective.
 """
 
-from gemscout.oob.channel import ChannelStats, OobChannel, OobStore
+from gemscout.oob.channel import ChannelStats, OobChannel, OobStore, TamperEvent, serve_store
 from gemscout.oob.config import OobConfig
 from gemscout.oob.findings import StallFinding
 from gemscout.oob.health import (
@@ -45,9 +45,11 @@ __all__ = [
     "StallConfig",
     "StallDetector",
     "StallFinding",
+    "TamperEvent",
     "Watchdog",
     "WatchdogConfig",
     "checkpoint_io",
     "classify",
     "generate_secret",
+    "serve_store",
 ]

@@ -1,11 +1,20 @@
 """The out-of-band channel: authenticated JSON messages over a key-value store (a torch ``TCPStore``).
 
 Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites it with its newest message. A message
-is an envelope: the body (JSON with version, rank, key, sequence number and payload) and an HMAC-SHA256 of that body
-under the per-job secret. Readers verify the MAC in constant time, check that rank and key in the body match the slot
-(so a valid message cannot be moved to another rank's slot), and refuse a sequence number older than the last one they
-accepted from that slot (a replay). A rejected message is logged, counted in :attr:`OobChannel.stats`, and never
-returned, so nothing downstream can act on it.
+is an envelope: the body (JSON with version, namespace, epoch, rank, key, sequence number and the payload sealed with
+AES-256-GCM under a key derived from the secret, so a reader of the store learns nothing of it) and an HMAC-SHA256
+of that body under the per-job secret. Readers verify the MAC in constant time, check that namespace,
+epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
+namespace, or replayed from an earlier run of the job under the same secret), and refuse a sequence number older than
+the last one they accepted from that slot (a replay within the run). A rejected message is logged, counted in
+:attr:`OobChannel.stats`, never returned, and recorded as a :class:`TamperEvent` naming the slot — as is a slot that
+held an authentic message and then vanished (someone deleted it). Nothing downstream can act on a rejected message;
+the watchdog turns tamper events into ``tamper`` findings instead of verdicts.
+
+A ``TCPStore`` has no authentication: anyone who reaches its port can read, write and delete keys. So the server is
+bound to one address (:func:`serve_store`: the job's own address, loopback for a local job) instead of every
+interface, and :meth:`OobChannel.sweep` deletes keys that are not the job's slots, which bounds what a flood can keep
+in rank 0's memory to what arrives between two sweeps (the ``TCPStore`` server itself has no size or key cap).
 
 The secret comes from the launcher (:attr:`OobConfig.secret` or ``GEMSCOUT_OOB_SECRET``; see
 :mod:`gemscout.oob.secret` for why it is never sent through the store). Without one the channel refuses to start,
@@ -15,26 +24,37 @@ anyone can forge them.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from torch.distributed import DistStoreError
 
 from gemscout.oob.config import OobConfig
 from gemscout.oob.secret import resolve_secret
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
 logger = logging.getLogger(__name__)
 
-_MAC_DOMAIN = b"gemscout-oob-v1\n"  # binds the MAC to this protocol version, not just to the body bytes
-_VERSION = 1
+_MAC_DOMAIN = b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
+_VERSION = 2
+_SEAL_DOMAIN = b"gemscout-oob-v2 payload sealing key"
+_GET_TIMEOUT = timedelta(milliseconds=500)
+_MAX_JSON_DEPTH = 32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
+
+TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys"]
 
 
 @runtime_checkable
@@ -59,7 +79,77 @@ class ChannelStats:
     forged: int
     """Distinct messages rejected for a bad MAC, a malformed envelope, or a rank/key that does not match their slot."""
     replayed: int
-    """Distinct authentic messages rejected because their sequence number is older than one already accepted."""
+    """Distinct authentic messages rejected because their sequence number is older than one already accepted, or
+    because they belong to another epoch (an earlier run under the same secret)."""
+    deleted: int = 0
+    """Times a slot that held an authentic message was found absent."""
+    swept: int = 0
+    """Keys :meth:`OobChannel.sweep` deleted because they were not the job's slots."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TamperEvent:
+    """Evidence that someone without the secret (or with an old message) wrote to, or deleted, a slot."""
+
+    slot: str
+    """The store key concerned (for ``foreign_keys``: a sample of the swept keys, comma-separated, truncated)."""
+    rank: int | None
+    key: str | None
+    kind: TamperKind
+    reason: str
+    count: int
+    """How many distinct bad values (or deletions) this slot has shown so far."""
+    first_seen: float
+    last_seen: float
+    """The reader's monotonic clock at the first and newest occurrence."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "rank": self.rank,
+            "key": self.key,
+            "kind": self.kind,
+            "reason": self.reason,
+            "count": self.count,
+        }
+
+
+def serve_store(host: str, port: int = 0, *, timeout: timedelta = timedelta(seconds=60)) -> TCPStore:
+    """Serve a ``TCPStore`` that listens on ``host``'s address only (port 0: the kernel picks one; read ``.port``).
+
+    ``TCPStore(host_name, ...)`` ignores ``host_name`` on the server side and listens on every interface, so the
+    socket is made, bound and put to listen here and handed over through ``master_listen_fd`` (the libuv backend
+    adopts it). ``host`` is resolved once; a name that resolves to loopback gives a loopback-only server, which is
+    what a single-node job should use. Raises ``OSError`` when the address cannot be bound (not this host's).
+    """
+    from torch.distributed import TCPStore
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address[:2] if family == socket.AF_INET else address)
+        sock.listen(512)
+        bound_port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on; detach so Python never closes it under the server.
+    fd = sock.detach()
+    try:
+        return TCPStore(
+            str(address[0]),
+            bound_port,
+            None,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        socket.close(fd)
+        raise
 
 
 class OobChannel:
@@ -72,13 +162,22 @@ class OobChannel:
         self._store = store
         self._config = config
         self._secret = resolve_secret(config.secret, insecure_dev=config.insecure_dev)
+        # A key of its own for sealing payloads, so the MAC key is never also a cipher key.
+        self._seal_key = hmac.new(self._secret, _SEAL_DOMAIN, hashlib.sha256).digest()
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()  # serializes reads that change the store's timeout
         # Wall-clock microseconds as the starting sequence number keeps it increasing across a restart of this rank,
         # so readers that remember the previous incarnation's numbers do not take the new messages for replays.
         self._next_seq = time.time_ns() // 1000
+        # Reader state, one entry per slot this channel has read: bounded by the slots its caller asks for (a
+        # watchdog: world_size x its keys), never by what a writer puts in the store. Rejected values are kept as
+        # digests, not bytes.
         self._last_seen: dict[tuple[int, str], int] = {}
         self._last_rejected: dict[tuple[int, str], bytes] = {}
-        self._published = self._accepted = self._forged = self._replayed = 0
+        self._present: set[tuple[int, str]] = set()
+        self._vanished: set[tuple[int, str]] = set()
+        self._tamper: dict[tuple[int | None, str | None], TamperEvent] = {}
+        self._published = self._accepted = self._forged = self._replayed = self._deleted = self._swept = 0
 
     @classmethod
     def connect(
@@ -96,7 +195,9 @@ class OobChannel:
         """
         from torch.distributed import TCPStore
 
-        store = TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+        if is_master:
+            return cls(serve_store(host, port, timeout=timeout), config=config)
+        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
         return cls(store, config=config)
 
     @property
@@ -111,8 +212,24 @@ class OobChannel:
     def stats(self) -> ChannelStats:
         with self._lock:
             return ChannelStats(
-                published=self._published, accepted=self._accepted, forged=self._forged, replayed=self._replayed
+                published=self._published,
+                accepted=self._accepted,
+                forged=self._forged,
+                replayed=self._replayed,
+                deleted=self._deleted,
+                swept=self._swept,
             )
+
+    def tamper_events(self) -> list[TamperEvent]:
+        """Every slot that showed tampering so far (newest state of each), in first-seen order."""
+        with self._lock:
+            return sorted(self._tamper.values(), key=lambda e: e.first_seen)
+
+    def tampered_since(self, rank: int, key: str, since: float) -> TamperEvent | None:
+        """The tamper event of ``rank``'s slot ``key`` if its newest occurrence is at or after ``since`` (monotonic)."""
+        with self._lock:
+            event = self._tamper.get((rank, key))
+        return event if event is not None and event.last_seen >= since else None
 
     def slot(self, rank: int, key: str) -> str:
         """The store key that holds ``rank``'s newest message under ``key``."""
@@ -132,11 +249,20 @@ class OobChannel:
         with self._lock:
             seq = max(self._next_seq, time.time_ns() // 1000)
             self._next_seq = seq + 1
+        cfg = self._config
+        plain = json.dumps(dict(payload), sort_keys=True, separators=(",", ":"), allow_nan=False)
         body = json.dumps(
-            {"v": _VERSION, "rank": rank, "key": key, "seq": seq, "payload": dict(payload)},
+            {
+                "v": _VERSION,
+                "ns": cfg.namespace,
+                "epoch": cfg.epoch,
+                "rank": rank,
+                "key": key,
+                "seq": seq,
+                "sealed": self._seal(plain.encode("utf-8")),
+            },
             sort_keys=True,
             separators=(",", ":"),
-            allow_nan=False,
         )
         message = f"{self._mac(body.encode('utf-8'))}\n{body}"
         if len(message) > self._config.max_message_bytes:
@@ -155,14 +281,60 @@ class OobChannel:
         """
         slot = self.slot(rank, key)
         if timeout <= timedelta(0):
-            if not self._store.check([slot]):
-                return None
+            present = self._store.check([slot])
         else:
             try:
                 self._store.wait([slot], timeout)
+                present = True
             except DistStoreError:  # the wait timed out; network failures still raise
-                return None
-        return self._verify(rank, key, self._store.get(slot))
+                present = False
+        raw = self._get_nowait(slot) if present else None
+        if raw is None:
+            self._absent(rank, key)
+            return None
+        return self._verify(rank, key, raw)
+
+    def _get_nowait(self, slot: str) -> bytes | None:
+        """The slot's value, or None when it is gone. A TCPStore ``get`` of a missing key waits for the store's
+        whole timeout, so a key deleted between ``check`` and ``get`` (a deleter in a loop) would stall every read;
+        the get runs under a short timeout instead."""
+        set_timeout = getattr(self._store, "set_timeout", None)
+        try:
+            if set_timeout is None:
+                return self._store.get(slot)
+            with self._io_lock:
+                previous = self._store.timeout  # type: ignore[attr-defined]
+                set_timeout(_GET_TIMEOUT)
+                try:
+                    return self._store.get(slot)
+                finally:
+                    set_timeout(previous)
+        except DistStoreError:  # deleted between check and get
+            return None
+
+    def sweep(self, expected: Iterable[tuple[int, str]]) -> list[str]:
+        """Delete every key of the store that is not one of the ``expected`` ``(rank, key)`` slots; return them.
+
+        For a store this job owns (served by :func:`serve_store` for the OOB channel alone): nothing else belongs in
+        it, so anything else is a flood or leftovers (:meth:`read` itself deletes a slot whose value is over
+        ``max_message_bytes``: no genuine writer publishes one, and the owner republishes). A sweep that found keys
+        records a ``foreign_keys`` :class:`TamperEvent`. A store without ``list_keys`` is left alone.
+        """
+        list_keys = getattr(self._store, "list_keys", None)
+        delete_key = getattr(self._store, "delete_key", None)
+        if list_keys is None or delete_key is None:
+            return []
+        keep = {self.slot(r, k) for r, k in expected}
+        removed = [name for name in list_keys() if name not in keep]
+        for name in removed:
+            delete_key(name)
+        if removed:
+            sample = ", ".join(repr(name[:64]) for name in sorted(removed)[:5])
+            with self._lock:
+                self._swept += len(removed)
+            self._record_tamper(None, None, sample, "foreign_keys", f"{len(removed)} key(s) not of this job deleted")
+            logger.warning("OOB store: deleted %d key(s) that are not this job's slots (%s)", len(removed), sample)
+        return removed
 
     def read_many(self, ranks: Iterable[int], key: str) -> dict[int, dict[str, Any]]:
         """The newest authentic payload under ``key`` of each of ``ranks`` that has one. Never blocks on absence."""
@@ -173,13 +345,55 @@ class OobChannel:
                 found[rank] = payload
         return found
 
+    def _seal(self, plain: bytes) -> str:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        nonce = os.urandom(12)  # random per message: 2**-32 collision odds only after ~2**32 messages of one job
+        return base64.b64encode(nonce + AESGCM(self._seal_key).encrypt(nonce, plain, None)).decode("ascii")
+
+    def _unseal(self, sealed: object) -> bytes | None:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        if not isinstance(sealed, str):
+            return None
+        try:
+            raw = base64.b64decode(sealed, validate=True)
+            return AESGCM(self._seal_key).decrypt(raw[:12], raw[12:], None) if len(raw) > 28 else None
+        except (ValueError, InvalidTag):
+            return None
+
     def _mac(self, body: bytes) -> str:
         return hmac.new(self._secret, _MAC_DOMAIN + body, hashlib.sha256).hexdigest()
 
+    def _absent(self, rank: int, key: str) -> None:
+        """Note that ``rank``'s slot ``key`` is empty; one that held a message before was deleted (tamper)."""
+        ident = (rank, key)
+        with self._lock:
+            vanished = ident in self._present
+            still_gone = ident in self._vanished
+            self._present.discard(ident)
+            if vanished:
+                self._vanished.add(ident)
+                self._deleted += 1
+                # A later bad value in this slot is new again, whatever it was before the deletion.
+                self._last_rejected.pop(ident, None)
+        if vanished or still_gone:
+            # Every read that finds it still gone refreshes the event: a deleter faster than the polls must not let
+            # the slot look quiet (and its rank dead) while it keeps deleting.
+            reason = "a slot that held an authentic message was deleted"
+            self._record_tamper(rank, key, self.slot(rank, key), "deleted", reason, new=vanished)
+        if vanished:
+            logger.warning("OOB slot %s was deleted", self.slot(rank, key))
+
     def _verify(self, rank: int, key: str, raw: bytes) -> dict[str, Any] | None:
+        with self._lock:
+            self._present.add((rank, key))
+            self._vanished.discard((rank, key))
         opened = self._open(rank, key, raw)
-        if isinstance(opened, str):
-            self._reject(rank, key, raw, opened, replay=False)
+        if isinstance(opened[0], str):
+            kind, why = opened
+            self._reject(rank, key, raw, str(why), kind=kind)  # type: ignore[arg-type]
             return None
         seq, payload = opened
         with self._lock:
@@ -190,43 +404,108 @@ class OobChannel:
                 self._last_seen[(rank, key)] = seq
                 self._accepted += 1
         if replayed:
-            self._reject(rank, key, raw, f"replayed sequence number {seq} < {last}", replay=True)
+            self._reject(rank, key, raw, f"replayed sequence number {seq} < {last}", kind="replayed")
             return None
-        return payload
+        return payload  # type: ignore[return-value]
 
-    def _open(self, rank: int, key: str, raw: bytes) -> tuple[int, dict[str, Any]] | str:
-        """``(seq, payload)`` of an authentic envelope that belongs in this slot, or the reason it is not one."""
-        if len(raw) > self._config.max_message_bytes:
-            return "message too large"
+    def _open(self, rank: int, key: str, raw: bytes) -> tuple[int, dict[str, Any]] | tuple[TamperKind, str]:
+        """``(seq, payload)`` of an authentic envelope that belongs in this slot, or ``(tamper kind, reason)``."""
+        cfg = self._config
+        if len(raw) > cfg.max_message_bytes:
+            return "oversized", f"message of {len(raw)} bytes is above max_message_bytes={cfg.max_message_bytes}"
         mac_hex, sep, body = raw.partition(b"\n")
         if not sep:
-            return "malformed envelope"
+            return "forged", "malformed envelope"
         if not hmac.compare_digest(self._mac(body).encode("ascii"), mac_hex):
-            return "bad HMAC"
+            return "forged", "bad HMAC"
+        # Authentic from here on (someone holds the secret): still parse defensively, a bug must not crash a reader.
+        if _depth(body) > _MAX_JSON_DEPTH:
+            return "forged", "body nests too deep"
         try:
             decoded = json.loads(body)
-        except ValueError:
-            return "body is not JSON"
-        if (
-            not isinstance(decoded, dict)
-            or decoded.get("v") != _VERSION
-            or decoded.get("rank") != rank
-            or decoded.get("key") != key
-            or type(decoded.get("seq")) is not int
-            or not isinstance(decoded.get("payload"), dict)
-        ):
-            return "envelope does not match its slot"
-        return decoded["seq"], decoded["payload"]
+        except (ValueError, RecursionError):
+            return "forged", "body is not JSON"
+        if not isinstance(decoded, dict) or decoded.get("v") != _VERSION or decoded.get("ns") != cfg.namespace:
+            return "forged", "envelope of another protocol version or namespace"
+        if decoded.get("epoch") != cfg.epoch:
+            return "replayed", f"message of epoch {str(decoded.get('epoch'))[:64]!r}, not this run's {cfg.epoch!r}"
+        if decoded.get("rank") != rank or decoded.get("key") != key or type(decoded.get("seq")) is not int:
+            return "forged", "envelope does not match its slot"
+        plain = self._unseal(decoded.get("sealed"))
+        if plain is None or _depth(plain) > _MAX_JSON_DEPTH:
+            return "forged", "sealed payload does not open"
+        try:
+            payload = json.loads(plain)
+        except (ValueError, RecursionError):
+            return "forged", "sealed payload is not JSON"
+        if not isinstance(payload, dict):
+            return "forged", "sealed payload is not an object"
+        return decoded["seq"], payload
 
-    def _reject(self, rank: int, key: str, raw: bytes, why: str, *, replay: bool) -> None:
+    def _reject(self, rank: int, key: str, raw: bytes, why: str, *, kind: TamperKind) -> None:
+        digest = hashlib.sha256(raw).digest()
         with self._lock:
             # Polling re-reads the same bad value many times: count and warn once per distinct rejected message.
-            repeated = self._last_rejected.get((rank, key)) == raw
-            self._last_rejected[(rank, key)] = raw
-            if not repeated and replay:
+            repeated = self._last_rejected.get((rank, key)) == digest
+            self._last_rejected[(rank, key)] = digest
+            if not repeated and kind == "replayed":
                 self._replayed += 1
             elif not repeated:
                 self._forged += 1
+        with self._lock:
+            # A message of another epoch in a slot that never held one of ours is a leftover of an earlier run in a
+            # reused store: refused, not an attack. Written over one of ours, it is a replay.
+            stale = kind == "replayed" and (rank, key) not in self._last_seen
+        if stale:
+            if not repeated:
+                logger.info("ignoring OOB slot %s: %s", self.slot(rank, key), why)
+            return
         if not repeated:
             logger.warning("rejected OOB message in slot %s: %s", self.slot(rank, key), why)
+        self._record_tamper(rank, key, self.slot(rank, key), kind, why, new=not repeated)
+        delete_key = getattr(self._store, "delete_key", None)
+        if kind == "oversized" and delete_key is not None:
+            # No genuine writer publishes one (publish refuses): free the server's memory; the owner republishes.
+            delete_key(self.slot(rank, key))
+            with self._lock:
+                self._present.discard((rank, key))
         return None
+
+    def _record_tamper(
+        self, rank: int | None, key: str | None, slot: str, kind: TamperKind, reason: str, *, new: bool = True
+    ) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = self._tamper.get((rank, key))
+            self._tamper[(rank, key)] = TamperEvent(
+                slot=slot,
+                rank=rank,
+                key=key,
+                kind=kind,
+                reason=reason,
+                count=(old.count if old else 0) + (1 if new or old is None else 0),
+                first_seen=old.first_seen if old else now,
+                last_seen=now,
+            )
+
+
+def _depth(body: bytes) -> int:
+    """The deepest bracket nesting of a JSON text (strings skipped), without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest

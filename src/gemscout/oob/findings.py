@@ -15,15 +15,18 @@ from typing import Any, Literal
 
 from gemscout.errors import ConfigError
 
-StallKind = Literal["hang", "data_stall", "checkpoint_stall"]
-"""``hang``: no progress past the threshold; ``data_stall``: DataLoader fetches; ``checkpoint_stall``: checkpoint I/O."""
+StallKind = Literal["hang", "data_stall", "checkpoint_stall", "tamper"]
+"""``hang``: no progress past the threshold; ``data_stall``: DataLoader fetches; ``checkpoint_stall``: checkpoint I/O;
+``tamper``: a slot of the out-of-band store held a message that failed authentication (or was replayed, deleted,
+oversized), or the store held keys that are not the job's. A tamper finding is about the channel, never about the
+named rank's training: ``ranks`` are the ranks whose slots were touched, and the recommendation is ``observe``."""
 
 Recommendation = Literal["observe", "restart_from_verified"]
 """Conservative advice. ``observe``: the job still progresses, keep watching and report; ``restart_from_verified``: the
 job no longer progresses, restart every rank from the newest recovery-verified checkpoint. Nothing here ever advises
 excluding a node: a stall alone is not proof of broken hardware."""
 
-STALL_KINDS: tuple[str, ...] = ("hang", "data_stall", "checkpoint_stall")
+STALL_KINDS: tuple[str, ...] = ("hang", "data_stall", "checkpoint_stall", "tamper")
 RECOMMENDATIONS: tuple[str, ...] = ("observe", "restart_from_verified")
 
 
@@ -65,6 +68,10 @@ class StallFinding:
             raise ConfigError(f"StallFinding.ranks must be ascending and unique, got {self.ranks!r}")
         if self.confirmations < 1:
             raise ConfigError(f"StallFinding.confirmations must be >= 1, got {self.confirmations}")
+        if self.kind == "tamper" and self.recommendation != "observe":
+            raise ConfigError(
+                "StallFinding: a tamper finding can only recommend 'observe' (forged data decides nothing)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """A plain-JSON dict of every field."""

@@ -7,6 +7,13 @@ Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemsc
 when a rank made no progress for ``stall_threshold`` (or its heartbeat stopped) names the root with
 :func:`~gemscout.oob.rootcause.locate_root`; one verdict on ``confirmations`` consecutive polls becomes a
 :class:`~gemscout.oob.findings.StallFinding`, once per episode, delivered to callbacks (a raising callback is logged).
+
+Only authenticated messages are evidence. A slot the channel saw forged, replayed, deleted or oversized is *tampered*
+for ``heartbeat_timeout`` after the last sign of it: its rank's staleness is unknown (the forger may be hiding its
+heartbeats), so it is never counted as dead or stuck, and a hang is called only when a rank with an untouched slot has
+stopped (a rank that was never seen, e.g. because its slot is deleted as fast as it is written, can join a hang as a
+root but never start one). Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
+finding naming the slot, recommendation ``observe``: an outsider can make noise, never a verdict or a restart.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.channel import OobChannel
+from gemscout.oob.channel import OobChannel, TamperEvent
 from gemscout.oob.findings import StallFinding
 from gemscout.oob.records import PROGRESS_KEY, ProgressRecord
 from gemscout.oob.rootcause import locate_root
@@ -66,7 +73,10 @@ class Watchdog:
         stall_config: StallConfig | None = None,
         callbacks: Iterable[FindingCallback] = (),
         clock: Callable[[], float] = time.monotonic,
+        sweep: bool = False,
     ) -> None:
+        """``sweep``: the store belongs to this job's OOB channel alone (``Watch`` serves it), so each poll deletes
+        keys that are not the ranks' slots — the bound on what a flood can keep in the server's memory."""
         if world_size < 1:
             raise ConfigError(f"Watchdog world_size must be >= 1, got {world_size}")
         self._channel = channel
@@ -84,6 +94,12 @@ class Watchdog:
         self._pending: tuple[str, tuple[int, ...]] | None = None
         self._agreeing = 0
         self._episode_reported = False
+        self._sweep = sweep
+        # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
+        # on this watchdog's clock, and whether the current episode of it was reported.
+        self._tamper_seen: dict[tuple[int | None, str | None], tuple[int, float]] = {}
+        self._tamper_at: dict[tuple[int | None, str | None], float] = {}
+        self._tamper_reported: set[tuple[int | None, str | None]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -119,6 +135,8 @@ class Watchdog:
         now = self._clock()
         if self._started_at is None:
             self._started_at = now
+        if self._sweep:
+            self._channel.sweep((rank, PROGRESS_KEY) for rank in range(self._world_size))
         records = dict(self._read_records())
         for rank, rec in records.items():
             prev = self._seen.get(rank)
@@ -132,8 +150,10 @@ class Watchdog:
                 rec.heartbeat,
                 beat_at if rec.heartbeat == beat else now,
             )
-        new = self._check_sections(records)
-        hang = self._check_stall(records, now)
+        tampered = self._update_tamper(now)
+        new = self._tamper_findings(tampered, records, now)
+        new += self._check_sections(records)
+        hang = self._check_stall(records, now, tampered)
         if hang is not None:
             new.append(hang)
         for finding in new:
@@ -184,16 +204,76 @@ class Watchdog:
                     found.append(finding)
         return found
 
-    def _check_stall(self, records: Mapping[int, ProgressRecord], now: float) -> StallFinding | None:
+    def _tamper_window(self) -> float:
+        cfg = self._config
+        return (cfg.heartbeat_timeout or cfg.stall_threshold).total_seconds()
+
+    def _update_tamper(self, now: float) -> dict[tuple[int | None, str | None], TamperEvent]:
+        """The tamper events active now (their last sign within the window), keyed by (rank, key)."""
+        active: dict[tuple[int | None, str | None], TamperEvent] = {}
+        window = self._tamper_window()
+        for event in self._channel.tamper_events():
+            ident = (event.rank, event.key)
+            mark = (event.count, event.last_seen)
+            if self._tamper_seen.get(ident) != mark:
+                self._tamper_seen[ident] = mark
+                self._tamper_at[ident] = now
+            if now - self._tamper_at[ident] < window:
+                active[ident] = event
+            else:
+                self._tamper_reported.discard(ident)  # quiet for a whole window: a new sign is a new episode
+        return active
+
+    def _tamper_findings(
+        self,
+        tampered: Mapping[tuple[int | None, str | None], TamperEvent],
+        records: Mapping[int, ProgressRecord],
+        now: float,
+    ) -> list[StallFinding]:
+        found: list[StallFinding] = []
+        for ident, event in sorted(tampered.items(), key=lambda item: item[1].first_seen):
+            if ident in self._tamper_reported:
+                continue
+            self._tamper_reported.add(ident)
+            rank = event.rank
+            rec = records.get(rank) if rank is not None else None
+            whose = f"rank {rank}'s slot" if rank is not None else "the store"
+            found.append(
+                StallFinding(
+                    kind="tamper",
+                    ranks=(rank,) if rank is not None else (),
+                    step=rec.step if rec is not None else None,
+                    evidence={"tamper": event.to_dict(), "window_s": self._tamper_window()},
+                    confirmations=1,
+                    reason=(
+                        f"out-of-band store tampered with: {whose} {event.slot} ({event.kind}: {event.reason}); "
+                        "its contents are ignored and cannot produce a verdict — someone without the job's secret "
+                        "can reach the store"
+                    ),
+                    host=rec.host if rec is not None else None,
+                    recommendation="observe",
+                )
+            )
+        return found
+
+    def _check_stall(
+        self,
+        records: Mapping[int, ProgressRecord],
+        now: float,
+        tampered: Mapping[tuple[int | None, str | None], TamperEvent],
+    ) -> StallFinding | None:
         cfg = self._config
         threshold = cfg.stall_threshold.total_seconds()
         beat_timeout = (cfg.heartbeat_timeout or cfg.stall_threshold).total_seconds()
         assert self._started_at is not None
         dead, stuck = [], []
+        untrusted = sorted(r for r, k in tampered if r is not None and k == PROGRESS_KEY)
         for rank in range(self._world_size):
             rec = records.get(rank)
             if rec is not None and rec.closed:
                 continue
+            if rank in untrusted:
+                continue  # its frozen heartbeat may be the forger's doing: no staleness from a tampered slot
             seen = self._seen.get(rank)
             if seen is None:
                 if now - self._started_at >= beat_timeout:
@@ -203,7 +283,9 @@ class Watchdog:
                 dead.append(rank)
             elif now - seen[1] >= threshold:
                 stuck.append(rank)
-        if not dead and not stuck:
+        # Absence alone is no evidence: a slot deleted faster than the polls looks like a rank that never published.
+        # A hang needs a rank whose own authentic records show it stopped; never-seen ranks may join it as roots.
+        if not any(rank in self._seen for rank in dead + stuck):
             self._pending, self._agreeing, self._episode_reported = None, 0, False
             return None
         if self._episode_reported:
@@ -218,6 +300,8 @@ class Watchdog:
         evidence = dict(verdict.evidence)
         evidence["seconds_without_progress"] = {str(r): round(now - s[1], 3) for r, s in sorted(self._seen.items())}
         evidence["stall_threshold_s"] = threshold
+        if untrusted:
+            evidence["tampered_slots"] = [tampered[(r, PROGRESS_KEY)].slot for r in untrusted]
         first = verdict.ranks[0] if verdict.ranks else None
         return StallFinding(
             kind=verdict.kind,

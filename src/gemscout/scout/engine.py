@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,7 +58,13 @@ from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_par
 from gemscout.scout.replay import ReplayContext, replay_forward, replay_optimizer
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.seams import ReplaySeams
-from gemscout.scout.stragglers import CommStragglerDetector, ComputeStragglerDetector, compute_reports
+from gemscout.scout.stragglers import (
+    CommStragglerDetector,
+    ComputeStragglerDetector,
+    compute_reports,
+    run_queue_seconds,
+    waited_since,
+)
 from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
@@ -363,6 +370,7 @@ class Scout(ReplaySeams):
             if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
                 timer = CollectiveTimer([functools.partial(hook, ctx) for hook in self._collective_hooks.values()])
             self._current, self._capture.paused = ctx, True
+            queued, window = run_queue_seconds(), time.perf_counter()
             try:
                 if recipe.has_module:
                     modules = self._modules[recipe.name]
@@ -377,9 +385,14 @@ class Scout(ReplaySeams):
                                                self._hooks, self._params[recipe.params[0]].device, consume=True)
             finally:
                 self._current, self._capture.paused = None, False
+            queued, window = waited_since(queued), time.perf_counter() - window
             record["digest"] = digest_many(outcome.outputs)
-            # Time in the replay's own collectives is communication; compute is compared without it.
-            record["replay_s"] = outcome.seconds - (timer.seconds if timer is not None else 0.0)
+            # Time in the replay's own collectives is communication, and time waiting for a CPU is the host's other
+            # load, not this rank's work: compute is compared without either. The run-queue wait is read around a
+            # window a little wider than the replay's own timer; only what cannot have fallen outside it is removed.
+            queued_inside = max(0.0, queued - max(0.0, window - outcome.seconds))
+            record["replay_s"] = max(0.0, outcome.seconds - (timer.seconds if timer is not None else 0.0)
+                                     - queued_inside)
             if timer is not None:
                 record["collective_s"] = timer.seconds
         except Exception as exc:  # recorded and agreed on, never raised mid-sequence

@@ -34,6 +34,7 @@ class FaultKind(enum.StrEnum):
     DATA_STALL = "data_stall"
     CHECKPOINT_STALL = "checkpoint_stall"
     HEALTH = "health"
+    TAMPER = "tamper"  # the out-of-band store was written by someone without the job's secret (a watch finding)
 
 
 class Scope(enum.StrEnum):

@@ -3,16 +3,25 @@
 No process group here: the caller gathers the timings and feeds one round at a time. Two detectors share one config.
 
 * :class:`ComputeStragglerDetector` — every peer times the same replay. A rank is slow in a round when its time is
-  past BOTH margins over the peer median (``relative_margin`` x median and ``absolute_margin_s`` above it), or when it
+  past BOTH margins over the peer median (``relative_margin`` x median and an absolute margin above it), or when it
   is much slower than its own recent past (``baseline_margin`` x the rolling median of its healthy rounds, and the
   absolute margin) while its peers are running at their usual speed. The relative margin alone would flag 30 µs of
-  jitter on a 200 µs replay; the absolute margin alone would flag nothing on long replays; hence both.
+  jitter on a 200 µs replay; the absolute margin alone would flag nothing on long replays; hence both. The absolute
+  margin is ``absolute_margin_s`` or ``noise_factor`` times the replay's own measured noise, whichever is larger: the
+  robust spread (1.4826 x MAD) of every rank's excess over the median in the recent healthy rounds, so a replay whose
+  times jitter by milliseconds on a loaded machine is not judged by a margin meant for a quiet one. The times fed in
+  should be what the rank's work took, not how long it waited for a CPU: SCOUT subtracts the replaying thread's
+  run-queue wait (:func:`run_queue_seconds`) before it compares, so a rank descheduled by other load is not a compute
+  straggler (a host whose CPUs are taken shows up late to the job's collectives instead).
 * :class:`CommStragglerDetector` — the same collective timed in several process groups. Groups past both margins over
   the fastest group are slow; the ranks common to every slow group, less any rank that also sits in a group that
   was fast, are the suspects, mapped to their host.
 
-A rank is reported only after ``confirmations`` consecutive slow rounds; one healthy round (or a round it is missing
-from) resets its count, so intermittent blips never add up to a report. Once confirmed, every further slow round
+A rank is reported only after ``compute_confirmations`` (default 4) or, for communication, ``confirmations``
+(default 2) consecutive slow rounds; one healthy round (or a round it is missing from) resets its count, so
+intermittent blips never add up to a report. Measured on a loaded 2-core machine (docs/scout.md): two compute
+confirmations at fixed margins reported a healthy rank about once per cycle; four, with the run-queue wait subtracted
+and the noise-scaled margin, never in 1,000 cycles. Once confirmed, every further slow round
 reports again with the growing count. Detectors keep state across rounds and are not thread-safe: one thread calls
 ``observe``.
 """
@@ -30,7 +39,35 @@ from typing import Any
 from gemscout.errors import ConfigError
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
-__all__ = ["CommStragglerDetector", "ComputeStragglerDetector", "GroupTiming", "StragglerConfig", "compute_reports"]
+__all__ = [
+    "CommStragglerDetector",
+    "ComputeStragglerDetector",
+    "GroupTiming",
+    "StragglerConfig",
+    "compute_reports",
+    "run_queue_seconds",
+    "waited_since",
+]
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_MAD_TO_SIGMA = 1.4826  # MAD x this estimates a normal spread's standard deviation, ignoring the heavy tail
+
+
+def run_queue_seconds() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it started (Linux schedstat), or
+    None where the kernel does not say. Subtract two readings to get the wait inside a timed section: a sleep, a
+    device wait or a collective is not run-queue time, only being descheduled in favour of other load is."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def waited_since(start: float | None) -> float:
+    """Run-queue seconds since the reading ``start`` (0.0 when either reading is unavailable)."""
+    now = run_queue_seconds() if start is not None else None
+    return max(0.0, now - start) if now is not None and start is not None else 0.0
 
 
 def _is_number(value: object) -> bool:
@@ -50,13 +87,22 @@ class StragglerConfig:
     absolute_margin_s: float = 0.002
     """...and time - reference > absolute_margin_s seconds. Finite, >= 0."""
     confirmations: int = 2
-    """Consecutive slow rounds before a rank is reported (R). Int >= 1."""
+    """Consecutive slow rounds before a communication straggler is reported (R). Int >= 1."""
+    compute_confirmations: int = 4
+    """Consecutive slow rounds of one recipe before a compute straggler is reported. Int >= 1. Replay times on a
+    loaded host have heavy tails that can hit one rank a few rounds running: two reported healthy ranks there, four
+    none in 1,000 measured cycles (docs/scout.md)."""
     baseline_window: int = 16
     """How many of a rank's own healthy rounds its temporal baseline (a rolling median) remembers. Int >= 1."""
     baseline_min_samples: int = 4
     """Healthy rounds a rank needs before its baseline counts as evidence. Int in [1, baseline_window]."""
     baseline_margin: float = 1.5
     """A rank is slow against its own baseline past baseline_margin x baseline (and the absolute margin). > 1.0."""
+    noise_factor: float = 6.0
+    """The absolute margin is at least noise_factor x the replay's measured noise (compute detector). Finite, >= 0;
+    0 turns the noise scaling off."""
+    noise_window: int = 32
+    """Healthy rounds whose per-rank excess over the median the noise estimate keeps. Int >= 2."""
 
     def __post_init__(self) -> None:
         for name in ("relative_margin", "baseline_margin"):
@@ -68,19 +114,27 @@ class StragglerConfig:
                 f"StragglerConfig.absolute_margin_s must be a finite number of seconds >= 0 (e.g. 0.002), "
                 f"got {self.absolute_margin_s!r}"
             )
-        for name in ("confirmations", "baseline_window"):
+        for name in ("confirmations", "compute_confirmations", "baseline_window"):
             value = getattr(self, name)
             if not _is_count(value) or value < 1:
                 raise ConfigError(f"StragglerConfig.{name} must be an int >= 1, got {value!r}")
+        if not _is_number(self.noise_factor) or self.noise_factor < 0:
+            raise ConfigError(
+                f"StragglerConfig.noise_factor must be a finite number >= 0 (e.g. 6), got {self.noise_factor!r}"
+            )
+        if not _is_count(self.noise_window) or self.noise_window < 2:
+            raise ConfigError(f"StragglerConfig.noise_window must be an int >= 2, got {self.noise_window!r}")
         if not _is_count(self.baseline_min_samples) or not 1 <= self.baseline_min_samples <= self.baseline_window:
             raise ConfigError(
                 f"StragglerConfig.baseline_min_samples must be an int in [1, baseline_window={self.baseline_window}], "
                 f"got {self.baseline_min_samples!r}"
             )
 
-    def past_margins(self, seconds: float, reference: float) -> bool:
-        """True when ``seconds`` is past both the relative and the absolute margin over ``reference``."""
-        return seconds > self.relative_margin * reference and seconds - reference > self.absolute_margin_s
+    def past_margins(self, seconds: float, reference: float, absolute_s: float | None = None) -> bool:
+        """True when ``seconds`` is past both the relative and the absolute margin over ``reference``
+        (``absolute_s``: a noise-scaled absolute margin instead of ``absolute_margin_s``)."""
+        margin = self.absolute_margin_s if absolute_s is None else absolute_s
+        return seconds > self.relative_margin * reference and seconds - reference > margin
 
 
 def _check_round(step: int, last_step: int | None) -> None:
@@ -120,7 +174,24 @@ class ComputeStragglerDetector:
         self.config = config if config is not None else StragglerConfig()
         self._consecutive: dict[int, int] = {}
         self._history: dict[int, deque[float]] = {}
+        # Healthy ranks' excess over the round's median, newest noise_window rounds, pooled over ranks.
+        self._excess: deque[list[float]] = deque(maxlen=self.config.noise_window)
         self._last_step: int | None = None
+
+    def noise(self) -> float | None:
+        """The replay's measured noise in seconds (1.4826 x MAD of the recent healthy excesses), or None before two
+        rounds with at least four of them."""
+        pooled = [x for round_excess in self._excess for x in round_excess]
+        if len(self._excess) < 2 or len(pooled) < 4:
+            return None
+        centre = statistics.median(pooled)
+        return _MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in pooled)
+
+    def absolute_margin(self) -> float:
+        """The absolute margin in force now: ``absolute_margin_s`` or ``noise_factor`` x :meth:`noise`."""
+        noise = self.noise()
+        cfg = self.config
+        return max(cfg.absolute_margin_s, cfg.noise_factor * noise) if noise is not None else cfg.absolute_margin_s
 
     def consecutive(self, rank: int) -> int:
         """How many consecutive rounds up to now ``rank`` has been slow."""
@@ -137,6 +208,7 @@ class ComputeStragglerDetector:
         """Forget every count and baseline (e.g. after recovery, when timings start afresh)."""
         self._consecutive.clear()
         self._history.clear()
+        self._excess.clear()
         self._last_step = None
 
     def observe(
@@ -149,7 +221,7 @@ class ComputeStragglerDetector:
         """Take one round of replay times (seconds, one per peer) and return a straggler report if one is confirmed.
 
         The report has kind ``straggler``, scope ``rank``, the confirmed ranks, ``confirmations`` = the smallest
-        consecutive count among them (>= ``config.confirmations``), and the timings as evidence; ``host`` is filled
+        consecutive count among them (>= ``config.compute_confirmations``), and the timings as evidence; ``host`` is filled
         from ``rank_to_host`` when exactly one rank is named and its host is known. Fewer than two peers give no
         comparison: every count resets and None is returned. Pure computation, never blocks. Raises ``ValueError``
         for a negative or non-increasing step, a bad rank, or a time that is negative, NaN or infinite.
@@ -169,15 +241,17 @@ class ComputeStragglerDetector:
 
         median = statistics.median(times.values())
         baselines = {rank: self.baseline(rank) for rank in times}
+        margin = self.absolute_margin()
         criteria: dict[int, list[str]] = {}
         for rank, seconds in times.items():
             reasons = []
-            if cfg.past_margins(seconds, median):
+            if cfg.past_margins(seconds, median, margin):
                 reasons.append("peer_median")
-            if self._slow_against_own_baseline(rank, times, baselines):
+            if self._slow_against_own_baseline(rank, times, baselines, margin):
                 reasons.append("own_baseline")
             if reasons:
                 criteria[rank] = reasons
+        self._excess.append([seconds - median for rank, seconds in times.items() if rank not in criteria])
 
         # Consecutive means consecutive rounds observed: a rank missing from this round loses its count too.
         self._consecutive = {rank: self._consecutive.get(rank, 0) + 1 for rank in criteria}
@@ -186,20 +260,20 @@ class ComputeStragglerDetector:
                 # Only healthy rounds teach the baseline, so a persistent straggler never learns that slow is normal.
                 self._history.setdefault(rank, deque(maxlen=cfg.baseline_window)).append(seconds)
 
-        confirmed = [rank for rank, count in self._consecutive.items() if count >= cfg.confirmations]
+        confirmed = [rank for rank, count in self._consecutive.items() if count >= cfg.compute_confirmations]
         if not confirmed:
             return None
-        return self._report(step, times, median, baselines, criteria, confirmed, hosts)
+        return self._report(step, times, median, baselines, criteria, confirmed, hosts, margin)
 
     def _slow_against_own_baseline(
-        self, rank: int, times: Mapping[int, float], baselines: Mapping[int, float | None]
+        self, rank: int, times: Mapping[int, float], baselines: Mapping[int, float | None], margin: float
     ) -> bool:
         cfg = self.config
         own = baselines[rank]
         if own is None:
             return False
         seconds = times[rank]
-        if not (seconds > cfg.baseline_margin * own and seconds - own > cfg.absolute_margin_s):
+        if not (seconds > cfg.baseline_margin * own and seconds - own > margin):
             return False
         # "While peers are not": if the peers slowed down too, the work changed, not the rank.
         peer_ratios = [
@@ -216,6 +290,7 @@ class ComputeStragglerDetector:
         criteria: Mapping[int, list[str]],
         confirmed: list[int],
         hosts: Mapping[int, str],
+        margin: float,
     ) -> FaultReport:
         cfg = self.config
         counts = {rank: self._consecutive[rank] for rank in confirmed}
@@ -232,6 +307,9 @@ class ComputeStragglerDetector:
             "peer_median_s": median,
             "relative_margin": cfg.relative_margin,
             "absolute_margin_s": cfg.absolute_margin_s,
+            "effective_absolute_margin_s": margin,
+            "noise_s": self.noise(),
+            "noise_factor": cfg.noise_factor,
             "baseline_margin": cfg.baseline_margin,
             "baseline_s": {str(rank): baselines[rank] for rank in confirmed},
             "criteria": {str(rank): criteria[rank] for rank in confirmed},
@@ -373,9 +451,14 @@ class CommStragglerDetector:
         )
 
 
-def compute_reports(detectors: dict[str, ComputeStragglerDetector], config: StragglerConfig | None, step: int,
-                    results: Mapping[str, Any], times: Mapping[str, Mapping[int, float]],
-                    ranks: int) -> list[FaultReport]:
+def compute_reports(
+    detectors: dict[str, ComputeStragglerDetector],
+    config: StragglerConfig | None,
+    step: int,
+    results: Mapping[str, Any],
+    times: Mapping[str, Mapping[int, float]],
+    ranks: int,
+) -> list[FaultReport]:
     """One SCOUT cycle's compute-straggler reports: each recipe whose preconditions held and that every one of the
     ``ranks`` replayed feeds its own detector (created in ``detectors`` on first use). ``config`` None: none."""
     if config is None:
