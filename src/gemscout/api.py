@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.errors import ConfigError, RunMismatchError
+from gemscout import elastic
+from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
@@ -202,6 +203,8 @@ def enable_resiliency(
     checkpointer = None
     if checkpoint is not None:
         timeout = checkpoint.timeout
+        # An earlier attempt's STOP stands (torchrun would otherwise relaunch into it): before any collective.
+        elastic.check_stop(checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID"))
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
         rpn = checkpoint.ranks_per_node or int(
             os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
@@ -218,7 +221,10 @@ def enable_resiliency(
     session.on_fault_report, session.on_recovery_decision = on_fault_report, on_recovery_decision
     session.capture_on_inconclusive = capture_on_inconclusive
     if checkpointer is not None:
-        decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
+        try:
+            decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
+        except RecoveryError as exc:
+            raise elastic.record_stop(checkpoint.directory, exc, run_id, fsync=checkpoint.fsync) from None
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
             session.step = session.resume_step = decision.step

@@ -1,0 +1,336 @@
+"""torchrun cell: the job is launched the way users launch it (``python -m torch.distributed.run``), killed, relaunched
+by torchrun itself (``--max-restarts``) or by a replacement agent, and compared with an uninterrupted torchrun run bit
+for bit. The rank program is :mod:`qualification.programs.torchrun_rank` (plain DDP, ``gemscout.init_process_group``).
+
+Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` and ``params``.
+
+- ``fault.kind = "worker-kill"``: one node, ``torchrun --standalone``. ``rank`` SIGKILLs itself in the first attempt
+  at ``step`` / ``phase`` (``"random"``: drawn from the cell's seed, the step from 2..steps-2 and the phase from
+  :data:`PHASES`); ``node_loss = true`` deletes its node folder before the relaunch (each rank is a node:
+  ``ranks_per_node`` 1), so it must come back from its peer's replica.
+- ``fault.kind = "stop"``: as ``worker-kill`` at ``step`` after the step, then ``lose_nodes`` are deleted before the
+  relaunch: a rank whose own folder and replica holder are both gone cannot be restored, and recovery STOPs.
+- ``fault.kind = "node-loss"``: two torchrun agents on localhost (``world_size`` = 2 x ``nproc_per_node``, c10d
+  rendezvous hosted by the first agent). Once node 1's ranks reach ``step``, its agent and every descendant are
+  SIGKILLed, its disk (``<cell>/disk1``) deleted, and ``replace = "agent"`` starts a replacement agent for node 1 that
+  joins the running job (node 0's agent re-rendezvous under ``--max-restarts``); ``replace = "requeue"`` instead
+  kills node 0's agent and workers too and starts both agents afresh (a scheduler's requeue).
+- ``params``: ``steps`` (8), ``max_restarts`` (1), ``find_unused_parameters`` (true: plain DDP's bucket rebuild
+  breaks bitwise resume at 3+ ranks until that fix lands), ``share_store`` (two nodes; false: every agent runs with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout``.
+
+Observed: ``torchrun_exit`` (each agent's), ``attempts``, ``recovered_step``, ``recovered_step_expected``, ``mode``,
+``sources`` (rank -> local / peer:N), ``bitwise_equal``, ``losses_equal``, ``replicas_equal``, ``final_step``; STOP
+cells: ``stop_exit_codes``, ``stop_lines`` (distinct lines printed), ``stop_line``, ``stop_record``, ``stop_attempt_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from qualification.programs._contract import cell_main
+
+PHASES = ("after-step", "in-step", "capture", "persist", "replicate", "persist_replica", "random:40")
+RANK_PROGRAM = "qualification.programs.torchrun_rank"
+
+
+class Agent:
+    """One torchrun agent, its log, and its whole process tree (torchrun gives each worker a session of its own, so
+    the agent's process group is not enough: the tree is walked)."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            me = psutil.Process(self.proc.pid)
+            return [me, *me.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill_tree(self) -> list[int]:
+        """SIGKILL the agent and every descendant at once (collected first, so a dying agent restarts nothing)."""
+        procs = self.tree()
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        self.proc.wait(timeout=10)
+        return [p.pid for p in procs]
+
+    def wait(self, deadline: float) -> int | None:
+        """The agent's exit code, or None when it is still running at ``deadline`` (then its tree is killed)."""
+        try:
+            return self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(share_store: bool = True) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def _torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str]) -> list[str]:
+    p = cell.get("params", {})
+    rank_args = ["--out", str(out), "--workload", cell["workload"], "--steps", str(p.get("steps", 8)),
+                 "--seed", str(cell.get("seed", 0)), "--timeout-s", str(p.get("rank_timeout_s", 60))]
+    if p.get("find_unused_parameters", True):
+        rank_args.append("--find-unused-parameters")
+    if p.get("step_sleep"):
+        rank_args += ["--step-sleep", str(p["step_sleep"])]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", RANK_PROGRAM, *rank_args, *extra]
+
+
+def _single(world: int, restarts: int) -> list[str]:
+    return ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={restarts}", "--monitor-interval=0.2"]
+
+
+def _read(out: Path, world: int) -> list[dict[str, Any]] | None:
+    try:
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    except (OSError, ValueError):
+        return None
+
+
+def _attempts(out: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """attempt -> rank -> that attempt's record."""
+    found: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in sorted((out / "attempts").glob("rank*-attempt*.json")):
+        rank, attempt = (int(x) for x in path.stem.removeprefix("rank").split("-attempt"))
+        found.setdefault(attempt, {})[rank] = json.loads(path.read_text())
+    return found
+
+
+def _draw(fault: dict[str, Any], steps: int, seed: int) -> tuple[int, str]:
+    rng = random.Random(f"torchrun-cell:{seed}")
+    step = fault.get("step", "random")
+    phase = fault.get("phase", "random")
+    step = rng.randint(2, steps - 2) if step == "random" else int(step)
+    phase = rng.choice(PHASES) if phase == "random" else str(phase)
+    return step, phase
+
+
+def _expected_steps(step: int, phase: str) -> list[int]:
+    """Steps a kill at (step, phase) may leave as the newest restorable one: the step's checkpoint is complete after
+    the step (drained), not yet taken in the step or during its capture; on the io thread it may or may not be out."""
+    if phase == "after-step":
+        return [step]
+    if phase in ("in-step", "capture"):
+        return [step - 1]
+    return [step - 1, step]
+
+
+def _compare(observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    decision = ranks[0].get("decision") or {}
+    observed["mode"] = decision.get("mode")
+    observed["recovered_step"] = decision.get("step")
+    observed["sources"] = decision.get("sources", {})
+    observed["bitwise_equal"] = all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks))
+    observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))
+    observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
+    observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
+    observed["local_world_size"] = sorted({r.get("local_world_size", 0) for r in ranks})
+
+
+def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    timeline: list[dict[str, Any]] = []
+
+    def event(kind: str, detail: str) -> None:
+        timeline.append({"t": round(time.monotonic() - t0, 3), "event": kind, "detail": detail})
+
+    world = int(cell["world_size"])
+    fault = cell.get("fault", {"kind": "none"})
+    deadline = t0 + float(cell.get("timeout_s", 240)) - 10  # leave the engine time to read our result
+    agents: list[Agent] = []
+    observed: dict[str, Any] = {}
+    try:
+        event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
+        base = Agent(_torchrun(_single(world, 0), celldir / "baseline", cell, []), celldir / "logs" / "baseline.log",
+                     _env())
+        agents.append(base)
+        if base.wait(deadline) != 0:
+            return _result(cell, "error", observed, timeline, f"baseline torchrun failed (exit {base.proc.returncode})")
+        reference = _read(celldir / "baseline", world)
+        if reference is None:
+            return _result(cell, "error", observed, timeline, "baseline wrote no results")
+        kind = fault.get("kind")
+        if kind in ("worker-kill", "stop"):
+            return _single_node(cell, celldir, fault, reference, deadline, agents, event, timeline, t0)
+        if kind == "node-loss":
+            return _two_nodes(cell, celldir, fault, reference, deadline, agents, event, timeline, t0)
+        return _result(cell, "error", observed, timeline, f"torchrun_cell: unknown fault kind {kind!r}")
+    finally:
+        for a in agents:  # every tree ends with the cell, whatever happened
+            if a.proc.poll() is None or a.tree():
+                a.kill_tree()
+
+
+def _single_node(cell: dict[str, Any], celldir: Path, fault: dict[str, Any], reference: list[dict[str, Any]],
+                 deadline: float, agents: list[Agent], event: Any, timeline: list[dict[str, Any]],
+                 t0: float) -> dict[str, Any]:
+    world = int(cell["world_size"])
+    p = cell.get("params", {})
+    steps = int(p.get("steps", 8))
+    restarts = int(p.get("max_restarts", 1))
+    step, phase = _draw(fault, steps, int(cell.get("seed", 0)))
+    rank = int(fault["rank"])
+    lose = [rank] if fault.get("node_loss") else [int(n) for n in fault.get("lose_nodes", [])]
+    extra = ["--ckpt", str(celldir / "ckpt"), "--ranks-per-node", "1", "--kill-rank", str(rank), "--kill-step",
+             str(step), "--kill-phase", phase]
+    if lose:
+        extra += ["--lose-nodes", ",".join(map(str, lose)), "--lose-attempt", "1"]
+    observed: dict[str, Any] = {"kill_step": step, "kill_phase": phase, "lost_nodes": lose}
+    event("fault", f"torchrun --max-restarts={restarts}: rank {rank} SIGKILLed at step {step} ({phase}) in attempt 0"
+                   + (f"; node folders {lose} deleted before attempt 1" if lose else ""))
+    run = Agent(_torchrun(_single(world, restarts), celldir / "run", cell, extra), celldir / "logs" / "torchrun.log",
+                _env())
+    agents.append(run)
+    code = run.wait(deadline)
+    observed["torchrun_exit"] = code
+    attempts = _attempts(celldir / "run")
+    observed["attempts"] = len(attempts)
+    event("finish", f"torchrun exited {code} after {len(attempts)} attempts")
+    if fault["kind"] == "stop":
+        later = {a: recs for a, recs in attempts.items() if a >= 1}
+        lines = sorted({r.get("error", "") for recs in later.values() for r in recs.values()})
+        observed["stop_exit_codes"] = sorted({r.get("exit_code", -1) for recs in later.values() for r in recs.values()})
+        observed["stop_ranks_per_attempt"] = [len(later[a]) for a in sorted(later)]
+        observed["stop_lines"] = len(lines)
+        observed["stop_line"] = lines[0] if lines else ""
+        observed["stop_line_prefix"] = (lines[0] if lines else "").split(": every source exhausted")[0]
+        observed["stop_record"] = (celldir / "ckpt" / "STOP.json").is_file()
+        observed["console_stop_lines"] = run.log.read_text(errors="replace").count("gemscout: RecoveryError: ")
+        observed["stop_attempt_s"] = _attempt_spans(celldir / "run", later)
+        return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+    ranks = _read(celldir / "run", world)
+    if code != 0 or ranks is None:
+        return _result(cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log")
+    _compare(observed, ranks, reference)
+    observed["recovered_step_expected"] = observed["recovered_step"] in _expected_steps(step, phase)
+    observed["killed_source"] = observed["sources"].get(str(rank))
+    observed["other_sources"] = sorted({v for k, v in observed["sources"].items() if k != str(rank)})
+    return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+
+
+def _attempt_spans(out: Path, later: dict[int, dict[int, dict[str, Any]]]) -> list[float]:
+    """Seconds from the first rank's start to the last rank's STOP line, per attempt (a STOP that stands is quick)."""
+    spans = []
+    for a in sorted(later):
+        recs = later[a].values()
+        ends = [r["ended"] for r in recs if "ended" in r]
+        if ends:
+            spans.append(round(max(ends) - min(r["started"] for r in recs), 2))
+    return spans
+
+
+def _two_nodes(cell: dict[str, Any], celldir: Path, fault: dict[str, Any], reference: list[dict[str, Any]],
+               deadline: float, agents: list[Agent], event: Any, timeline: list[dict[str, Any]],
+               t0: float) -> dict[str, Any]:
+    world = int(cell["world_size"])
+    per = world // 2
+    p = cell.get("params", {})
+    share = bool(p.get("share_store", False))
+    replace = str(fault.get("replace", "agent"))
+    step = int(fault.get("step", 3))
+    port = _free_port()
+    conf = f"read_timeout={int(p.get('rdzv_read_timeout', 60))}"
+    launch = ["--nnodes=2", f"--nproc-per-node={per}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              "--rdzv-id=torchrun-cell", f"--rdzv-conf={conf}", f"--max-restarts={int(p.get('max_restarts', 2))}",
+              "--monitor-interval=0.2"]
+    env = _env(share_store=share)
+
+    def agent(node: int, tag: str) -> Agent:
+        argv = _torchrun(launch, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
+        a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", env)
+        agents.append(a)
+        return a
+
+    observed: dict[str, Any] = {"share_store": share, "replace": replace}
+    event("start", f"two agents, {per} ranks each, c10d rendezvous on 127.0.0.1:{port} hosted by node 0"
+                   + ("" if share else "; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"))
+    node0 = agent(0, "a")
+    time.sleep(1.0)  # node 0 binds the rendezvous endpoint first, so it hosts the store
+    node1 = agent(1, "a")
+    progress = [celldir / "run" / "progress" / f"rank{r}" for r in range(per, world)]
+    while not all(f.is_file() and int(f.read_text() or 0) >= step for f in progress):
+        if time.monotonic() > deadline or node1.proc.poll() is not None:
+            return _result(cell, "error", observed, timeline, f"node 1 never reached step {step}")
+        time.sleep(0.05)
+    killed = node1.kill_tree()
+    shutil.rmtree(celldir / "disk1", ignore_errors=True)
+    event("fault", f"node 1 lost at step >= {step}: agent and workers SIGKILLed (pids {killed}); disk1 deleted")
+    if replace == "requeue":
+        node0.kill_tree()
+        event("fault", "requeue: node 0's agent and workers killed too; both agents started afresh")
+        time.sleep(1.0)
+        node0 = agent(0, "b")
+        time.sleep(1.0)
+    else:
+        time.sleep(2.0)
+    node1 = agent(1, "b")
+    codes = [node0.wait(deadline), node1.wait(deadline)]
+    observed["torchrun_exit"] = codes
+    event("finish", f"agents exited {codes}")
+    observed["readmitted"] = codes == [0, 0]
+    ranks = _read(celldir / "run", world)
+    attempts = _attempts(celldir / "run")
+    observed["attempts"] = len(attempts)
+    if ranks is None or codes != [0, 0]:
+        observed["waits"] = _store_waits(celldir / "logs")
+        return _result(cell, "passed" if fault.get("expect_failure") else "failed", observed, timeline,
+                       f"agents exited {codes}; see logs/")
+    _compare(observed, ranks, reference)
+    return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+
+
+def _store_waits(logs: Path) -> list[str]:
+    """The store keys the agents timed out on (the evidence of a re-admission that did not complete)."""
+    waits = set()
+    for log in logs.glob("node*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if "wait timeout" in line and "keys:" in line:
+                waits.add(f"{log.stem}: {line.split('keys:')[1].strip()}")
+    return sorted(waits)
+
+
+def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], timeline: list[dict[str, Any]],
+            message: str, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"cell_id": cell["id"], "status": status, "observed": observed, "metrics": metrics or {},
+            "timeline": timeline, "message": message}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cell_main("qualification.programs.torchrun_cell", run_cell, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
