@@ -106,10 +106,16 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
             losses.clear()
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
-        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id,
-                                        ranks_per_node=args.ranks_per_node or None, timeout=timeout, fsync=False)
-        session = gemscout.enable_resiliency(ddp, opt, checkpoint=cfg, schedulers=[sched], extra_state_fn=extra,
-                                             load_extra_state_fn=load_extra)
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id=args.run_id,
+            ranks_per_node=args.ranks_per_node or None,
+            timeout=timeout,
+            fsync=False,
+        )
+        session = gemscout.enable_resiliency(
+            ddp, opt, checkpoint=cfg, schedulers=[sched], extra_state_fn=extra, load_extra_state_fn=load_extra
+        )
         decision = session.last_decision.to_dict() if session.last_decision else None
         _record(args, rank, attempt, {"decision": decision, "resume_step": session.resume_step})
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
@@ -146,9 +152,15 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     digests: list[str | None] = [None] * world
     dist.all_gather_object(digests, digest)
     result = {
-        "rank": rank, "world_size": world, "attempt": attempt, "resume_step": session.resume_step if session else 0,
-        "decision": decision, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
-        "replicas_equal": len(set(digests)) == 1, "final_step": args.steps,
+        "rank": rank,
+        "world_size": world,
+        "attempt": attempt,
+        "resume_step": session.resume_step if session else 0,
+        "decision": decision,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": digest,
+        "replicas_equal": len(set(digests)) == 1,
+        "final_step": args.steps,
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0")),
     }
     if session:
@@ -163,8 +175,12 @@ def entry() -> None:
 
     args = parse()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _record(args, rank, attempt, {"pid": os.getpid(), "started": time.time(),
-                                  "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0"))})
+    _record(
+        args,
+        rank,
+        attempt,
+        {"pid": os.getpid(), "started": time.time(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0"))},
+    )
     _lose_nodes(args, rank, attempt)
     try:
         main(args, rank, attempt)

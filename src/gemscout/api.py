@@ -224,7 +224,8 @@ def enable_resiliency(
         try:
             decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
         except RecoveryError as exc:
-            raise elastic.record_stop(checkpoint.directory, exc, run_id, fsync=checkpoint.fsync) from None
+            raise elastic.record_stop(checkpointer.config.directory, exc, checkpointer.run_id,
+                                      fsync=checkpointer.config.fsync) from None
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
             session.step = session.resume_step = decision.step

@@ -49,8 +49,9 @@ def under_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
 
 
-def init_process_group(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10),
-                       **kwargs: Any) -> None:
+def init_process_group(
+    backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10), **kwargs: Any
+) -> None:
     """``torch.distributed.init_process_group`` that also works on every torchrun relaunch.
 
     ``timeout`` bounds the start-up (connecting, finding this attempt's store) and becomes the group's timeout.
@@ -65,14 +66,24 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = timed
         return
     given = sorted(k for k in _OWNED if k in kwargs)
     if given:
-        raise ConfigError(f"gemscout.init_process_group: {given[0]}= is set from torchrun's environment; leave it "
-                          "out, or call torch.distributed.init_process_group yourself")
+        raise ConfigError(
+            f"gemscout.init_process_group: {given[0]}= is set from torchrun's environment; leave it "
+            "out, or call torch.distributed.init_process_group yourself"
+        )
     try:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError) as exc:
-        raise ConfigError(f"gemscout.init_process_group: torchrun's {exc} is missing or not a number; launch "
-                          "with torchrun, or unset TORCHELASTIC_USE_AGENT_STORE") from None
+        raise ConfigError(
+            f"gemscout.init_process_group: torchrun's {exc} is missing or not a number; launch "
+            "with torchrun, or unset TORCHELASTIC_USE_AGENT_STORE"
+        ) from None
+    if rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        log.warning(
+            "gemscout: torchrun shares its rendezvous TCPStore with the workers (torch's default); torch 2.13 "
+            "cannot re-admit a replacement node into a running job that way. Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's environment (docs/torchrun.md)"
+        )
     store = attempt_store(addr, port, rank, os.environ.get("TORCHELASTIC_RUN_ID", "none"), timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
 
@@ -93,14 +104,17 @@ def attempt_store(addr: str, port: int, rank: int, run_id: str, timeout: timedel
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"gemscout.init_process_group: rank 0 of this torchrun attempt did not advertise "
-                                    f"its store at {addr}:{port} within {timeout}; is rank 0 alive?")
+            raise CollectiveTimeout(
+                f"gemscout.init_process_group: rank 0 of this torchrun attempt did not advertise "
+                f"its store at {addr}:{port} within {timeout}; is rank 0 alive?"
+            )
         agent.set_timeout(timedelta(seconds=left))
         try:
             advert = agent.get(key).decode()
         except RuntimeError as exc:  # DistStoreError: the wait passed the deadline
-            raise CollectiveTimeout(f"gemscout.init_process_group: no store advertised at {addr}:{port} within "
-                                    f"{timeout}: {exc}") from None
+            raise CollectiveTimeout(
+                f"gemscout.init_process_group: no store advertised at {addr}:{port} within {timeout}: {exc}"
+            ) from None
         if advert not in refused:
             store = _probe(addr, advert, left)
             if store is not None:
@@ -138,8 +152,10 @@ def check_stop(directory: Path, run_id: str | None) -> None:
     except FileNotFoundError:
         return
     except (OSError, ValueError) as exc:
-        raise RecoveryError(f"{path} is unreadable ({exc}); an earlier attempt stopped here: read its log, then "
-                            "delete the file to try again") from None
+        raise RecoveryError(
+            f"{path} is unreadable ({exc}); an earlier attempt stopped here: read its log, then "
+            "delete the file to try again"
+        ) from None
     if run_id and doc.get("run_id") and doc["run_id"] != run_id:
         return
     raise RecoveryError(str(doc.get("message", "recovery stopped (no reason recorded)")))
@@ -151,11 +167,14 @@ def record_stop(directory: Path, exc: RecoveryError, run_id: str, *, fsync: bool
     from gemscout.gemini.store import write_json_atomic
 
     path = stop_marker(directory)
-    message = (f"{exc}; recorded in {path}: every relaunch stops here with exit {RecoveryError.exit_code} until "
-               "that file is deleted")
+    message = (
+        f"{exc}; recorded in {path}: every relaunch stops here with exit {RecoveryError.exit_code} until "
+        "that file is deleted"
+    )
     try:
-        write_json_atomic(path, {"run_id": run_id, "message": message, "pid": os.getpid(), "time": time.time()},
-                          fsync=fsync)
+        write_json_atomic(
+            path, {"run_id": run_id, "message": message, "pid": os.getpid(), "time": time.time()}, fsync=fsync
+        )
     except OSError as err:
         log.warning("gemscout: cannot record the STOP in %s (%s); a relaunch will try to recover again", path, err)
         return exc

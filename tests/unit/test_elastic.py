@@ -100,8 +100,9 @@ def test_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_stop_record_stands_for_every_later_attempt(tmp_path: Path) -> None:
     elastic.check_stop(tmp_path, "run-1")  # nothing recorded: no-op
-    raised = elastic.record_stop(tmp_path, RecoveryError("recovery stopped: every source exhausted"), "run-1",
-                                 fsync=False)
+    raised = elastic.record_stop(
+        tmp_path, RecoveryError("recovery stopped: every source exhausted"), "run-1", fsync=False
+    )
     assert str(raised).startswith("recovery stopped: every source exhausted; recorded in ")
     for attempt in range(3):
         with pytest.raises(RecoveryError) as info:
