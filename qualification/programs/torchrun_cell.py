@@ -19,7 +19,9 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
   out on are observed.
 - ``params``: ``steps`` (8), ``max_restarts`` (1), ``find_unused_parameters`` (true: plain DDP's bucket rebuild
   breaks bitwise resume at 3+ ranks until that fix lands), ``share_store`` (two nodes; false: every agent runs with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout``.
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout``,
+  ``baseline`` (``process``: a separate uninterrupted torchrun run, the default; ``inline``: each rank trains the job
+  again from scratch without gemscout after the run, one launch fewer, for the CI test).
 
 Observed: ``torchrun_exit`` (each agent's), ``attempts``, ``recovered_step``, ``recovered_step_expected``, ``mode``,
 ``sources`` (per rank: local / peer:N), ``bitwise_equal``, ``losses_equal``, ``replicas_equal``, ``final_step``; STOP
@@ -119,6 +121,8 @@ def _torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[st
         rank_args.append("--find-unused-parameters")
     if p.get("step_sleep"):
         rank_args += ["--step-sleep", str(p["step_sleep"])]
+    if p.get("baseline", "process") == "inline":
+        rank_args.append("--inline-baseline")
     return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", RANK_PROGRAM, *rank_args, *extra]
 
 
@@ -152,16 +156,20 @@ def _draw(fault: dict[str, Any], steps: int, seed: int) -> tuple[int, str]:
 
 
 def _expected_steps(step: int, phase: str) -> list[int]:
-    """Steps a kill at (step, phase) may leave as the newest restorable one: the step's checkpoint is complete after
-    the step (drained), not yet taken in the step or during its capture; on the io thread it may or may not be out."""
+    """Steps a kill at (step, phase) may leave as the newest one every rank can restore. ``after-step`` drains the
+    step's io first: exactly that step. Otherwise the killed rank's copy is its replica on a peer, which is written in
+    the background while the next step runs (measured under load: a kill inside step 3 found step 2's replica exchange
+    still in flight and recovered step 1): inside step S (``in-step``, ``capture``) S-2 or S-1; on S's io thread S-2
+    to S; ``random:<ms>`` fires up to that long after step S, so possibly inside S+1: S-2 to S+1."""
     if phase == "after-step":
         return [step]
-    if phase in ("in-step", "capture"):
-        return [step - 1]
-    return [step - 1, step]
+    newest = {"in-step": step - 1, "capture": step - 1}.get(phase, step + 1 if phase.startswith("random:") else step)
+    return list(range(max(0, step - 2), newest + 1))
 
 
-def _compare(observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+def _compare(observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]] | None) -> None:
+    if reference is None:
+        reference = [r["baseline"] for r in ranks]
     decision = ranks[0].get("decision") or {}
     observed["mode"] = decision.get("mode")
     observed["recovered_step"] = decision.get("step")
@@ -187,16 +195,21 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     agents: list[Agent] = []
     observed: dict[str, Any] = {}
     try:
-        event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
-        base = Agent(
-            _torchrun(_single(world, 0), celldir / "baseline", cell, []), celldir / "logs" / "baseline.log", _env()
-        )
-        agents.append(base)
-        if base.wait(deadline) != 0:
-            return _result(cell, "error", observed, timeline, f"baseline torchrun failed (exit {base.proc.returncode})")
-        reference = _read(celldir / "baseline", world)
-        if reference is None:
-            return _result(cell, "error", observed, timeline, "baseline wrote no results")
+        reference: list[dict[str, Any]] | None = None  # None: each rank's inline uninterrupted run (params.baseline)
+        # A STOP cell compares nothing: no baseline.
+        if cell.get("params", {}).get("baseline", "process") == "process" and fault.get("kind") != "stop":
+            event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
+            base = Agent(
+                _torchrun(_single(world, 0), celldir / "baseline", cell, []), celldir / "logs" / "baseline.log", _env()
+            )
+            agents.append(base)
+            if base.wait(deadline) != 0:
+                return _result(
+                    cell, "error", observed, timeline, f"baseline torchrun failed (exit {base.proc.returncode})"
+                )
+            reference = _read(celldir / "baseline", world)
+            if reference is None:
+                return _result(cell, "error", observed, timeline, "baseline wrote no results")
         kind = fault.get("kind")
         if kind in ("worker-kill", "stop"):
             return _single_node(cell, celldir, fault, reference, deadline, agents, event, timeline, t0)
@@ -213,7 +226,7 @@ def _single_node(
     cell: dict[str, Any],
     celldir: Path,
     fault: dict[str, Any],
-    reference: list[dict[str, Any]],
+    reference: list[dict[str, Any]] | None,
     deadline: float,
     agents: list[Agent],
     event: Any,
@@ -293,7 +306,7 @@ def _two_nodes(
     cell: dict[str, Any],
     celldir: Path,
     fault: dict[str, Any],
-    reference: list[dict[str, Any]],
+    reference: list[dict[str, Any]] | None,
     deadline: float,
     agents: list[Agent],
     event: Any,

@@ -58,6 +58,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lose-attempt", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a kill window)")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--inline-baseline", action="store_true", help="also train uninterrupted after the run")
     return ap.parse_args()
 
 
@@ -79,6 +80,32 @@ def _lose_nodes(args: argparse.Namespace, rank: int, attempt: int) -> None:
             shutil.rmtree(args.ckpt / f"node-{node}", ignore_errors=True)
 
 
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer, Any]:
+    torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
+    model = build_model(args.workload, seed=args.seed)
+    ddp = DDP(model, find_unused_parameters=args.find_unused_parameters)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    return model, ddp, opt, sched
+
+
+def _uninterrupted(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """The same job trained from scratch, without gemscout, in this process after the run (a fresh model, DDP,
+    optimizer and RNG stream): the reference for ``--inline-baseline``, one torchrun launch cheaper than a separate
+    uninterrupted run."""
+    model, ddp, opt, sched = _build(args)
+    losses = {}
+    for step in range(1, args.steps + 1):
+        x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
+        loss = lm_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        losses[str(step)] = loss.item()
+        opt.step()
+        sched.step()
+    return {"state_digest": state_digest(model, opt), "losses": losses}
+
+
 def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     import gemscout
 
@@ -86,11 +113,7 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     torch.set_num_threads(1)
     gemscout.init_process_group("gloo", timeout=timeout)
     world = dist.get_world_size()
-    torch.manual_seed(args.seed + 17)
-    model = build_model(args.workload, seed=args.seed)
-    ddp = DDP(model, find_unused_parameters=args.find_unused_parameters)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    model, ddp, opt, sched = _build(args)
     losses: dict[int, float] = {}
     killer = rank == args.kill_rank and attempt == args.kill_attempt
     session = None
@@ -165,6 +188,8 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     }
     if session:
         session.close()
+    if args.inline_baseline:
+        result["baseline"] = _uninterrupted(args, rank)
     finish(args.out, rank, result)
 
 
