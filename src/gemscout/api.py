@@ -169,8 +169,9 @@ def enable_resiliency(
     - ``on_fault_report``: receives every :class:`FaultReport` (from any thread; keep it quick).
 
     If a checkpoint exists, it is restored before this returns; ``session.resume_step`` says which step.
-    Raises ConfigError for bad arguments, RecoveryError when recovery must STOP, RunMismatchError for a
-    checkpoint of another run or topology.
+    Raises ConfigError for bad arguments, RecoveryError when recovery must STOP (recorded in
+    ``<directory>/STOP.json``: a relaunch raises the same error at once until the file is deleted; see
+    :mod:`gemscout.elastic`), RunMismatchError for a checkpoint of another run or topology.
     """
     if unknown:
         raise ConfigError(f"enable_resiliency: unknown argument {sorted(unknown)[0]!r}; see help(enable_resiliency)")
