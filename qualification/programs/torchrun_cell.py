@@ -30,120 +30,17 @@ cells: ``stop_exit_codes``, ``stop_lines`` (distinct lines printed), ``stop_line
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from qualification.programs import _torchrun as tr
 from qualification.programs._contract import cell_main
+from qualification.programs._torchrun import Agent
 
 PHASES = ("after-step", "in-step", "capture", "persist", "replicate", "persist_replica", "random:40")
-RANK_PROGRAM = "qualification.programs.torchrun_rank"
-
-
-class Agent:
-    """One torchrun agent, its log, and its whole process tree (torchrun gives each worker a session of its own, so
-    the agent's process group is not enough: the tree is walked)."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        with open(log, "ab") as fh:
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            me = psutil.Process(self.proc.pid)
-            return [me, *me.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def kill_tree(self) -> list[int]:
-        """SIGKILL the agent and every descendant at once (collected first, so a dying agent restarts nothing)."""
-        procs = self.tree()
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
-        self.proc.wait(timeout=10)
-        return [p.pid for p in procs]
-
-    def wait(self, deadline: float) -> int | None:
-        """The agent's exit code, or None when it is still running at ``deadline`` (then its tree is killed)."""
-        try:
-            return self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill_tree()
-            return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(share_store: bool = True) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if not share_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
-
-
-def _torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str]) -> list[str]:
-    p = cell.get("params", {})
-    rank_args = [
-        "--out",
-        str(out),
-        "--workload",
-        cell["workload"],
-        "--steps",
-        str(p.get("steps", 8)),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--timeout-s",
-        str(p.get("rank_timeout_s", 60)),
-    ]
-    if p.get("find_unused_parameters", True):
-        rank_args.append("--find-unused-parameters")
-    if p.get("step_sleep"):
-        rank_args += ["--step-sleep", str(p["step_sleep"])]
-    if p.get("baseline", "process") == "inline":
-        rank_args.append("--inline-baseline")
-    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", RANK_PROGRAM, *rank_args, *extra]
-
-
-def _single(world: int, restarts: int) -> list[str]:
-    return ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={restarts}", "--monitor-interval=0.2"]
-
-
-def _read(out: Path, world: int) -> list[dict[str, Any]] | None:
-    try:
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    except (OSError, ValueError):
-        return None
-
-
-def _attempts(out: Path) -> dict[int, dict[int, dict[str, Any]]]:
-    """attempt -> rank -> that attempt's record."""
-    found: dict[int, dict[int, dict[str, Any]]] = {}
-    for path in sorted((out / "attempts").glob("rank*-attempt*.json")):
-        rank, attempt = (int(x) for x in path.stem.removeprefix("rank").split("-attempt"))
-        found.setdefault(attempt, {})[rank] = json.loads(path.read_text())
-    return found
 
 
 def _draw(fault: dict[str, Any], steps: int, seed: int) -> tuple[int, str]:
@@ -200,14 +97,16 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         if cell.get("params", {}).get("baseline", "process") == "process" and fault.get("kind") != "stop":
             event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
             base = Agent(
-                _torchrun(_single(world, 0), celldir / "baseline", cell, []), celldir / "logs" / "baseline.log", _env()
+                tr.torchrun(tr.single_node(world, 0), celldir / "baseline", cell, []),
+                celldir / "logs" / "baseline.log",
+                tr.env(),
             )
             agents.append(base)
             if base.wait(deadline) != 0:
                 return _result(
                     cell, "error", observed, timeline, f"baseline torchrun failed (exit {base.proc.returncode})"
                 )
-            reference = _read(celldir / "baseline", world)
+            reference = tr.read_results(celldir / "baseline", world)
             if reference is None:
                 return _result(cell, "error", observed, timeline, "baseline wrote no results")
         kind = fault.get("kind")
@@ -261,16 +160,18 @@ def _single_node(
         + (f"; node folders {lose} deleted before attempt 1" if lose else ""),
     )
     run = Agent(
-        _torchrun(_single(world, restarts), celldir / "run", cell, extra), celldir / "logs" / "torchrun.log", _env()
+        tr.torchrun(tr.single_node(world, restarts), celldir / "run", cell, extra),
+        celldir / "logs" / "torchrun.log",
+        tr.env(),
     )
     agents.append(run)
     code = run.wait(deadline)
     observed["torchrun_exit"] = code
-    attempts = _attempts(celldir / "run")
-    observed["attempts"] = len(attempts)
-    event("finish", f"torchrun exited {code} after {len(attempts)} attempts")
+    by_attempt = tr.attempts(celldir / "run")
+    observed["attempts"] = len(by_attempt)
+    event("finish", f"torchrun exited {code} after {len(by_attempt)} attempts")
     if fault["kind"] == "stop":
-        later = {a: recs for a, recs in attempts.items() if a >= 1}
+        later = {a: recs for a, recs in by_attempt.items() if a >= 1}
         lines = sorted({r.get("error", "") for recs in later.values() for r in recs.values()})
         observed["stop_exit_codes"] = sorted({r.get("exit_code", -1) for recs in later.values() for r in recs.values()})
         observed["stop_ranks_per_attempt"] = [len(later[a]) for a in sorted(later)]
@@ -281,7 +182,7 @@ def _single_node(
         observed["console_stop_lines"] = run.log.read_text(errors="replace").count("gemscout: RecoveryError: ")
         observed["stop_attempt_s"] = _attempt_spans(celldir / "run", later)
         return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
-    ranks = _read(celldir / "run", world)
+    ranks = tr.read_results(celldir / "run", world)
     if code != 0 or ranks is None:
         return _result(cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log")
     _compare(observed, ranks, reference)
@@ -319,7 +220,7 @@ def _two_nodes(
     share = bool(p.get("share_store", False))
     replace = str(fault.get("replace", "agent"))
     step = int(fault.get("step", 3))
-    port = _free_port()
+    port = tr.free_port()
     conf = f"read_timeout={int(p.get('rdzv_read_timeout', 60))}"
     launch = [
         "--nnodes=2",
@@ -331,11 +232,11 @@ def _two_nodes(
         f"--max-restarts={int(p.get('max_restarts', 2))}",
         "--monitor-interval=0.2",
     ]
-    env = _env(share_store=share)
+    agent_env = tr.env(share_store=share)
 
     def agent(node: int, tag: str) -> Agent:
-        argv = _torchrun(launch, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
-        a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", env)
+        argv = tr.torchrun(launch, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
+        a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", agent_env)
         agents.append(a)
         return a
 
@@ -369,9 +270,9 @@ def _two_nodes(
     observed["torchrun_exit"] = codes
     event("finish", f"agents exited {codes}")
     observed["readmitted"] = codes == [0, 0]
-    ranks = _read(celldir / "run", world)
-    attempts = _attempts(celldir / "run")
-    observed["attempts"] = len(attempts)
+    ranks = tr.read_results(celldir / "run", world)
+    by_attempt = tr.attempts(celldir / "run")
+    observed["attempts"] = len(by_attempt)
     if ranks is None or codes != [0, 0]:
         waits = _store_waits(celldir / "logs")
         observed["store_waits"] = waits
