@@ -19,7 +19,8 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
   out on are observed.
 - ``params``: ``steps`` (8), ``max_restarts`` (1), ``find_unused_parameters`` (true: plain DDP's bucket rebuild
   breaks bitwise resume at 3+ ranks until that fix lands), ``share_store`` (two nodes; false: every agent runs with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout``,
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout`` (s),
+  ``replacement_read_timeout`` (s, the replacement agent's; default the same),
   ``baseline`` (``process``: a separate uninterrupted torchrun run, the default; ``inline``: each rank trains the job
   again from scratch without gemscout after the run, one launch fewer, for the CI test).
 
@@ -221,21 +222,24 @@ def _two_nodes(
     replace = str(fault.get("replace", "agent"))
     step = int(fault.get("step", 3))
     port = tr.free_port()
-    conf = f"read_timeout={int(p.get('rdzv_read_timeout', 60))}"
+    read_timeout = int(p.get("rdzv_read_timeout", 60))
     launch = [
         "--nnodes=2",
         f"--nproc-per-node={per}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=torchrun-cell",
-        f"--rdzv-conf={conf}",
         f"--max-restarts={int(p.get('max_restarts', 2))}",
         "--monitor-interval=0.2",
     ]
     agent_env = tr.env(share_store=share)
 
     def agent(node: int, tag: str) -> Agent:
-        argv = tr.torchrun(launch, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
+        # The replacement may wait less long than node 0 (params.replacement_read_timeout): which agent's store wait
+        # ends first is otherwise a race, and the first to exit closes the store under the other.
+        timeout = int(p.get("replacement_read_timeout", read_timeout)) if tag == "b" and node == 1 else read_timeout
+        conf = [f"--rdzv-conf=read_timeout={timeout}"]
+        argv = tr.torchrun(launch + conf, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
         a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", agent_env)
         agents.append(a)
         return a
@@ -277,6 +281,7 @@ def _two_nodes(
         waits = _store_waits(celldir / "logs")
         observed["store_waits"] = waits
         observed["replacement_wait"] = next((w.split(": ", 1)[1] for w in waits if w.startswith("node1-b")), "")
+        observed["node0_wait"] = next((w.split(": ", 1)[1] for w in waits if w.startswith("node0-a")), "")
         if fault.get("expect_failure"):  # the torch limitation itself, shown: judged by its expectations
             return _result(cell, "passed", observed, timeline, f"agents exited {codes}, as torch 2.13 does")
         return _result(cell, "failed", observed, timeline, f"agents exited {codes}; see logs/")
