@@ -6,6 +6,7 @@ Everything else is reachable by module path. Importing gemscout never imports th
 
 from gemscout.api import Session, enable_resiliency
 from gemscout.config import TrustState
+from gemscout.elastic import init_process_group
 from gemscout.errors import (
     CollectiveTimeout,
     ConfigError,
@@ -40,4 +41,5 @@ __all__ = [
     "TrustState",
     "WatchConfig",
     "enable_resiliency",
+    "init_process_group",
 ]

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.errors import ConfigError, RunMismatchError
+from gemscout import elastic
+from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
@@ -168,8 +169,9 @@ def enable_resiliency(
     - ``on_fault_report``: receives every :class:`FaultReport` (from any thread; keep it quick).
 
     If a checkpoint exists, it is restored before this returns; ``session.resume_step`` says which step.
-    Raises ConfigError for bad arguments, RecoveryError when recovery must STOP, RunMismatchError for a
-    checkpoint of another run or topology.
+    Raises ConfigError for bad arguments, RecoveryError when recovery must STOP (recorded in
+    ``<directory>/STOP.json``: a relaunch raises the same error at once until the file is deleted; see
+    :mod:`gemscout.elastic`), RunMismatchError for a checkpoint of another run or topology.
     """
     if unknown:
         raise ConfigError(f"enable_resiliency: unknown argument {sorted(unknown)[0]!r}; see help(enable_resiliency)")
@@ -202,6 +204,8 @@ def enable_resiliency(
     checkpointer = None
     if checkpoint is not None:
         timeout = checkpoint.timeout
+        # An earlier attempt's STOP stands (torchrun would otherwise relaunch into it): before any collective.
+        elastic.check_stop(checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID"))
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
         rpn = checkpoint.ranks_per_node or int(
             os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
@@ -218,7 +222,11 @@ def enable_resiliency(
     session.on_fault_report, session.on_recovery_decision = on_fault_report, on_recovery_decision
     session.capture_on_inconclusive = capture_on_inconclusive
     if checkpointer is not None:
-        decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
+        try:
+            decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
+        except RecoveryError as exc:
+            raise elastic.record_stop(checkpointer.config.directory, exc, checkpointer.run_id,
+                                      fsync=checkpointer.config.fsync) from None
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
             session.step = session.resume_step = decision.step
