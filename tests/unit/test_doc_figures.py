@@ -18,10 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 # docs/validation.md is generated whole from bundles (tests/e2e/test_render_validation_doc.py).
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "validation.md")]
-PENDING = {
-    # Written and owned by the torchrun work, which lands separately; its figures are labelled or backed on merge.
-    "docs/torchrun.md",
-}
+PENDING: set[str] = set()
 CHECKPOINT_SUFFIXES = (".gsc", ".pt", ".pth", ".distcp", ".bin", ".safetensors", ".npy")
 
 
