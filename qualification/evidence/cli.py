@@ -23,6 +23,12 @@ from qualification.evidence.verify import TrustPolicy, VerificationResult, verif
 PROG = "validation-evidence"
 
 
+def _version() -> str:
+    from gemscout.cli import version
+
+    return version()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -30,6 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Seal, sign and verify revision-bound qualification evidence bundles.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     seal = commands.add_parser("seal", help="hash every file in DIR and write DIR/manifest.json")

@@ -103,12 +103,8 @@ def parse_json(data: bytes) -> Any:
 
 @cache
 def load_schema() -> dict[str, Any]:
-    """The manifest schema: the repo's ``schemas/`` copy when running from a checkout, else the packaged copy."""
-    checkout_copy = Path(__file__).resolve().parents[2] / "schemas" / SCHEMA_FILE
-    if checkout_copy.is_file():
-        text = checkout_copy.read_text(encoding="utf-8")
-    else:
-        text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
+    """The manifest schema, ``qualification/schemas/`` (package data: the one copy)."""
+    text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 
