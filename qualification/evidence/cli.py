@@ -24,9 +24,12 @@ PROG = "validation-evidence"
 
 
 def _version() -> str:
-    from gemscout.cli import version
+    from importlib import metadata  # not gemscout.cli's: importing gemscout loads torch, slow for a sealing tool
 
-    return version()
+    try:
+        return metadata.version("gemscout")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 class _Parser(argparse.ArgumentParser):
