@@ -9,10 +9,10 @@ JOBS ?= 2
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev,deepspeed,megatron]'
+	$(BIN)/pip install -q -e '.[dev,qualify,deepspeed,megatron]'
 	touch $(STAMP)
 
-setup: $(STAMP)  ## create .venv and install gemscout with its dev tools (torch==2.13.0 CPU)
+setup: $(STAMP)  ## create .venv and install gemscout with its harness and dev tools (torch==2.13.0 CPU)
 
 demo: $(STAMP)  ## the quickstart campaign: 3 CPU ranks, SIGKILL at step 4, recover, seal, render
 	rm -rf runs/quickstart runs/quickstart.html

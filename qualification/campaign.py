@@ -24,7 +24,7 @@ from typing import Any
 from qualification._schema_errors import describe_schema_error, toml_line_of
 from qualification.errors import CampaignError, UsageError
 
-#: The checkout this package lives in (for an editable install); campaigns/ and schemas/ are found beside it.
+#: The checkout this package lives in (for an editable install); campaigns/ is found beside it.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CELL_FIELDS = ("program", "workload", "topology", "world_size", "fault", "seed", "timeout_s", "params", "expect",
@@ -36,14 +36,12 @@ MERGED_TABLES = ("params", "expect")
 
 @cache
 def load_schema(name: str) -> dict[str, Any]:
-    """Load ``name`` (e.g. ``"campaign.schema.json"``) from ``qualification/schemas/`` (the one source; a root
-    ``schemas/`` in a checkout, where it exists, mirrors it)."""
-    for folder in (Path(__file__).resolve().parent / "schemas", REPO_ROOT / "schemas"):
-        candidate = folder / name
-        if candidate.is_file():
-            loaded: dict[str, Any] = json.loads(candidate.read_text(encoding="utf-8"))
-            return loaded
-    raise FileNotFoundError(f"schema {name} is missing from both schemas/ and qualification/schemas/")
+    """Load ``name`` (e.g. ``"campaign.schema.json"``) from ``qualification/schemas/`` (package data: the one copy)."""
+    candidate = Path(__file__).resolve().parent / "schemas" / name
+    if not candidate.is_file():
+        raise FileNotFoundError(f"schema {name} is missing from qualification/schemas/")
+    loaded: dict[str, Any] = json.loads(candidate.read_text(encoding="utf-8"))
+    return loaded
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

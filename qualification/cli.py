@@ -37,6 +37,22 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from gemscout.cli import version
+
+        typer.echo(f"qualify {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
+    pass
+
+
 class SignMode(enum.StrEnum):
     NONE = "none"
     KEY = "key"

@@ -24,6 +24,15 @@ from qualification.evidence.verify import TrustPolicy, VerificationResult, verif
 PROG = "validation-evidence"
 
 
+def _version() -> str:
+    from importlib import metadata  # not gemscout.cli's: importing gemscout loads torch, slow for a sealing tool
+
+    try:
+        return metadata.version("gemscout")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -31,6 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Seal, sign and verify revision-bound qualification evidence bundles.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     seal = commands.add_parser("seal", help="hash every file in DIR and write DIR/manifest.json")

@@ -105,8 +105,7 @@ def parse_json(data: bytes) -> Any:
 
 @cache
 def load_schema() -> dict[str, Any]:
-    """The manifest schema (``qualification/schemas/``)."""
-    # The packaged copy is the one source; a root schemas/ folder in a checkout, if any, is a mirror of it.
+    """The manifest schema, ``qualification/schemas/`` (package data: the one copy)."""
     text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema

@@ -75,7 +75,7 @@ def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str
     return h.hexdigest()
 
 
-TOPOLOGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2-tp", *PIPELINE_TOPOLOGIES)
+TOPOLOGIES = ("ddp", "ddp-default", "fsdp2", "hsdp", "tp", "fsdp2-tp", *PIPELINE_TOPOLOGIES)
 
 
 def data_rank(topology: str, rank: int) -> int:
@@ -97,9 +97,11 @@ def _tensor_parallel(model: torch.nn.Module, tp_mesh: object) -> None:
 def wrap(model: torch.nn.Module, topology: str, world: int) -> torch.nn.Module:
     """DDP, FSDP2 on a 1-D mesh, HSDP on a (replicate, shard) mesh, TP, or FSDP2 x TP on a (dp, tp) mesh."""
     if topology == "ddp":
-        # Without find_unused_parameters DDP rebuilds its gradient buckets after the first iteration of every
-        # process; with 3+ ranks a restarted process would then reduce one step in another order (docs/gemini.md).
-        return DDP(model, find_unused_parameters=True)
+        return DDP(model, find_unused_parameters=True)  # a reducer that never rebuilds its buckets
+    if topology == "ddp-default":
+        # DDP's defaults: buckets rebuilt in gradient-ready order after each process's first backward, a layout
+        # gemscout records and puts back on a restart (gemscout.adapters.ddp_buckets).
+        return DDP(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -120,6 +122,16 @@ def wrap(model: torch.nn.Module, topology: str, world: int) -> torch.nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _buckets(model: torch.nn.Module) -> dict | None:
+    """A plain DDP's bucket layout as DDP reports it: the parameter count and the rebuilt layout (None until DDP
+    has rebuilt; the initial layout is one bucket in registration order)."""
+    if not isinstance(model, DDP):
+        return None
+    from gemscout.adapters.ddp_buckets import logged_layout
+
+    return {"params": len(list(p for p in model.parameters() if p.requires_grad)), "rebuilt": logged_layout(model)}
 
 
 def parse() -> argparse.Namespace:
@@ -256,7 +268,8 @@ def main() -> None:
     result = {
         "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
         "decision": decision, "resume_digest": resume_digest, "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
-        "replicas_equal": len(set(digests)) == 1 if args.topology == "ddp" else True, "final_step": args.steps,
+        "replicas_equal": len(set(digests)) == 1 if args.topology.startswith("ddp") else True,
+        "ddp_buckets": _buckets(ddp), "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
         "skipped_steps": session.checkpointer.skipped_steps if session and session.checkpointer else [],

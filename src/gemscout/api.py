@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout import elastic
+from gemscout import _teardown, elastic
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
@@ -51,15 +51,6 @@ def _close_all() -> None:
 
 
 atexit.register(_close_all)
-_orig_destroy = dist.destroy_process_group
-
-
-def _destroy_process_group(*args: Any, **kwargs: Any) -> None:
-    _close_all()
-    _orig_destroy(*args, **kwargs)
-
-
-dist.destroy_process_group = _destroy_process_group  # sessions stop their threads before their groups go away
 
 
 def _scout_cadence(asked: int | None, interval: int) -> int:
@@ -197,7 +188,13 @@ def enable_resiliency(
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
-    _warn_ddp_bucket_rebuild(model, world)
+    from gemscout.adapters import ddp_buckets
+
+    # Plain DDP rebuilds its gradient buckets after each process's first backward: the layout travels with every
+    # capture and is put back on a restart, so the resumed step reduces as the uninterrupted run did.
+    buckets = ddp_buckets.attach(model) if checkpoint is not None else None
+    if buckets is not None:
+        extra_state_fn, load_extra_state_fn = buckets.wrap_state(extra_state_fn, load_extra_state_fn)
     # DeepSpeed ZeRO: each rank's partition is its own, so the durable tier promotes collectively (every rank's).
     sources = StateSources(model, optimizer, extra_state_fn, load_extra_state_fn, tuple(schedulers),
                            rank_local=target.framework.value == "deepspeed")
@@ -237,6 +234,9 @@ def enable_resiliency(
             checkpointer.capture(0, initial=True)
             checkpointer.drain()
             checkpointer.certify(0)
+        if buckets is not None:
+            buckets.start(restored=decision.mode in (RecoveryMode.RESTORE, RecoveryMode.DURABLE),
+                          group=checkpointer.group, timeout=checkpointer.config.timeout)
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
     if scout is not None:
@@ -266,8 +266,9 @@ def enable_resiliency(
         session.health = _start_health(session, rank, health, health_sources)
     adapter_handles = target.install_hooks() if target.install_hooks is not None else []  # before the session's
     session._attach()
-    session._handles += adapter_handles
+    session._handles += adapter_handles + ([buckets] if buckets is not None else [])
     LIVE.add(session)
+    _teardown.hold(_close_all)  # while a session is live, destroy_process_group closes it first (gemscout._teardown)
     return session
 
 
@@ -291,18 +292,6 @@ def _start_health(session: Session, rank: int, config: HealthMonitorConfig | Non
             reason=f"{event.severity}: {event.reason}", host=e.host or None))
 
     return HealthMonitor(sources, config=config or HealthMonitorConfig(), callbacks=[deliver]).start()
-
-
-def _warn_ddp_bucket_rebuild(model: nn.Module, world: int) -> None:
-    """DDP re-buckets after each process's first iteration; with 3+ ranks that shifts one step's reduction order."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) and world >= 3 and not model.find_unused_parameters:
-        log.warning(
-            "gemscout: DDP rebuilds its gradient buckets after the first iteration of every process, so with %d ranks "
-            "the first step after a restart reduces gradients in another order and the trajectory differs in the "
-            "last bits; construct DDP with find_unused_parameters=True for bit-exact recovery (docs/gemini.md)", world
-        )
 
 
 def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:

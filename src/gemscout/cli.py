@@ -6,103 +6,142 @@ job would make (:mod:`gemscout.inventory`). Exit codes: 0 a restart would restor
 checked is usable; 2 bad usage (not a checkpoint directory, a bad flag); 3 some file or durable promotion is unusable
 (recovery would skip it); 4 a restart would STOP (nothing restorable: the job would exit 4 too). Errors are one
 line on stderr, never a traceback.
+
+Standard library only (argparse): the runtime's command needs none of the harness's dependencies.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
-from typing import Annotated
-
-import typer
-from rich.console import Console
-from rich.table import Table
+from typing import NoReturn
 
 from gemscout.config import TrustState
-from gemscout.errors import GemscoutError, IntegrityError, RecoveryError
+from gemscout.errors import ConfigError, GemscoutError, IntegrityError, RecoveryError
 from gemscout.gemini.recovery import RecoveryMode
 from gemscout.inventory import Inventory, inventory
 
-app = typer.Typer(name="gemscout", help="Inspect gemscout checkpoints.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
 
-
-@app.callback()
-def _main() -> None:
-    """gemscout's operator commands (the qualification harness is ``qualify``)."""
-
-
-@app.command()
-def inspect(
-    directory: Annotated[Path, typer.Argument(help="the job's CheckpointConfig.directory")],
-    durable: Annotated[Path | None, typer.Option(help="the job's CheckpointConfig.durable_directory")] = None,
-    verify: Annotated[bool, typer.Option(help="read every file whole and check every tensor digest")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print the inventory as JSON")] = False,
-    world_size: Annotated[int | None, typer.Option(min=1, help="the job's ranks, if a rank's folder is gone")] = None,
-    min_trust: Annotated[str, typer.Option(help="the job's CheckpointConfig.min_trust")] = "candidate",
-) -> None:
-    """What DIR holds and what a restarted job would restore from it."""
+def version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
     try:
-        trust = TrustState(min_trust)
+        return metadata.version("gemscout")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage first)
+        self.exit(ConfigError.exit_code, f"gemscout: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gemscout", description="Inspect gemscout checkpoints (the qualification harness is `qualify`)."
+    )
+    parser.add_argument("--version", action="version", version=f"gemscout {version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    inspect = commands.add_parser("inspect", help="what DIR holds and what a restarted job would restore from it")
+    inspect.add_argument("directory", type=Path, help="the job's CheckpointConfig.directory")
+    inspect.add_argument("--durable", type=Path, default=None, help="the job's CheckpointConfig.durable_directory")
+    inspect.add_argument("--verify", action="store_true", help="read every file whole and check every tensor digest")
+    inspect.add_argument("--json", dest="as_json", action="store_true", help="print the inventory as JSON")
+    inspect.add_argument("--world-size", type=int, default=None, help="the job's ranks, if a rank's folder is gone")
+    inspect.add_argument("--min-trust", default="candidate", help="the job's CheckpointConfig.min_trust")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    args = _parser().parse_args(argv)
+    try:
+        trust = TrustState(args.min_trust)
     except ValueError:
-        typer.echo(f"gemscout inspect: --min-trust must be one of {[s.value for s in TrustState]}, got {min_trust!r}",
-                   err=True)
-        raise typer.Exit(2) from None
+        print(
+            f"gemscout inspect: --min-trust must be one of {[s.value for s in TrustState]}, got {args.min_trust!r}",
+            file=sys.stderr,
+        )
+        return ConfigError.exit_code
+    if args.world_size is not None and args.world_size < 1:
+        print(f"gemscout inspect: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return ConfigError.exit_code
     try:
-        inv = inventory(directory, durable_directory=durable, verify=verify, world_size=world_size, min_trust=trust)
+        inv = inventory(
+            args.directory,
+            durable_directory=args.durable,
+            verify=args.verify,
+            world_size=args.world_size,
+            min_trust=trust,
+        )
     except GemscoutError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(exc.exit_code) from None
-    if as_json:
-        typer.echo(json.dumps(inv.to_dict(), indent=1, sort_keys=True))
+        print(str(exc), file=sys.stderr)
+        return exc.exit_code
+    if args.as_json:
+        print(json.dumps(inv.to_dict(), indent=1, sort_keys=True))
     else:
-        _print(inv)
+        print(render(inv))
     if inv.decision.mode == RecoveryMode.STOP:
-        raise typer.Exit(RecoveryError.exit_code)
+        return RecoveryError.exit_code
     if inv.unusable:
-        raise typer.Exit(IntegrityError.exit_code)
+        return IntegrityError.exit_code
+    return 0
 
 
-def _print(inv: Inventory) -> None:
-    console = Console(highlight=False)
-    console.print(f"[bold]{inv.directory}[/]  run {inv.run_id or '?'}  {inv.world_size} ranks  "
-                  f"topology {inv.topology_digest[:12] or '?'}  files {'verified' if inv.verified else 'by header'}")
-    steps = sorted({f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust},
-                   reverse=True)
-    table = Table(show_edge=False, pad_edge=False)
-    table.add_column("step", justify="right")
-    table.add_column("trust")
-    for r in inv.ranks:
-        table.add_column(f"rank {r.rank}" + ("" if r.node is not None else " (folder gone)"))
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.rjust(w) if i == 0 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def render(inv: Inventory) -> str:
+    """The inventory as text: one row per step, one column per rank, then durable steps, faults, the decision."""
+    lines = [
+        f"{inv.directory}  run {inv.run_id or '?'}  {inv.world_size} ranks  "
+        f"topology {inv.topology_digest[:12] or '?'}  files {'verified' if inv.verified else 'by header'}"
+    ]
+    steps = sorted({f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust}, reverse=True)
+    rows = [
+        ["step", "trust", *(f"rank {r.rank}" + ("" if r.node is not None else " (folder gone)") for r in inv.ranks)]
+    ]
     for step in steps:
         states = {r.trust[step] for r in inv.ranks if step in r.trust}
         trust = "rejected" if "rejected" in states else max(states, key=lambda s: TrustState(s).rank, default="-")
         cells = []
         for r in inv.ranks:
             own = [f for f in r.files if f.step == step and f.kind == "own"]
-            held = [f"holds {f.owner}" + ("" if f.status != "unusable" else " ✗")
-                    for f in r.files if f.step == step and f.kind == "replica"]
+            held = [
+                f"holds {f.owner}" + ("" if f.status != "unusable" else " ✗")
+                for f in r.files
+                if f.step == step and f.kind == "replica"
+            ]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
             cells.append(", ".join(mine + held) or "-")
-        table.add_row(str(step), trust, *cells)
-    console.print(table)
+        rows.append([str(step), trust, *cells])
+    lines += _table(rows)
     for d in inv.durable:
-        console.print(f"durable step {d['step']}: {d['status']}" + (f" ({d['reason']})" if d["reason"] else ""))
+        lines.append(f"durable step {d['step']}: {d['status']}" + (f" ({d['reason']})" if d["reason"] else ""))
     if inv.faults:
-        console.print(f"fault reports ({len(inv.faults)}, oldest first):")
+        lines.append(f"fault reports ({len(inv.faults)}, oldest first):")
         for f in inv.faults[-20:]:
             where = f" recipe {f['recipe']}" if f.get("recipe") else ""
-            console.print(f"  step {f.get('step')} [bold]{f.get('kind')}[/] {f.get('scope')} {f.get('ranks')}{where}: "
-                          f"{f.get('reason')} (reported by {sorted(f.get('reported_by', []))})")
-    for bad in inv.unusable:
-        console.print(f"[red]unusable[/] {bad}")
+            lines.append(
+                f"  step {f.get('step')} {f.get('kind')} {f.get('scope')} {f.get('ranks')}{where}: "
+                f"{f.get('reason')} (reported by {sorted(f.get('reported_by', []))})"
+            )
+    lines += [f"unusable {bad}" for bad in inv.unusable]
     dec = inv.decision
     sources = ", ".join(f"rank {k}: {v}" for k, v in sorted(dec.sources.items()))
     what = f"{dec.mode.value.upper()}" + (f" step {dec.step}" if dec.step is not None else "")
-    console.print(f"[bold]a restart would {what}[/]" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
-    console.print("(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a "
-                  "newer step)")
-
-
-def main() -> None:
-    app()
+    lines.append(f"a restart would {what}" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
+    lines.append(
+        "(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a newer step)"
+    )
+    return "\n".join(lines)

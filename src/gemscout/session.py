@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
-from gemscout import metrics
+from gemscout import _teardown, metrics
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError
 from gemscout.faultlog import FILE_NAME, FaultLog
@@ -296,6 +296,8 @@ class Session:
             for sig, prev in self._prev_signals.items():
                 signal.signal(sig, prev)
         LIVE.discard(self)
+        if not LIVE:
+            _teardown.release()  # the last live session: torch's destroy_process_group is its own again
 
     def __enter__(self) -> Session:
         return self

@@ -4,16 +4,17 @@ choice; test_gemini_integrity checks that prediction against real restarts."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from gemscout.cli import app
+from gemscout.cli import main
 from qualification.corruption import flip_byte, own_slot, replica_slot, truncate
 from qualification.launch import launch
 
@@ -36,8 +37,10 @@ def case(job: Path, name: str) -> Path:
 
 
 def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(app, ["inspect", *args])
-    return result.exit_code, result.output
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        code = main(["inspect", *args])
+    return code, out.getvalue()
 
 
 def as_json(*args: str) -> tuple[int, dict]:

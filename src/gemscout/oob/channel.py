@@ -2,7 +2,7 @@
 
 Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites it with its newest message. A message
 is an envelope: the body (JSON with version, namespace, epoch, rank, key, sequence number and the payload sealed with
-AES-256-GCM under a key derived from the secret, so a reader of the store learns nothing of it) and an HMAC-SHA256
+a BLAKE3 keyed-mode keystream (a random nonce per message) under a key derived from the secret, so a reader of the store learns nothing of it) and an HMAC-SHA256
 of that body under the per-job secret. Readers verify the MAC in constant time, check that namespace,
 epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
 namespace, or replayed from an earlier run of the job under the same secret), and refuse a sequence number older than
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+import blake3
 from torch.distributed import DistStoreError
 
 from gemscout.oob.config import OobConfig
@@ -346,22 +347,26 @@ class OobChannel:
         return found
 
     def _seal(self, plain: bytes) -> str:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-        nonce = os.urandom(12)  # random per message: 2**-32 collision odds only after ~2**32 messages of one job
-        return base64.b64encode(nonce + AESGCM(self._seal_key).encrypt(nonce, plain, None)).decode("ascii")
+        # Confidentiality without a cipher library: the payload is XORed with a keystream that BLAKE3 in keyed mode
+        # (a PRF with extendable output) derives from a random nonce. Integrity and authenticity come from the HMAC
+        # over the whole body, checked before anything is unsealed (encrypt-then-MAC).
+        nonce = os.urandom(16)  # random per message: a repeat would reuse a keystream; 2**-64 odds at 2**32 messages
+        return base64.b64encode(nonce + _xor(plain, self._keystream(nonce, len(plain)))).decode("ascii")
 
     def _unseal(self, sealed: object) -> bytes | None:
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
         if not isinstance(sealed, str):
             return None
         try:
             raw = base64.b64decode(sealed, validate=True)
-            return AESGCM(self._seal_key).decrypt(raw[:12], raw[12:], None) if len(raw) > 28 else None
-        except (ValueError, InvalidTag):
+        except ValueError:
             return None
+        if len(raw) <= 16:
+            return None
+        nonce, body = raw[:16], raw[16:]
+        return _xor(body, self._keystream(nonce, len(body)))
+
+    def _keystream(self, nonce: bytes, length: int) -> bytes:
+        return blake3.blake3(nonce, key=self._seal_key).digest(length=length)
 
     def _mac(self, body: bytes) -> str:
         return hmac.new(self._secret, _MAC_DOMAIN + body, hashlib.sha256).hexdigest()
@@ -487,6 +492,10 @@ class OobChannel:
                 first_seen=old.first_seen if old else now,
                 last_seen=now,
             )
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
 
 
 def _depth(body: bytes) -> int:
