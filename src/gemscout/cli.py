@@ -4,8 +4,9 @@
 states, checks them as recovery would (``--verify``: every tensor digest too), and prints the decision a restarted
 job would make (:mod:`gemscout.inventory`). Exit codes: 0 a restart would restore (or start fresh) and every file
 checked is usable; 2 bad usage (not a checkpoint directory, a bad flag); 3 some file or durable promotion is unusable
-(recovery would skip it); 4 a restart would STOP (nothing restorable: the job would exit 4 too). Errors are one
-line on stderr, never a traceback.
+(recovery would skip it); 4 a restart would STOP (nothing restorable: the job would exit 4 too); 1 an internal error
+(a bug: please report it). Errors are one line on stderr, never a traceback, whatever the folder holds (FIFOs,
+links, malformed or hostile files are reported as unusable, exit 3).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.table import Table
 
 from gemscout.config import TrustState
@@ -23,8 +25,13 @@ from gemscout.errors import GemscoutError, IntegrityError, RecoveryError
 from gemscout.gemini.recovery import RecoveryMode
 from gemscout.inventory import Inventory, inventory
 
-app = typer.Typer(name="gemscout", help="Inspect gemscout checkpoints.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    name="gemscout",
+    help="Inspect gemscout checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 
 
 @app.callback()
@@ -45,30 +52,46 @@ def inspect(
     try:
         trust = TrustState(min_trust)
     except ValueError:
-        typer.echo(f"gemscout inspect: --min-trust must be one of {[s.value for s in TrustState]}, got {min_trust!r}",
-                   err=True)
+        typer.echo(
+            f"gemscout inspect: --min-trust must be one of {[s.value for s in TrustState]}, got {min_trust!r}", err=True
+        )
         raise typer.Exit(2) from None
     try:
         inv = inventory(directory, durable_directory=durable, verify=verify, world_size=world_size, min_trust=trust)
+        if as_json:
+            typer.echo(json.dumps(inv.to_dict(), indent=1, sort_keys=True))
+        else:
+            _print(inv)
     except GemscoutError as exc:
-        typer.echo(str(exc), err=True)
+        typer.echo(_one_line(str(exc)), err=True)
         raise typer.Exit(exc.exit_code) from None
-    if as_json:
-        typer.echo(json.dumps(inv.to_dict(), indent=1, sort_keys=True))
-    else:
-        _print(inv)
+    except OSError as exc:  # the directory itself cannot be read (permissions, a vanished mount)
+        typer.echo(_one_line(f"gemscout inspect: cannot read {directory}: {exc}"), err=True)
+        raise typer.Exit(2) from None
+    except Exception as exc:  # a bug, never a traceback: one line, exit 1
+        typer.echo(
+            _one_line(f"gemscout inspect: internal error ({type(exc).__name__}: {exc}); please report it"), err=True
+        )
+        raise typer.Exit(1) from None
     if inv.decision.mode == RecoveryMode.STOP:
         raise typer.Exit(RecoveryError.exit_code)
     if inv.unusable:
         raise typer.Exit(IntegrityError.exit_code)
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:2000]
+
+
 def _print(inv: Inventory) -> None:
     console = Console(highlight=False)
-    console.print(f"[bold]{inv.directory}[/]  run {inv.run_id or '?'}  {inv.world_size} ranks  "
-                  f"topology {inv.topology_digest[:12] or '?'}  files {'verified' if inv.verified else 'by header'}")
-    steps = sorted({f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust},
-                   reverse=True)
+    # Every name and reason comes from the folder (file names, run ids, reasons in fault logs): escaped, so "[/x]"
+    # in them is text, not rich markup that would end in a MarkupError.
+    console.print(
+        f"[bold]{esc(inv.directory)}[/]  run {esc(inv.run_id or '?')}  {inv.world_size} ranks  "
+        f"topology {inv.topology_digest[:12] or '?'}  files {'verified' if inv.verified else 'by header'}"
+    )
+    steps = sorted({f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust}, reverse=True)
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("step", justify="right")
     table.add_column("trust")
@@ -80,28 +103,34 @@ def _print(inv: Inventory) -> None:
         cells = []
         for r in inv.ranks:
             own = [f for f in r.files if f.step == step and f.kind == "own"]
-            held = [f"holds {f.owner}" + ("" if f.status != "unusable" else " ✗")
-                    for f in r.files if f.step == step and f.kind == "replica"]
+            held = [
+                f"holds {f.owner}" + ("" if f.status != "unusable" else " ✗")
+                for f in r.files
+                if f.step == step and f.kind == "replica"
+            ]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
             cells.append(", ".join(mine + held) or "-")
         table.add_row(str(step), trust, *cells)
     console.print(table)
     for d in inv.durable:
-        console.print(f"durable step {d['step']}: {d['status']}" + (f" ({d['reason']})" if d["reason"] else ""))
+        console.print(f"durable step {d['step']}: {d['status']}" + (f" ({esc(d['reason'])})" if d["reason"] else ""))
     if inv.faults:
         console.print(f"fault reports ({len(inv.faults)}, oldest first):")
         for f in inv.faults[-20:]:
-            where = f" recipe {f['recipe']}" if f.get("recipe") else ""
-            console.print(f"  step {f.get('step')} [bold]{f.get('kind')}[/] {f.get('scope')} {f.get('ranks')}{where}: "
-                          f"{f.get('reason')} (reported by {sorted(f.get('reported_by', []))})")
+            where = f" recipe {esc(f['recipe'])}" if f.get("recipe") else ""
+            console.print(
+                f"  step {f.get('step')} [bold]{f.get('kind')}[/] {f.get('scope')} {f.get('ranks')}{where}: "
+                f"{esc(str(f.get('reason')))} (reported by {sorted(f.get('reported_by', []))})"
+            )
     for bad in inv.unusable:
-        console.print(f"[red]unusable[/] {bad}")
+        console.print(f"[red]unusable[/] {esc(bad)}")
     dec = inv.decision
     sources = ", ".join(f"rank {k}: {v}" for k, v in sorted(dec.sources.items()))
     what = f"{dec.mode.value.upper()}" + (f" step {dec.step}" if dec.step is not None else "")
-    console.print(f"[bold]a restart would {what}[/]" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
-    console.print("(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a "
-                  "newer step)")
+    console.print(f"[bold]a restart would {what}[/]" + (f" ({sources})" if sources else "") + f" — {esc(dec.reason)}")
+    console.print(
+        "(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a newer step)"
+    )
 
 
 def main() -> None:

@@ -6,16 +6,18 @@ The choice itself is the pure :func:`gemscout.gemini.recovery.decide`; this modu
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gemscout.config import TrustState
-from gemscout.errors import IntegrityError, RecoveryError, RunMismatchError
+from gemscout.errors import GemscoutError, IntegrityError, RecoveryError
 from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
@@ -37,15 +39,40 @@ replica this rank holds for ``owner``, in memory / on disk)."""
 
 
 def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[dict[str, Any], dict[Item, Any]]:
-    """What this rank can load, and where each item lives (for the transfers).
+    """What this rank can load, and where each item lives (for the transfers). Total: never raises.
 
     Memory is listed first and, for a step it holds, the disk is not consulted. Files on disk are inventoried by
-    their headers alone (identity, header digest, size): reading and hashing whole generations here, before the
-    group has even chosen a step, cost more than the restore itself. The tensor digests of whatever is chosen are
-    checked when it is loaded (:func:`_fetch`), before anything is restored; an item that fails there is listed in
-    ``failed`` (with why) and never proposed again, and the ranks decide again.
+    their headers alone (identity, header digest and structure, size): reading and hashing whole generations here,
+    before the group has even chosen a step, cost more than the restore itself. The tensor digests of whatever is
+    chosen are checked when it is loaded (:func:`_fetch`), before anything is restored; an item that fails there is
+    listed in ``failed`` (with why) and never proposed again, and the ranks decide again.
+
+    Any failure reading one source (a folder that is a file, a FIFO, a malformed header, ...) makes that source
+    unusable, listed with why; a failure outside any one source makes the whole proposal say ``cannot`` with the
+    reason, so that this rank still joins the gather and every rank decides STOP naming it, instead of this rank
+    dying while its peers wait for the collective timeout.
     """
-    failed = failed or {}
+    try:
+        return _propose(ck, failed or {})
+    except Exception as exc:
+        log.error("gemini: rank %d cannot propose a recovery: %s", ck.rank, exc, exc_info=True)
+        return {
+            "rank": ck.rank,
+            "memory": [],
+            "own": [],
+            "held": {},
+            "memory_held": {},
+            "unusable": [],
+            "durable": None,
+            "durable_refused": [],
+            "rejected": [],
+            "trust": {},
+            "attempts": {},
+            "cannot": f"rank {ck.rank} cannot propose: {type(exc).__name__}: {exc}",
+        }, {}
+
+
+def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any], dict[Item, Any]]:
     where: dict[Item, Any] = {}
     unusable = [f"rank {ck.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())]
     memory = []
@@ -54,16 +81,18 @@ def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[di
             memory.append(slot.step)
             where[("memory", ck.rank, slot.step)] = slot.frame()
     own = []
-    for step in store.list_steps(ck.paths.own):
+    for step in _steps_in(ck.paths.own, f"rank {ck.rank} own folder", unusable):
         if step in memory or ("local", ck.rank, step) in failed:
             continue  # memory is preferred for this step: reading the file would be wasted time
         path = store.step_file(ck.paths.own, step)
         try:
             parsed = store.read_header(path)
             ck.check_identity(parsed.identity, where=str(path))
-        except (IntegrityError, OSError) as exc:
+            if parsed.identity.get("owner") != ck.rank or parsed.identity.get("step") != step:
+                raise IntegrityError(f"identity {parsed.identity} is not rank {ck.rank}'s step {step}")
+        except Exception as exc:  # any failure: this file is unusable, the others are still proposed
             log.warning("gemini: %s is unusable: %s", path, exc)
-            unusable.append(f"rank {ck.rank} own step {step}: {exc}")
+            unusable.append(f"rank {ck.rank} own step {step}: {_why(exc)}")
             continue
         own.append(step)
         where[("local", ck.rank, step)] = path
@@ -74,35 +103,68 @@ def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[di
                 memory_held.setdefault(str(o), []).append(s)
                 where[("memory_held", o, s)] = (prefix, data)
     held: dict[str, list[int]] = {}
-    for o in ck.paths.held_owners():
-        for step in store.list_steps(ck.paths.replicas(o)):
+    try:
+        owners = ck.paths.held_owners()
+    except OSError as exc:
+        unusable.append(f"rank {ck.rank} replicas folder: {_why(exc)}")
+        owners = []
+    for o in owners:
+        for step in _steps_in(ck.paths.replicas(o), f"rank {ck.rank} replicas of rank {o}", unusable):
             if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
                 continue  # the replica in memory is preferred
             path = store.step_file(ck.paths.replicas(o), step)
             try:
                 parsed = store.read_header(path)
                 ck.check_identity(parsed.identity, where=str(path))
-                if parsed.identity.get("owner") != o:
-                    raise IntegrityError("owner mismatch")
-            except (IntegrityError, OSError) as exc:
+                if parsed.identity.get("owner") != o or parsed.identity.get("step") != step:
+                    raise IntegrityError(f"identity {parsed.identity} is not rank {o}'s step {step}")
+            except Exception as exc:
                 log.warning("gemini: replica %s is unusable: %s", path, exc)
-                unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {exc}")
+                unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {_why(exc)}")
                 continue
             held.setdefault(str(o), []).append(step)
             where[("held", o, step)] = path
-    durable = ck.durable.scan() if ck.durable else []
-    proposal = {"rank": ck.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held,
-                "unusable": unusable, "durable": next((s for s, why in durable if why is None), None),
-                "durable_refused": [why for _, why in durable if why is not None]}
+    try:
+        durable = ck.durable.scan() if ck.durable else []
+    except Exception as exc:  # an unreadable durable folder: refused, like a promotion that does not verify
+        durable = [(-1, f"durable tier unreadable on rank {ck.rank}: {_why(exc)}")]
+    proposal = {
+        "rank": ck.rank,
+        "memory": memory,
+        "own": own,
+        "held": held,
+        "memory_held": memory_held,
+        "unusable": unusable,
+        "durable": next((s for s, why in durable if why is None), None),
+        "durable_refused": [why for _, why in durable if why is not None],
+    }
     proposal.update(ck.ledger.summary())
     return proposal, where
 
 
+def _steps_in(folder: Path, what: str, unusable: list[str]) -> list[int]:
+    """The steps in ``folder``; a folder that cannot be listed (a file, no permission) is noted as unusable."""
+    try:
+        return store.list_steps(folder)
+    except OSError as exc:
+        unusable.append(f"{what}: {_why(exc)}")
+        return []
+
+
+def _why(exc: BaseException) -> str:
+    """One line: the error's message, with its type where the message alone would not say what happened."""
+    text = str(exc).splitlines()[0][:500] if str(exc) else ""
+    return text if isinstance(exc, GemscoutError) and text else f"{type(exc).__name__}: {text}"
+
+
 def _describe(item: Item) -> str:
     kind, owner, step = item
-    return {"memory": f"memory step {step}", "local": f"own step {step}",
-            "memory_held": f"in-memory replica of rank {owner} step {step}",
-            "held": f"replica of rank {owner} step {step}"}[kind]
+    return {
+        "memory": f"memory step {step}",
+        "local": f"own step {step}",
+        "memory_held": f"in-memory replica of rank {owner} step {step}",
+        "held": f"replica of rank {owner} step {step}",
+    }[kind]
 
 
 _MAX_ROUNDS = 64
@@ -110,11 +172,20 @@ _MAX_ROUNDS = 64
 backstop against a bug, not a limit a real job reaches."""
 
 
-def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
-            min_trust: TrustState | None = None) -> RecoveryDecision:
+def recover(
+    ck: Checkpointer,
+    *,
+    failure_kind: str = "restart",
+    fallback: Callable[[], int] | None = None,
+    min_trust: TrustState | None = None,
+) -> RecoveryDecision:
     """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
 
-    Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
+    Total: whatever fails on any rank — proposing, fetching, verifying, decoding or loading into the live objects —
+    is gathered, so every rank learns it in the same round and they decide together (the same step from another
+    source, an older step, or STOP); no rank leaves a collective alone. Raises RecoveryError on every rank when the
+    decision is STOP (the caller should exit with its exit code), or when the durable tier or the caller's fallback
+    fails on some rank.
     """
     ck.drain()
     failed: dict[Item, str] = {}
@@ -124,29 +195,34 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
         refused = list(dict.fromkeys(why for p in proposals for why in p.get("durable_refused", [])))
-        decision = decide(proposals, run_id=ck.run_id, topology_digest=ck.topology_digest,
-                          min_trust=min_trust or ck.config.min_trust, max_attempts=ck.config.max_recovery_attempts,
-                          failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None,
-                          durable_refused=refused)
+        decision = decide(
+            proposals,
+            run_id=ck.run_id,
+            topology_digest=ck.topology_digest,
+            min_trust=min_trust or ck.config.min_trust,
+            max_attempts=ck.config.max_recovery_attempts,
+            failure_kind=failure_kind,
+            durable_step=durable_step,
+            has_fallback=fallback is not None,
+            durable_refused=refused,
+        )
         if decision.mode == RecoveryMode.RESTORE:
             assert decision.step is not None
             fetched = _fetch(ck, decision, where)
             # Every rank learns every failure and who holds the failed item: that rank drops it and the ranks
             # decide again (the same step from another source, or an older step).
-            outcomes = comm.gather_json(fetched.error, group=ck.group, timeout=ck.config.timeout)
-            if any(o is not None for o in outcomes):
-                for owner, why in enumerate(outcomes):
-                    if why is None:
-                        continue
-                    log.warning("gemini: step %d from %s failed verification on rank %d (%s); deciding again",
-                                decision.step, decision.sources[owner], owner, why)
-                    item = fetched.mine.get(owner)  # set only where this rank holds what failed
-                    if item is not None:
-                        failed[item] = fetched.send_errors.get(owner, why)
+            if _drop_failed(ck, decision, fetched, fetched.error, failed, "failed verification"):
                 continue
             _deliver(ck, decision)
             assert fetched.frame is not None
-            restore_frame(ck, fetched.frame, owned=fetched.owned)
+            why = None
+            try:
+                restore_frame(ck, fetched.frame, owned=fetched.owned)
+            except Exception as exc:  # a frame that verifies but does not fit the live objects (crafted header)
+                log.error("gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc)
+                why = f"{decision.sources[ck.rank]}: restore failed: {_why(exc)}"
+            if _drop_failed(ck, decision, fetched, why, failed, "could not be restored"):
+                continue
             ck.ledger.attempts[decision.step] = ck.ledger.attempts.get(decision.step, 0) + 1
         else:
             _deliver(ck, decision)
@@ -156,18 +232,65 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
                 raise RecoveryError(f"recovery stopped: {decision.reason}")
             if decision.mode == RecoveryMode.DURABLE:
                 assert ck.durable is not None and decision.step is not None
-                ck.durable.load(decision.step, ck.sources)
+                _together(
+                    ck, functools.partial(ck.durable.load, decision.step, ck.sources), f"durable step {decision.step}"
+                )
             elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
-                decision = _with_step(decision, fallback())
+                decision = _with_step(decision, _together(ck, fallback, "the caller's load_fallback"))
         ck.ledger.last_decision = decision.to_dict()
         ck.ledger.save()
         return decision
     raise RecoveryError("recovery stopped: every candidate step failed verification")
 
+
+def _drop_failed(
+    ck: Checkpointer, decision: RecoveryDecision, fetched: _Fetched, why: str | None, failed: dict[Item, str], what: str
+) -> bool:
+    """Gather every rank's failure (``why``, None for success); mark each failed item on the rank that holds it.
+    Returns True when some rank failed (the ranks then decide again). Collective."""
+    outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
+    if all(o is None for o in outcomes):
+        return False
+    for owner, reason in enumerate(outcomes):
+        if reason is None:
+            continue
+        log.warning(
+            "gemini: step %s from %s %s on rank %d (%s); deciding again",
+            decision.step,
+            decision.sources.get(owner),
+            what,
+            owner,
+            reason,
+        )
+        item = fetched.mine.get(owner)  # set only where this rank holds what failed
+        if item is not None:
+            failed[item] = fetched.send_errors.get(owner, str(reason))
+    return True
+
+
+def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
+    """Run ``action`` on every rank and agree on its outcome: if it failed anywhere, every rank raises
+    RecoveryError naming the first rank's reason (a rank never dies alone while its peers go on training).
+    Returns what ``action`` returned."""
+    why, result = None, None
+    try:
+        result = action()
+    except Exception as exc:
+        log.error("gemini: %s failed on rank %d: %s", what, ck.rank, exc)
+        why = _why(exc)
+    outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
+    bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if bad:
+        ck.ledger.save()
+        raise RecoveryError(f"recovery stopped: {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+    return result
+
+
 def _deliver(ck: Checkpointer, decision: RecoveryDecision) -> None:
     log.info("gemini recovery decision: %s", decision.to_dict())
     if ck.on_decision is not None:
         ck.on_decision(decision)
+
 
 @dataclass
 class _Fetched:
@@ -196,27 +319,36 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
     for owner in sorted(peers):
         holder = peers[owner]
         if ck.rank == holder:
-            item: Item = ("memory_held", owner, step) if ("memory_held", owner, step) in where else \
-                ("held", owner, step)
+            item: Item = (
+                ("memory_held", owner, step) if ("memory_held", owner, step) in where else ("held", owner, step)
+            )
             out.mine[owner] = item
             try:
                 frame = where[item] if item[0] == "memory_held" else store.read_frame(where[item])
-            except (IntegrityError, OSError) as exc:
+            except Exception as exc:
                 # Still take part in the transfer (the owner is waiting for it); the empty frame fails its check.
                 out.send_errors[owner] = str(exc)
                 frame = (b"", torch.empty(0, dtype=torch.uint8))
-            comm.exchange(frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
-                          timeout=ck.config.timeout)
+            comm.exchange(
+                frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes, timeout=ck.config.timeout
+            )
         if ck.rank == owner:
             check = VerifyOnArrival()
-            got = comm.exchange(None, None, holder, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
-                                timeout=ck.config.timeout, on_arrival=check)
+            got = comm.exchange(
+                None,
+                None,
+                holder,
+                group=ck.group,
+                chunk_bytes=ck.config.chunk_bytes,
+                timeout=ck.config.timeout,
+                on_arrival=check,
+            )
             try:
                 assert got is not None
                 ck.verify_frame(got, owner=owner, step=step, verified=check.result())
                 out.frame, out.owned = got, True
-            except (IntegrityError, RunMismatchError) as exc:
-                out.error = f"{decision.sources[owner]}: {exc}"
+            except Exception as exc:
+                out.error = f"{decision.sources[owner]}: {_why(exc)}"
     src = decision.sources.get(ck.rank, "")
     if src in ("memory", "local"):
         item = (src, ck.rank, step)
@@ -227,8 +359,8 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
             else:
                 out.frame, out.owned = store.read_frame(where[item]), True
             ck.verify_frame(out.frame, owner=ck.rank, step=step)
-        except (IntegrityError, OSError, RunMismatchError) as exc:
-            out.frame, out.error = None, str(exc)
+        except Exception as exc:
+            out.frame, out.error = None, _why(exc)
     return out
 
 
@@ -244,16 +376,20 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
         # (a module's load hook may keep the tensor it is given).
         # Only a torch optimizer's own state_dict format (an adapter's optimizer, e.g. DeepSpeed's, is cloned).
         saved = state.get("optimizer")
-        if not (isinstance(ck.sources.optimizer, torch.optim.Optimizer) and isinstance(saved, dict)
-                and isinstance(saved.get("state"), dict)):
+        if not (
+            isinstance(ck.sources.optimizer, torch.optim.Optimizer)
+            and isinstance(saved, dict)
+            and isinstance(saved.get("state"), dict)
+        ):
             state = _clone_tensors(state)
         else:
             optimizer_state = saved["state"]
             copied = _copy_into_live_optimizer_state(ck.sources.optimizer, optimizer_state)
             state = _clone_tensors({**state, "optimizer": {**saved, "state": {}}})
-            state["optimizer"]["state"] = {idx: {k: v if (idx, k) in copied else _clone_tensors(v)
-                                                 for k, v in per_param.items()}
-                                           for idx, per_param in optimizer_state.items()}
+            state["optimizer"]["state"] = {
+                idx: {k: v if (idx, k) in copied else _clone_tensors(v) for k, v in per_param.items()}
+                for idx, per_param in optimizer_state.items()
+            }
     training_state.restore(ck.sources, state)
 
 
@@ -270,9 +406,15 @@ def _copy_into_live_optimizer_state(optimizer: torch.optim.Optimizer, saved: dic
             continue
         for key, value in per_param.items():
             live = live_state.get(key)
-            if isinstance(value, torch.Tensor) and type(live) is torch.Tensor and type(value) is torch.Tensor \
-                    and live.shape == value.shape and live.dtype == value.dtype and live.device == value.device \
-                    and live.is_contiguous():
+            if (
+                isinstance(value, torch.Tensor)
+                and type(live) is torch.Tensor
+                and type(value) is torch.Tensor
+                and live.shape == value.shape
+                and live.dtype == value.dtype
+                and live.device == value.device
+                and live.is_contiguous()
+            ):
                 with torch.no_grad():
                     live.copy_(value)
                 per_param[key] = live
@@ -298,6 +440,12 @@ def _clone_tensors(obj: Any) -> Any:
 
 
 def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:
-    return RecoveryDecision(decision.failure_kind, decision.mode, step, decision.checkpoint_id, decision.sources,
-                            decision.topology_digest, decision.reason)
-
+    return RecoveryDecision(
+        decision.failure_kind,
+        decision.mode,
+        step,
+        decision.checkpoint_id,
+        decision.sources,
+        decision.topology_digest,
+        decision.reason,
+    )
