@@ -68,7 +68,8 @@ def build(root: Path) -> Path:
         ledger = TrustLedger(path=paths.status, run_id=RUN, fsync=False)
         ledger.states = {1: TrustState.RECOVERY_VERIFIED, 2: TrustState.CANDIDATE}
         ledger.attempts = {1: 1}
-        assert ledger.save()
+        ledger.save()
+        assert paths.status.exists()
         log = FaultLog(paths.root / FILE_NAME, fsync=False)
         log.append(
             {
