@@ -49,9 +49,8 @@ LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 class Session:
     """The handle returned by :func:`enable_resiliency`. Use as a context manager or call :meth:`close`."""
 
-    def __init__(
-        self, *, sources: StateSources, interval: int, checkpointer: Checkpointer | None, rank: int, world_size: int
-    ) -> None:
+    def __init__(self, *, sources: StateSources, interval: int, checkpointer: Checkpointer | None,
+                 rank: int, world_size: int) -> None:
         self.sources, self.interval, self.checkpointer = sources, interval, checkpointer
         self.rank, self.world_size = rank, world_size
         self.watch: Watch | None = None
@@ -66,11 +65,8 @@ class Session:
         self.quarantine: set[str] = set()
         """Recipes that disagreed and have not passed clean since: no capture while any is listed."""
         self.reports: list[FaultReport] = []
-        self.fault_log = (
-            FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync)
-            if checkpointer is not None
-            else None
-        )
+        self.fault_log = FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync) \
+            if checkpointer is not None else None
         """Where every report is also kept on disk (the rank's checkpoint folder), for ``gemscout inspect``."""
         if checkpointer is not None:  # a full or read-only disk under the trust ledger is reported, never raised
             checkpointer.ledger.report_to(self._ledger_unwritable)
@@ -130,15 +126,9 @@ class Session:
             if not cycle.clean and not self.capture_on_inconclusive:
                 return
         if self._a2a_mismatch_step == self.step:
-            self._reject_and_decide(
-                "alltoall",
-                f"AllToAll replay mismatch at step {self.step}: "
-                + "; ".join(
-                    r.reason
-                    for r in self.alltoall.last_results  # type: ignore[union-attr]
-                    if r.verdict == "mismatch"
-                ),
-            )
+            self._reject_and_decide("alltoall", f"AllToAll replay mismatch at step {self.step}: "
+                                    + "; ".join(r.reason for r in self.alltoall.last_results  # type: ignore[union-attr]
+                                                if r.verdict == "mismatch"))
             return  # what crossed a faulty AllToAll at this step is never captured
         if self.quarantine:
             # The faulty recipe has not passed clean since it disagreed: the fault may still be there, so what this
@@ -159,11 +149,9 @@ class Session:
     def _on_sdc(self, cycle: CycleResult) -> None:
         """Reject every uncertified candidate job-wide and name the newest recovery-verified step."""
         culprits = sorted(cycle.attributed_ranks)
-        reason = f"silent data corruption at step {cycle.step}: " + (
-            f"rank(s) {culprits} disagree with the peer majority"
-            if culprits
-            else "peers disagree and no majority names a culprit"
-        )
+        reason = (f"silent data corruption at step {cycle.step}: "
+                  + (f"rank(s) {culprits} disagree with the peer majority" if culprits
+                     else "peers disagree and no majority names a culprit"))
         self._reject_and_decide("sdc", reason)
 
     def _reject_and_decide(self, kind: str, reason: str) -> None:
@@ -176,15 +164,11 @@ class Session:
         verified = [s for s, st in ledger.states.items() if st.rank >= TrustState.RECOVERY_VERIFIED.rank]
         step = max(verified) if verified else None
         decision = RecoveryDecision(
-            kind,
-            RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP,
-            step,
-            f"{self.checkpointer.run_id}:{step}" if step is not None else None,
-            {},
+            kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+            f"{self.checkpointer.run_id}:{step}" if step is not None else None, {},
             self.checkpointer.topology_digest,
             f"{reason}; rejected candidates {rejected}; restore the newest recovery-verified step"
-            + ("" if step is not None else " (none exists yet)"),
-        )
+            + ("" if step is not None else " (none exists yet)"))
         ledger.last_decision = decision.to_dict()
         ledger.save()
         self.last_decision = decision
@@ -243,9 +227,8 @@ class Session:
         same config, after ``enable_resiliency`` and before its first step. Returns the check (its
         ``last_results`` hold the newest due step's verdicts)."""
         if not modules:
-            raise ConfigError(
-                "check_alltoall: pass the module(s) whose forward issues the AllToAlls (e.g. each MoE layer)"
-            )
+            raise ConfigError("check_alltoall: pass the module(s) whose forward issues the AllToAlls (e.g. each MoE "
+                              "layer)")
         if self.alltoall is not None:
             raise ConfigError("check_alltoall: already enabled on this session; pass every module in one call")
         check = AllToAllCheck(config, on_report=self._report)
@@ -279,16 +262,8 @@ class Session:
                 log.warning("gemscout: on_fault_report raised: %s", exc)
 
     def _ledger_unwritable(self, reason: str, evidence: dict[str, Any]) -> None:
-        self._report(
-            FaultReport(
-                kind=FaultKind.HEALTH,
-                scope=Scope.RANK,
-                ranks=(self.rank,),
-                step=self.step,
-                reason=reason,
-                evidence=evidence,
-            )
-        )
+        self._report(FaultReport(kind=FaultKind.HEALTH, scope=Scope.RANK, ranks=(self.rank,), step=self.step,
+                                 reason=reason, evidence=evidence))
 
     def _on_stall(self, report: FaultReport, finding: Any) -> None:
         self._report(report)
@@ -298,14 +273,10 @@ class Session:
             steps = [s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank]
             step = max(steps) if steps else None
             decision = RecoveryDecision(
-                report.kind,
-                RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP,
-                step,
-                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None,
-                {},
+                report.kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
+                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None, {},
                 self.checkpointer.topology_digest if self.checkpointer else "",
-                f"{report.reason}; restart every rank from the newest {floor.value} step",
-            )
+                f"{report.reason}; restart every rank from the newest {floor.value} step")
             try:
                 self.on_recovery_decision(decision)
             except Exception as exc:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from gemscout.errors import IntegrityError
 from gemscout.files import is_int, load_json, open_regular
-from gemscout.state import training_state
+from gemscout.state import integrity, training_state
 from gemscout.state.codec import decode
 from gemscout.state.layout import check_skeleton
 
@@ -116,6 +116,26 @@ def check_sidecar(doc: Any, step: int) -> dict[str, Any]:
     return doc
 
 
+def _check_mac(sidecar: dict[str, Any], step: int) -> None:
+    """With the job's integrity key, the sidecar must carry a valid MAC (see :mod:`gemscout.state.integrity`)."""
+    from gemscout.gemini.durable_sharded import sidecar_canonical
+
+    key = integrity.current_key()
+    mac = sidecar.get("mac")
+    if key is None:
+        if mac is not None:
+            raise IntegrityError(
+                f"durable step {step}: the promotion is authenticated with an integrity key this "
+                f"process does not have; set {integrity.ENV_KEY_FILE} or {integrity.ENV_KEY}"
+            )
+        return
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, integrity.sidecar_mac(sidecar_canonical(sidecar), key)):
+        raise IntegrityError(
+            f"durable step {step}: sidecar MAC missing or wrong: not written with this job's "
+            "integrity key (forged or another job)"
+        )
+
+
 class DurableTier:
     """Promotions under ``directory`` (shared by every rank)."""
 
@@ -139,6 +159,7 @@ class DurableTier:
             present = {p.name for p in folder.iterdir() if p.name != SIDECAR}
         except (OSError, IntegrityError) as exc:
             raise IntegrityError(f"durable step {step}: sidecar missing or unreadable ({exc})") from None
+        _check_mac(sidecar, step)
         if present != set(files):
             raise IntegrityError(f"durable step {step}: files {sorted(present ^ set(files))} differ from the sidecar")
         for name, meta in files.items():

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.store import _fsync_dir, atomic_writer
-from gemscout.state import training_state
+from gemscout.state import integrity, training_state
 from gemscout.state.codec import _is_dtensor, decode
 from gemscout.state.layout import Parsed
 
@@ -322,12 +322,21 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
         "ranks": ranks,
         "files": files,
     }
+    key = integrity.current_key()
+    if key is not None:  # authenticated: the sidecar names every file's SHA-256, so its MAC covers the promotion
+        doc["mac"] = integrity.sidecar_mac(sidecar_canonical(doc), key)
     # Not sorted: a skeleton's dict order is the caller's (format 2 sorted it, so caller dicts came back reordered).
     with atomic_writer(tmp / SIDECAR, fsync=tier.fsync) as fh:
         fh.write(json.dumps(doc, indent=1).encode())
     tmp.rename(final)
     if tier.fsync:
         _fsync_dir(tier.directory)
+
+
+def sidecar_canonical(doc: dict[str, Any]) -> bytes:
+    """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
+    return json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=True).encode()
 
 
 def load(

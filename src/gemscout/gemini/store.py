@@ -197,9 +197,8 @@ class Spares:
             return len(self._by_folder)
 
 
-def write_checkpoint(
-    path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True, spares: Spares | None = None
-) -> None:
+def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True,
+                     spares: Spares | None = None) -> None:
     """Publish ``prefix + data`` atomically at ``path``: written with ``pwrite`` straight from ``data``'s memory
     into a temp file (the folder's spare from ``spares`` when it has one, overwritten in place and cut to size),
     fsynced, renamed over ``path``, the folder fsynced. On any error the temp file is deleted."""
@@ -242,9 +241,8 @@ def _pwrite_all(fd: int, buf: bytes | memoryview, offset: int) -> int:
     return offset + done
 
 
-def prune_safe(
-    folder: Path, frontier: int, keep: int, protect: Iterable[int] = (), *, spares: Spares | None = None
-) -> None:
+def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = (), *,
+               spares: Spares | None = None) -> None:
     """Keep every step newer than ``frontier``, the ``keep`` newest steps at or below it and every step in
     ``protect``; delete the rest (or hand them to ``spares``)."""
     kept = set(protect)

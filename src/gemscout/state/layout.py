@@ -22,9 +22,12 @@ import torch
 
 from gemscout.errors import IntegrityError
 from gemscout.files import parse_json
+from gemscout.state import integrity
 from gemscout.state.digest import DIGEST_SIZE, digest_bytes, digests_equal
 
 MAGIC = b"GEMSCK01"
+MAGIC_KEYED = b"GEMSCKK1"
+"""The magic of a frame whose header digest is keyed (see :mod:`gemscout.state.integrity`)."""
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")
 
@@ -122,8 +125,12 @@ def build_header(layout: Layout, digests: list[str], skeleton: Any, identity: di
 
 
 def frame_prefix(header: bytes) -> bytes:
-    """Everything that precedes the data region: magic, header length, header, header digest, padding."""
-    head = _PREFIX.pack(MAGIC, len(header)) + header + bytes.fromhex(digest_bytes(header))
+    """Everything that precedes the data region: magic, header length, header, header digest, padding. With the
+    job's integrity key (:mod:`gemscout.state.integrity`) the digest is a keyed BLAKE3 MAC and the magic
+    :data:`MAGIC_KEYED`."""
+    key = integrity.current_key()
+    mac = digest_bytes(header) if key is None else integrity.keyed_digest(header, key)
+    head = _PREFIX.pack(MAGIC if key is None else MAGIC_KEYED, len(header)) + header + bytes.fromhex(mac)
     return head + b"\0" * (align(len(head)) - len(head))
 
 
@@ -154,8 +161,19 @@ def parse_prefix(buf: memoryview | bytes) -> Parsed:
     if len(buf) < _PREFIX.size:
         raise IntegrityError("checkpoint is truncated before its header")
     magic, hlen = _PREFIX.unpack_from(buf, 0)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_KEYED):
         raise IntegrityError("not a gemscout checkpoint (bad magic)")
+    key = integrity.current_key()
+    if key is not None and magic != MAGIC_KEYED:
+        raise IntegrityError(
+            "checkpoint is not authenticated, but this job has an integrity key: refused (written "
+            "by a job without the key, or forged)"
+        )
+    if key is None and magic == MAGIC_KEYED:
+        raise IntegrityError(
+            f"checkpoint is authenticated with an integrity key this process does not have; set "
+            f"{integrity.ENV_KEY_FILE} or {integrity.ENV_KEY} (or CheckpointConfig.integrity_key)"
+        )
     if hlen > MAX_HEADER_BYTES:
         raise IntegrityError(f"header length {hlen} is over the {MAX_HEADER_BYTES}-byte cap")
     end = _PREFIX.size + hlen
@@ -163,8 +181,12 @@ def parse_prefix(buf: memoryview | bytes) -> Parsed:
         raise IntegrityError("checkpoint is truncated inside its header")
     header = bytes(buf[_PREFIX.size : end])
     stored = bytes(buf[end : end + DIGEST_SIZE]).hex()
-    if not digests_equal(stored, digest_bytes(header)):
-        raise IntegrityError("header digest mismatch")
+    if not digests_equal(stored, digest_bytes(header) if key is None else integrity.keyed_digest(header, key)):
+        raise IntegrityError(
+            "header digest mismatch"
+            if key is None
+            else "header MAC mismatch: not written with this job's integrity key (forged or another job)"
+        )
     doc = parse_json(header, "checkpoint header", max_depth=MAX_SKELETON_DEPTH + 4, allow_nan=True)
     layout, digests = check_header(doc)
     return Parsed(doc["identity"], doc["skeleton"], layout, digests, align(end + DIGEST_SIZE))
