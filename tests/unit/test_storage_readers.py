@@ -138,3 +138,16 @@ def test_deep_or_huge_json_is_refused_without_recursion_error(tmp_path: Path) ->
     ):
         (tmp_path / "status.json").write_text(json.dumps(doc))
         assert TrustLedger.load(tmp_path / "status.json").load_problem is not None, doc
+
+
+@pytest.mark.timeout(30)
+def test_an_unsendable_gather_part_is_an_error_on_every_rank_not_a_dead_rank(one_rank: None) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gemscout.gemini import comm
+
+    assert comm.gather_json({"a": [1]}, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [{"a": [1]}]
+    with pytest.raises(IntegrityError, match="rank 0 could not send its part"):
+        comm.gather_json({"a": {1, 2}}, group=dist.group.WORLD, timeout=timedelta(seconds=10))
