@@ -8,7 +8,9 @@ both ranks in under 10 s. Rank 1's folder is poisoned with: a ``replicas/owner-x
 or a dtype is a list; then ``own/`` as a file; then a header forged with recomputed
 digests and another shape, which verifies and then fails to load. The last case is an unexpected error inside
 propose() on rank 1 (the one mock here: every real input is now refused per source, so a bug is simulated by
-making the ledger's summary raise RecursionError): every rank stops with a RecoveryError naming it."""
+making the ledger's summary raise RecursionError): every rank stops with a RecoveryError naming it. The job runs
+with an integrity key, so the keyed path (files, replicas over the wire, peer transfers) is exercised end to end;
+the forgeries here are made inside the job, with its key, so they test the structural checks, not the MAC."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
-    directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10))
+    directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10,
+    integrity_key="5e" * 32))
 ck = s.checkpointer
 def digest():
     h = hashlib.sha256()
@@ -46,6 +49,7 @@ for i in range(1, 4):
     model(torch.randn(4, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
     ck.drain(); at[i] = digest()
 own = ck.paths.own
+assert store.step_file(own, 3).read_bytes()[:8] == b"GEMSCKK1"  # keyed: every frame, file and replica, has a MAC
 def lose_memory():
     if rank == 1:
         for slot in ck.pool.ready_slots():
