@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout.errors import ConfigError, RunMismatchError
+from gemscout.files import recorded_run_id
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
@@ -80,12 +81,7 @@ def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout:
         return explicit, True
     from gemscout.gemini import comm
 
-    marker = config.directory / "run.json"
-    recorded = ""
-    try:
-        recorded = json.loads(marker.read_text()).get("run_id", "")
-    except (OSError, ValueError):
-        pass
+    recorded = recorded_run_id(config.directory)  # never hangs or raises: a bad run.json reads as none
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
     mine = recorded or (elastic if elastic not in ("", "none") else "") or uuid.uuid4().hex
     chosen = comm.gather_json(mine, group=group, timeout=timeout)
@@ -300,10 +296,7 @@ def _warn_ddp_bucket_rebuild(model: nn.Module, world: int) -> None:
 def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:
     if not explicit:
         return
-    try:
-        recorded = json.loads((directory / "run.json").read_text()).get("run_id")
-    except (OSError, ValueError):
-        return
+    recorded = recorded_run_id(directory)
     if recorded and recorded != run_id:
         raise RunMismatchError(
             f"{directory} holds checkpoints of run {recorded!r}, not {run_id!r}; resume with run_id={recorded!r} "

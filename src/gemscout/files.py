@@ -108,3 +108,14 @@ def load_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = M
 def is_int(value: Any, *, minimum: int = 0) -> bool:
     """A JSON integer (not a bool) of at least ``minimum``."""
     return type(value) is int and value >= minimum
+
+
+def recorded_run_id(directory: Path) -> str:
+    """The run id ``directory/run.json`` records, or "" when it is missing or not a small, regular JSON file holding
+    ``{"run_id": "<str>"}`` (a FIFO, a link, a deep or malformed document: never a hang or a RecursionError)."""
+    try:
+        doc = load_json(Path(directory) / "run.json", max_bytes=1 << 20)
+    except (OSError, IntegrityError):
+        return ""
+    run_id = doc.get("run_id") if isinstance(doc, dict) else None
+    return run_id if isinstance(run_id, str) else ""

@@ -22,7 +22,7 @@ from typing import Any
 from gemscout import faultlog
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, IntegrityError
-from gemscout.files import load_json
+from gemscout.files import recorded_run_id
 from gemscout.gemini import store
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
@@ -166,11 +166,7 @@ def inventory(
             f"gemscout inspect: {directory} holds no GEMINI checkpoint (no run.json, no node-*/rank-* "
             "folders); give the CheckpointConfig.directory of the job"
         )
-    try:
-        doc = load_json(marker, max_bytes=1 << 20) if marker.exists() else {}
-        run_id = doc["run_id"] if isinstance(doc, dict) and isinstance(doc.get("run_id"), str) else ""
-    except (OSError, IntegrityError):
-        run_id = ""
+    run_id = recorded_run_id(directory)
     owners = {o for _, d in ranks_found.values() for o in _owners(store.RankPaths(d), [])}
     world = world_size or max([*ranks_found, *owners, -1]) + 1
     entries: list[RankEntry] = []

@@ -151,3 +151,18 @@ def test_an_unsendable_gather_part_is_an_error_on_every_rank_not_a_dead_rank(one
     assert comm.gather_json({"a": [1]}, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [{"a": [1]}]
     with pytest.raises(IntegrityError, match="rank 0 could not send its part"):
         comm.gather_json({"a": {1, 2}}, group=dist.group.WORLD, timeout=timedelta(seconds=10))
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_run_json_reads_as_no_recorded_run_never_a_hang(tmp_path: Path) -> None:
+    from gemscout.files import recorded_run_id
+
+    marker = tmp_path / "run.json"
+    marker.write_text('{"run_id": "job-1"}')
+    assert recorded_run_id(tmp_path) == "job-1"
+    for text in ("[1]", '{"run_id": 5}', "[" * 100_000 + "]" * 100_000, "{"):
+        marker.write_text(text)
+        assert recorded_run_id(tmp_path) == ""
+    marker.unlink()
+    os.mkfifo(marker)  # read_text() would block here until a writer came
+    assert recorded_run_id(tmp_path) == ""
