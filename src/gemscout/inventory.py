@@ -278,7 +278,7 @@ def _proposal(entry: RankEntry) -> dict[str, Any]:
 
 
 def _describe(f: FileEntry) -> str:
-    """Recovery's own words for the file (see :func:`gemscout.gemini.restore.propose`)."""
+    """Recovery's own words for the file (see :func:`gemscout.gemini.proposal.propose`)."""
     return f"own step {f.step}" if f.kind == "own" else f"replica of rank {f.owner} step {f.step}"
 
 

@@ -335,8 +335,9 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
 
 def sidecar_canonical(doc: dict[str, Any]) -> bytes:
     """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
-    return json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True, separators=(",", ":"),
-                      allow_nan=True).encode()
+    return json.dumps(
+        {k: v for k, v in doc.items() if k != "mac"}, sort_keys=True, separators=(",", ":"), allow_nan=True
+    ).encode()
 
 
 def load(

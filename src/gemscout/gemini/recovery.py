@@ -71,7 +71,7 @@ def decide(
     has_fallback: bool = False,
     durable_refused: Sequence[str] = (),
 ) -> RecoveryDecision:
-    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.restore.propose`).
+    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.proposal.propose`).
 
     ``durable_refused``: why each durable promotion newer than ``durable_step`` was refused. Like an unusable local
     file, a refused promotion is history: with nothing else left the job stops instead of starting fresh."""

@@ -10,16 +10,16 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gemscout.config import TrustState
-from gemscout.errors import GemscoutError, IntegrityError, RecoveryError
+from gemscout.errors import RecoveryError
 from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
+from gemscout.gemini.proposal import Item, propose, reason_of
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
 from gemscout.state import training_state
 from gemscout.state.codec import LocalShard, decode
@@ -31,140 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gemscout.gemini")
 
 Frame = tuple[bytes, torch.Tensor]
-
-
-Item = tuple[str, int, int]
-"""(kind, owner, step): kind is "memory" / "local" (the owner's own slot / file) or "memory_held" / "held" (a
-replica this rank holds for ``owner``, in memory / on disk)."""
-
-
-def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[dict[str, Any], dict[Item, Any]]:
-    """What this rank can load, and where each item lives (for the transfers). Total: never raises.
-
-    Memory is listed first and, for a step it holds, the disk is not consulted. Files on disk are inventoried by
-    their headers alone (identity, header digest and structure, size): reading and hashing whole generations here,
-    before the group has even chosen a step, cost more than the restore itself. The tensor digests of whatever is
-    chosen are checked when it is loaded (:func:`_fetch`), before anything is restored; an item that fails there is
-    listed in ``failed`` (with why) and never proposed again, and the ranks decide again.
-
-    Any failure reading one source (a folder that is a file, a FIFO, a malformed header, ...) makes that source
-    unusable, listed with why; a failure outside any one source makes the whole proposal say ``cannot`` with the
-    reason, so that this rank still joins the gather and every rank decides STOP naming it, instead of this rank
-    dying while its peers wait for the collective timeout.
-    """
-    try:
-        return _propose(ck, failed or {})
-    except Exception as exc:
-        log.error("gemini: rank %d cannot propose a recovery: %s", ck.rank, exc, exc_info=True)
-        return {
-            "rank": ck.rank,
-            "memory": [],
-            "own": [],
-            "held": {},
-            "memory_held": {},
-            "unusable": [],
-            "durable": None,
-            "durable_refused": [],
-            "rejected": [],
-            "trust": {},
-            "attempts": {},
-            "cannot": f"rank {ck.rank} cannot propose: {type(exc).__name__}: {exc}",
-        }, {}
-
-
-def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any], dict[Item, Any]]:
-    where: dict[Item, Any] = {}
-    unusable = [f"rank {ck.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())]
-    memory = []
-    for slot in ck.pool.ready_slots():
-        if ("memory", ck.rank, slot.step) not in failed:
-            memory.append(slot.step)
-            where[("memory", ck.rank, slot.step)] = slot.frame()
-    own = []
-    for step in _steps_in(ck.paths.own, f"rank {ck.rank} own folder", unusable):
-        if step in memory or ("local", ck.rank, step) in failed:
-            continue  # memory is preferred for this step: reading the file would be wasted time
-        path = store.step_file(ck.paths.own, step)
-        try:
-            parsed = store.read_header(path)
-            ck.check_identity(parsed.identity, where=str(path))
-            if parsed.identity.get("owner") != ck.rank or parsed.identity.get("step") != step:
-                raise IntegrityError(f"identity {parsed.identity} is not rank {ck.rank}'s step {step}")
-        except Exception as exc:  # any failure: this file is unusable, the others are still proposed
-            log.warning("gemini: %s is unusable: %s", path, exc)
-            unusable.append(f"rank {ck.rank} own step {step}: {_why(exc)}")
-            continue
-        own.append(step)
-        where[("local", ck.rank, step)] = path
-    memory_held: dict[str, list[int]] = {}
-    for o, b in ck.replicas.items():
-        for s, prefix, data in b.entries:
-            if ("memory_held", o, s) not in failed:
-                memory_held.setdefault(str(o), []).append(s)
-                where[("memory_held", o, s)] = (prefix, data)
-    held: dict[str, list[int]] = {}
-    try:
-        owners = ck.paths.held_owners()
-    except OSError as exc:
-        unusable.append(f"rank {ck.rank} replicas folder: {_why(exc)}")
-        owners = []
-    for o in owners:
-        for step in _steps_in(ck.paths.replicas(o), f"rank {ck.rank} replicas of rank {o}", unusable):
-            if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
-                continue  # the replica in memory is preferred
-            path = store.step_file(ck.paths.replicas(o), step)
-            try:
-                parsed = store.read_header(path)
-                ck.check_identity(parsed.identity, where=str(path))
-                if parsed.identity.get("owner") != o or parsed.identity.get("step") != step:
-                    raise IntegrityError(f"identity {parsed.identity} is not rank {o}'s step {step}")
-            except Exception as exc:
-                log.warning("gemini: replica %s is unusable: %s", path, exc)
-                unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {_why(exc)}")
-                continue
-            held.setdefault(str(o), []).append(step)
-            where[("held", o, step)] = path
-    try:
-        durable = ck.durable.scan() if ck.durable else []
-    except Exception as exc:  # an unreadable durable folder: refused, like a promotion that does not verify
-        durable = [(-1, f"durable tier unreadable on rank {ck.rank}: {_why(exc)}")]
-    proposal = {
-        "rank": ck.rank,
-        "memory": memory,
-        "own": own,
-        "held": held,
-        "memory_held": memory_held,
-        "unusable": unusable,
-        "durable": next((s for s, why in durable if why is None), None),
-        "durable_refused": [why for _, why in durable if why is not None],
-    }
-    proposal.update(ck.ledger.summary())
-    return proposal, where
-
-
-def _steps_in(folder: Path, what: str, unusable: list[str]) -> list[int]:
-    """The steps in ``folder``; a folder that cannot be listed (a file, no permission) is noted as unusable."""
-    try:
-        return store.list_steps(folder)
-    except OSError as exc:
-        unusable.append(f"{what}: {_why(exc)}")
-        return []
-
-
-def _why(exc: BaseException) -> str:
-    """One line: the error's message, with its type where the message alone would not say what happened."""
-    text = str(exc).splitlines()[0][:500] if str(exc) else ""
-    return text if isinstance(exc, GemscoutError) and text else f"{type(exc).__name__}: {text}"
-
-
-def _describe(item: Item) -> str:
-    kind, owner, step = item
-    return {
-        "memory": f"memory step {step}",
-        "local": f"own step {step}",
-        "memory_held": f"in-memory replica of rank {owner} step {step}",
-        "held": f"replica of rank {owner} step {step}",
-    }[kind]
 
 
 _MAX_ROUNDS = 64
@@ -220,7 +86,7 @@ def recover(
                 restore_frame(ck, fetched.frame, owned=fetched.owned)
             except Exception as exc:  # a frame that verifies but does not fit the live objects (crafted header)
                 log.error("gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc)
-                why = f"{decision.sources[ck.rank]}: restore failed: {_why(exc)}"
+                why = f"{decision.sources[ck.rank]}: restore failed: {reason_of(exc)}"
             if _drop_failed(ck, decision, fetched, why, failed, "could not be restored"):
                 continue
             ck.ledger.attempts[decision.step] = ck.ledger.attempts.get(decision.step, 0) + 1
@@ -277,7 +143,7 @@ def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
         result = action()
     except Exception as exc:
         log.error("gemini: %s failed on rank %d: %s", what, ck.rank, exc)
-        why = _why(exc)
+        why = reason_of(exc)
     outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
     bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
     if bad:
@@ -348,7 +214,7 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 ck.verify_frame(got, owner=owner, step=step, verified=check.result())
                 out.frame, out.owned = got, True
             except Exception as exc:
-                out.error = f"{decision.sources[owner]}: {_why(exc)}"
+                out.error = f"{decision.sources[owner]}: {reason_of(exc)}"
     src = decision.sources.get(ck.rank, "")
     if src in ("memory", "local"):
         item = (src, ck.rank, step)
@@ -360,7 +226,7 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 out.frame, out.owned = store.read_frame(where[item]), True
             ck.verify_frame(out.frame, owner=ck.rank, step=step)
         except Exception as exc:
-            out.frame, out.error = None, _why(exc)
+            out.frame, out.error = None, reason_of(exc)
     return out
 
 
