@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gemscout.config import TrustState
-from gemscout.errors import RecoveryError
+from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.proposal import Item, propose, reason_of
@@ -135,20 +135,26 @@ def _drop_failed(
 
 
 def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
-    """Run ``action`` on every rank and agree on its outcome: if it failed anywhere, every rank raises
-    RecoveryError naming the first rank's reason (a rank never dies alone while its peers go on training).
+    """Run ``action`` on every rank and agree on its outcome: if it failed anywhere, every rank raises the same error
+    naming the first failed rank's reason (a rank never dies alone while its peers go on training) — a
+    RunMismatchError or ConfigError as itself (the job was started wrong, exit 2), anything else as RecoveryError.
     Returns what ``action`` returned."""
-    why, result = None, None
+    failure, result = None, None
     try:
         result = action()
     except Exception as exc:
         log.error("gemini: %s failed on rank %d: %s", what, ck.rank, exc)
-        why = reason_of(exc)
-    outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
+        failure = {"kind": type(exc).__name__, "why": reason_of(exc)}
+    outcomes = comm.gather_json(failure, group=ck.group, timeout=ck.config.timeout)
     bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
     if bad:
         ck.ledger.save()
-        raise RecoveryError(f"recovery stopped: {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+        rank, first = bad[0]
+        kinds = {"RunMismatchError": RunMismatchError, "ConfigError": ConfigError}
+        cls = kinds.get(first["kind"], RecoveryError)
+        if cls is RecoveryError:
+            raise RecoveryError(f"recovery stopped: {what} failed on rank {rank}: {first['why']}")
+        raise cls(f"{what} refused on rank {rank}: {first['why']}")
     return result
 
 
