@@ -25,6 +25,7 @@ from torch import nn
 
 from gemscout import _teardown, elastic
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
+from gemscout.files import recorded_run_id
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
@@ -59,9 +60,11 @@ def _scout_cadence(asked: int | None, interval: int) -> int:
     if asked is None:
         return interval * -(-DEFAULT_MIN_CADENCE // interval)
     if asked % interval:
-        raise ConfigError(f"ScoutConfig.interval={asked} is not a multiple of enable_resiliency(interval={interval}); "
-                          f"SCOUT replays at capture steps: use a multiple such as {interval * max(1, asked // interval)}, "
-                          "or None for the default")
+        raise ConfigError(
+            f"ScoutConfig.interval={asked} is not a multiple of enable_resiliency(interval={interval}); "
+            f"SCOUT replays at capture steps: use a multiple such as {interval * max(1, asked // interval)}, "
+            "or None for the default"
+        )
     return asked
 
 
@@ -72,12 +75,7 @@ def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout:
         return explicit, True
     from gemscout.gemini import comm
 
-    marker = config.directory / "run.json"
-    recorded = ""
-    try:
-        recorded = json.loads(marker.read_text()).get("run_id", "")
-    except (OSError, ValueError):
-        pass
+    recorded = recorded_run_id(config.directory)  # never hangs or raises: a bad run.json reads as none
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
     mine = recorded or (elastic if elastic not in ("", "none") else "") or uuid.uuid4().hex
     chosen = comm.gather_json(mine, group=group, timeout=timeout)
@@ -98,8 +96,9 @@ def _record_run(directory: Path, run_id: str, *, fsync: bool) -> None:
         log.warning("gemscout: cannot record the run id in %s: %s", marker, exc)
 
 
-def _topology_digest(model: nn.Module, world_size: int, placement: Placement, group: dist.ProcessGroup,
-                     timeout: timedelta) -> str:
+def _topology_digest(
+    model: nn.Module, world_size: int, placement: Placement, group: dist.ProcessGroup, timeout: timedelta
+) -> str:
     """A digest of the job's shape: world, nodes and every rank's state names and shapes. Collective over ``group``.
 
     Every rank's, not this rank's own: pipeline stages hold different modules, and a rank checks the replicas it
@@ -107,11 +106,16 @@ def _topology_digest(model: nn.Module, world_size: int, placement: Placement, gr
     from gemscout.gemini import comm
 
     # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
-    shapes = [[n, list(p.shape), str(p.dtype)] if isinstance(p, torch.Tensor) else [n, None, type(p).__name__]
-              for n, p in _unwrap(model).state_dict().items()]
+    shapes = [
+        [n, list(p.shape), str(p.dtype)] if isinstance(p, torch.Tensor) else [n, None, type(p).__name__]
+        for n, p in _unwrap(model).state_dict().items()
+    ]
     every = comm.gather_json(shapes, group=group, timeout=timeout)
-    doc = {"world_size": world_size, "ranks_per_node": placement.ranks_per_node,
-           "model": shapes if all(s == shapes for s in every) else every}
+    doc = {
+        "world_size": world_size,
+        "ranks_per_node": placement.ranks_per_node,
+        "model": shapes if all(s == shapes for s in every) else every,
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -180,11 +184,21 @@ def enable_resiliency(
 
     # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
     # counters as extra state; plain PyTorch passes through; the type checks of model and optimizer live there.
-    target = resolve(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-                     schedulers=schedulers, scout=scout, group=group)
+    target = resolve(
+        model,
+        optimizer,
+        extra_state_fn=extra_state_fn,
+        load_extra_state_fn=load_extra_state_fn,
+        schedulers=schedulers,
+        scout=scout,
+        group=group,
+    )
     model, optimizer, scout = target.model, target.optimizer, target.scout
-    extra_state_fn, load_extra_state_fn, schedulers = (target.extra_state_fn, target.load_extra_state_fn,
-                                                       target.schedulers)
+    extra_state_fn, load_extra_state_fn, schedulers = (
+        target.extra_state_fn,
+        target.load_extra_state_fn,
+        target.schedulers,
+    )
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("enable_resiliency: call torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -196,8 +210,14 @@ def enable_resiliency(
     if buckets is not None:
         extra_state_fn, load_extra_state_fn = buckets.wrap_state(extra_state_fn, load_extra_state_fn)
     # DeepSpeed ZeRO: each rank's partition is its own, so the durable tier promotes collectively (every rank's).
-    sources = StateSources(model, optimizer, extra_state_fn, load_extra_state_fn, tuple(schedulers),
-                           rank_local=target.framework.value == "deepspeed")
+    sources = StateSources(
+        model,
+        optimizer,
+        extra_state_fn,
+        load_extra_state_fn,
+        tuple(schedulers),
+        rank_local=target.framework.value == "deepspeed",
+    )
     checkpointer = None
     if checkpoint is not None:
         timeout = checkpoint.timeout
@@ -205,14 +225,22 @@ def enable_resiliency(
         elastic.check_stop(checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID"))
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
         rpn = checkpoint.ranks_per_node or int(
-            os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
+            os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world
+        )  # torchrun / deepspeed
         placement = Placement(world, rpn, checkpoint.replication_jump)
         run_id, explicit = _resolve_run_id(checkpoint, rep_group, timeout)
         _check_recorded_run(checkpoint.directory, run_id, explicit)
         _record_run(checkpoint.directory, run_id, fsync=checkpoint.fsync)
-        checkpointer = Checkpointer(sources, checkpoint, group=rep_group, rank=rank, placement=placement,
-                                    run_id=run_id, topology_digest=_topology_digest(model, world, placement, rep_group, timeout),
-                                    on_decision=on_recovery_decision)
+        checkpointer = Checkpointer(
+            sources,
+            checkpoint,
+            group=rep_group,
+            rank=rank,
+            placement=placement,
+            run_id=run_id,
+            topology_digest=_topology_digest(model, world, placement, rep_group, timeout),
+            on_decision=on_recovery_decision,
+        )
     if watch is not None and not isinstance(watch, WatchConfig):
         raise ConfigError("enable_resiliency.watch: pass a gemscout.WatchConfig(...)")
     session = Session(sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world)
@@ -222,8 +250,9 @@ def enable_resiliency(
         try:
             decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
         except RecoveryError as exc:
-            raise elastic.record_stop(checkpointer.config.directory, exc, checkpointer.run_id,
-                                      fsync=checkpointer.config.fsync) from None
+            raise elastic.record_stop(
+                checkpointer.config.directory, exc, checkpointer.run_id, fsync=checkpointer.config.fsync
+            ) from None
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
             session.step = session.resume_step = decision.step
@@ -235,22 +264,30 @@ def enable_resiliency(
             checkpointer.drain()
             checkpointer.certify(0)
         if buckets is not None:
-            buckets.start(restored=decision.mode in (RecoveryMode.RESTORE, RecoveryMode.DURABLE),
-                          group=checkpointer.group, timeout=checkpointer.config.timeout)
+            buckets.start(
+                restored=decision.mode in (RecoveryMode.RESTORE, RecoveryMode.DURABLE),
+                group=checkpointer.group,
+                timeout=checkpointer.config.timeout,
+            )
         if checkpoint is not None and checkpoint.handle_signals:
             session._install_signals()
     if scout is not None:
         scout_cls = target.scout_factory or Scout
         session.scout = scout_cls(scout).attach(
-            model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1)
+            model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1
+        )
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
             session.comm_probe = CommProbe(scout.comm_probe, ranks=ranks)
     from torch.nn.parallel import DistributedDataParallel
 
     job_timer = None
-    if session.scout is not None and scout is not None and scout.job_collectives \
-            and (isinstance(model, DistributedDataParallel) or fsdp_modules(model)):
+    if (
+        session.scout is not None
+        and scout is not None
+        and scout.job_collectives
+        and (isinstance(model, DistributedDataParallel) or fsdp_modules(model))
+    ):
         try:
             job_timer = session.scout.time_job_collectives(model)
         except ConfigError as exc:  # a caller's own DDP comm hook wins (DDP takes one); FSDP2 per-param meshes
@@ -272,24 +309,36 @@ def enable_resiliency(
     return session
 
 
-def _start_health(session: Session, rank: int, config: HealthMonitorConfig | None,
-                  sources: Sequence[HealthSource] | None) -> HealthMonitor:
+def _start_health(
+    session: Session, rank: int, config: HealthMonitorConfig | None, sources: Sequence[HealthSource] | None
+) -> HealthMonitor:
     if not sources:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("enable_resiliency.health: no health source given and no GPU for NVML; pass "
-                              "health_sources=[...] (e.g. gemscout.oob.InjectedHealthSource()) or leave health unset")
+            raise ConfigError(
+                "enable_resiliency.health: no health source given and no GPU for NVML; pass "
+                "health_sources=[...] (e.g. gemscout.oob.InjectedHealthSource()) or leave health unset"
+            )
         sources = [NvmlHealthSource()]
 
     def deliver(event: ClassifiedHealthEvent) -> None:
         if event.severity == "info":
             return
         e = event.event
-        session._report(FaultReport(
-            kind=FaultKind.HEALTH, scope=Scope.NODE, ranks=(rank,), step=session.step, recipe=None,
-            evidence={"event": e.to_dict(), "severity": event.severity}, confirmations=1,
-            reason=f"{event.severity}: {event.reason}", host=e.host or None))
+        session._report(
+            FaultReport(
+                kind=FaultKind.HEALTH,
+                scope=Scope.NODE,
+                ranks=(rank,),
+                step=session.step,
+                recipe=None,
+                evidence={"event": e.to_dict(), "severity": event.severity},
+                confirmations=1,
+                reason=f"{event.severity}: {event.reason}",
+                host=e.host or None,
+            )
+        )
 
     return HealthMonitor(sources, config=config or HealthMonitorConfig(), callbacks=[deliver]).start()
 
@@ -297,10 +346,7 @@ def _start_health(session: Session, rank: int, config: HealthMonitorConfig | Non
 def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:
     if not explicit:
         return
-    try:
-        recorded = json.loads((directory / "run.json").read_text()).get("run_id")
-    except (OSError, ValueError):
-        return
+    recorded = recorded_run_id(directory)
     if recorded and recorded != run_id:
         raise RunMismatchError(
             f"{directory} holds checkpoints of run {recorded!r}, not {run_id!r}; resume with run_id={recorded!r} "

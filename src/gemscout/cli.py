@@ -4,8 +4,9 @@
 states, checks them as recovery would (``--verify``: every tensor digest too), and prints the decision a restarted
 job would make (:mod:`gemscout.inventory`). Exit codes: 0 a restart would restore (or start fresh) and every file
 checked is usable; 2 bad usage (not a checkpoint directory, a bad flag); 3 some file or durable promotion is unusable
-(recovery would skip it); 4 a restart would STOP (nothing restorable: the job would exit 4 too). Errors are one
-line on stderr, never a traceback.
+(recovery would skip it); 4 a restart would STOP (nothing restorable: the job would exit 4 too); 1 an internal error
+(a bug: please report it). Errors are one line on stderr, never a traceback, whatever the folder holds (FIFOs,
+links, malformed or hostile files are reported as unusable, exit 3).
 
 Standard library only (argparse): the runtime's command needs none of the harness's dependencies.
 """
@@ -77,18 +78,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             world_size=args.world_size,
             min_trust=trust,
         )
+        text = json.dumps(inv.to_dict(), indent=1, sort_keys=True) if args.as_json else render(inv)
     except GemscoutError as exc:
-        print(str(exc), file=sys.stderr)
+        print(_one_line(str(exc)), file=sys.stderr)
         return exc.exit_code
-    if args.as_json:
-        print(json.dumps(inv.to_dict(), indent=1, sort_keys=True))
-    else:
-        print(render(inv))
+    except OSError as exc:  # the directory itself cannot be read (permissions, a vanished mount)
+        print(_one_line(f"gemscout inspect: cannot read {args.directory}: {exc}"), file=sys.stderr)
+        return ConfigError.exit_code
+    except Exception as exc:  # a bug, never a traceback: one line, exit 1
+        print(
+            _one_line(f"gemscout inspect: internal error ({type(exc).__name__}: {exc}); please report it"),
+            file=sys.stderr,
+        )
+        return 1
+    print(text)
     if inv.decision.mode == RecoveryMode.STOP:
         return RecoveryError.exit_code
     if inv.unusable:
         return IntegrityError.exit_code
     return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:2000]
 
 
 def _table(rows: list[list[str]]) -> list[str]:

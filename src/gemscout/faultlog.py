@@ -15,7 +15,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gemscout.errors import EvidenceError, IntegrityError
+from gemscout.files import is_int, parse_json, read_bounded
+
 log = logging.getLogger("gemscout")
+MAX_READ_BYTES = 64 << 20
 
 FILE_NAME = "faults.jsonl"
 
@@ -44,19 +48,45 @@ class FaultLog:
             log.warning("gemscout: cannot record a fault report in %s: %s", self.path, exc)
 
 
+MAX_READ_BYTES = 64 << 20
+
+
 def read(folder: Path) -> list[dict[str, Any]]:
-    """The reports kept in ``folder`` (a rank's folder), oldest first; unreadable lines are skipped."""
+    """The JSON objects kept in ``folder`` (a rank's folder), oldest first. A torn last line, a line of junk or one
+    nested past the depth cap is skipped, and so is a file that is not a regular file or is over
+    ``MAX_READ_BYTES`` (logged). Never raises."""
     out: list[dict[str, Any]] = []
     for path in (folder / (FILE_NAME + ".1"), folder / FILE_NAME):
         try:
-            text = path.read_text()
-        except OSError:
+            text = read_bounded(path, MAX_READ_BYTES)
+        except (OSError, IntegrityError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("gemscout: fault log %s skipped: %s", path, exc)
             continue
         for line in text.splitlines():
             try:
-                doc = json.loads(line)
-            except ValueError:
+                doc = parse_json(line, f"a line of {path}")
+            except IntegrityError:
                 continue  # a line torn by a crash mid-write
             if isinstance(doc, dict):
                 out.append(doc)
+    return out
+
+
+def read_reports(folder: Path) -> list[dict[str, Any]]:
+    """:func:`read`, keeping only whole, valid reports: :meth:`FaultReport.from_dict` accepts the line (a string
+    timestamp, a missing field, a bad kind are not a report) and ``reported_by``, when present, is a rank. Each in
+    its canonical dict form. Never raises."""
+    from gemscout.scout.reports import FaultReport  # the report type is SCOUT's; only this reader needs it
+
+    out: list[dict[str, Any]] = []
+    for doc in read(folder):
+        by = doc.get("reported_by")
+        if by is not None and not is_int(by):
+            continue
+        try:
+            report = FaultReport.from_dict({k: v for k, v in doc.items() if k != "reported_by"})
+        except EvidenceError:
+            continue
+        out.append({**report.to_dict(), **({"reported_by": by} if by is not None else {})})
     return out

@@ -38,7 +38,7 @@ from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
-from gemscout.scout.reports import FaultReport
+from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.state.training_state import StateSources
 from gemscout.watch import Watch
 
@@ -68,6 +68,8 @@ class Session:
         self.fault_log = FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync) \
             if checkpointer is not None else None
         """Where every report is also kept on disk (the rank's checkpoint folder), for ``gemscout inspect``."""
+        if checkpointer is not None:  # a full or read-only disk under the trust ledger is reported, never raised
+            checkpointer.ledger.report_to(self._ledger_unwritable)
         self.on_fault_report: Callable[[FaultReport], None] | None = None
         self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
         self.step = 0
@@ -103,6 +105,8 @@ class Session:
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step += 1
+        if self.checkpointer is not None:
+            self.checkpointer.ledger.retry()  # a no-op unless a ledger write failed (then at most once a second)
         if self.watch is not None:
             self.watch.step(self.step)
         settled = self.scout.last_result if self.scout is not None else None
@@ -256,6 +260,10 @@ class Session:
                 self.on_fault_report(report)
             except Exception as exc:  # a callback must never break training or a watchdog thread
                 log.warning("gemscout: on_fault_report raised: %s", exc)
+
+    def _ledger_unwritable(self, reason: str, evidence: dict[str, Any]) -> None:
+        self._report(FaultReport(kind=FaultKind.HEALTH, scope=Scope.RANK, ranks=(self.rank,), step=self.step,
+                                 reason=reason, evidence=evidence))
 
     def _on_stall(self, report: FaultReport, finding: Any) -> None:
         self._report(report)

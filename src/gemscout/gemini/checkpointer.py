@@ -32,7 +32,7 @@ from gemscout.gemini.promotion import Promoter
 from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
-from gemscout.state import training_state
+from gemscout.state import integrity, training_state
 from gemscout.state.codec import _is_dtensor
 from gemscout.state.layout import Parsed, parse_prefix, verify_data
 
@@ -57,6 +57,8 @@ class Checkpointer:
         on_decision: Callable[[RecoveryDecision], None] | None = None,
     ) -> None:
         self.sources, self.config, self.group, self.rank = sources, config, group, rank
+        if config.integrity_key is not None:
+            integrity.use_key(config.integrity_key)  # every frame this process writes or reads is then keyed
         self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
         self.on_decision = on_decision
         if config.replication == "natural" and config.replicate and placement.enabled:

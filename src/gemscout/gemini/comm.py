@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gemscout.errors import CollectiveTimeout
+from gemscout.errors import CollectiveTimeout, IntegrityError
 
 
 def wait_all(works: list[Any], timeout: timedelta, what: str) -> None:
@@ -24,9 +24,19 @@ def wait_all(works: list[Any], timeout: timedelta, what: str) -> None:
             raise CollectiveTimeout(f"{what} failed or timed out after {timeout.total_seconds():.0f}s: {exc}") from exc
 
 
+_UNSENDABLE = "__gemscout_unsendable__"
+
+
 def gather_json(obj: Any, *, group: dist.ProcessGroup, timeout: timedelta) -> list[Any]:
-    """All-gather one JSON-serializable object per rank (ordered by group rank)."""
-    payload = torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+    """All-gather one JSON-serializable object per rank (ordered by group rank).
+
+    A rank whose object cannot be serialized still takes part (it sends why instead), and then every rank raises
+    IntegrityError naming it: a rank never leaves the collective alone while its peers wait for the timeout."""
+    try:
+        text = json.dumps(obj, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        text = json.dumps({_UNSENDABLE: f"{type(exc).__name__}: {exc}"})
+    payload = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -36,7 +46,11 @@ def gather_json(obj: Any, *, group: dist.ProcessGroup, timeout: timedelta) -> li
     padded[: payload.numel()] = payload
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, "state gather")
-    return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
+    got = [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
+    bad = [(r, g[_UNSENDABLE]) for r, g in enumerate(got) if isinstance(g, dict) and _UNSENDABLE in g]
+    if bad:
+        raise IntegrityError(f"rank {bad[0][0]} could not send its part of a gather ({bad[0][1]})")
+    return got
 
 
 def all_agree(flag: bool, *, group: dist.ProcessGroup, timeout: timedelta) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,6 +65,11 @@ class CheckpointConfig:
     """Bound on flushing at SIGTERM/SIGINT and close()."""
     handle_signals: bool = True
     """Install SIGTERM/SIGINT handlers that flush and then chain to the previous handler."""
+    integrity_key: bytes | str | None = field(default=None, repr=False)
+    """The job's secret (bytes or hex, >= 16 bytes) for authenticated checkpoints: every frame's header digest
+    becomes a keyed MAC and durable sidecars carry an HMAC, so a file or replica forged without the key is refused.
+    None: env ``GEMSCOUT_INTEGRITY_KEY_FILE`` / ``GEMSCOUT_INTEGRITY_KEY``, else unauthenticated digests (see
+    docs/gemini.md). Never printed by ``repr``."""
 
     def __post_init__(self) -> None:
         c = "CheckpointConfig"
@@ -103,5 +108,7 @@ class CheckpointConfig:
             value = getattr(self, name)
             require(isinstance(value, timedelta) and value.total_seconds() > 0, c, name,
                     f"must be a positive datetime.timedelta, got {value!r}")
+        require(self.integrity_key is None or isinstance(self.integrity_key, bytes | str), c, "integrity_key",
+                "must be bytes, a hex string or None")
         require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""), c, "run_id",
                 "must be a non-empty string or None")

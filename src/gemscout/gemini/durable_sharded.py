@@ -23,7 +23,9 @@ the codec their adapter registers in :data:`PARTITION_CODECS`, and reshard on lo
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -32,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gemscout.errors import IntegrityError, RunMismatchError
+from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
-from gemscout.gemini.store import _fsync_dir, write_json_atomic
-from gemscout.state import training_state
+from gemscout.gemini.store import _fsync_dir, atomic_writer
+from gemscout.state import integrity, training_state
 from gemscout.state.codec import _is_dtensor, decode
 from gemscout.state.layout import Parsed
 
@@ -51,42 +53,97 @@ its own (DeepSpeed ZeRO: :class:`gemscout.adapters.deepspeed_layout.ZeroPerParam
 rank=)``. Such a promotion loads on any world size; one without a codec only on the world size that wrote it."""
 
 
+def key_component(key: Any) -> str:
+    """One path component of a DCP key, unique by construction: ``/`` and ``%`` in a string key are escaped
+    (``%2F``, ``%25``), a string that reads as an integer is marked ``%s`` (an ``int`` key of a non-string dict,
+    e.g. an optimizer's parameter index, stays bare), and bool / float keys are marked ``%b`` / ``%f``. Caller state
+    ``{"a/b": t1, "a": {"b": t2}}`` so gives ``a%2Fb`` and ``a/b``, never the same key twice. Model and optimizer
+    names contain neither ``/`` nor ``%`` and are unchanged, so their keys are the same as format 2's."""
+    if isinstance(key, bool):
+        return f"%b{key}"
+    if isinstance(key, int):
+        return str(key)
+    if isinstance(key, float):
+        return f"%f{key!r}"
+    if not isinstance(key, str):
+        raise IntegrityError(f"checkpoint skeleton has a dict key of type {type(key).__name__}")
+    escaped = key.replace("%", "%25").replace("/", "%2F")
+    return f"%s{escaped}" if _INTEGER.fullmatch(escaped) else escaped
+
+
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: str(int) never yields another digit
+
+
 def tensor_entries(skeleton: Any, rank: int, replicated: tuple[str, ...] = ()) -> list[Entry]:
     """A DCP key per tensor of a codec skeleton, in tensor-index order (see the module docstring). A plain tensor
     under a top-level key in ``replicated`` is the same on every rank (DDP's model, optimizer and schedulers): its
-    key ``g/<path>`` is shared by every rank, so DCP stores it once."""
+    key ``g/<path>`` is shared by every rank, so DCP stores it once. Keys are built from :func:`key_component`;
+    raises ConfigError if two tensors still share a key (a float-NaN dict key twice), IntegrityError for a
+    skeleton that is not the codec's."""
     found: dict[int, Entry] = {}
 
-    def walk(node: Any, path: str) -> None:
+    def walk(node: Any, path: str, depth: int) -> None:
+        if depth > MAX_SKELETON_DEPTH:
+            raise IntegrityError(f"checkpoint skeleton is nested deeper than {MAX_SKELETON_DEPTH} levels")
         if isinstance(node, list):
             for i, v in enumerate(node):
-                walk(v, f"{path}/{i}")
+                walk(v, f"{path}/{i}", depth + 1)
             return
         if not isinstance(node, dict):
             return
         if len(node) == 1:
             ((key, value),) = node.items()
             if key == "__dt__":
-                found[int(value[0])] = (f"s{path}", list(value[1]), list(value[2]))
+                index, shape, stride = value
+                _claim(found, index, (f"s{path}", list(shape), list(stride)))
                 return
             if key in ("__t__", "__np__"):
                 shared = path.split("/")[1] in replicated
-                found[int(value)] = (f"g{path}" if shared else f"r{rank}{path}", None, None)
+                _claim(found, value, (f"g{path}" if shared else f"r{rank}{path}", None, None))
                 return
             if key == "__tuple__":
-                walk(value, path)
+                walk(value, path, depth + 1)
                 return
             if key == "__dict__":
                 for k, v in value:
-                    walk(v, f"{path}/{k}")
+                    walk(v, f"{path}/{key_component(k)}", depth + 1)
                 return
         for k, v in node.items():
-            walk(v, f"{path}/{k}")
+            walk(v, f"{path}/{key_component(k)}", depth + 1)
 
-    walk(skeleton, "")
+    try:
+        walk(skeleton, "", 0)
+    except (TypeError, ValueError, IndexError) as exc:
+        raise IntegrityError(f"checkpoint skeleton is malformed: {exc}") from None
     if sorted(found) != list(range(len(found))):
         raise IntegrityError("checkpoint skeleton does not reference its tensors 0..n-1 exactly once")
-    return [found[i] for i in range(len(found))]
+    entries = [found[i] for i in range(len(found))]
+    check_unique_keys(entries)
+    return entries
+
+
+MAX_SKELETON_DEPTH = 64
+"""Deeper than any training state (a model's state dict is flat; optimizer state three levels); a crafted skeleton
+nested thousands deep would otherwise end in RecursionError."""
+
+
+def _claim(found: dict[int, Entry], index: Any, entry: Entry) -> None:
+    if type(index) is not int or index < 0 or index in found:
+        raise IntegrityError(f"checkpoint skeleton references tensor {index!r} twice or not as an index")
+    found[index] = entry
+
+
+def check_unique_keys(entries: list[Entry]) -> None:
+    """Refuse a promotion in which two tensors share a DCP key: DCP would store one and load it into both (the
+    other's values silently lost). Raises ConfigError naming the key."""
+    seen: set[str] = set()
+    for key, _, _ in entries:
+        if key in seen:
+            raise ConfigError(
+                f"durable promotion: two tensors of the state map to the DCP key {key!r}; rename one "
+                "of the caller state's keys (e.g. a dict holding two float NaN keys)"
+            )
+        seen.add(key)
 
 
 def live_shards(sources: training_state.StateSources) -> dict[str, Any]:
@@ -99,7 +156,7 @@ def live_shards(sources: training_state.StateSources) -> dict[str, Any]:
     likes: dict[str, Any] = {}
     for name, value in training_state._unwrap(sources.model).state_dict().items():
         if _is_dtensor(value):
-            likes[f"/model/{name}"] = value
+            likes[f"/model/{key_component(name)}"] = value
     flat = [p for g in sources.optimizer.param_groups for p in g["params"]]
     for idx, p in enumerate(flat):
         if _is_dtensor(p):
@@ -119,12 +176,23 @@ def _like(likes: dict[str, Any], key: str) -> Any:
 def _dtensor(local: torch.Tensor, like: Any, shape: list[int], stride: list[int]) -> Any:
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+    )
 
 
-def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *, check: Any,
-                     group: dist.ProcessGroup, rank: int, timeout: timedelta, replicated: tuple[str, ...] = ()) -> Path:
+def promote_own_file(
+    tier: Any,
+    step: int,
+    path: Path,
+    likes: dict[str, Any],
+    *,
+    check: Any,
+    group: dist.ProcessGroup,
+    rank: int,
+    timeout: timedelta,
+    replicated: tuple[str, ...] = (),
+) -> Path:
     """:func:`promote` with this rank's own checkpoint file of ``step``, read and verified here (``check(identity,
     where=...)`` raises RunMismatchError for another run's file). A rank whose file is missing or bad still joins
     the collective, which then fails on every rank."""
@@ -132,14 +200,23 @@ def promote_own_file(tier: Any, step: int, path: Path, likes: dict[str, Any], *,
     try:
         frame = store.read_verified(path)
         check(frame[0].identity, where=f"own checkpoint of step {step}")
-    except (IntegrityError, OSError, RunMismatchError) as exc:
+    except Exception as exc:  # any failure: this rank still joins the collective, which then fails everywhere
         log.warning("gemini: cannot promote step %d: %s", step, exc)
         frame = None
     return promote(tier, step, frame, likes, group=group, rank=rank, timeout=timeout, replicated=replicated)
 
 
-def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, likes: dict[str, Any], *,
-            group: dist.ProcessGroup, rank: int, timeout: timedelta, replicated: tuple[str, ...] = ()) -> Path:
+def promote(
+    tier: Any,
+    step: int,
+    frame: tuple[Parsed, torch.Tensor] | None,
+    likes: dict[str, Any],
+    *,
+    group: dist.ProcessGroup,
+    rank: int,
+    timeout: timedelta,
+    replicated: tuple[str, ...] = (),
+) -> Path:
     """Collectively promote ``step`` (all ranks of ``group`` call, each with its own verified checkpoint, or None
     when it has none; ``likes`` from :func:`live_shards`; ``replicated``: see :func:`tensor_entries`). Returns the
     promotion's path; raises IntegrityError on every rank if any rank failed."""
@@ -163,22 +240,34 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
             err = f"{type(exc).__name__}: {exc}"
     if replicated:  # collective: every rank takes part, whatever happened above
         ok = frame is not None and entries is not None and not err
-        entries = _agree_on_shared(entries or [], frame[0].digests if ok and frame is not None else (), rank,
-                                   group=group, timeout=timeout)
+        entries = _agree_on_shared(
+            entries or [], frame[0].digests if ok and frame is not None else (), rank, group=group, timeout=timeout
+        )
     if frame is not None and entries is not None and not err:
         try:
             parsed, data = frame
+            check_unique_keys(entries)  # again after _agree_on_shared renamed some keys
             for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
                 state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
             own = [k for k, _, _ in entries if k.startswith(f"r{rank}/") and k.split("/")[1] in replicated]
-            mine = {"skeleton": parsed.skeleton, "identity": parsed.identity, "entries": entries,
-                    "rank_specific": len(own)}
+            mine = {
+                "skeleton": parsed.skeleton,
+                "identity": parsed.identity,
+                "entries": entries,
+                "rank_specific": len(own),
+            }
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt's files would be mixed into this one
-    if not comm.all_agree(not err, group=group, timeout=timeout):  # doubles as the barrier after the cleanup
-        raise IntegrityError(f"durable step {step}: a rank could not prepare its shards ({err or 'on a peer'})")
+    # Every rank learns every rank's reason (doubles as the barrier after the cleanup): a key collision is the
+    # caller's to fix and raises ConfigError on every rank, anything else IntegrityError.
+    reasons = comm.gather_json(err, group=group, timeout=timeout)
+    failed = [(r, why) for r, why in enumerate(reasons) if why]
+    if failed:
+        r, why = failed[0]
+        cls = ConfigError if any(str(w).startswith("ConfigError:") for _, w in failed) else IntegrityError
+        raise cls(f"durable step {step}: rank {r} could not prepare its shards ({why})")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
@@ -203,8 +292,9 @@ def promote(tier: Any, step: int, frame: tuple[Parsed, torch.Tensor] | None, lik
     return final
 
 
-def _agree_on_shared(entries: list[Entry], digests: Any, rank: int, *, group: dist.ProcessGroup,
-                     timeout: timedelta) -> list[Entry]:
+def _agree_on_shared(
+    entries: list[Entry], digests: Any, rank: int, *, group: dist.ProcessGroup, timeout: timedelta
+) -> list[Entry]:
     """Keep a ``g/`` key shared only where every rank holds that key with the same digest; any other becomes this
     rank's own ``r<rank>/`` key. DDP's model and optimizer are the same on every rank, but model parallelism without
     DTensors (Megatron TP/PP, pipeline stages, experts held as plain tensors) gives ranks different tensors under the
@@ -212,45 +302,79 @@ def _agree_on_shared(entries: list[Entry], digests: Any, rank: int, *, group: di
     offered = {key: d for (key, _, _), d in zip(entries, digests, strict=False) if key.startswith("g/")}
     everyone = comm.gather_json(offered, group=group, timeout=timeout)
     common = {k for k, d in offered.items() if all(o.get(k) == d for o in everyone)}
-    return [(k if not k.startswith("g/") or k in common else f"r{rank}{k[1:]}", shape, stride)
-            for k, shape, stride in entries]
+    return [
+        (k if not k.startswith("g/") or k in common else f"r{rank}{k[1:]}", shape, stride)
+        for k, shape, stride in entries
+    ]
 
 
 def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, Any]]) -> None:
     from gemscout.gemini.durable import SIDECAR, _sha256
 
     files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}
-    write_json_atomic(tmp / SIDECAR, {
-        "format": 2, "sharded": True, "run_id": tier.run_id, "step": step, "world_size": len(ranks),
-        "identity": ranks[0]["identity"], "ranks": ranks, "files": files,
-    }, fsync=tier.fsync)
+    doc = {
+        "format": 3,
+        "sharded": True,
+        "run_id": tier.run_id,
+        "step": step,
+        "world_size": len(ranks),
+        "identity": ranks[0]["identity"],
+        "ranks": ranks,
+        "files": files,
+    }
+    key = integrity.current_key()
+    if key is not None:  # authenticated: the sidecar names every file's SHA-256, so its MAC covers the promotion
+        doc["mac"] = integrity.sidecar_mac(sidecar_canonical(doc), key)
+    # Not sorted: a skeleton's dict order is the caller's (format 2 sorted it, so caller dicts came back reordered).
+    with atomic_writer(tmp / SIDECAR, fsync=tier.fsync) as fh:
+        fh.write(json.dumps(doc, indent=1).encode())
     tmp.rename(final)
     if tier.fsync:
         _fsync_dir(tier.directory)
 
 
-def load(folder: Path, sidecar: dict[str, Any], sources: training_state.StateSources, *,
-         group: dist.ProcessGroup | None, rank: int) -> None:
+def sidecar_canonical(doc: dict[str, Any]) -> bytes:
+    """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
+    return json.dumps(
+        {k: v for k, v in doc.items() if k != "mac"}, sort_keys=True, separators=(",", ":"), allow_nan=True
+    ).encode()
+
+
+def load(
+    folder: Path,
+    sidecar: dict[str, Any],
+    sources: training_state.StateSources,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+) -> None:
     """Collectively load a verified sharded promotion into the live objects (every rank of ``group`` calls)."""
     if group is None:
-        raise IntegrityError("this durable promotion holds sharded or rank-local state; only a job whose model is "
-                             "sharded (FSDP2, HSDP, TP) or a DeepSpeed ZeRO job can load it")
+        raise IntegrityError(
+            "this durable promotion holds sharded or rank-local state; only a job whose model is "
+            "sharded (FSDP2, HSDP, TP) or a DeepSpeed ZeRO job can load it"
+        )
     saved = sidecar["ranks"]
     if saved[0].get("codec") is not None:  # stored per parameter: the codec reshards
         codec = PARTITION_CODECS.get(saved[0]["codec"])
         if codec is None:
-            raise RunMismatchError(f"durable promotion {folder.name} holds {saved[0]['codec']} state; only a job of "
-                                   "that kind can load it")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} holds {saved[0]['codec']} state; only a job of that kind can load it"
+            )
         codec.load(folder, saved, sources, group=group, rank=rank)
         return
     world = dist.get_world_size(group)
     if len(saved) != world and any(r.get("rank_specific") for r in saved):
-        raise RunMismatchError(f"durable promotion {folder.name} holds model or optimizer state that differs from "
-                               f"rank to rank without DTensors (model parallelism: pipeline stages, Megatron TP/PP); "
-                               f"it restores on {len(saved)} ranks only, not {world}")
+        raise RunMismatchError(
+            f"durable promotion {folder.name} holds model or optimizer state that differs from "
+            f"rank to rank without DTensors (model parallelism: pipeline stages, Megatron TP/PP); "
+            f"it restores on {len(saved)} ranks only, not {world}"
+        )
     if sources.rank_local and len(saved) != world:
-        raise RunMismatchError(f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
-                               f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}")
+        raise RunMismatchError(
+            f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
+            f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}"
+        )
     src = saved[rank % len(saved)]  # per-rank entries (caller state, RNG) on another world size: rank r % old
     import torch.distributed.checkpoint as dcp
 

@@ -18,11 +18,11 @@ from gemscout.config import TrustState
 
 
 class RecoveryMode(enum.StrEnum):
-    FRESH = "fresh"        # nothing was ever checkpointed: start from step 0
-    RESTORE = "restore"    # restore ``step`` from the named sources
-    DURABLE = "durable"    # restore from the durable tier
+    FRESH = "fresh"  # nothing was ever checkpointed: start from step 0
+    RESTORE = "restore"  # restore ``step`` from the named sources
+    DURABLE = "durable"  # restore from the durable tier
     FALLBACK = "fallback"  # the caller's load_fallback restores
-    STOP = "stop"          # every source is exhausted: stop, do not restart
+    STOP = "stop"  # every source is exhausted: stop, do not restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +71,22 @@ def decide(
     has_fallback: bool = False,
     durable_refused: Sequence[str] = (),
 ) -> RecoveryDecision:
-    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.restore.propose`).
+    """Choose the step and per-rank sources. ``proposals[r]`` is rank r's report (see :func:`gemscout.gemini.proposal.propose`).
 
     ``durable_refused``: why each durable promotion newer than ``durable_step`` was refused. Like an unusable local
     file, a refused promotion is history: with nothing else left the job stops instead of starting fresh."""
     world = len(proposals)
+    cannot = [str(p["cannot"]) for p in proposals if p.get("cannot")]
+    if cannot:  # a rank could not even list its sources: nothing is known to be safe on it
+        return RecoveryDecision(
+            failure_kind,
+            RecoveryMode.STOP,
+            None,
+            None,
+            {},
+            topology_digest,
+            f"every source exhausted: {'; '.join(cannot)}",
+        )
     rejected = {s for p in proposals for s in p.get("rejected", [])}
     attempts: dict[int, int] = {}
     for p in proposals:
@@ -101,21 +112,37 @@ def decide(
             skipped.append(f"step {step} not restorable on every rank")
             continue
         why = "newest restorable step" + (f" ({'; '.join(skipped)})" if skipped else "")
-        return RecoveryDecision(failure_kind, RecoveryMode.RESTORE, step, f"{run_id}:{step}", sources,
-                                topology_digest, why)
+        return RecoveryDecision(
+            failure_kind, RecoveryMode.RESTORE, step, f"{run_id}:{step}", sources, topology_digest, why
+        )
     skipped += [f"refused {why}" for why in durable_refused]
     history = bool(steps or rejected or durable_refused or any(p.get("unusable") for p in proposals))
     detail = "; ".join(skipped) if skipped else "no checkpoint found"
     if durable_step is not None:
-        return RecoveryDecision(failure_kind, RecoveryMode.DURABLE, durable_step, f"{run_id}:durable:{durable_step}",
-                                {r: "durable" for r in range(world)}, topology_digest, f"durable tier ({detail})")
+        return RecoveryDecision(
+            failure_kind,
+            RecoveryMode.DURABLE,
+            durable_step,
+            f"{run_id}:durable:{durable_step}",
+            {r: "durable" for r in range(world)},
+            topology_digest,
+            f"durable tier ({detail})",
+        )
     if has_fallback and history:
-        return RecoveryDecision(failure_kind, RecoveryMode.FALLBACK, None, None,
-                                {r: "fallback" for r in range(world)}, topology_digest, f"caller fallback ({detail})")
+        return RecoveryDecision(
+            failure_kind,
+            RecoveryMode.FALLBACK,
+            None,
+            None,
+            {r: "fallback" for r in range(world)},
+            topology_digest,
+            f"caller fallback ({detail})",
+        )
     if not history:
         return RecoveryDecision("none", RecoveryMode.FRESH, 0, None, {}, topology_digest, "no checkpoint: fresh start")
-    return RecoveryDecision(failure_kind, RecoveryMode.STOP, None, None, {}, topology_digest,
-                            f"every source exhausted: {detail}")
+    return RecoveryDecision(
+        failure_kind, RecoveryMode.STOP, None, None, {}, topology_digest, f"every source exhausted: {detail}"
+    )
 
 
 def _sources_for(step: int, proposals: list[dict[str, Any]], world: int) -> dict[int, str] | None:

@@ -6,6 +6,7 @@ The choice itself is the pure :func:`gemscout.gemini.recovery.decide`; this modu
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +16,10 @@ import numpy as np
 import torch
 
 from gemscout.config import TrustState
-from gemscout.errors import IntegrityError, RecoveryError, RunMismatchError
+from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.arrival import VerifyOnArrival
+from gemscout.gemini.proposal import Item, propose, reason_of
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
 from gemscout.state import training_state
 from gemscout.state.codec import LocalShard, decode
@@ -31,90 +33,25 @@ log = logging.getLogger("gemscout.gemini")
 Frame = tuple[bytes, torch.Tensor]
 
 
-Item = tuple[str, int, int]
-"""(kind, owner, step): kind is "memory" / "local" (the owner's own slot / file) or "memory_held" / "held" (a
-replica this rank holds for ``owner``, in memory / on disk)."""
-
-
-def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[dict[str, Any], dict[Item, Any]]:
-    """What this rank can load, and where each item lives (for the transfers).
-
-    Memory is listed first and, for a step it holds, the disk is not consulted. Files on disk are inventoried by
-    their headers alone (identity, header digest, size): reading and hashing whole generations here, before the
-    group has even chosen a step, cost more than the restore itself. The tensor digests of whatever is chosen are
-    checked when it is loaded (:func:`_fetch`), before anything is restored; an item that fails there is listed in
-    ``failed`` (with why) and never proposed again, and the ranks decide again.
-    """
-    failed = failed or {}
-    where: dict[Item, Any] = {}
-    unusable = [f"rank {ck.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())]
-    memory = []
-    for slot in ck.pool.ready_slots():
-        if ("memory", ck.rank, slot.step) not in failed:
-            memory.append(slot.step)
-            where[("memory", ck.rank, slot.step)] = slot.frame()
-    own = []
-    for step in store.list_steps(ck.paths.own):
-        if step in memory or ("local", ck.rank, step) in failed:
-            continue  # memory is preferred for this step: reading the file would be wasted time
-        path = store.step_file(ck.paths.own, step)
-        try:
-            parsed = store.read_header(path)
-            ck.check_identity(parsed.identity, where=str(path))
-        except (IntegrityError, OSError) as exc:
-            log.warning("gemini: %s is unusable: %s", path, exc)
-            unusable.append(f"rank {ck.rank} own step {step}: {exc}")
-            continue
-        own.append(step)
-        where[("local", ck.rank, step)] = path
-    memory_held: dict[str, list[int]] = {}
-    for o, b in ck.replicas.items():
-        for s, prefix, data in b.entries:
-            if ("memory_held", o, s) not in failed:
-                memory_held.setdefault(str(o), []).append(s)
-                where[("memory_held", o, s)] = (prefix, data)
-    held: dict[str, list[int]] = {}
-    for o in ck.paths.held_owners():
-        for step in store.list_steps(ck.paths.replicas(o)):
-            if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
-                continue  # the replica in memory is preferred
-            path = store.step_file(ck.paths.replicas(o), step)
-            try:
-                parsed = store.read_header(path)
-                ck.check_identity(parsed.identity, where=str(path))
-                if parsed.identity.get("owner") != o:
-                    raise IntegrityError("owner mismatch")
-            except (IntegrityError, OSError) as exc:
-                log.warning("gemini: replica %s is unusable: %s", path, exc)
-                unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {exc}")
-                continue
-            held.setdefault(str(o), []).append(step)
-            where[("held", o, step)] = path
-    durable = ck.durable.scan() if ck.durable else []
-    proposal = {"rank": ck.rank, "memory": memory, "own": own, "held": held, "memory_held": memory_held,
-                "unusable": unusable, "durable": next((s for s, why in durable if why is None), None),
-                "durable_refused": [why for _, why in durable if why is not None]}
-    proposal.update(ck.ledger.summary())
-    return proposal, where
-
-
-def _describe(item: Item) -> str:
-    kind, owner, step = item
-    return {"memory": f"memory step {step}", "local": f"own step {step}",
-            "memory_held": f"in-memory replica of rank {owner} step {step}",
-            "held": f"replica of rank {owner} step {step}"}[kind]
-
-
 _MAX_ROUNDS = 64
 """Each failed round marks at least one item failed on some rank, so rounds are bounded by the items; this is a
 backstop against a bug, not a limit a real job reaches."""
 
 
-def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
-            min_trust: TrustState | None = None) -> RecoveryDecision:
+def recover(
+    ck: Checkpointer,
+    *,
+    failure_kind: str = "restart",
+    fallback: Callable[[], int] | None = None,
+    min_trust: TrustState | None = None,
+) -> RecoveryDecision:
     """Collectively choose and restore a step (all ranks must call). Returns the decision after restoring.
 
-    Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
+    Total: whatever fails on any rank — proposing, fetching, verifying, decoding or loading into the live objects —
+    is gathered, so every rank learns it in the same round and they decide together (the same step from another
+    source, an older step, or STOP); no rank leaves a collective alone. Raises RecoveryError on every rank when the
+    decision is STOP (the caller should exit with its exit code), or when the durable tier or the caller's fallback
+    fails on some rank.
     """
     ck.drain()
     failed: dict[Item, str] = {}
@@ -124,29 +61,34 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
         refused = list(dict.fromkeys(why for p in proposals for why in p.get("durable_refused", [])))
-        decision = decide(proposals, run_id=ck.run_id, topology_digest=ck.topology_digest,
-                          min_trust=min_trust or ck.config.min_trust, max_attempts=ck.config.max_recovery_attempts,
-                          failure_kind=failure_kind, durable_step=durable_step, has_fallback=fallback is not None,
-                          durable_refused=refused)
+        decision = decide(
+            proposals,
+            run_id=ck.run_id,
+            topology_digest=ck.topology_digest,
+            min_trust=min_trust or ck.config.min_trust,
+            max_attempts=ck.config.max_recovery_attempts,
+            failure_kind=failure_kind,
+            durable_step=durable_step,
+            has_fallback=fallback is not None,
+            durable_refused=refused,
+        )
         if decision.mode == RecoveryMode.RESTORE:
             assert decision.step is not None
             fetched = _fetch(ck, decision, where)
             # Every rank learns every failure and who holds the failed item: that rank drops it and the ranks
             # decide again (the same step from another source, or an older step).
-            outcomes = comm.gather_json(fetched.error, group=ck.group, timeout=ck.config.timeout)
-            if any(o is not None for o in outcomes):
-                for owner, why in enumerate(outcomes):
-                    if why is None:
-                        continue
-                    log.warning("gemini: step %d from %s failed verification on rank %d (%s); deciding again",
-                                decision.step, decision.sources[owner], owner, why)
-                    item = fetched.mine.get(owner)  # set only where this rank holds what failed
-                    if item is not None:
-                        failed[item] = fetched.send_errors.get(owner, why)
+            if _drop_failed(ck, decision, fetched, fetched.error, failed, "failed verification"):
                 continue
             _deliver(ck, decision)
             assert fetched.frame is not None
-            restore_frame(ck, fetched.frame, owned=fetched.owned)
+            why = None
+            try:
+                restore_frame(ck, fetched.frame, owned=fetched.owned)
+            except Exception as exc:  # a frame that verifies but does not fit the live objects (crafted header)
+                log.error("gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc)
+                why = f"{decision.sources[ck.rank]}: restore failed: {reason_of(exc)}"
+            if _drop_failed(ck, decision, fetched, why, failed, "could not be restored"):
+                continue
             ck.ledger.attempts[decision.step] = ck.ledger.attempts.get(decision.step, 0) + 1
         else:
             _deliver(ck, decision)
@@ -156,18 +98,71 @@ def recover(ck: Checkpointer, *, failure_kind: str = "restart", fallback: Callab
                 raise RecoveryError(f"recovery stopped: {decision.reason}")
             if decision.mode == RecoveryMode.DURABLE:
                 assert ck.durable is not None and decision.step is not None
-                ck.durable.load(decision.step, ck.sources)
+                _together(
+                    ck, functools.partial(ck.durable.load, decision.step, ck.sources), f"durable step {decision.step}"
+                )
             elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
-                decision = _with_step(decision, fallback())
+                decision = _with_step(decision, _together(ck, fallback, "the caller's load_fallback"))
         ck.ledger.last_decision = decision.to_dict()
         ck.ledger.save()
         return decision
     raise RecoveryError("recovery stopped: every candidate step failed verification")
 
+
+def _drop_failed(
+    ck: Checkpointer, decision: RecoveryDecision, fetched: _Fetched, why: str | None, failed: dict[Item, str], what: str
+) -> bool:
+    """Gather every rank's failure (``why``, None for success); mark each failed item on the rank that holds it.
+    Returns True when some rank failed (the ranks then decide again). Collective."""
+    outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
+    if all(o is None for o in outcomes):
+        return False
+    for owner, reason in enumerate(outcomes):
+        if reason is None:
+            continue
+        log.warning(
+            "gemini: step %s from %s %s on rank %d (%s); deciding again",
+            decision.step,
+            decision.sources.get(owner),
+            what,
+            owner,
+            reason,
+        )
+        item = fetched.mine.get(owner)  # set only where this rank holds what failed
+        if item is not None:
+            failed[item] = fetched.send_errors.get(owner, str(reason))
+    return True
+
+
+def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
+    """Run ``action`` on every rank and agree on its outcome: if it failed anywhere, every rank raises the same error
+    naming the first failed rank's reason (a rank never dies alone while its peers go on training) — a
+    RunMismatchError or ConfigError as itself (the job was started wrong, exit 2), anything else as RecoveryError.
+    Returns what ``action`` returned."""
+    failure, result = None, None
+    try:
+        result = action()
+    except Exception as exc:
+        log.error("gemini: %s failed on rank %d: %s", what, ck.rank, exc)
+        failure = {"kind": type(exc).__name__, "why": reason_of(exc)}
+    outcomes = comm.gather_json(failure, group=ck.group, timeout=ck.config.timeout)
+    bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if bad:
+        ck.ledger.save()
+        rank, first = bad[0]
+        kinds = {"RunMismatchError": RunMismatchError, "ConfigError": ConfigError}
+        cls = kinds.get(first["kind"], RecoveryError)
+        if cls is RecoveryError:
+            raise RecoveryError(f"recovery stopped: {what} failed on rank {rank}: {first['why']}")
+        raise cls(f"{what} refused on rank {rank}: {first['why']}")
+    return result
+
+
 def _deliver(ck: Checkpointer, decision: RecoveryDecision) -> None:
     log.info("gemini recovery decision: %s", decision.to_dict())
     if ck.on_decision is not None:
         ck.on_decision(decision)
+
 
 @dataclass
 class _Fetched:
@@ -196,27 +191,36 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
     for owner in sorted(peers):
         holder = peers[owner]
         if ck.rank == holder:
-            item: Item = ("memory_held", owner, step) if ("memory_held", owner, step) in where else \
-                ("held", owner, step)
+            item: Item = (
+                ("memory_held", owner, step) if ("memory_held", owner, step) in where else ("held", owner, step)
+            )
             out.mine[owner] = item
             try:
                 frame = where[item] if item[0] == "memory_held" else store.read_frame(where[item])
-            except (IntegrityError, OSError) as exc:
+            except Exception as exc:
                 # Still take part in the transfer (the owner is waiting for it); the empty frame fails its check.
                 out.send_errors[owner] = str(exc)
                 frame = (b"", torch.empty(0, dtype=torch.uint8))
-            comm.exchange(frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
-                          timeout=ck.config.timeout)
+            comm.exchange(
+                frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes, timeout=ck.config.timeout
+            )
         if ck.rank == owner:
             check = VerifyOnArrival()
-            got = comm.exchange(None, None, holder, group=ck.group, chunk_bytes=ck.config.chunk_bytes,
-                                timeout=ck.config.timeout, on_arrival=check)
+            got = comm.exchange(
+                None,
+                None,
+                holder,
+                group=ck.group,
+                chunk_bytes=ck.config.chunk_bytes,
+                timeout=ck.config.timeout,
+                on_arrival=check,
+            )
             try:
                 assert got is not None
                 ck.verify_frame(got, owner=owner, step=step, verified=check.result())
                 out.frame, out.owned = got, True
-            except (IntegrityError, RunMismatchError) as exc:
-                out.error = f"{decision.sources[owner]}: {exc}"
+            except Exception as exc:
+                out.error = f"{decision.sources[owner]}: {reason_of(exc)}"
     src = decision.sources.get(ck.rank, "")
     if src in ("memory", "local"):
         item = (src, ck.rank, step)
@@ -227,8 +231,8 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
             else:
                 out.frame, out.owned = store.read_frame(where[item]), True
             ck.verify_frame(out.frame, owner=ck.rank, step=step)
-        except (IntegrityError, OSError, RunMismatchError) as exc:
-            out.frame, out.error = None, str(exc)
+        except Exception as exc:
+            out.frame, out.error = None, reason_of(exc)
     return out
 
 
@@ -244,16 +248,20 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
         # (a module's load hook may keep the tensor it is given).
         # Only a torch optimizer's own state_dict format (an adapter's optimizer, e.g. DeepSpeed's, is cloned).
         saved = state.get("optimizer")
-        if not (isinstance(ck.sources.optimizer, torch.optim.Optimizer) and isinstance(saved, dict)
-                and isinstance(saved.get("state"), dict)):
+        if not (
+            isinstance(ck.sources.optimizer, torch.optim.Optimizer)
+            and isinstance(saved, dict)
+            and isinstance(saved.get("state"), dict)
+        ):
             state = _clone_tensors(state)
         else:
             optimizer_state = saved["state"]
             copied = _copy_into_live_optimizer_state(ck.sources.optimizer, optimizer_state)
             state = _clone_tensors({**state, "optimizer": {**saved, "state": {}}})
-            state["optimizer"]["state"] = {idx: {k: v if (idx, k) in copied else _clone_tensors(v)
-                                                 for k, v in per_param.items()}
-                                           for idx, per_param in optimizer_state.items()}
+            state["optimizer"]["state"] = {
+                idx: {k: v if (idx, k) in copied else _clone_tensors(v) for k, v in per_param.items()}
+                for idx, per_param in optimizer_state.items()
+            }
     training_state.restore(ck.sources, state)
 
 
@@ -270,9 +278,15 @@ def _copy_into_live_optimizer_state(optimizer: torch.optim.Optimizer, saved: dic
             continue
         for key, value in per_param.items():
             live = live_state.get(key)
-            if isinstance(value, torch.Tensor) and type(live) is torch.Tensor and type(value) is torch.Tensor \
-                    and live.shape == value.shape and live.dtype == value.dtype and live.device == value.device \
-                    and live.is_contiguous():
+            if (
+                isinstance(value, torch.Tensor)
+                and type(live) is torch.Tensor
+                and type(value) is torch.Tensor
+                and live.shape == value.shape
+                and live.dtype == value.dtype
+                and live.device == value.device
+                and live.is_contiguous()
+            ):
                 with torch.no_grad():
                     live.copy_(value)
                 per_param[key] = live
@@ -298,6 +312,12 @@ def _clone_tensors(obj: Any) -> Any:
 
 
 def _with_step(decision: RecoveryDecision, step: int) -> RecoveryDecision:
-    return RecoveryDecision(decision.failure_kind, decision.mode, step, decision.checkpoint_id, decision.sources,
-                            decision.topology_digest, decision.reason)
-
+    return RecoveryDecision(
+        decision.failure_kind,
+        decision.mode,
+        step,
+        decision.checkpoint_id,
+        decision.sources,
+        decision.topology_digest,
+        decision.reason,
+    )

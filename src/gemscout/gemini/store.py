@@ -29,11 +29,16 @@ from typing import Any
 import torch
 
 from gemscout.errors import IntegrityError
+from gemscout.files import open_regular, read_exactly
 from gemscout.state.digest import DIGEST_SIZE
-from gemscout.state.layout import Parsed, parse_prefix, verify_data
+from gemscout.state.layout import MAX_HEADER_BYTES, Parsed, parse_prefix, verify_data
 
-_STEP = re.compile(r"^step-(\d{9})\.gsc$")
-_TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
+# ASCII digits only, and fullmatch (never "$", which also matches before a trailing newline): "\d" would take a
+# junk name of other scripts' digits for a step (int() reads them), and that phantom step could make a real
+# generation be pruned.
+_STEP = re.compile(r"step-([0-9]{9})\.gsc")
+_TMP = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]+-")
+_OWNER = re.compile(r"owner-([0-9]{1,9})")
 _HEAD = struct.Struct("<8sQ")  # magic, header length (see gemscout.state.layout)
 
 
@@ -80,7 +85,7 @@ def clean_stale_temps(folder: Path) -> int:
     if not folder.exists():
         return 0
     for path in folder.rglob(".tmp-*"):
-        m = _TMP.match(path.name)
+        m = _TMP.match(path.name)  # a prefix: the rest of a temp name is the file it stands for
         if not m:
             continue
         pid = int(m.group(1))
@@ -125,10 +130,12 @@ class RankPaths:
         return self.root / "status.json"
 
     def held_owners(self) -> list[int]:
+        """Owners with a replica folder here; a name that is not ``owner-<n>`` (``owner-x``) is not one. Raises
+        OSError if ``replicas`` exists but cannot be listed (a file, no permission)."""
         base = self.root / "replicas"
         if not base.exists():
             return []
-        return sorted(int(p.name.split("-", 1)[1]) for p in base.iterdir() if p.name.startswith("owner-"))
+        return sorted(int(m.group(1)) for p in base.iterdir() if (m := _OWNER.fullmatch(p.name)))
 
 
 def step_file(folder: Path, step: int) -> Path:
@@ -139,7 +146,7 @@ def list_steps(folder: Path) -> list[int]:
     """Steps with a published file in ``folder``, newest first."""
     if not folder.exists():
         return []
-    steps = [int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name))]
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name))]
     return sorted(steps, reverse=True)
 
 
@@ -252,17 +259,11 @@ def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = 
 def read_verified(path: Path) -> tuple[Parsed, torch.Tensor]:
     """Read a checkpoint file and verify every digest. Returns the parsed header and its data region (uint8).
 
-    Raises IntegrityError (wrong or missing digest, truncation, bad magic) or FileNotFoundError.
-    """
-    raw = bytearray(path.read_bytes())
-    parsed = parse_prefix(memoryview(raw))
-    end = parsed.data_offset + parsed.layout.data_nbytes
-    if len(raw) < end:
-        raise IntegrityError(f"{path.name} is truncated: {len(raw)} of {end} bytes")
-    if len(raw) > end:
-        raise IntegrityError(f"{path.name} has {len(raw) - end} unexpected trailing bytes")
-    data = torch.frombuffer(raw, dtype=torch.uint8, offset=parsed.data_offset, count=parsed.layout.data_nbytes) \
-        if parsed.layout.data_nbytes else torch.empty(0, dtype=torch.uint8)
+    Reads only a regular file (see :mod:`gemscout.files`), the header first and then exactly the data its header
+    declares, after checking the file's size against it: a FIFO, a link to ``/dev/zero`` or a huge sparse file is
+    refused before anything large is read. Raises IntegrityError (wrong or missing digest, truncation, bad magic,
+    malformed header, not a regular file) or OSError (FileNotFoundError)."""
+    _, parsed, data = _read_whole(path)
     verify_data(parsed, data)
     return parsed, data
 
@@ -273,23 +274,24 @@ def read_header(path: Path) -> Parsed:
     What recovery's inventory needs to propose the file: its identity and that it is whole. The tensor digests are
     checked only when the file is actually loaded (:func:`read_frame` + verification), so proposing a generation
     costs a few KiB of reading, not the whole file. Raises IntegrityError (bad magic, header digest, malformed
-    header, truncation, trailing bytes) or OSError.
+    header, truncation, trailing bytes, not a regular file) or OSError.
     """
-    with open(path, "rb") as fh:
-        return _read_prefix(fh, path)[1]
+    with open_regular(path) as (fd, st):
+        return _read_prefix(fd, st.st_size, path)[1]
 
 
-def _read_prefix(fh: Any, path: Path) -> tuple[bytes, Parsed]:
-    """The file's magic, header and header digest (read from ``fh`` at offset 0), parsed and checked against the
+def _read_prefix(fd: int, size: int, path: Path) -> tuple[bytes, Parsed]:
+    """The file's magic, header and header digest (read from ``fd`` at offset 0), parsed and checked against the
     file's size. Raises IntegrityError for truncation, a bad header or a size that does not match."""
-    start = fh.read(_HEAD.size)
-    if len(start) < _HEAD.size:
+    if size < _HEAD.size:
         raise IntegrityError(f"{path.name} is truncated before its header")
+    start = read_exactly(fd, 0, _HEAD.size, path)
     _, header_len = _HEAD.unpack(start)
-    size = os.fstat(fh.fileno()).st_size
-    if header_len > size:
+    if header_len + _HEAD.size + DIGEST_SIZE > size:
         raise IntegrityError(f"{path.name} is truncated inside its header")
-    prefix = start + fh.read(header_len + DIGEST_SIZE)
+    if header_len > MAX_HEADER_BYTES:
+        raise IntegrityError(f"{path.name}: header length {header_len} is over the {MAX_HEADER_BYTES}-byte cap")
+    prefix = start + read_exactly(fd, _HEAD.size, header_len + DIGEST_SIZE, path)
     parsed = parse_prefix(prefix)
     _check_size(path, size, parsed)
     return prefix, parsed
@@ -297,20 +299,26 @@ def _read_prefix(fh: Any, path: Path) -> tuple[bytes, Parsed]:
 
 def read_frame(path: Path) -> tuple[bytes, torch.Tensor]:
     """The file as a frame ``(prefix, data)``, unverified: the data is read straight into a fresh tensor (no
-    intermediate copy). The header digest and the file size are checked; the caller verifies the tensor digests."""
-    with open(path, "rb") as fh:
-        prefix, parsed = _read_prefix(fh, path)
-        prefix += fh.read(parsed.data_offset - len(prefix))  # the padding: the frame's prefix is the file's
+    intermediate copy), never more than the header declares. The header digest and structure and the file size are
+    checked; the caller verifies the tensor digests. Raises IntegrityError or OSError."""
+    prefix, _, data = _read_whole(path)
+    return prefix, data
+
+
+def _read_whole(path: Path) -> tuple[bytes, Parsed, torch.Tensor]:
+    with open_regular(path) as (fd, st):
+        prefix, parsed = _read_prefix(fd, st.st_size, path)
+        prefix += read_exactly(fd, len(prefix), parsed.data_offset - len(prefix), path)  # the padding
         data = torch.empty(parsed.layout.data_nbytes, dtype=torch.uint8)
         if data.numel():
             view = data.numpy().data
             got = 0
             while got < len(view):
-                n = fh.readinto(view[got:])
+                n = os.preadv(fd, [view[got : got + (1 << 26)]], parsed.data_offset + got)
                 if not n:
                     raise IntegrityError(f"{path.name} is truncated: it shrank while being read")
                 got += n
-    return prefix, data
+    return prefix, parsed, data
 
 
 def _check_size(path: Path, size: int, parsed: Parsed) -> None:

@@ -1,0 +1,138 @@
+"""Recovery is total: whatever one rank finds in its folder, every rank gets the decision within seconds, never a
+dead rank whose peers sit in a gather until the collective timeout (300 s here, the default).
+
+Two real gloo ranks, real files built with gemscout's own writer, the default 300 s collective timeout; each case
+asserts the decision, the restored bytes (bitwise equal to the step's own state) and that ``recover()`` returned on
+both ranks in under 10 s. Rank 1's folder is poisoned with: a ``replicas/owner-x`` folder, a FIFO and a link to
+``/dev/zero`` named like step files, a junk name of non-ASCII digits, headers (digests recomputed) whose identity
+or a dtype is a list; then ``own/`` as a file; then a header forged with recomputed
+digests and another shape, which verifies and then fails to load. The last case is an unexpected error inside
+propose() on rank 1 (the one mock here: every real input is now refused per source, so a bug is simulated by
+making the ledger's summary raise RecursionError): every rank stops with a RecoveryError naming it. The job runs
+with an integrity key, so the keyed path (files, replicas over the wire, peer transfers) is exercised end to end;
+the forgeries here are made inside the job, with its key, so they test the structural checks, not the MAC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qualification.launch import launch
+
+PROGRAM = r"""
+import time; T0 = time.monotonic()
+import hashlib, json, os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+import gemscout
+from gemscout.errors import RecoveryError
+from gemscout.gemini import store
+from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
+    directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10,
+    integrity_key="5e" * 32))
+ck = s.checkpointer
+def digest():
+    h = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values()]:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+at = {}
+for i in range(1, 4):
+    torch.manual_seed(100 + i)
+    model(torch.randn(4, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+    ck.drain(); at[i] = digest()
+own = ck.paths.own
+assert store.step_file(own, 3).read_bytes()[:8] == b"GEMSCKK1"  # keyed: every frame, file and replica, has a MAC
+def lose_memory():
+    if rank == 1:
+        for slot in ck.pool.ready_slots():
+            slot.ready.clear()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+def forged(step, edit):
+    # A header rewritten with gemscout's own writer, its header digest recomputed.
+    parsed, data = store.read_verified(store.step_file(own, 3))
+    doc = json.loads(build_header(parsed.layout, list(parsed.digests), parsed.skeleton, {**parsed.identity, "step": step}))
+    edit(doc)
+    store.write_checkpoint(store.step_file(own, step), frame_prefix(json.dumps(doc).encode()), data, fsync=False)
+print(f"setup {time.monotonic() - T0:.1f}s", flush=True)
+def recover(case):
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        d = s.recover(failure_kind="test")
+    except RecoveryError as exc:
+        d = exc
+    dt = time.monotonic() - t0
+    assert dt < 10, f"{case}: recover took {dt:.1f}s"
+    print(f"case {case}: recover returned in {dt:.2f}s", flush=True)
+    return d
+# A. Poisoned sources beside good ones: each is refused on its own, step 3 restores (rank 1 from its own file).
+if rank == 1:
+    (ck.paths.root / "replicas" / "owner-x").mkdir(parents=True)
+    os.mkfifo(store.step_file(own, 9))
+    os.symlink("/dev/zero", store.step_file(own, 8))
+    forged(7, lambda doc: doc.update(identity=["total", 7]))
+    forged(6, lambda doc: doc["tensors"][0].update(dtype=["float32"]))
+    (own / "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0665.gsc").write_bytes(b"junk")
+lose_memory()
+d = recover("A")
+assert d.step == 3 and d.sources[1] == "local", d
+assert "not a regular file" in d.reason and "symbolic link" in d.reason and "identity" in d.reason, d.reason
+assert digest() == at[3]
+assert 3 in store.list_steps(own) and (rank == 0 or 5 not in store.list_steps(own))
+print("CASE A OK", flush=True)
+# B. own/ is a file: rank 1's step 3 comes from the replica its peer holds.
+if rank == 1:
+    os.rename(own, own.with_name("own-aside")); own.write_text("not a folder")
+lose_memory()
+d = recover("B")
+assert d.step == 3 and d.sources[1] == "peer:0", d
+assert "own folder" in d.reason, d.reason
+assert digest() == at[3]
+if rank == 1:
+    own.unlink(); os.rename(own.with_name("own-aside"), own)
+print("CASE B OK", flush=True)
+# C. A forged header (recomputed digests, another shape) verifies, then cannot be loaded: the ranks decide again.
+if rank == 1:
+    parsed, data = store.read_verified(store.step_file(own, 3))
+    views = parsed.layout.views(data)
+    i = next(i for i, v in enumerate(views) if v.shape == (4, 8))
+    views[i] = views[i].reshape(8, 4)
+    layout = Layout.of(views)
+    header = build_header(layout, tensor_digests(layout, data), parsed.skeleton, parsed.identity)
+    store.write_checkpoint(store.step_file(own, 3), frame_prefix(header), data, fsync=False)
+lose_memory()
+d = recover("C")
+assert d.step == 3 and d.sources[1] == "peer:0", d
+assert "restore failed" in d.reason, d.reason
+assert digest() == at[3]
+print("CASE C OK", flush=True)
+# D. An unexpected error while proposing (simulated, see the module docstring): every rank stops, naming it.
+if rank == 1:
+    def broken():
+        raise RecursionError("maximum recursion depth exceeded")
+    ck.ledger.summary = broken
+d = recover("D")
+assert isinstance(d, RecoveryError) and "rank 1 cannot propose: RecursionError" in str(d), d
+print("CASE D OK", flush=True)
+s.close(); dist.barrier()
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_poisoned_folder_on_one_rank_gives_every_rank_a_decision_within_seconds(tmp_path: Path) -> None:
+    res = launch(["-c", PROGRAM, str(tmp_path / "ckpt")], world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
+    logs = "".join((tmp_path / "logs" / f"rank{r}.attempt0.log").read_text() for r in range(2))
+    assert res.ok, logs
+    for case in "ABCD":
+        assert logs.count(f"CASE {case} OK") == 2, logs
