@@ -17,7 +17,7 @@ from qualification.launch import launch
 
 pytest.importorskip("transformers")
 
-WORLD, FAULT_RANK, FAULT_STEP, FAULT_BLOCK, INTERVAL, STEPS = 4, 2, 3, 1, 2, 6
+WORLD, FAULT_RANK, FAULT_STEP, FAULT_BLOCK, INTERVAL, STEPS = 4, 2, 3, 0, 2, 4
 FAMILIES = ("llama", "gpt2", "qwen2")
 
 

@@ -1,5 +1,6 @@
 """The README's "Use it in a training loop" block runs as written: extracted from README.md, saved as train.py and
-launched the way its first line says (torchrun, 2 gloo ranks), twice on the same checkpoint folder."""
+launched the way its first line says (torchrun, 2 gloo ranks). (A restart on the folder it leaves is what
+tests/e2e/test_examples.py proves for the examples; running it twice here would double the cost.)"""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def torchrun(cwd: Path) -> str:
     return res.stdout
 
 
-@pytest.mark.timeout(320)
-def test_the_readme_training_loop_runs_as_written_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_the_readme_training_loop_runs_as_written(tmp_path: Path) -> None:
     code = snippet()
     assert code.splitlines()[0].startswith("# train.py; run: python -m torch.distributed.run")
     (tmp_path / "train.py").write_text(code)
@@ -41,6 +42,3 @@ def test_the_readme_training_loop_runs_as_written_and_resumes(tmp_path: Path) ->
     # 20 captures on each rank; SCOUT (every 10th step, one block per cycle) has certified step 10 by step 20.
     assert out.count("20 captures; newest verified step: 10") == 2, out
     assert (tmp_path / "ckpt" / "run.json").exists()
-    again = torchrun(tmp_path)  # the same command again: it restores step 20 and has nothing left to train
-    assert again.count("'mode': 'restore', 'step': 20") == 2, again
-    assert again.count("0 captures; newest verified step: 10") == 2, again
