@@ -12,7 +12,9 @@ head here). Every decoder layer is called with keyword arguments — a tuple of 
 Cases: ``healthy`` (every recipe replayed at every cycle: each cycle must certify its own step), ``persistent``
 (``--fault-rank``'s decoder layer ``--fault-block`` adds 1e-3 to its output from ``--fault-step`` on, in training and
 replay: an ordinary forward hook), ``replay`` (one corrupted replay of ``hidden.0`` on ``--fault-rank`` at
-the first step >= ``--fault-step`` where it is due: :class:`qualification.faults.ReplayFault`). Writes ``<out>/rank<r>.json``:
+the first step >= ``--fault-step`` where it is due: :class:`qualification.faults.ReplayFault`), and with
+``--unreplayable FAMILY`` ``unreplayable`` (training on top of a prefix's ``DynamicCache``, which SCOUT must refuse to
+replay, with the reason). Writes ``<out>/rank<r>.json``:
 ``{family: {case: {cycles, reports, decisions, trust, metrics, catalog}}}``.
 """
 
@@ -36,6 +38,7 @@ from qualification.faults import Injector, ReplayFault
 
 FAMILIES = ("llama", "gpt2", "qwen2")
 CASES = ("healthy", "persistent", "replay")
+EXTRA_CASES = ("unreplayable",)
 VOCAB, SEQ, BATCH = 96, 16, 2
 
 
@@ -100,7 +103,7 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int) -> dic
     ckpt = args.out / f"ckpt-{family}-{case}"
     reports: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
-    healthy = case == "healthy"
+    healthy = case in ("healthy", "unreplayable")
     session = gemscout.enable_resiliency(
         ddp,
         opt,
@@ -137,7 +140,17 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int) -> dic
             path = scout.catalog[f"hidden.{args.fault_block}"].modules[0]
             handle = add_to_output(unwrap(ddp).get_submodule(path), 1e-3)
         ids = batch(step, rank)
-        loss = ddp(input_ids=ids, labels=ids).loss
+        if case == "unreplayable":
+            # Training on top of a prefix's cache (prefix caching): each decoder layer gets a cache that already
+            # holds past positions, which SCOUT refuses to replay; it must say so, not report "did not return".
+            import transformers
+
+            cache = transformers.DynamicCache()
+            with torch.no_grad():
+                unwrap(ddp)(input_ids=batch(step + 1000, rank)[:, :4], cache=cache, use_cache=True)
+            loss = ddp(input_ids=ids, labels=ids, cache=cache, use_cache=True).loss
+        else:
+            loss = ddp(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -180,6 +193,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--family", action="append", choices=FAMILIES, help="repeat; default: all")
     ap.add_argument("--case", action="append", choices=CASES, help="repeat; default: all")
+    ap.add_argument("--unreplayable", choices=FAMILIES, help="also run the unreplayable case for this family")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--interval", type=int, default=2, help="ScoutConfig.interval")
     ap.add_argument("--fault-rank", type=int, default=2)
@@ -190,9 +204,11 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    for family in args.family or FAMILIES:
-        for case in args.case or CASES:
-            out.setdefault(family, {})[case] = run_case(family, case, args, rank)
+    pairs = [(family, case) for family in args.family or FAMILIES for case in args.case or CASES]
+    if args.unreplayable:
+        pairs.append((args.unreplayable, "unreplayable"))
+    for family, case in pairs:
+        out.setdefault(family, {})[case] = run_case(family, case, args, rank)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(out, indent=1, default=str))
     dist.barrier()

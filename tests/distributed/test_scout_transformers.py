@@ -24,32 +24,33 @@ FAMILIES = ("llama", "gpt2", "qwen2")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf")
-    res = launch(
-        [
-            "-m",
-            "qualification.programs.hf_rank",
-            "--out",
-            str(out),
-            "--steps",
-            str(STEPS),
-            "--interval",
-            str(INTERVAL),
-            "--fault-rank",
-            str(FAULT_RANK),
-            "--fault-step",
-            str(FAULT_STEP),
-            "--fault-block",
-            str(FAULT_BLOCK),
-        ],
-        world_size=WORLD,
-        timeout_s=240,
-        log_dir=out / "logs",
-    )
+    argv = [
+        "-m",
+        "qualification.programs.hf_rank",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--interval",
+        str(INTERVAL),
+        "--fault-rank",
+        str(FAULT_RANK),
+        "--fault-step",
+        str(FAULT_STEP),
+        "--fault-block",
+        str(FAULT_BLOCK),
+        "--unreplayable",
+        "llama",
+    ]
+    res = launch(argv, world_size=WORLD, timeout_s=280, log_dir=out / "logs")
     assert res.ok, res
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, doc in enumerate(docs):
+        doc["log"] = "".join(p.read_text() for p in sorted((out / "logs").glob(f"rank{r}.*")))
+    return docs
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_healthy_runs_certify_every_cycle(ranks: list[dict], family: str) -> None:
     for r, doc in enumerate(ranks):
@@ -67,7 +68,7 @@ def test_healthy_runs_certify_every_cycle(ranks: list[dict], family: str) -> Non
     assert ranks[0][family]["healthy"]["tied"] is (family != "llama")  # GPT-2 and Qwen2 here tie the head
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_persistent_decoder_layer_fault_is_attributed_within_one_rotation(ranks: list[dict], family: str) -> None:
     blocks = sum(1 for n in ranks[0][family]["persistent"]["catalog"] if n.startswith("hidden."))
@@ -87,7 +88,7 @@ def test_a_persistent_decoder_layer_fault_is_attributed_within_one_rotation(rank
     assert len({json.dumps(d[family]["persistent"]["trust"], sort_keys=True) for d in ranks}) == 1
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_replay_only_fault_is_attributed_and_rejected(ranks: list[dict], family: str) -> None:
     for doc in ranks:
@@ -108,3 +109,29 @@ def _rejected_job_wide(case: dict, detected: int) -> None:
     uncertified = [s for s in trust if decision["step"] < s < detected]
     assert uncertified and all(trust[s] == "rejected" for s in uncertified), trust
     assert detected not in trust, "the contaminated step was captured"
+
+
+@pytest.mark.timeout(300)
+def test_an_input_scout_cannot_replay_is_reported_once_with_its_reason_and_counted(ranks: list[dict]) -> None:
+    """Training on top of a prefix's DynamicCache: every decoder layer's cache already holds past positions. SCOUT
+    must name that reason (not "did not return"), keep those recipes INCONCLUSIVE (nothing certified), still check
+    the rest, log it once per recipe, and count it in session.metrics()."""
+    for r, doc in enumerate(ranks):
+        case = doc["llama"]["unreplayable"]
+        for step, cycle in case["cycles"].items():
+            for name, v in cycle["verdicts"].items():
+                if name.startswith("hidden."):
+                    assert v["verdict"] == "inconclusive", (r, step, name, v)
+                    assert v["reason"].startswith(
+                        f"SCOUT cannot replay '{name}': recipe input kwarg.cache is a DynamicCache whose layer"
+                    ), v["reason"]
+                    assert "already holds 4 past positions" in v["reason"] and "did not return" not in v["reason"]
+                else:
+                    assert v["verdict"] == "agree", (r, step, name, v)
+            assert cycle["certified"] is None
+        assert case["metrics"]["scout.unreplayable_recipes"] == 2
+        assert case["reports"] == []
+    log = ranks[0]["log"]
+    for name in ("hidden.0", "hidden.1"):  # two cycles ran; the lowest peer says it once
+        assert log.count(f"gemscout: SCOUT cannot replay '{name}'") == 1, log[-3000:]
+    assert "SCOUT cannot replay" not in ranks[1]["log"]
