@@ -37,7 +37,7 @@ from gemscout.scout.recipes import Recipe
 
 __all__ = ["CaptureHooks", "Captured", "capture_optimizer", "expand_flat", "flatten_slice", "pack", "unpack"]
 
-WIRE_VERSION = 2  # 2: nested recipe-input specs (gemscout.scout.call_args)
+WIRE_VERSION = 1
 _ALIGN = 64  # payload offsets are aligned so every tensor can be viewed in place with its own dtype
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
 _DTYPES = {str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
