@@ -43,5 +43,17 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy src/gemscout
 
+# The examples users copy (examples/): each run, SIGKILLed mid-run, started again (a requeue) and checked bit for bit
+# against an uninterrupted run by examples/run_kill.py.
+.PHONY: example-ddp example-hf
+example-ddp: $(STAMP)  ## plain DDP on a tiny model, 2 torchrun ranks: kill rank 1, restart, check (both restore modes)
+	rm -rf runs/example-ddp
+	$(BIN)/python examples/run_kill.py --script examples/ddp_tiny.py --work runs/example-ddp \
+		--restore candidate --restore verified -- --scout-interval 2
+
+example-hf: $(STAMP)  ## a transformers Llama (from a config) under DDP, 2 torchrun ranks: kill, restart, check
+	rm -rf runs/example-hf
+	$(BIN)/python examples/run_kill.py --script examples/hf_llama.py --work runs/example-hf --steps 8 --kill-step 5
+
 clean:
 	rm -rf $(VENV) runs bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -87,7 +87,7 @@ def torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str
         "--timeout-s",
         str(p.get("rank_timeout_s", 60)),
     ]
-    if p.get("find_unused_parameters", True):
+    if p.get("find_unused_parameters", False):
         rank_args.append("--find-unused-parameters")
     if p.get("step_sleep"):
         rank_args += ["--step-sleep", str(p["step_sleep"])]

@@ -17,8 +17,8 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
   kills node 0's agent and workers too and starts both agents afresh (a scheduler's requeue). ``expect_failure =
   true``: the run is expected not to finish (torch's shared store and a replacement agent); the keys the agents timed
   out on are observed.
-- ``params``: ``steps`` (8), ``max_restarts`` (1), ``find_unused_parameters`` (true: plain DDP's bucket rebuild
-  breaks bitwise resume at 3+ ranks until that fix lands), ``share_store`` (two nodes; false: every agent runs with
+- ``params``: ``steps`` (8), ``max_restarts`` (1), ``find_unused_parameters`` (false: plain ``DDP(model)``,
+  whose rebuilt buckets gemscout carries across the restart), ``share_store`` (two nodes; false: every agent runs with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see docs/torchrun.md), ``step_sleep`` (s per step), ``rdzv_read_timeout`` (s),
   ``replacement_read_timeout`` (s, the replacement agent's; default the same),
   ``baseline`` (``process``: a separate uninterrupted torchrun run, the default; ``inline``: each rank trains the job

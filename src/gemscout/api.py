@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,7 @@ def enable_resiliency(
     extra_state_fn: Callable[[], Any] | None = None,
     load_extra_state_fn: Callable[[Any], None] | None = None,
     schedulers: Sequence[Any] = (),
+    stateful: Mapping[str, Any] | None = None,
     load_fallback: Callable[[], int] | None = None,
     on_recovery_decision: Callable[[RecoveryDecision], None] | None = None,
     scout: ScoutConfig | None = None,
@@ -150,6 +151,11 @@ def enable_resiliency(
       update (return the state your loop needs to run the next step) and given back on recovery before RNG.
     - ``schedulers``: LR schedulers your loop steps after ``optimizer.step()``; captured, and advanced once on
       restore to replay that step.
+    - ``stateful``: your objects with ``state_dict()`` / ``load_state_dict()`` by name, e.g.
+      ``{"loader": StatefulDataLoader(...)}``: each one's ``state_dict()`` is taken with every capture (inside
+      ``optimizer.step()``, so fetch the step's batch before it) and loaded back on restore, after the schedulers and
+      before ``load_extra_state_fn``. What ``state_dict()`` returns must be tensors, numbers, strings, None, lists,
+      tuples and dicts (nothing is pickled).
     - ``load_fallback``: called on every rank when no gemscout checkpoint can be restored; returns the step it
       restored.
     - ``on_recovery_decision``: receives the :class:`RecoveryDecision` before anything is restored (and a
@@ -176,6 +182,7 @@ def enable_resiliency(
         raise ConfigError("enable_resiliency.checkpoint: pass a gemscout.CheckpointConfig(directory=...)")
     if (extra_state_fn is None) != (load_extra_state_fn is None):
         raise ConfigError("enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither")
+    stateful = _check_stateful(stateful)
     if scout is not None and not isinstance(scout, ScoutConfig):
         raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
     if scout is not None:
@@ -216,6 +223,7 @@ def enable_resiliency(
         extra_state_fn,
         load_extra_state_fn,
         tuple(schedulers),
+        stateful=stateful,
         rank_local=target.framework.value == "deepspeed",
     )
     checkpointer = None
@@ -307,6 +315,27 @@ def enable_resiliency(
     LIVE.add(session)
     _teardown.hold(_close_all)  # while a session is live, destroy_process_group closes it first (gemscout._teardown)
     return session
+
+
+def _check_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``enable_resiliency.stateful`` as a plain dict, or ``ConfigError`` naming the entry that is not a Stateful."""
+    if stateful is None:
+        return {}
+    if not isinstance(stateful, Mapping):
+        raise ConfigError(
+            "enable_resiliency.stateful: pass a dict of name -> object with state_dict() and "
+            f"load_state_dict(), e.g. {{'loader': loader}}; got {type(stateful).__name__}"
+        )
+    for name, obj in stateful.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"enable_resiliency.stateful: names must be non-empty strings, got {name!r}")
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise ConfigError(
+                f"enable_resiliency.stateful[{name!r}]: a {type(obj).__name__} has no state_dict() and "
+                "load_state_dict(); pass an object that has both (torchdata's StatefulDataLoader, "
+                "an LR scheduler, your own class)"
+            )
+    return dict(stateful)
 
 
 def _start_health(

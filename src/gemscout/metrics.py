@@ -55,6 +55,7 @@ def snapshot(session: Session) -> dict[str, Value]:
             "scout.last_cycle_clean": int(last.clean) if last is not None else None,
             "scout.certified_step": _certified(last),
             "scout.quarantined_recipes": len(session.quarantine),
+            "scout.unreplayable_recipes": len(getattr(session.scout, "unreplayable", {})),
         })
     counts: dict[str, Any] = {f"reports.{k.value}": 0 for k in FaultKind}
     for report in session.reports:

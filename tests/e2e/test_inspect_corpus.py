@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from storage_corpus import build, header_doc, rewrite_header  # noqa: E402
 
 
-
 def inspect(*args: str) -> tuple[int, str]:
     """``gemscout inspect`` in-process: its exit code and everything it printed (stdout and stderr together). An
     exception escaping ``main`` is a failure of the one-line promise, turned into its traceback text here."""

@@ -49,7 +49,12 @@ class CheckpointConfig:
     async_copy: bool = True
     """Copy parameters and optimizer state on a background thread that overlaps the next forward/backward."""
     min_trust: TrustState = TrustState.CANDIDATE
-    """Weakest trust state recovery may restore. SCOUT users set RECOVERY_VERIFIED."""
+    """Weakest trust state a restart (and ``session.recover()``) may restore: what a crash costs versus what it
+    trusts. ``CANDIDATE`` (default, with or without SCOUT): the newest capture not rejected — a crash loses at most
+    ``interval`` steps; a candidate SCOUT has not vouched for yet is restored too (a replica whose state diverged is
+    still named by SCOUT's parameter digests after the restart, and the next clean rotation certifies the restored
+    step). ``RECOVERY_VERIFIED``: only a step SCOUT has certified (the validation report's behaviour) — a crash may
+    go back a whole rotation (docs/scout.md, "Trust on restart"). ``DURABLE``: only promoted steps."""
     max_recovery_attempts: int = 3
     """Restores of the same step before it is skipped; when every source is exhausted the decision is STOP."""
     run_id: str | None = None

@@ -4,8 +4,9 @@ Forward recipes are captured by module hooks that do nothing unless the recipe i
 on this rank (only the step's source peer arms anything, and only the recipes due at that step, so the hot path of
 every other forward is one dictionary lookup):
 
-* a forward pre-hook on the recipe's first module copies its inputs, the CPU (and CUDA) RNG state, the autocast
-  context and the train/eval mode — the RNG state is taken *before* the module runs, so replay draws the same
+* a forward pre-hook on the recipe's first module copies its inputs (tensors nested in tuples, lists and dicts,
+  plain values, a transformers ``Cache``: :mod:`~gemscout.scout.call_args`; an input it cannot reproduce makes the
+  capture an error that names it), the CPU (and CUDA) RNG state, the autocast context and the train/eval mode — the RNG state is taken *before* the module runs, so replay draws the same
   dropout masks;
 * a forward hook on the recipe's last module registers a tensor hook on each output that requires grad; the real
   backward hands that hook the output gradient, which is copied. Tensor hooks, not module backward hooks: they see
@@ -31,6 +32,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
+from gemscout.scout.call_args import Unreplayable, encode
 from gemscout.scout.recipes import Recipe
 
 __all__ = ["CaptureHooks", "Captured", "capture_optimizer", "expand_flat", "flatten_slice", "pack", "unpack"]
@@ -107,6 +109,8 @@ class CaptureHooks:
             return Captured(step=step, error=f"no forward of step {step} reached {name!r} on this rank ({why})")
         if captured.step != step:
             return Captured(step=step, error=f"{name!r} was captured for step {captured.step}, not {step}")
+        if captured.error is not None:
+            return captured  # the capture's own reason (an input SCOUT cannot replay), never "did not return"
         if "grad_outputs" not in captured.meta:
             return Captured(step=step, error=f"the forward of {name!r} at step {step} did not return")
         missing = [k for k in captured.meta["grad_outputs"] if f"grad_output.{k}" not in captured.tensors]
@@ -129,26 +133,20 @@ class CaptureHooks:
                 return  # eval forwards run under no_grad and have no backward to check
             captured = Captured(step=step)
             try:
-                specs = [self._spec(f"arg.{i}", value, captured) for i, value in enumerate(args)]
-                kw = {key: self._spec(f"kwarg.{key}", value, captured) for key, value in sorted(kwargs.items())}
+                specs, kw = encode(module, args, kwargs, captured.tensors)
                 device = next((t.device for t in captured.tensors.values()), torch.device("cpu"))
                 captured.tensors["rng.cpu"] = torch.get_rng_state()
                 if device.type == "cuda":
                     captured.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
                 captured.meta.update(args=specs, kwargs=kw, training=module.training,
                                      autocast=_autocast_state(device.type))
-            except TypeError as exc:
-                captured = Captured(step=step, error=str(exc))
+            except Unreplayable as exc:
+                captured = Captured(step=step, error=str(exc), meta={"unreplayable": True})
+            except Exception as exc:  # the live forward must never fail because of SCOUT; the cycle reports it
+                captured = Captured(step=step, error=f"capturing the inputs failed: {type(exc).__name__}: {exc}")
             self._captures[name] = captured  # a later micro-batch replaces an earlier one: last forward wins
 
         return hook
-
-    @staticmethod
-    def _spec(key: str, value: Any, captured: Captured) -> dict[str, Any]:
-        if isinstance(value, torch.Tensor):
-            captured.tensors[key] = value.detach().clone()
-            return {"tensor": key, "grad": bool(value.requires_grad)}
-        return {"value": to_json_value(value, f"recipe input {key}")}
 
     def _post_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -176,12 +174,24 @@ class _GradCopier:
 
 
 def output_tensors(output: Any) -> dict[str, torch.Tensor]:
-    """The tensors a module returned, by key: ``output`` for one tensor, ``output.<i>`` for tuple/list elements."""
+    """The tensors a module returned, by key: ``output`` for one tensor, ``output.<i>[.<j>...]`` for the tensors
+    inside tuples, lists and dicts (a ``ModelOutput`` is a dict), in order; other values are not compared."""
     if isinstance(output, torch.Tensor):
         return {"output": output}
-    if isinstance(output, tuple | list):
-        return {f"output.{i}": t for i, t in enumerate(output) if isinstance(t, torch.Tensor)}
-    return {}
+    found: dict[str, torch.Tensor] = {}
+    _collect(output, "output", found)
+    return found
+
+
+def _collect(value: Any, key: str, found: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        found[key] = value
+    elif isinstance(value, tuple | list):
+        for i, item in enumerate(value):
+            _collect(item, f"{key}.{i}", found)
+    elif isinstance(value, dict):
+        for i, item in enumerate(value.values()):
+            _collect(item, f"{key}.{i}", found)
 
 
 def capture_optimizer(

@@ -41,6 +41,7 @@ from gemscout.errors import ConfigError
 from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer
 from gemscout.scout.comm_probe import JobCollectiveTimer, job_comm_report
 from gemscout.scout.config import ScoutConfig
+from gemscout.scout.consensus import C3Result, Verdict
 from gemscout.scout.cycle import (
     CycleResult,
     combine_groups,
@@ -86,6 +87,9 @@ class Scout(ReplaySeams):
         self._step_handle: RemovableHandle | None = None
         self._next_step = 1
         self._last_cycle_step: int | None = None
+        self.unreplayable: dict[str, str] = {}
+        """Recipes whose inputs SCOUT could not reproduce on the peers, with the newest reason (docs/scout.md,
+        "Capture"); each stays INCONCLUSIVE while it is listed. Counted in ``session.metrics()``."""
 
     # -- setup ------------------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
@@ -285,6 +289,7 @@ class Scout(ReplaySeams):
                 judged.append((group, result))
                 times[name].update(group_times)
             results[name] = combine_groups(name, step, judged)
+        self._name_unreplayable(step, received, results)
         reports = [report for result in results.values() if (report := result.fault_report()) is not None]
         reports += compute_reports(self._detectors, self.config.stragglers, step, results, times, len(ranks))
         timer = self._job_timer
@@ -301,6 +306,23 @@ class Scout(ReplaySeams):
         self._last_cycle_step = step
         return CycleResult(step=step, source_rank=source, peers=self.peers, results=results, replay_s=times,
                            reports=tuple(reports), certified_step=certified, peer_groups=self.peer_groups, **extra)
+
+    def _name_unreplayable(self, step: int, received: Mapping[str, Captured], results: dict[str, Any]) -> None:
+        """A recipe whose inputs SCOUT cannot reproduce (the source's capture says which and why) is INCONCLUSIVE
+        with that reason alone, not the per-rank replay errors it caused; it is logged the first time and counted
+        in :attr:`unreplayable`. Every peer received the same header, so every peer rewrites the same verdicts."""
+        for name in list(results):
+            got = received.get(name)
+            if got is None or not got.meta.get("unreplayable") or got.error is None:
+                continue
+            reason = f"SCOUT cannot replay {name!r}: {got.error}; outputs were not compared"
+            results[name] = C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=reason,
+                                     preconditions_ok=False)
+            if name not in self.unreplayable and self.rank == min(self.peers):
+                log.warning("gemscout: %s (step %d; the recipe stays INCONCLUSIVE and nothing is certified until "
+                            "it can be replayed: fix the input, or leave its kind out of ScoutConfig.recipes)",
+                            reason, step)
+            self.unreplayable[name] = got.error
 
     def _stopped(self, step: int, due: Sequence[Recipe], source: int, reason: str) -> CycleResult:
         # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded for

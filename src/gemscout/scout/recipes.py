@@ -125,6 +125,20 @@ def _find_last(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: st
     return found
 
 
+def _is_norm(module: nn.Module) -> bool:
+    # Model code often brings its own norm class (transformers' LlamaRMSNorm, Qwen2RMSNorm, T5LayerNorm): known by
+    # its name, so the output recipe covers the final norm of those models too, not the head alone.
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def _find_last_norm(model: nn.Module, exclude: str | None) -> str | None:
+    found = None
+    for name, module in model.named_modules():
+        if _is_norm(module) and not _inside(name, exclude):
+            found = name
+    return found
+
+
 def _find_first(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, types) and not _inside(name, exclude):
@@ -260,7 +274,7 @@ def _recipes(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: 
             raise ConfigError("ScoutConfig.head: no nn.Linear head found outside the blocks; name the head "
                               "(e.g. head='lm_head') or drop 'output' from ScoutConfig.recipes")
         _resolve(model, head, "head")
-        norm = config.norm or _find_last(model, _NORM_TYPES, blocks)
+        norm = config.norm or _find_last_norm(model, blocks)
         if norm is not None:
             _resolve(model, norm, "norm")
         recipes.append(Recipe(name="output", kind=RecipeKind.OUTPUT, modules=(head,) if norm is None else (norm, head)))

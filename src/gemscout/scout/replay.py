@@ -32,6 +32,7 @@ from torch._utils import _flatten_dense_tensors
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
+from gemscout.scout.call_args import decode
 from gemscout.scout.capture import Captured, expand_flat, from_json_value, output_tensors
 
 __all__ = ["ReplayContext", "ReplayHook", "ReplayHooks", "ReplayOutcome", "replay_forward", "replay_optimizer"]
@@ -132,8 +133,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor  # type: ignore[no-any-return]
 
 
-def _rebuild(spec: Mapping[str, Any], leaves: Mapping[str, torch.Tensor]) -> Any:
-    return leaves[spec["tensor"]] if "tensor" in spec else from_json_value(spec["value"])
+def _tensor_specs(spec: Any) -> Iterator[Mapping[str, Any]]:
+    """Every tensor spec inside a (nested) recipe-input spec."""
+    if isinstance(spec, dict):
+        if "tensor" in spec:
+            yield spec
+        for nested in (spec.get("tuple") or spec.get("list") or [s for _, s in spec.get("dict", ())]):
+            yield from _tensor_specs(nested)
 
 
 def replay_forward(
@@ -153,7 +159,8 @@ def replay_forward(
     device = next((p.device for p in modules[0].parameters()), torch.device("cpu"))
     inputs = {k: t for k, t in tensors.items() if k.startswith(("arg.", "kwarg."))}
     inputs = ReplayHooks.run(hooks.inputs, ctx, inputs)
-    wants_grad = {spec["tensor"]: spec["grad"] for spec in [*meta["args"], *meta["kwargs"].values()] if "tensor" in spec}
+    wants_grad = {spec["tensor"]: spec["grad"] for top in [*meta["args"], *meta["kwargs"].values()]
+                  for spec in _tensor_specs(top)}
     leaves = {k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
               for k, t in inputs.items()}
     # An activation-checkpoint wrapper (TorchTitan's SelectiveAC / full AC) would recompute the forward during the
@@ -173,8 +180,9 @@ def replay_forward(
                        enabled=bool(autocast["enabled"])),
         torch.enable_grad(),
     ):
-        args = tuple(_rebuild(spec, leaves) for spec in meta["args"])
-        kwargs = {key: _rebuild(spec, leaves) for key, spec in meta["kwargs"].items()}
+        # A cache argument is rebuilt fresh and empty here (call_args): the live one is never handed to the replay.
+        args = tuple(decode(spec, leaves) for spec in meta["args"])
+        kwargs = {key: decode(spec, leaves) for key, spec in meta["kwargs"].items()}
         out = functional_call(modules[0], private[0], args, kwargs)
         for module, named in zip(modules[1:], private[1:], strict=True):
             out = functional_call(module, named, (out,))

@@ -1,15 +1,15 @@
 """Collect and restore everything a step's checkpoint holds.
 
-The captured object is ``{"step", "model", "optimizer", "extra", "schedulers", "rng"}``. Restore order is model,
-optimizer, schedulers, caller state, RNG last — so nothing that draws random numbers while loading can shift the
-trajectory.
+The captured object is ``{"step", "model", "optimizer", "extra", "schedulers", "stateful", "rng"}``. Restore order is
+model, optimizer, schedulers, the caller's ``Stateful`` objects, caller state, RNG last — so nothing that draws random
+numbers while loading can shift the trajectory.
 """
 
 from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gemscout.errors import ConfigError
 from gemscout.state.codec import LocalShard
 
 
@@ -36,6 +37,9 @@ class StateSources:
     extra_state_fn: Callable[[], Any] | None = None
     load_extra_state_fn: Callable[[Any], None] | None = None
     schedulers: Sequence[Any] = field(default_factory=tuple)
+    stateful: Mapping[str, Any] = field(default_factory=dict)
+    """The caller's objects with ``state_dict()`` / ``load_state_dict()`` (a ``StatefulDataLoader``, its own
+    classes), by name: their state is taken with each capture and loaded back on restore."""
     rank_local: bool = False
     """Every rank's state is its own even without DTensors (DeepSpeed ZeRO's fp32 master partition and optimizer
     state): a durable promotion is then collective, each rank writing its own entries; it loads on the same world
@@ -91,6 +95,7 @@ def collect(sources: StateSources, step: int, *, inside_step: bool = True) -> di
         "optimizer": sources.optimizer.state_dict(),
         "schedulers": [s.state_dict() for s in sources.schedulers],
         "extra": sources.extra_state_fn() if sources.extra_state_fn else None,
+        "stateful": {name: obj.state_dict() for name, obj in sources.stateful.items()},
         "rng": capture_rng(),
     }
 
@@ -136,6 +141,14 @@ def restore(sources: StateSources, state: dict[str, Any]) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sched.step()
+    saved = state.get("stateful") or {}
+    missing = sorted(set(sources.stateful) - set(saved))
+    if missing:
+        # Loading the rest would resume with, e.g., the data position of a fresh loader: samples seen twice.
+        raise ConfigError(f"enable_resiliency.stateful: the checkpoint of step {state['step']} holds no state for "
+                          f"{missing} (it has {sorted(saved)}); pass the same names as the run that wrote it")
+    for name, obj in sources.stateful.items():
+        obj.load_state_dict(saved[name])
     if sources.load_extra_state_fn is not None and state["extra"] is not None:
         sources.load_extra_state_fn(state["extra"])
     restore_rng(state["rng"])

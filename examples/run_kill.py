@@ -1,0 +1,114 @@
+"""Crash a gemscout job and prove it resumed exactly: the driver behind ``make example-ddp`` / ``make example-hf``.
+
+1. an uninterrupted run of the example (``torchrun``, its own checkpoint folder): the reference;
+2. the same job with one rank SIGKILLed right after ``--kill-step``; torchrun stops the other rank and exits;
+3. the job started again on the same checkpoint folder — one run per ``--restore`` mode, each on its own copy of the
+   folder the crash left — which resumes from the checkpoint and trains to the end;
+4. ``examples/check_resume.py`` compares every rank bit for bit with the reference (parameters, optimizer state,
+   the digest of the sample ids trained on) and checks the step and source it resumed from.
+
+Step 3 starts a new torchrun, as a scheduler's requeue would. torchrun's own ``--max-restarts`` relaunch is not used:
+on torch 2.13 with gloo the relaunched ranks fail in ``init_process_group`` (the elastic agent reuses its store and
+the new group reads the previous attempt's addresses).
+
+    python examples/run_kill.py --script examples/ddp_tiny.py --work /tmp/gemscout-example
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout_s: float) -> int:
+    """Run ``script`` under torchrun on this machine; its output goes to ``log``. Returns the exit code."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        try:
+            return subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--script", type=Path, required=True, help="the example to run (examples/ddp_tiny.py, ...)")
+    ap.add_argument("--work", type=Path, required=True, help="a fresh folder for checkpoints, outputs and logs")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--kill-rank", type=int, default=1)
+    ap.add_argument("--kill-step", type=int, default=7)
+    ap.add_argument(
+        "--restore",
+        action="append",
+        choices=("candidate", "verified"),
+        help="restart mode(s) to prove, each from its own copy of the crashed job's folder "
+        "(repeat; default: candidate)",
+    )
+    ap.add_argument("--timeout-s", type=float, default=240, help="bound on each torchrun")
+    ap.add_argument("extra", nargs="*", help="more arguments for the example (after --)")
+    args = ap.parse_args()
+    modes = args.restore or ["candidate"]
+    if args.work.exists() and any(args.work.iterdir()):
+        print(f"run_kill: --work {args.work} is not empty; give a fresh folder", file=sys.stderr)
+        return 2
+    common = ["--steps", str(args.steps), *args.extra]
+    t0 = time.monotonic()
+
+    def run(name: str, more: list[str]) -> int:
+        code = torchrun(
+            args.script,
+            args.nproc,
+            [*common, "--ckpt", str(args.work / f"ckpt-{name}"), "--out", str(args.work / name), *more],
+            args.work / "logs" / f"{name}.log",
+            args.timeout_s,
+        )
+        print(f"run_kill: {name}: torchrun exited {code} ({time.monotonic() - t0:.1f} s)")
+        return code
+
+    if run("reference", []) != 0:
+        print(f"run_kill: the uninterrupted run failed; see {args.work / 'logs'}", file=sys.stderr)
+        return 1
+    if run("crashed", ["--kill-rank", str(args.kill_rank), "--kill-step", str(args.kill_step)]) == 0:
+        print("run_kill: the crashed run exited 0: the kill did not happen", file=sys.stderr)
+        return 1
+    for mode in modes:
+        shutil.copytree(args.work / "ckpt-crashed", args.work / f"ckpt-resumed-{mode}")
+        if run(f"resumed-{mode}", ["--restore", mode]) != 0:
+            print(f"run_kill: the restarted run ({mode}) failed; see {args.work / 'logs'}", file=sys.stderr)
+            return 1
+    check = [
+        sys.executable,
+        str(HERE / "check_resume.py"),
+        "--reference",
+        str(args.work / "reference"),
+        "--crashed",
+        str(args.work / "ckpt-crashed"),
+        "--nproc",
+        str(args.nproc),
+    ]
+    for mode in modes:
+        check += ["--resumed", f"{mode}={args.work / f'resumed-{mode}'}"]
+    return subprocess.run(check, env={**os.environ}, timeout=60).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
