@@ -28,7 +28,7 @@ TT := .venv-tt
 $(TT)/.installed: pyproject.toml
 	$(PY) -m venv $(TT)
 	$(TT)/bin/pip install -q 'torch==2.13.0' torchtitan==0.3.0 triton==3.7.1
-	$(TT)/bin/pip install -q -e . 'torch==2.13.0'
+	$(TT)/bin/pip install -q -e '.[qualify]' 'torch==2.13.0'
 	touch $@
 
 test-torchtitan: $(STAMP) $(TT)/.installed  ## TorchTitan Trainer.train() on CPU under gemscout (separate .venv-tt, ~2.2 GB)
