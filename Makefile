@@ -19,7 +19,7 @@ demo: $(STAMP)  ## the quickstart campaign: 3 CPU ranks, SIGKILL at step 4, reco
 	$(BIN)/qualify run quickstart --out runs/quickstart
 
 test: $(STAMP)  ## the whole test suite (unit, real gloo process groups, end-to-end CLI)
-	$(BIN)/pytest -n $(JOBS) --dist worksteal -q tests
+	$(BIN)/pytest -n $(JOBS) --dist worksteal -q --durations=30 tests
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/pytest -q tests/unit

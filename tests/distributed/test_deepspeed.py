@@ -149,7 +149,9 @@ def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_
     res = go("c", "local-c", 8, "--param-groups", "2")  # the promotion's one param group cannot fill two
     assert not res.ok
     logs = " ".join(p.read_text(errors="replace") for p in (tmp_path / "logs" / "c").glob("*.log"))
-    assert "RunMismatchError: durable promotion step-000000006 has param groups of [" in logs, logs[-3000:]
+    assert "RunMismatchError: durable step 6 refused on rank 0: durable promotion step-000000006 has param groups of [" in logs, (
+        logs[-3000:]
+    )
     assert "Traceback" not in logs, logs[-3000:]
 
 

@@ -53,7 +53,10 @@ def test_stalls_and_hang_are_localized_through_the_session(tmp_path: Path) -> No
                   "--io-delay-rank", "0", "--io-delay-s", "0.5", "--delay-from", "3",
                   "--hang-rank", "1", "--hang-step", "9", "--threshold-s", "2", "--ckpt", str(tmp_path / "ckpt"))
     try:
-        evs = wait_for(tmp_path, procs, lambda e: any(x.get("kind") == "hang" for x in e), 90)
+        # The decision is delivered right after the hang report (same thread): wait for both, or the kill below can
+        # land between the two writes.
+        evs = wait_for(tmp_path, procs, lambda e: any(x.get("kind") == "hang" for x in e)
+                       and any(x["type"] == "decision" and x.get("failure_kind") == "hang" for x in e), 90)
     finally:
         for p in procs:
             p.kill()

@@ -132,7 +132,9 @@ def test_verify_text_and_json_say_partial_and_skipped(titan_missing: dict[str, A
     assert _titan(verdict["boundaries"]["notValidated"])["reason"].startswith("skipped: ")
     text = evidence("verify", str(out), "--expected-commit", commit)
     first, verdict_line = text.stdout.splitlines()[:2]
-    assert first.startswith(f"VALID: valid and PASSED-WITH-SKIPS, PARTIAL 3 of {CELLS} cells")
+    # The wording around the result depends on freshness ("valid, X and CURRENT" at the head of main, "valid and X,
+    # but STALE" elsewhere); the result and the scope are the same either way.
+    assert first.startswith("VALID: valid") and f"PASSED-WITH-SKIPS, PARTIAL 3 of {CELLS} cells" in first, first
     assert f"PARTIAL 3 of {CELLS} cells" in verdict_line and not verdict_line.split()[1].startswith("PASSED")
     assert re.search(r"not validated\s+TorchTitan 0\.3\.0.*\[skipped: 2 of 12", text.stdout)
     refused = evidence("verify", str(out), "--expected-commit", commit, "--require-complete")

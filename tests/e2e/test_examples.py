@@ -5,6 +5,7 @@ the sample ids trained on) and checking the step and source it resumed from."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
     assert out.count("from ['local'] (restore)") == 4, out  # a whole-job restart: every rank from its own files
 
 
+@pytest.mark.skipif(
+    not os.environ.get("GEMSCOUT_HEAVY_TESTS"),
+    reason="CI's 30 minutes: SCOUT on transformers models is tested in tests/distributed/test_scout_transformers.py and "
+    "the kill + bitwise restart through the example driver by the DDP example; set GEMSCOUT_HEAVY_TESTS=1",
+)
 @pytest.mark.timeout(300)
 def test_hf_example_resumes_bitwise(tmp_path: Path) -> None:
     """A transformers Llama under DDP: killed after step 5, resumed at 5 from every rank's own files, bitwise equal;
