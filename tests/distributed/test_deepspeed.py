@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 from ds_checks import check_sdc_attributed_and_gated
 
 from qualification.launch import launch
@@ -157,7 +158,7 @@ def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("topology", "grown", "extra"), [("deepspeed-zero1", 3, []),
-                                                        ("deepspeed-zero2", 4, ["--bf16", "--param-groups", "2"])])
+                                                        pytest.param("deepspeed-zero2", 4, ["--bf16", "--param-groups", "2"], marks=heavy("ds_resize_cell-resize-bf16-deepspeed-zero2-*", "topologies", "2 + 4 + 2 DeepSpeed ranks, ~70 s on 2 cores"))])
 def test_durable_tier_resumes_on_another_world_size(tmp_path: Path, topology: str, grown: int,
                                                     extra: list[str]) -> None:
     """A 2-rank job promotes step 4 (per parameter) and every local folder is lost. A job on ``grown`` ranks resumes

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _heavy import heavy
 
 from gemscout.gemini.durable import SIDECAR
 from qualification.launch import launch
@@ -86,6 +87,7 @@ def test_fsdp2_durable_resume_same_and_other_mesh_and_refuse_tampering(tmp_path:
     assert all(r["decision"]["mode"] == "durable" and r["decision"]["step"] == 3 for r in ranks(tmp_path / "d", 2))
 
 
+@heavy("lifecycle-durable-fallback-hsdp-*", "topologies", "4 + 8 HSDP ranks, ~70 s on 2 cores; FSDP2 proves the other-mesh resume")
 @pytest.mark.timeout(400)
 def test_hsdp_durable_resume_after_all_local_storage_is_lost_and_on_another_mesh(tmp_path: Path) -> None:
     durable, a = first_run(tmp_path, "hsdp", 4)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
@@ -19,6 +20,7 @@ def cell(fault: dict) -> dict:
             "timeout_s": 150, "fault": fault, "params": {"steps": 6, "replication": "natural"}}
 
 
+@heavy("lifecycle-natural-*", "topologies", "three 4-rank HSDP launches, ~90 s on 2 cores")
 @pytest.mark.timeout(600)
 def test_hsdp_natural_replicas_recover_bitwise_and_send_less(tmp_path: Path) -> None:
     healthy = run_cell(cell({"kind": "none"}), tmp_path / "healthy")

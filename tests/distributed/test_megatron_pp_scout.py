@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs.megatron_scout_cell import run_cell
@@ -110,6 +111,7 @@ def _check_fault(ranks: list[dict[str, Any]], fault_rank: int, step: int, recipe
 STAGES_1F1B = {0: ["pp0.embedding", "pp0.hidden.0", "pp0.hidden.1"], 1: ["pp1.hidden.0", "pp1.hidden.1", "pp1.output"]}
 
 
+@heavy("megatron_scout_cell-megatron-pp2-*-w4-*", "topologies", "three 4-rank Megatron launches, ~55 s on 2 cores")
 @pytest.mark.timeout(400)
 def test_pp2_dp2_healthy_is_bitwise_and_a_replay_fault_is_detected_in_its_stage_pair(tmp_path: Path) -> None:
     args = LAYOUT + ["--layers", "4"]

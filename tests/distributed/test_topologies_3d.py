@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs._pipeline import replica_of
@@ -160,6 +161,7 @@ def moe(out: Path, world: int, steps: int, *extra: str) -> list[dict[str, Any]]:
     return ranks_of(out, world)
 
 
+@heavy("moe_cell-*-etp-*", "topologies", "8 ranks, ~60 s on 2 cores")
 @pytest.mark.timeout(360)
 def test_moe_expert_tp_detects_in_the_dp_pair_and_checks_the_alltoall(tmp_path: Path) -> None:
     steps, fault_rank, fault_step, recipe = 9, 6, 5, "hidden.1"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _heavy import heavy
 
 from qualification.programs.lifecycle import run_cell
 
@@ -20,7 +21,7 @@ def cell(topology: str, world: int, fault: dict) -> dict:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("topology", "world"), [("fsdp2", 2), ("hsdp", 4)])
+@pytest.mark.parametrize(("topology", "world"), [("fsdp2", 2), pytest.param("hsdp", 4, marks=heavy("lifecycle-*-hsdp-w4-*", "topologies", "4-rank HSDP, ~75 s on 2 cores"))])
 def test_sharded_lifecycle_is_bitwise(tmp_path: Path, topology: str, world: int) -> None:
     healthy = run_cell(cell(topology, world, {"kind": "none"}), tmp_path / "healthy")
     assert healthy["status"] == "passed", healthy

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 
@@ -40,7 +41,7 @@ def run(out: Path, workload: str, *extra: str, world: int = 4,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("workload", ["moe", "cp"])
+@pytest.mark.parametrize("workload", ["moe", pytest.param("cp", marks=heavy("moe_cell-*-cp-*", "topologies", "the CP mesh, ~65 s on 2 cores; the MoE mesh runs the same driver"))])
 def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
     ckpt = tmp_path / "ckpt"
     ok, codes, ranks = run(tmp_path / "scout", workload, "--ckpt", str(ckpt), "--baseline",
