@@ -48,15 +48,21 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         raise ValueError(f"hf_cell: fault.kind must be 'decoder-layer', got {fault.get('kind')!r}")
     steps, interval = int(params.get("steps", 6)), int(params.get("interval", 2))
     rank, step, block = int(fault["rank"]), int(fault["step"]), int(fault.get("block", 1))
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{cell['workload']}, {world} ranks"}]
     out = celldir / "ranks"
+    how = str(cell.get("topology", "ddp"))
+    if how not in ("ddp", "fsdp2"):
+        raise ValueError(f"hf_cell: topology must be 'ddp' or 'fsdp2', got {how!r}")
+    key = str(cell["workload"]) if how == "ddp" else f"{cell['workload']}+{how}"
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{cell['workload']} under {how}, {world} ranks"}
+    ]
     res = launch(
         [
             "-m",
             "qualification.programs.hf_rank",
             "--out",
             str(out),
-            "--family",
+            "--family" if how == "ddp" else f"--{how}",
             str(cell["workload"]),
             "--steps",
             str(steps),
@@ -82,7 +88,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             "timeline": timeline,
             "message": f"ranks failed: {res.returncodes}",
         }
-    ranks = [json.loads((out / f"rank{r}.json").read_text())[str(cell["workload"])] for r in range(world)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text())[key] for r in range(world)]
     healthy = [r["healthy"] for r in ranks]
     persistent, replay = ranks[0]["persistent"], ranks[0]["replay"]
     blocks = sum(1 for n in persistent["catalog"] if n.startswith("hidden."))

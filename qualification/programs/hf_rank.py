@@ -1,4 +1,4 @@
-"""One rank of SCOUT on Hugging Face ``transformers`` causal LMs under plain DDP, several cases in one process.
+"""One rank of SCOUT on Hugging Face ``transformers`` causal LMs under plain DDP or FSDP2, several cases in one process.
 
 A new user's path: a model built from a config (no download), ``DistributedDataParallel``, ``enable_resiliency`` with
 GEMINI and SCOUT, the model's own loss. Process start plus ``import torch, transformers`` costs seconds, so one launch
@@ -14,8 +14,10 @@ Cases: ``healthy`` (every recipe replayed at every cycle: each cycle must certif
 replay: an ordinary forward hook), ``replay`` (one corrupted replay of ``hidden.0`` on ``--fault-rank`` at
 the first step >= ``--fault-step`` where it is due: :class:`qualification.faults.ReplayFault`), and with
 ``--unreplayable FAMILY`` ``unreplayable`` (training on top of a prefix's ``DynamicCache``, which SCOUT must refuse to
-replay, with the reason). Writes ``<out>/rank<r>.json``:
-``{family: {case: {cycles, reports, decisions, trust, metrics, catalog}}}``.
+replay, with the reason). ``--fsdp2 FAMILY`` runs the three cases once more with the model under FSDP2 the way its
+tutorial wraps it: ``fully_shard`` on every decoder layer, then on the root, with no mesh given (torch builds an unnamed
+1-D mesh over the world). Writes ``<out>/rank<r>.json``: ``{key: {case: {cycles, reports, decisions, trust, metrics,
+catalog}}}``, the key being the family, or ``<family>+fsdp2``.
 """
 
 from __future__ import annotations
@@ -96,11 +98,31 @@ def add_to_output(module: nn.Module, delta: float) -> Any:
     return module.register_forward_hook(hook)
 
 
-def run_case(family: str, case: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM of :data:`FAMILIES` (Llama and Qwen2: ``model.layers``; GPT-2: ``h``)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"no decoder layers found on {type(model).__name__}")
+    return layers
+
+
+def wrap(model: nn.Module, how: str) -> nn.Module:
+    if how == "ddp":
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def run_case(family: str, case: str, args: argparse.Namespace, rank: int, how: str = "ddp") -> dict[str, Any]:
     model = build_model(family)
-    ddp = DistributedDataParallel(model)
+    ddp = wrap(model, how)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    ckpt = args.out / f"ckpt-{family}-{case}"
+    ckpt = args.out / f"ckpt-{family}-{how}-{case}"
     reports: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
     healthy = case in ("healthy", "unreplayable")
@@ -109,7 +131,7 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int) -> dic
         opt,
         interval=1,
         checkpoint=gemscout.CheckpointConfig(
-            directory=ckpt, run_id=f"hf-{family}-{case}", fsync=False, keep_generations=8, handle_signals=False
+            directory=ckpt, run_id=f"hf-{family}-{how}-{case}", fsync=False, keep_generations=8, handle_signals=False
         ),
         # healthy: the whole catalog at every cycle, so every clean cycle certifies its own step; fault cases: the
         # default rotation (one block per cycle), so "within one rotation" is what is asserted.
@@ -194,6 +216,7 @@ def main() -> None:
     ap.add_argument("--family", action="append", choices=FAMILIES, help="repeat; default: all")
     ap.add_argument("--case", action="append", choices=CASES, help="repeat; default: all")
     ap.add_argument("--unreplayable", choices=FAMILIES, help="also run the unreplayable case for this family")
+    ap.add_argument("--fsdp2", action="append", choices=FAMILIES, default=[], help="repeat: also run the cases under FSDP2")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--interval", type=int, default=2, help="ScoutConfig.interval")
     ap.add_argument("--fault-rank", type=int, default=2)
@@ -204,11 +227,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    pairs = [(family, case) for family in args.family or FAMILIES for case in args.case or CASES]
+    families = args.family if args.family is not None else ([] if args.fsdp2 else list(FAMILIES))
+    runs = [(family, case, "ddp") for family in families for case in args.case or CASES]
     if args.unreplayable:
-        pairs.append((args.unreplayable, "unreplayable"))
-    for family, case in pairs:
-        out.setdefault(family, {})[case] = run_case(family, case, args, rank)
+        runs.append((args.unreplayable, "unreplayable", "ddp"))
+    runs += [(family, case, "fsdp2") for family in args.fsdp2 for case in args.case or CASES]
+    for family, case, how in runs:
+        key = family if how == "ddp" else f"{family}+{how}"
+        out.setdefault(key, {})[case] = run_case(family, case, args, rank, how)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(out, indent=1, default=str))
     dist.barrier()

@@ -1,5 +1,7 @@
 """SCOUT on Hugging Face transformers models, as a user brings them: Llama, GPT-2 (tied head, dropout) and Qwen2
-built from tiny configs, plain DDP, enable_resiliency with GEMINI and SCOUT, 4 real gloo ranks.
+built from tiny configs, plain DDP, enable_resiliency with GEMINI and SCOUT, 4 real gloo ranks; Llama once more under
+FSDP2 wrapped as its tutorial does (``fully_shard`` per decoder layer, then the root, no mesh given: an unnamed 1-D
+mesh, which SCOUT's topology discovery refused before).
 
 Every decoder layer is called with ``position_embeddings`` (a tuple of tensors), ``position_ids``,
 ``attention_mask=None``, ``use_cache`` and a live ``DynamicCache``; before the capture handled those, every ``hidden.*``
@@ -18,7 +20,7 @@ from qualification.launch import launch
 pytest.importorskip("transformers")
 
 WORLD, FAULT_RANK, FAULT_STEP, FAULT_BLOCK, INTERVAL, STEPS = 4, 2, 3, 0, 2, 4
-FAMILIES = ("llama", "gpt2", "qwen2")
+FAMILIES = ("llama", "gpt2", "qwen2", "llama+fsdp2")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "--fault-block",
         str(FAULT_BLOCK),
         "--unreplayable",
+        "llama",
+        *[arg for family in FAMILIES if "+" not in family for arg in ("--family", family)],
+        "--fsdp2",
         "llama",
     ]
     res = launch(argv, world_size=WORLD, timeout_s=280, log_dir=out / "logs")
@@ -65,7 +70,7 @@ def test_healthy_runs_certify_every_cycle(ranks: list[dict], family: str) -> Non
         assert case["metrics"]["scout.certified_step"] == STEPS
         assert case["metrics"]["scout.unreplayable_recipes"] == 0
         assert all(st == "recovery_verified" for st in case["trust"].values()), case["trust"]
-    assert ranks[0][family]["healthy"]["tied"] is (family != "llama")  # GPT-2 and Qwen2 here tie the head
+    assert ranks[0][family]["healthy"]["tied"] is (family.split("+")[0] != "llama")  # GPT-2, Qwen2 tie the head
 
 
 @pytest.mark.timeout(300)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemscout.gemini.comm import wait_all
-from gemscout.scout.topology import Topology
+from gemscout.scout.topology import Topology, mesh_dims
 
 __all__ = ["CollectiveTimer", "Materializer", "local_tensor", "param_model_dims", "uses_model_dims",
            "without_wrapper_hooks"]
@@ -65,7 +65,7 @@ def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
     no framework is imported."""
     model = set(topology.model_dims)
     if _is_dtensor(param):
-        return model & set(param.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
+        return model & set(mesh_dims(param.device_mesh))  # type: ignore[attr-defined]
     dims = {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
     if getattr(param, "allreduce", True) is False:
         dims.add("ep")
@@ -98,7 +98,7 @@ class Materializer:
 
         assert isinstance(tensor, DTensor)
         mesh = tensor.device_mesh
-        names = tuple(mesh.mesh_dim_names or ())
+        names = mesh_dims(mesh)
         target = [Replicate() if name in self.data_dims else p for name, p in zip(names, tensor.placements, strict=True)]
         with torch.no_grad():
             whole = tensor.redistribute(mesh, target) if list(tensor.placements) != target else tensor
@@ -138,7 +138,7 @@ class Materializer:
         from torch.distributed.tensor import Shard
 
         mesh = tensor.device_mesh  # type: ignore[attr-defined]
-        names = tuple(mesh.mesh_dim_names or ())
+        names = mesh_dims(mesh)
         sharded = [(n, p) for n, p in zip(names, tensor.placements, strict=True)  # type: ignore[attr-defined]
                    if not p.is_replicate()]
         if not set(names) <= self.data_dims or len(sharded) != 1:
@@ -152,7 +152,8 @@ class Materializer:
         from torch.distributed.tensor import Shard
 
         mesh = tensors[0].device_mesh  # type: ignore[attr-defined]
-        size, me = mesh.size(mesh.mesh_dim_names.index(dim)), mesh.get_local_rank(dim)
+        index = mesh_dims(mesh).index(dim)
+        size, me = mesh.size(index), mesh.get_local_rank(index)
         rows = [[Shard.local_shard_size_and_offset(t.shape[0], size, i)[0] for i in range(size)] for t in tensors]
         per_row = [math.prod(t.shape[1:]) for t in tensors]
         lengths = [sum(r[i] * n for r, n in zip(rows, per_row, strict=True)) for i in range(size)]
@@ -163,7 +164,7 @@ class Materializer:
         if locals_:
             torch.cat(locals_, out=mine[: lengths[me]])
         received = [torch.empty_like(mine) for _ in range(size)]
-        wait_all([dist.all_gather(received, mine, group=mesh.get_group(dim), async_op=True)], self.timeout,
+        wait_all([dist.all_gather(received, mine, group=mesh.get_group(index), async_op=True)], self.timeout,
                  "scout parameter gather")
         out, offsets = [], [0] * size
         for tensor, r, n in zip(tensors, rows, per_row, strict=True):

@@ -230,12 +230,24 @@ def derive(*, dims: Sequence[str], shape: Sequence[int], ranks: Sequence[int], d
                     stage_dims=tuple(d for d in dims if d in stage_dims))
 
 
-def _mesh_facts(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+UNNAMED_DIM = "dp"
+
+
+def mesh_dims(mesh: Any) -> tuple[str, ...]:
+    """The dim names of ``mesh``. A 1-D mesh without names is labelled ``("dp",)``: it is what ``fully_shard(model)``
+    builds when it is given no mesh. :func:`discover` accepts that label only when ``fully_shard`` is what shards
+    along the mesh (an unnamed 1-D mesh under TP stays refused). Raises ``ConfigError`` for an unnamed n-D mesh."""
     names = mesh.mesh_dim_names
-    if not names:
-        raise ConfigError("SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
-                          "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
-    return tuple(names), tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    if names:
+        return tuple(names)
+    if mesh.ndim == 1:
+        return (UNNAMED_DIM,)
+    raise ConfigError("SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
+                      "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+
+
+def _mesh_facts(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    return mesh_dims(mesh), tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
 def from_mesh(mesh: Any, *, data_dims: Sequence[str], shard_dims: Sequence[str] = (),
@@ -279,9 +291,7 @@ def _fsdp_data_dims(model: nn.Module) -> set[str] | None:
                               "names") from None
         found = found if found is not None else set()
         for mesh in meshes:
-            if not mesh.mesh_dim_names:
-                raise ConfigError("SCOUT needs named mesh dims: pass mesh_dim_names to init_device_mesh")
-            found.update(mesh.mesh_dim_names)
+            found.update(mesh_dims(mesh))
     return found
 
 
@@ -304,10 +314,12 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
     root = None
     sharded: set[str] = set()
     placements = []
+    unnamed = False
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
         param_mesh = param.device_mesh
+        unnamed = unnamed or not param_mesh.mesh_dim_names
         this_root = param_mesh._get_root_mesh()
         if root is None:
             root = this_root
@@ -329,6 +341,11 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
     if data_dims is None:
         found = _fsdp_data_dims(model)
         data_dims = tuple(sorted(found)) if found else ()
+    if unnamed and UNNAMED_DIM not in data_dims:
+        # An unnamed 1-D mesh that fully_shard does not shard along (TP, say): its dim is no data-parallel dim, and
+        # the label would make SCOUT compare shards that differ by design.
+        raise ConfigError("SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
+                          "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
     for names, kinds in placements:
         sharded.update(n for n, p in zip(names, kinds, strict=True) if not p.is_replicate() and n in data_dims)
     # Sharded pipeline stages (FSDP2 or TP inside each stage): the dims no parameter lives on are the stage dims.
