@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import gemscout
-from gemscout.scout.comm_probe import HOST_ENV, CommProbeConfig
+from gemscout.nodes import HOST_ENV
+from gemscout.scout.comm_probe import CommProbeConfig
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.stragglers import StragglerConfig
 from qualification.faults import CollectiveDelay, Injector, ReplayDelay, ReplayFault, corrupt_module_output

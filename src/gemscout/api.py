@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout import _teardown, elastic
+from gemscout import _teardown, elastic, nodes
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.files import recorded_run_id
 from gemscout.gemini.checkpointer import Checkpointer
@@ -77,7 +77,8 @@ def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout:
 
     recorded = recorded_run_id(config.directory)  # never hangs or raises: a bad run.json reads as none
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    mine = recorded or (elastic if elastic not in ("", "none") else "") or uuid.uuid4().hex
+    launcher = (elastic if elastic not in ("", "none") else "") or os.environ.get("SLURM_JOB_ID", "")
+    mine = recorded or launcher or uuid.uuid4().hex
     chosen = comm.gather_json(mine, group=group, timeout=timeout)
     run_id = next((c for c in chosen if recorded and c == recorded), chosen[0])
     return run_id, False
@@ -232,9 +233,7 @@ def enable_resiliency(
         # An earlier attempt's STOP stands (torchrun would otherwise relaunch into it): before any collective.
         elastic.check_stop(checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID"))
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
-        rpn = checkpoint.ranks_per_node or int(
-            os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world
-        )  # torchrun / deepspeed
+        rpn = checkpoint.ranks_per_node or nodes.ranks_per_node(rep_group, timeout)
         placement = Placement(world, rpn, checkpoint.replication_jump)
         run_id, explicit = _resolve_run_id(checkpoint, rep_group, timeout)
         _check_recorded_run(checkpoint.directory, run_id, explicit)

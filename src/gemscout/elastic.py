@@ -17,6 +17,12 @@ can never be taken for this attempt's. Outside torchrun, or when the agent's sto
 A STOP decision at attach (``RecoveryError``, exit 4) is recorded in ``<checkpoint dir>/STOP.json`` on every rank; a
 later attempt that finds the record stops at once, before any collective, with the same one-line message and exit 4.
 Delete the file (or point the job at a fresh directory) to try again.
+
+**Slurm without torchrun** (``srun python train.py``, one task per GPU): Slurm sets ``SLURM_PROCID`` and
+``SLURM_NTASKS``, not ``RANK`` and ``WORLD_SIZE``. When neither torchrun's variables nor ``rank``/``world_size``/
+``init_method``/``store`` are given, the rank and world size are read from Slurm's; ``MASTER_ADDR`` and ``MASTER_PORT``
+stay the job script's to export (docs/torchrun.md). A requeued job restarts every task, so no per-attempt store is
+needed there.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def init_process_group(
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
         raise ConfigError(f"gemscout.init_process_group.timeout: a positive datetime.timedelta, got {timeout!r}")
     if not under_agent_store():
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        dist.init_process_group(backend, timeout=timeout, **{**_slurm_rank(kwargs), **kwargs})
         return
     given = sorted(k for k in _OWNED if k in kwargs)
     if given:
@@ -86,6 +92,27 @@ def init_process_group(
         )
     store = attempt_store(addr, port, rank, os.environ.get("TORCHELASTIC_RUN_ID", "none"), timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
+def _slurm_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``rank`` and ``world_size`` from a Slurm task's environment, when nothing else names them; else nothing."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or any(k in kwargs for k in _OWNED):
+        return {}
+    values = {name: os.environ.get(name, "") for name in ("SLURM_PROCID", "SLURM_NTASKS")}
+    bad = [f"{name}={raw!r}" for name, raw in values.items() if not raw.isdigit()]
+    if bad:
+        raise ConfigError(
+            f"gemscout.init_process_group: Slurm's {bad[0]} is missing or not a number; launch with srun, or export "
+            "RANK and WORLD_SIZE"
+        )
+    rank, world = int(values["SLURM_PROCID"]), int(values["SLURM_NTASKS"])
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"gemscout.init_process_group: under srun without torchrun, export {' and '.join(missing)} in the job "
+            'script (MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1); any free port)'
+        )
+    return {"rank": rank, "world_size": world}
 
 
 def attempt_store(addr: str, port: int, rank: int, run_id: str, timeout: timedelta) -> dist.Store:

@@ -24,8 +24,6 @@ above localize that).
 from __future__ import annotations
 
 import math
-import os
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -40,11 +38,9 @@ from torch.utils.hooks import RemovableHandle
 from gemscout.config import require, strict_fields
 from gemscout.errors import ConfigError
 from gemscout.gemini.comm import gather_json, wait_all
+from gemscout.nodes import host_name
 from gemscout.scout.reports import FaultReport
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
-
-HOST_ENV = "GEMSCOUT_HOSTNAME"
-"""Overrides the host name a rank reports (tests simulate several hosts on one machine with it)."""
 
 
 @strict_fields
@@ -83,7 +79,7 @@ class CommProbe:
             pg = dist.new_group([a, b], backend="gloo", timeout=config.timeout)
             self.groups[f"pair-{a}-{b}"] = (frozenset((a, b)), pg if self.rank in (a, b) else None)
         self.detector = CommStragglerDetector(config.stragglers)
-        hosts = gather_json(os.environ.get(HOST_ENV) or socket.gethostname(), group=self._world,
+        hosts = gather_json(host_name(), group=self._world,
                             timeout=config.timeout)
         self.rank_to_host = dict(zip(self.ranks, hosts, strict=True))
         self._before: OrderedDict[int, Callable[[str], None]] = OrderedDict()
@@ -118,7 +114,7 @@ class CommProbe:
 
 def gather_hosts(group: dist.ProcessGroup, timeout: timedelta) -> dict[int, str]:
     """Every member's host name (``GEMSCOUT_HOSTNAME`` or the socket's), by global rank. Collective on ``group``."""
-    hosts = gather_json(os.environ.get(HOST_ENV) or socket.gethostname(), group=group, timeout=timeout)
+    hosts = gather_json(host_name(), group=group, timeout=timeout)
     return dict(zip(dist.get_process_group_ranks(group), hosts, strict=True))
 
 

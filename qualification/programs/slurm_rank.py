@@ -1,0 +1,95 @@
+"""One task of a job launched the Slurm way without torchrun (``srun python train.py``).
+
+The environment is what ``srun`` gives a task: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+``SLURM_JOB_ID``, plus the ``MASTER_ADDR`` / ``MASTER_PORT`` a job script exports; no ``RANK``, ``WORLD_SIZE`` or
+``LOCAL_WORLD_SIZE``. Several simulated nodes share this machine through ``GEMSCOUT_HOSTNAME``. The program starts
+with ``gemscout.init_process_group``, trains plain DDP with GEMINI every step, and with ``--kill-step K`` every task
+SIGKILLs itself once step K's capture is replicated (the whole job dies, as before a requeue). Writes
+``<out>/rank<r>.json``: the recovery decision, the resume step, the replica placement and a digest of the final
+parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gemscout
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode() + _raw(t))
+    for idx, st in sorted(optimizer.state_dict()["state"].items()):
+        for key, v in sorted(st.items()):
+            h.update(f"{idx}.{key}".encode() + (_raw(v) if torch.is_tensor(v) else repr(v).encode()))
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    gemscout.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    decisions: list[dict[str, Any]] = []
+    session = gemscout.enable_resiliency(
+        model,
+        optimizer,
+        interval=1,
+        checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, fsync=False, handle_signals=False),
+        on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+    )
+    assert session.checkpointer is not None
+    placement = session.checkpointer.placement
+    for step in range(session.resume_step + 1, args.steps + 1):
+        gen = torch.Generator().manual_seed(step * 101 + rank)
+        x = torch.randn(8, 16, generator=gen)
+        loss = (model(x) - x).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == args.kill_step:
+            session.checkpointer.drain()  # step K's capture is replicated and persisted
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "rank": rank,
+        "run_id": session.checkpointer.run_id,
+        "resume_step": session.resume_step,
+        "decisions": decisions,
+        "ranks_per_node": placement.ranks_per_node,
+        "replica_holder": placement.target(rank),
+        "digest": digest(net, optimizer),
+    }
+    (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1))
+    session.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
