@@ -12,7 +12,6 @@ parameters and optimizer state.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -25,20 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gemscout
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode() + _raw(t))
-    for idx, st in sorted(optimizer.state_dict()["state"].items()):
-        for key, v in sorted(st.items()):
-            h.update(f"{idx}.{key}".encode() + (_raw(v) if torch.is_tensor(v) else repr(v).encode()))
-    return h.hexdigest()
+from qualification.programs.train_rank import state_digest
 
 
 def main() -> None:
@@ -84,7 +70,7 @@ def main() -> None:
         "decisions": decisions,
         "ranks_per_node": placement.ranks_per_node,
         "replica_holder": placement.target(rank),
-        "digest": digest(net, optimizer),
+        "digest": state_digest(net, optimizer),
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1))
     session.close()
