@@ -127,7 +127,7 @@ def main() -> None:
     dist.init_process_group("gloo")  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DistributedDataParallel(TinyLM(), find_unused_parameters=True)
+    model = DistributedDataParallel(TinyLM())  # plain DDP, default arguments
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(Tokens(), num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = StatefulDataLoader(Tokens(), batch_size=4, sampler=sampler)

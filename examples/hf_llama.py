@@ -59,7 +59,7 @@ def main() -> None:
         eos_token_id=1,
         pad_token_id=2,
     )
-    model = DistributedDataParallel(transformers.LlamaForCausalLM(config), find_unused_parameters=True)
+    model = DistributedDataParallel(transformers.LlamaForCausalLM(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = StatefulDataLoader(
         Tokens(), batch_size=4, sampler=DistributedSampler(Tokens(), num_replicas=world, rank=rank, seed=0)
