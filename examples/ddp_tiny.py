@@ -96,6 +96,8 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """SHA-256 over the exact bytes of the parameters, buffers and optimizer state."""
 
     def raw(t: torch.Tensor) -> bytes:
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2, TP): this rank's shard
+            t = t.to_local()
         return t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
 
     h = hashlib.sha256()

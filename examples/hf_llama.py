@@ -1,5 +1,5 @@
-"""A Hugging Face ``transformers`` Llama under plain DDP with gemscout: GEMINI checkpoints, SCOUT replaying its
-decoder layers, the data position restored with the model.
+"""A Hugging Face ``transformers`` Llama under plain DDP (or FSDP2, ``--fsdp2``) with gemscout: GEMINI checkpoints,
+SCOUT replaying its decoder layers, the data position restored with the model.
 
 The model is built from a small config (no download); swap in ``AutoModelForCausalLM.from_pretrained(...)`` and your
 tokenized dataset for real work — nothing else changes. Run it (2 processes, CPU, gloo):
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--restore", choices=("candidate", "verified"), default="candidate")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--fsdp2", action="store_true", help="fully_shard every decoder layer and the model, not DDP")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -59,7 +60,15 @@ def main() -> None:
         eos_token_id=1,
         pad_token_id=2,
     )
-    model = DistributedDataParallel(transformers.LlamaForCausalLM(config))
+    llama = transformers.LlamaForCausalLM(config)
+    if args.fsdp2:  # FSDP2 as its tutorial wraps a transformer; no mesh given: torch builds one over the world
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in llama.model.layers:
+            fully_shard(layer)
+        model = fully_shard(llama)
+    else:
+        model = DistributedDataParallel(llama)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = StatefulDataLoader(
         Tokens(), batch_size=4, sampler=DistributedSampler(Tokens(), num_replicas=world, rank=rank, seed=0)
@@ -98,7 +107,7 @@ def main() -> None:
         "resume_step": session.resume_step,
         "decision": decision,
         "steps": args.steps,
-        "state_digest": state_digest(model.module, optimizer),
+        "state_digest": state_digest(llama, optimizer),  # under FSDP2: this rank's shards
         "samples_digest": samples.digest,
         "samples": samples.count,
         "metrics": metrics,

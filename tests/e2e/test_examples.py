@@ -67,12 +67,15 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
     "the kill + bitwise restart through the example driver by the DDP example; set GEMSCOUT_HEAVY_TESTS=1",
 )
 @pytest.mark.timeout(300)
-def test_hf_example_resumes_bitwise(tmp_path: Path) -> None:
-    """A transformers Llama under DDP: killed after step 5, resumed at 5 from every rank's own files, bitwise equal;
-    the example itself fails unless SCOUT compared every recipe (no unreplayable decoder layer)."""
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_hf_example_resumes_bitwise(tmp_path: Path, wrap: str) -> None:
+    """A transformers Llama under DDP, and under FSDP2 (``fully_shard`` per decoder layer and the root): killed after
+    step 5, resumed at 5 from every rank's own files, bitwise equal; the example itself fails unless SCOUT compared
+    every recipe (no unreplayable decoder layer)."""
     pytest.importorskip("transformers")
+    extra = ["--", "--fsdp2"] if wrap == "fsdp2" else []
     out = run_kill(
-        tmp_path / "work", "--script", "examples/hf_llama.py", "--steps", "8", "--kill-step", "5", timeout_s=280
+        tmp_path / "work", "--script", "examples/hf_llama.py", "--steps", "8", "--kill-step", "5", *extra, timeout_s=280
     )
     assert re.findall(r"resumed at step (\d+) from \['local'\] \(restore\)", out) == ["5", "5"], out
     assert "check_resume: all ranks resumed bitwise" in out
