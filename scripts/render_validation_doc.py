@@ -385,6 +385,11 @@ def render(evidence: Sequence[Evidence], *, commit: str) -> str:
         "dirty tree, not on main, failed, or in which nothing ran. Older bundles (the weekly GPU run, say) can be",
         "passed too: they are verified against their own commit and listed as historical.",
         "",
+        "The bundles committed under `docs/evidence/` are made by `scripts/regenerate_evidence.sh CAMPAIGN...` (a clean",
+        "clone at the commit, each campaign run and verified against it, then this page and the generated blocks",
+        "re-rendered) and committed in the next commit, so they name the commit before the one that holds them; how",
+        "to read that is in `docs/evidence/README.md`.",
+        "",
     ]
     return "\n".join(lines)
 
