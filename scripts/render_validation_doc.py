@@ -237,6 +237,9 @@ def key_observations(cell: dict[str, Any]) -> str:
                  if isinstance(v, str | int | float | bool)][:MAX_OBSERVATIONS]
     if verdict != "passed" and cell.get("reason"):
         parts.insert(0, str(cell["reason"]))
+    recovery = observed.get("fault_to_first_step_s")  # measured from the kill's own record, not asserted
+    if isinstance(recovery, int | float) and not isinstance(recovery, bool):
+        parts.append(f"SIGKILL to first resumed step {recovery:.2f} s (measured)")
     return "; ".join(parts) or "-"
 
 
