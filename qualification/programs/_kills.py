@@ -83,7 +83,6 @@ def sigkill_self_later(
     timer = threading.Timer(
         delay_s, sigkill_self, (out,), {"rank": rank, "step": step, "phase": phase, "attempt": attempt}
     )
-    timer.daemon = True
     timer.start()
     return timer
 

@@ -8,7 +8,9 @@ Faults (all real): ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank 
 ``after-step`` (in the loop, right after optimizer.step), ``in-step`` (between backward and optimizer.step),
 ``capture`` (inside the capture, from the caller-state callback), ``persist``, ``replicate``, ``persist_replica``
 (on GEMINI's io thread, through its phase hook), or ``random:<max_ms>`` (a timer fires a random delay after step S,
-wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test).
+wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test). Each SIGKILL is
+recorded under ``--out`` right before it is sent (:mod:`qualification.programs._kills`), so drivers measure from it;
+``times.first_step_wall`` is when the first step after a restore finished.
 
 Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``pp3``, ``pp3-dp2``, ``pp-dp-ddp``, ``pp-fsdp``: ``--schedule
 gpipe|1f1b``; ``pp-virtual``, ``pp-virtual-dp``: ``--schedule interleaved-1f1b|looped-bfs|interleaved-zb``; ``pp-v``,
