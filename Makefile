@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: setup demo test test-fast test-torchtitan bench lint types clean
+.PHONY: setup demo test test-fast test-torchtitan bench evidence lint types clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-torchtitan: $(STAMP) $(TT)/.installed  ## TorchTitan Trainer.train() on CPU
 
 bench: $(STAMP)  ## GEMINI benchmarks vs memcpy, raw gloo and DCP; JSON in bench-results/
 	$(BIN)/python -m qualification.bench.gemini --out bench-results/gemini.json
+
+CAMPAIGNS ?= quickstart
+evidence: $(STAMP)  ## from a clean clone at HEAD: run CAMPAIGNS, verify, copy to docs/evidence/, re-render the docs
+	PYTHON=$(BIN)/python scripts/regenerate_evidence.sh $(CAMPAIGNS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src qualification tests

@@ -62,6 +62,9 @@ class LaunchResult:
     first_failed: int | None
     duration_s: float
     timed_out: bool
+    detected_wall: float | None = None
+    """``time.time()`` when the launcher first saw a rank exit non-zero (it polls every 50 ms), before its teardown:
+    the launcher's detection, the event a timeline's ``detection`` names."""
 
     @property
     def ok(self) -> bool:
@@ -90,7 +93,7 @@ def launch(
                            log_dir=log_dir, env=env, local_world_size=local_world_size, attempt=attempt, python=python)
         if res.first_failed != 0 or not _port_taken(log_dir / f"rank0.attempt{attempt}.log"):
             break
-    return LaunchResult(res.returncodes, res.first_failed, time.monotonic() - t0, res.timed_out)
+    return LaunchResult(res.returncodes, res.first_failed, time.monotonic() - t0, res.timed_out, res.detected_wall)
 
 
 def _launch_once(
@@ -120,12 +123,14 @@ def _launch_once(
         procs.append(subprocess.Popen([python or sys.executable, *argv], env=penv, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     first_failed: int | None = None
+    detected_wall: float | None = None
     timed_out = False
     while True:
         codes = [p.poll() for p in procs]
         if first_failed is None:
             first_failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
             if first_failed is not None:
+                detected_wall = time.time()
                 _kill_all(procs)
         if all(c is not None for c in codes):
             break
@@ -136,7 +141,7 @@ def _launch_once(
                 p.wait(timeout=10)
             break
         time.sleep(0.05)
-    return LaunchResult([p.returncode for p in procs], first_failed, time.monotonic() - t0, timed_out)
+    return LaunchResult([p.returncode for p in procs], first_failed, time.monotonic() - t0, timed_out, detected_wall)
 
 
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -237,6 +237,9 @@ def key_observations(cell: dict[str, Any]) -> str:
                  if isinstance(v, str | int | float | bool)][:MAX_OBSERVATIONS]
     if verdict != "passed" and cell.get("reason"):
         parts.insert(0, str(cell["reason"]))
+    recovery = observed.get("fault_to_first_step_s")  # measured from the kill's own record, not asserted
+    if isinstance(recovery, int | float) and not isinstance(recovery, bool):
+        parts.append(f"SIGKILL to first resumed step {recovery:.2f} s (measured)")
     return "; ".join(parts) or "-"
 
 
@@ -384,6 +387,11 @@ def render(evidence: Sequence[Evidence], *, commit: str) -> str:
         "artifact and a maintainer commits it. `--require-current` writes nothing for evidence that is stale, from a",
         "dirty tree, not on main, failed, or in which nothing ran. Older bundles (the weekly GPU run, say) can be",
         "passed too: they are verified against their own commit and listed as historical.",
+        "",
+        "The bundles committed under `docs/evidence/` are made by `scripts/regenerate_evidence.sh CAMPAIGN...` (a clean",
+        "clone at the commit, each campaign run and verified against it, then this page and the generated blocks",
+        "re-rendered) and committed in the next commit, so they name the commit before the one that holds them; how",
+        "to read that is in `docs/evidence/README.md`.",
         "",
     ]
     return "\n".join(lines)

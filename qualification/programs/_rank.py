@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from qualification.programs._kills import sigkill_self
+
 
 def finish(out: Path, rank: int, result: dict[str, Any]) -> None:
     """Write ``out/rank<r>.json``, wait for every rank, and exit the process.
@@ -47,12 +49,12 @@ def run(main: Callable[[], None]) -> None:
 
 def fail_stop(session: Any, rank: int, step: int, args: Any) -> None:
     """After ``step``: ``--kill-rank R --kill-step S`` SIGKILLs rank R once its checkpoint of S is out (drained, so the
-    process dies before the next step); ``--sigterm-step S`` sends SIGTERM to rank 0 (GEMINI's handler flushes the
+    process dies before the next step; the kill is recorded under ``args.out`` first); ``--sigterm-step S`` sends SIGTERM to rank 0 (GEMINI's handler flushes the
     newest recoverable state and re-raises; the sleep is never reached)."""
     if rank == args.kill_rank and step == args.kill_step:
         if session is not None and session.checkpointer is not None:
             session.checkpointer.drain()
-        os.kill(os.getpid(), signal.SIGKILL)
+        sigkill_self(args.out, rank=rank, step=step, phase="after-step")
     if rank == 0 and step == getattr(args, "sigterm_step", None):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)

@@ -12,25 +12,25 @@ Transfers are seen by wrapping ``gemscout.gemini.comm.exchange``, which recovery
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+from qualification.programs._kills import sigkill_self
 
 PHASES = ("recover-send", "recover-receive", "recover-restore")
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 @contextmanager
-def armed(phase: str, chunk_bytes: int) -> Iterator[Callable[[], None]]:
+def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callable[[], None]]:
     """Arm ``phase`` for the duration; yields the callback to call from ``load_extra_state_fn`` (it kills only for
-    ``recover-restore``)."""
+    ``recover-restore``). The kill is recorded under ``out`` first (:mod:`qualification.programs._kills`)."""
     if phase not in PHASES:
         raise SystemExit(f"--recovery-kill-phase must be one of {PHASES}, got {phase!r}")
+
+    def _die() -> None:
+        sigkill_self(out, rank=rank, step=None, phase=phase)
     from gemscout.gemini import comm
 
     real = comm.exchange

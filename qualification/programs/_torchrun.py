@@ -17,6 +17,8 @@ from typing import Any
 
 import psutil
 
+from qualification.programs import _kills
+
 RANK_PROGRAM = "qualification.programs.torchrun_rank"
 
 
@@ -39,9 +41,15 @@ class Agent:
         except psutil.NoSuchProcess:
             return []
 
-    def kill_tree(self) -> list[int]:
-        """SIGKILL the agent and every descendant at once (collected first, so a dying agent restarts nothing)."""
+    def kill_tree(self, record: Path | None = None, detail: str = "") -> list[int]:
+        """SIGKILL the agent and every descendant at once (collected first, so a dying agent restarts nothing).
+
+        ``record``: this kill is an injected fault; its event (:mod:`qualification.programs._kills`) is written under
+        that folder, durably, right before the signals (a cleanup or timeout kill passes none)."""
         procs = self.tree()
+        if record is not None:
+            _kills.record(record, rank=None, step=None, phase="node-loss", target_pids=[p.pid for p in procs],
+                          by="driver", detail=detail)
         for p in procs:
             try:
                 p.send_signal(signal.SIGKILL)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from gemscout.scout import StragglerConfig
 from qualification.programs import ds_zero3
+from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -254,7 +255,7 @@ def main() -> None:
 
         def extra() -> dict[str, Any]:
             if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict[str, Any]) -> None:
@@ -285,7 +286,7 @@ def main() -> None:
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    sigkill_self(args.out, rank=rank, step=step, phase=phase)
             session.checkpointer.phase_hook = hook
     if session is not None and session.scout is not None and args.replay_fault_steps:
         from qualification.faults import Injector, fail_at
@@ -331,9 +332,11 @@ def main() -> None:
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
             if killer and step == args.kill_step and args.kill_phase == "in-step":
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=step, phase="in-step")
             losses[step] = loss.item()  # before engine.step(): GEMINI takes caller state at the end of the step
             engine.step()
+        if session is not None:  # the first step trained after the restore (recovery wall time)
+            times.setdefault("first_step_wall", time.time())
         if session is not None and args.certify:
             session.certify(session.step)
         cycle = session.scout.last_result if session is not None and session.scout is not None else None
@@ -344,7 +347,7 @@ def main() -> None:
         if killer and step == args.kill_step and args.kill_phase == "after-step":
             if session is not None and session.checkpointer is not None:
                 session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(args.out, rank=rank, step=step, phase="after-step")
         if rank == 0 and step == args.sigterm_step:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # the handler flushes and re-raises; we never get here

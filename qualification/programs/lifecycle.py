@@ -24,12 +24,17 @@ mode: ``restore``, ``durable``, ``fresh``, ...), ``rank_sources`` (each rank's s
 after; a list when ranks disagree), ``bitwise_equal`` (final state digest of every rank equals the uninterrupted
 run's), ``losses_equal`` (the whole loss trajectory, every rank's, equals the uninterrupted run's: the steps restored
 from the checkpoint's extra state and the ones trained after it), ``replicas_equal``, ``final_step``,
-``decision`` (the RecoveryDecision as a dict), ``rank_exit_codes`` of the failed launch.
+``decision`` (the RecoveryDecision as a dict), ``rank_exit_codes`` of the failed launch; SIGKILL cells also
+``kill`` (the killed rank's own record of its SIGKILL: ``rank``, ``step``, ``phase``, ``wall``; a kill that left no
+record is an error, not a recovery) and, measured from that record: ``fault_to_detection_s`` (to the launcher first
+seeing the exit), ``fault_to_recovery_s`` (to state restored on every rank) and ``fault_to_first_step_s`` (to every
+rank having trained the first step after the restore: the recovery's wall time as the job sees it).
 
-Timeline (seconds since the program started): ``launch`` (the faulted run starts; the fault fires inside it, at a
-moment the rank program does not report yet, so no ``fault`` event is invented), ``detection`` (the launcher saw the
-rank exit and tore the others down), ``node-loss``, ``relaunch``, ``decision`` (attach on the relaunch) and
-``recovery`` (state restored on every rank, at ``resume_step``).
+Timeline (seconds since the program started): ``launch`` (the faulted run starts), ``fault`` (each SIGKILL, at the
+time the killer recorded right before signalling: :mod:`qualification.programs._kills`), ``detection`` (the launcher
+saw the rank exit; its teardown of the others follows), ``node-loss``, ``relaunch``, ``decision`` (attach on the
+relaunch), ``recovery`` (state restored on every rank, at ``resume_step``) and ``first-step`` (every rank has trained
+the first step after the restore).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qualification.launch import launch
+from qualification.launch import LaunchResult, launch
+from qualification.programs import _kills
 from qualification.programs._contract import cell_main
 
 
@@ -78,6 +84,18 @@ def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[s
 
 def _read(out: Path, world: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _detected(timeline_event: Any, result: LaunchResult, what: str) -> None:
+    """The launcher's detection at the moment it saw the exit (its teardown of the others comes after)."""
+    teardown = f"; teardown done {result.duration_s:.2f} s after the launch" if result.detected_wall else ""
+    timeline_event("detection", f"launcher saw {what}{teardown}", result.detected_wall)
+
+
+def _own_kill(out: Path, rank: int) -> dict[str, Any] | None:
+    """The newest kill record of ``rank`` under ``out`` (None: that rank was not killed by the harness)."""
+    mine = [k for k in _kills.read(out) if k.get("rank") == rank]
+    return mine[-1] if mine else None
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -118,16 +136,25 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             extra = ["--sigterm-step", str(fault["step"])]
         else:
             return _result(cell, "error", {}, timeline, f"lifecycle: unknown fault kind {kind!r}")
-        # Not "fault": the fault fires inside this launch, at a moment only the killed rank knows; a timeline
-        # measured from here would charge the training before the kill to detection.
+        # Not "fault": the fault fires inside this launch, at a moment only the killed rank knows; it records that
+        # moment itself, and the fault event is read from its record (a timeline measured from here would charge
+        # the training before the kill to detection).
         event("launch", f"faulted run launched; {kind} {json.dumps(fault, sort_keys=True)} fires inside it")
         first = launch(_rank_argv(celldir / "run", cell, ckpt, extra), world_size=world, timeout_s=timeout,
                        log_dir=logs)
         observed["rank_exit_codes"] = first.returncodes
         if first.ok:
             return _result(cell, "failed", observed, timeline, "the fault did not end the run")
-        event("detection", f"launcher saw rank {first.first_failed} exit with "
-                           f"{first.returncodes[first.first_failed or 0]} and tore down the others (time: teardown done)")
+        _detected(event, first, f"rank {first.first_failed} exit with {first.returncodes[first.first_failed or 0]}")
+        if kind == "sigkill":
+            kill = _own_kill(celldir / "run", int(fault["rank"]))
+            if kill is None:  # some other death ended the run: what follows would not be this cell's recovery
+                return _result(cell, "error", observed, _with_kills(timeline, celldir, wall0),
+                               f"rank {fault['rank']} left no record of its SIGKILL (exit codes {first.returncodes}): "
+                               f"the run ended for another reason; see logs/")
+            observed["kill"] = {k: kill.get(k) for k in ("rank", "step", "phase", "wall")}
+            if first.detected_wall is not None:
+                observed["fault_to_detection_s"] = round(first.detected_wall - kill["wall"], 3)
         if fault.get("node_loss") == "all":  # a fail-stop of the whole job's local storage: the durable tier is left
             lost = sorted(p.name for p in ckpt.glob("node-*"))
             for name in lost:
@@ -146,8 +173,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             observed["recovery_kill_exit_codes"] = again.returncodes
             if again.ok:
                 return _result(cell, "failed", observed, timeline, "the recovery-time kill did not end the run")
-            event("detection", f"rank {second['rank']} killed during recovery ({second['phase']}); exit codes "
-                               f"{again.returncodes}")
+            _detected(event, again, f"rank {again.first_failed} exit during the recovery ({second['phase']}); exit "
+                                    f"codes {again.returncodes}")
             attempt += 1
         if cell.get("params", {}).get("relaunch_ignores_checkpoints"):
             shutil.rmtree(ckpt, ignore_errors=True)  # the negative control: a relaunch that starts from scratch
@@ -157,7 +184,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
                      attempt=attempt)
         if not run.ok:
-            return _result(cell, "failed", observed, timeline, f"relaunch failed: exit codes {run.returncodes}")
+            return _result(cell, "failed", observed, _with_kills(timeline, celldir, wall0),
+                           f"relaunch failed: exit codes {run.returncodes}")
     ranks = _read(celldir / "run", world)
     decision = ranks[0].get("decision") or {}
     if kind != "none":
@@ -176,9 +204,19 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         times = ranks[0].get("times", {})
         event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
                           f"{decision.get('reason')}", times.get("attach_wall"))
-        event("recovery", f"state restored at step {ranks[0]['resume_step']} on {world} ranks",
-              max(r.get("times", {}).get("restored_wall", 0.0) for r in ranks) or None)
-        timeline.sort(key=lambda e: e["t"])
+        restored = max(r.get("times", {}).get("restored_wall", 0.0) for r in ranks) or None
+        event("recovery", f"state restored at step {ranks[0]['resume_step']} on {world} ranks", restored)
+        firsts = [r.get("times", {}).get("first_step_wall") for r in ranks]
+        first_step = max(firsts) if all(isinstance(f, int | float) for f in firsts) else None
+        if first_step is not None:
+            event("first-step", f"every rank trained step {int(ranks[0]['resume_step']) + 1}, the first after the "
+                                f"restore", first_step)
+        kill_wall = (observed.get("kill") or {}).get("wall")
+        if kill_wall is not None and restored is not None:
+            observed["fault_to_recovery_s"] = round(restored - kill_wall, 3)
+        if kill_wall is not None and first_step is not None:
+            observed["fault_to_first_step_s"] = round(first_step - kill_wall, 3)
+        timeline = _with_kills(timeline, celldir, wall0)
     observed["decision"] = decision
     # Rank by rank: with sharded topologies each rank holds its own shard of the uninterrupted run's state.
     observed["bitwise_equal"] = all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks))
@@ -193,6 +231,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     metrics = {"duration_s": round(time.monotonic() - t0, 3), "stats_rank0": ranks[0].get("stats", {})}
     status = "passed" if observed["bitwise_equal"] and observed["losses_equal"] else "failed"
     return _result(cell, status, observed, timeline, "", metrics)
+
+
+def _with_kills(timeline: list[dict[str, Any]], celldir: Path, wall0: float) -> list[dict[str, Any]]:
+    """The timeline with every recorded SIGKILL as a ``fault`` event, in time order."""
+    return sorted(timeline + _kills.timeline_events(_kills.read(celldir / "run"), wall0), key=lambda e: e["t"])
 
 
 def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], timeline: list[dict[str, Any]],

@@ -210,6 +210,8 @@ def main() -> None:
         if cycle is not None and cycle.step == step:
             verdicts[str(step)] = {name: r.verdict.value for name, r in cycle.results.items()}
             due[str(step)] = [r.name for r in session.scout.catalog.due(step)]
+        if session is not None:  # the first step trained after the restore (recovery wall time)
+            times.setdefault("first_step_wall", time.time())
         fail_stop(session, rank, step, args)
     trust = trust_states(session)
     h = hashlib.sha256()

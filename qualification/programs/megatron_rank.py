@@ -252,6 +252,8 @@ def main() -> None:
             cycles[str(step)] = {
                 "verdicts": {n: {"verdict": r.verdict.value, "reason": r.reason} for n, r in result.results.items()},
                 "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
+        if session is not None:  # the first step trained after the restore (recovery wall time)
+            times.setdefault("first_step_wall", time.time())
         fail_stop(session, rank, step, args)
     trust = trust_states(session)
     # Replicas: ranks with the same TP and EP coordinates hold the same shard (test-side comparison; gemscout never

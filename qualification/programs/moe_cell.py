@@ -15,7 +15,9 @@ without gemscout), ``peer_groups``, ``model_dims``, ``sdc_reports`` (SCOUT recip
 ``scope`` / ``group_ranks`` / ``detected_step`` (the first of them), ``decision_before_fault``,
 ``fault_step_rejected``, ``certified_after``, ``a2a_checks`` / ``a2a_clean`` (AllToAll checks run / clean, over every
 rank and step), ``a2a_pairs`` (the [sender, receiver] pairs named, job-wide), ``a2a_step``, ``a2a_step_gated`` (that step not captured, and an ``alltoall`` RecoveryDecision naming an older step), ``resume_step``,
-``killed_exit_code``, ``ranks_agree`` (trust ledgers equal on every rank).
+``killed_exit_code``, ``ranks_agree`` (trust ledgers equal on every rank); ``sigkill`` also ``kill`` (the killed rank's own
+record of its SIGKILL, :mod:`qualification.programs._kills`; none is an error) and ``fault_to_detection_s``. Timeline:
+``fault`` at that record's time, ``detection`` when the launcher saw the exit, ``relaunch``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
+from qualification.programs import _kills
 from qualification.programs._contract import cell_main
 
 
@@ -80,13 +83,15 @@ def _observe(ranks: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, An
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     fault = cell.get("fault", {"kind": "none"})
     kind = fault["kind"]
     timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{cell['workload']}, fault {fault}"}]
     ckpt = celldir / "ckpt"
     extra = ["--ckpt", str(ckpt), "--baseline"]
     killed_code = None
+    kill_record: dict[str, Any] = {}
+    res_killed_detected: float | None = None
     if kind == "replay":
         extra += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
                   "--replay-fault-recipe", str(fault.get("recipe", "hidden.1"))]
@@ -96,8 +101,18 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         res, _ = _launch(cell, celldir / "killed", "--ckpt", str(ckpt), "--kill-rank", str(fault["rank"]),
                          "--kill-step", str(fault["step"]))
         killed_code = res.returncodes[int(fault["rank"])]
-        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "fault",
-                         "detail": f"rank {fault['rank']} exited {killed_code}; relaunching"})
+        res_killed_detected = res.detected_wall
+        kills = [k for k in _kills.read(celldir / "killed") if k.get("rank") == int(fault["rank"])]
+        timeline += _kills.timeline_events(kills, wall0)
+        if res.detected_wall is not None:
+            timeline.append({"t": round(res.detected_wall - wall0, 3), "event": "detection",
+                             "detail": f"launcher saw rank {res.first_failed} exit with {killed_code}"})
+        if not kills:  # some other death ended the run: what follows would not be this cell's recovery
+            return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
+                    "metrics": {}, "timeline": timeline,
+                    "message": f"rank {fault['rank']} left no record of its SIGKILL (exit codes {res.returncodes})"}
+        kill_record = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
+        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "relaunch", "detail": "every rank relaunched"})
     elif kind != "none":
         raise ValueError(f"moe_cell: unknown fault kind {kind!r}")
     res, ranks = _launch(cell, celldir / "ranks", *extra)
@@ -107,11 +122,15 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     obs = _observe(ranks, fault)
     if killed_code is not None:
         obs["killed_exit_code"] = killed_code
+        obs["kill"] = kill_record
+        if res_killed_detected is not None:
+            obs["fault_to_detection_s"] = round(res_killed_detected - kill_record["wall"], 3)
     a2a_s = sorted(res_["seconds"] for r in ranks for results in r["a2a"].values() for res_ in results)
     metrics: dict[str, Any] = {"duration_s": round(time.monotonic() - t0, 3)}
     if a2a_s:
         metrics["a2a_check_median_s"] = round(a2a_s[len(a2a_s) // 2], 4)
     timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {ranks[0]['trust']}"})
+    timeline.sort(key=lambda e: e["t"])
     return {"cell_id": cell["id"], "status": "passed", "observed": obs, "metrics": metrics, "timeline": timeline,
             "message": ""}
 

@@ -20,8 +20,6 @@ and optimizer state); ``--baseline`` adds ``baseline_digest`` from the same step
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import lm_loss, synthetic_batch
@@ -156,7 +155,7 @@ def main() -> None:
             cycles[step] = summary(result)
         if rank == args.kill_rank and step == args.kill_step:
             session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next step
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(args.out, rank=rank, step=step, phase="after-step")
     session.checkpointer.drain()
     doc: dict[str, Any] = {
         "rank": rank, "resume_step": session.resume_step, "losses": {str(k): v for k, v in sorted(losses.items())},

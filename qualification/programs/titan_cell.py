@@ -53,6 +53,7 @@ from typing import Any
 
 from qualification.frameworks import titan_env
 from qualification.launch import LaunchResult, launch
+from qualification.programs import _kills
 from qualification.programs._contract import cell_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,15 +73,17 @@ class _Job:
         self.world, self.celldir, self.python = int(cell["world_size"]), celldir, python
         self.steps = int(params.get("steps", 6))
         self.timeout = float(cell.get("timeout_s", 900))
-        self.t0 = time.monotonic()
+        self.t0, self.wall0 = time.monotonic(), time.time()
         self.timeline: list[dict[str, Any]] = []
         self.common = ["--assets", str(celldir / "assets"), "--steps", str(self.steps),
                        "--seq-len", str(params.get("seq_len", 128)), "--batch", str(params.get("batch", 2)),
                        *TOPOLOGIES[topology], "--pp-schedule", str(params.get("schedule", "1F1B"))]
 
-    def event(self, event: str, detail: str, rank: int | None = None) -> None:
-        self.timeline.append({"t": round(time.monotonic() - self.t0, 3), "event": event, "detail": detail,
+    def event(self, event: str, detail: str, rank: int | None = None, at_wall: float | None = None) -> None:
+        t = at_wall - self.wall0 if at_wall is not None else time.monotonic() - self.t0
+        self.timeline.append({"t": round(t, 3), "event": event, "detail": detail,
                               **({"rank": rank} if rank is not None else {})})
+        self.timeline.sort(key=lambda e: e["t"])
 
     def assets(self) -> None:
         subprocess.run([self.python, "-m", "qualification.frameworks.torchtitan_cpu", str(self.celldir / "assets")],
@@ -194,11 +197,20 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         if killed.ok or killed.first_failed != rank:
             return _error(cell, job.timeline, f"the SIGKILL did not end the run as planned: {killed.returncodes}",
                           observed)
-        job.event("fault", f"rank {rank} SIGKILLed after step {fault['step']} (exit {killed.returncodes[rank]})",
-                  rank)
+        kills = [k for k in _kills.read(celldir / "run") if k.get("rank") == rank]
+        if not kills:  # some other death ended the run: what follows would not be this cell's recovery
+            return _error(cell, job.timeline, f"rank {rank} left no record of its SIGKILL ({killed.returncodes})",
+                          observed)
+        job.timeline = sorted(job.timeline + _kills.timeline_events(kills, job.wall0), key=lambda e: e["t"])
+        observed["kill"] = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
+        if killed.detected_wall is not None:
+            job.event("detection", f"launcher saw rank {rank} exit with {killed.returncodes[rank]}", rank,
+                      killed.detected_wall)
+            observed["fault_to_detection_s"] = round(killed.detected_wall - kills[-1]["wall"], 3)
         if fault.get("node_loss"):
             shutil.rmtree(ckpt / f"node-{rank}")  # ranks_per_node=1: node r is rank r
-            job.event("fault", f"node {rank} lost: its checkpoint folder deleted", rank)
+            job.event("node-loss", f"node {rank} lost: its checkpoint folder deleted", rank)
+        job.event("relaunch", f"{job.world} ranks relaunched")
         first_step, attempt = int(fault["step"]) + 1, 1
     res = job.launch("run", "--ckpt", str(ckpt), *extra, attempt=attempt)
     if not res.ok:

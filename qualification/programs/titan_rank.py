@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import pickle
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from qualification.frameworks import torchtitan_cpu
+from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 
 
@@ -173,7 +173,7 @@ def main() -> None:
                 if session is not None and session.step == args.kill_step:
                     if session.checkpointer is not None:
                         session.checkpointer.drain()  # step S is out (own disk, peer); the process dies now
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
 
             trainer.optimizers.register_step_post_hook(kill)  # after the session's post-hook
     resume = {"resume_step": session.resume_step if session else 0,

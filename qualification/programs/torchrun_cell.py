@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qualification.programs import _kills
 from qualification.programs import _torchrun as tr
 from qualification.programs._contract import cell_main
 from qualification.programs._torchrun import Agent
@@ -155,9 +156,10 @@ def _single_node(
     if lose:
         extra += ["--lose-nodes", ",".join(map(str, lose)), "--lose-attempt", "1"]
     observed: dict[str, Any] = {"kill_step": step, "kill_phase": phase, "lost_nodes": lose}
+    # Not "fault": the kill fires inside this run; the rank records its own SIGKILL and the fault event is read from it.
     event(
-        "fault",
-        f"torchrun --max-restarts={restarts}: rank {rank} SIGKILLed at step {step} ({phase}) in attempt 0"
+        "launch",
+        f"torchrun --max-restarts={restarts}: rank {rank} to SIGKILL itself at step {step} ({phase}) in attempt 0"
         + (f"; node folders {lose} deleted before attempt 1" if lose else ""),
     )
     run = Agent(
@@ -171,6 +173,12 @@ def _single_node(
     by_attempt = tr.attempts(celldir / "run")
     observed["attempts"] = len(by_attempt)
     event("finish", f"torchrun exited {code} after {len(by_attempt)} attempts")
+    wall0 = time.time() - (time.monotonic() - t0)  # the wall time of the driver's t0
+    kills = [k for k in _kills.read(celldir / "run") if k.get("rank") == rank]
+    timeline[:] = sorted(timeline + _kills.timeline_events(kills, wall0), key=lambda e: e["t"])
+    if not kills:  # some other death ended attempt 0: what follows would not be this cell's recovery
+        return _result(cell, "error", observed, timeline, f"rank {rank} left no record of its SIGKILL; see logs/")
+    observed["kill"] = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
     if fault["kind"] == "stop":
         later = {a: recs for a, recs in by_attempt.items() if a >= 1}
         lines = sorted({r.get("error", "") for recs in later.values() for r in recs.values()})
@@ -258,18 +266,23 @@ def _two_nodes(
         if time.monotonic() > deadline or node1.proc.poll() is not None:
             return _result(cell, "error", observed, timeline, f"node 1 never reached step {step}")
         time.sleep(0.05)
-    killed = node1.kill_tree()
+    killed = node1.kill_tree(record=celldir / "run", detail=f"node 1's agent and workers, at step >= {step}")
     shutil.rmtree(celldir / "disk1", ignore_errors=True)
-    event("fault", f"node 1 lost at step >= {step}: agent and workers SIGKILLed (pids {killed}); disk1 deleted")
+    (kill,) = _kills.read(celldir / "run")
+    wall0 = time.time() - (time.monotonic() - t0)  # the wall time of the driver's t0
+    timeline[:] = sorted(timeline + _kills.timeline_events([kill], wall0), key=lambda e: e["t"])
+    observed["kill"] = {k: kill.get(k) for k in ("rank", "step", "phase", "wall")}
+    event("node-loss", f"node 1 lost: agent and workers SIGKILLed (pids {killed}); disk1 deleted")
     if replace == "requeue":
-        node0.kill_tree()
-        event("fault", "requeue: node 0's agent and workers killed too; both agents started afresh")
+        node0.kill_tree(record=celldir / "run", detail="requeue: node 0's agent and workers too")
+        event("requeue", "node 0's agent and workers SIGKILLed too; both agents started afresh")
         time.sleep(1.0)
         node0 = agent(0, "b")
         time.sleep(1.0)
     else:
         time.sleep(2.0)
     node1 = agent(1, "b")
+    event("relaunch", "replacement agent for node 1 started")
     codes = [node0.wait(deadline), node1.wait(deadline)]
     observed["torchrun_exit"] = codes
     event("finish", f"agents exited {codes}")

@@ -23,9 +23,7 @@ import json
 import os
 import random
 import shutil
-import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qualification.programs._kills import sigkill_self, sigkill_self_later
 from qualification.programs._rank import finish
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import build_model, lm_loss, synthetic_batch
@@ -122,7 +121,7 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
 
         def extra() -> dict[str, Any]:
             if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture", attempt=attempt)
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict[str, Any]) -> None:
@@ -145,7 +144,7 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
 
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    sigkill_self(args.out, rank=rank, step=step, phase=phase, attempt=attempt)
 
             session.checkpointer.phase_hook = hook
     start = session.resume_step + 1 if session else 1
@@ -155,7 +154,7 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if killer and step == args.kill_step and args.kill_phase == "in-step":
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(args.out, rank=rank, step=step, phase="in-step", attempt=attempt)
         losses[step] = loss.item()
         opt.step()
         sched.step()
@@ -163,10 +162,10 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
             if args.kill_phase == "after-step":
                 if session is not None and session.checkpointer is not None:
                     session.checkpointer.drain()
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=step, phase="after-step", attempt=attempt)
             elif args.kill_phase.startswith("random:"):
                 delay = random.Random(args.seed).uniform(0, float(args.kill_phase.split(":")[1]) / 1000)
-                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                sigkill_self_later(args.out, delay, rank=rank, step=step, phase=args.kill_phase, attempt=attempt)
         (args.out / "progress").mkdir(parents=True, exist_ok=True)
         (args.out / "progress" / f"rank{rank}").write_text(str(step))  # where a driver's external kill lands
         if args.step_sleep:

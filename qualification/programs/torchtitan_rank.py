@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import runpy
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from qualification.programs._kills import sigkill_self
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -77,7 +77,7 @@ def main() -> None:
                 def kill(opt: Any, a: Any, k: Any) -> None:
                     if session is not None and session.step == args.kill_step and session.checkpointer:
                         session.checkpointer.drain()
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
                 self.optimizers.register_step_post_hook(kill)  # after the session's post-hook: the step is captured
         resume = session.resume_step if session else 0
         original(self)

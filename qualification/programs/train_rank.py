@@ -8,7 +8,9 @@ Faults (all real): ``--kill-rank R --kill-step S --kill-phase P`` SIGKILLs rank 
 ``after-step`` (in the loop, right after optimizer.step), ``in-step`` (between backward and optimizer.step),
 ``capture`` (inside the capture, from the caller-state callback), ``persist``, ``replicate``, ``persist_replica``
 (on GEMINI's io thread, through its phase hook), or ``random:<max_ms>`` (a timer fires a random delay after step S,
-wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test).
+wherever the rank then is). ``--sigterm-step S`` sends SIGTERM to itself after step S (flush test). Each SIGKILL is
+recorded under ``--out`` right before it is sent (:mod:`qualification.programs._kills`), so drivers measure from it;
+``times.first_step_wall`` is when the first step after a restore finished.
 
 Pipeline topologies (``pp``, ``pp-dp``, ``pp-dp3``, ``pp3``, ``pp3-dp2``, ``pp-dp-ddp``, ``pp-fsdp``: ``--schedule
 gpipe|1f1b``; ``pp-virtual``, ``pp-virtual-dp``: ``--schedule interleaved-1f1b|looped-bfs|interleaved-zb``; ``pp-v``,
@@ -24,7 +26,6 @@ import hashlib
 import os
 import random
 import signal
-import threading
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qualification.programs._kills import sigkill_self, sigkill_self_later
 from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline, replica_of
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_faults import armed
@@ -197,7 +199,7 @@ def main() -> None:
 
         def extra() -> dict:
             if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict) -> None:
@@ -213,7 +215,8 @@ def main() -> None:
             when_busy=args.when_busy,
         )
         t_attach = time.time()
-        injector = armed(args.recovery_kill_phase, args.chunk_bytes) if killer and args.recovery_kill_phase \
+        injector = armed(args.recovery_kill_phase, args.chunk_bytes, args.out, rank) \
+            if killer and args.recovery_kill_phase \
             else nullcontext(lambda: None)
         with injector as in_restore:
             session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg,
@@ -231,7 +234,7 @@ def main() -> None:
         if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    sigkill_self(args.out, rank=rank, step=step, phase=phase)
             session.checkpointer.phase_hook = hook
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
@@ -244,20 +247,22 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss.backward()
         if killer and step == args.kill_step and args.kill_phase == "in-step":
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(args.out, rank=rank, step=step, phase="in-step")
         losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
         opt.step()
         sched.step()
+        if step == start and session is not None:  # the first step trained after the restore (recovery wall time)
+            times["first_step_wall"] = time.time()
         if session is not None and args.certify and session.step % args.interval == 0:
             session.certify(session.step)
         if killer and step == args.kill_step:
             if args.kill_phase == "after-step":
                 if session is not None and session.checkpointer is not None:
                     session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-                os.kill(os.getpid(), signal.SIGKILL)
+                sigkill_self(args.out, rank=rank, step=step, phase="after-step")
             elif args.kill_phase.startswith("random:"):
                 delay = random.Random(args.kill_seed).uniform(0, float(args.kill_phase.split(":")[1]) / 1000)
-                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                sigkill_self_later(args.out, delay, rank=rank, step=step, phase=args.kill_phase)
         if rank == 0 and step == args.sigterm_step:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # the handler flushes and re-raises; we never get here

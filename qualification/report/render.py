@@ -28,7 +28,7 @@ from qualification.report.svg import EVENT_COLOURS, TimelineMark, timeline_strip
 TEMPLATE = "report.html.j2"
 VERDICTS = ("passed", "failed", "skipped", "measured")
 _PHASES = (("fault", "detection"), ("detection", "relaunch"), ("relaunch", "decision"), ("detection", "decision"),
-           ("decision", "recovery"), ("fault", "recovery"), ("detection", "recovery"))
+           ("decision", "recovery"), ("fault", "recovery"), ("detection", "recovery"), ("fault", "first-step"))
 """Latencies between the first occurrences of two events, shown only when the cell recorded both, in that order: a
 phase is measured from the event it names, never from a stand-in."""
 

@@ -41,6 +41,12 @@ def test_quickstart_kill_with_node_loss_recovers_from_peer_replica(tmp_path: Pat
     assert obs["rank_sources"] == ["local", "peer:2", "local"] and obs["killed_rank_source"] == "peer"
     assert obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["rank_exit_codes"][1] == -9
+    # The timeline runs from the kill's own record (taken by rank 1 right before os.kill), not from the launch.
+    assert obs["kill"]["rank"] == 1 and obs["kill"]["step"] == 4 and obs["kill"]["phase"] == "after-step"
+    assert 0 <= obs["fault_to_detection_s"] < obs["fault_to_recovery_s"] <= obs["fault_to_first_step_s"], obs
+    events = {e["event"]: e["t"] for e in reversed(result["timeline"])}  # each event's first occurrence
+    assert events["launch"] < events["fault"] <= events["detection"] < events["relaunch"] < events["first-step"]
+    assert abs((events["first-step"] - events["fault"]) - obs["fault_to_first_step_s"]) < 0.01
 
 
 PHASES = ["in-step", "after-step", "capture", "persist", "replicate", "persist_replica", "random:40"]

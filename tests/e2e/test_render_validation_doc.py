@@ -225,3 +225,17 @@ def test_bad_usage_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = _render(tmp_path / "missing", "--expected-commit", "abc", "--out", tmp_path / "validation.md")
     assert done.returncode == 2
     assert done.stderr.startswith("render_validation_doc: error: ") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_kill_cell_shows_its_measured_recovery_time_apart_from_its_checks() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_validation_doc", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("render_validation_doc", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    cell = _cell("kill", "passed", {"recovered_step": 4, "fault_to_first_step_s": 17.573}, {"recovered_step": 4})
+    assert module.key_observations(cell) == "recovered_step=4; SIGKILL to first resumed step 17.57 s (measured)"
+    cell["observed"]["fault_to_first_step_s"] = True  # not a number: never shown as one
+    assert module.key_observations(cell) == "recovered_step=4"

@@ -60,6 +60,11 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     assert obs["mode"] == "restore" and obs["recovered_step"] == 3
     assert obs["sources"] == ["local", "peer:0"]
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["replicas_equal"] and obs["final_step"] == 6
+    # The fault event is rank 1's own record of its SIGKILL, not the moment the driver launched torchrun.
+    assert (obs["kill"]["rank"], obs["kill"]["step"], obs["kill"]["phase"]) == (1, 3, "after-step")
+    (fault_event,) = [e for e in result["timeline"] if e["event"] == "fault"]
+    launched = next(e["t"] for e in result["timeline"] if e["event"] == "launch")
+    assert fault_event["rank"] == 1 and fault_event["t"] > launched
     assert not _left_behind(tmp_path)
 
 
