@@ -3,7 +3,7 @@ in the cell directory, so the evidence bundle seals the figures with the commit 
 
 ``params``: ``bench`` (``gemini``, default: 2 CPU ranks; ``gemini_cuda``: the capture on one GPU vs the raw pinned
 copy, ``device`` "cuda" or "cpu" for a dry run), ``sizes_mib`` (default "64"; "256,1024" for ``gemini_cuda``),
-``quick`` (bool: a ~4 MiB smoke run of ``gemini``), ``steps``. Observed: every ratio the
+``quick`` (bool: a ~4 MiB smoke run of ``gemini``), ``steps``; ``goodput``: ``steps``, ``fail_every``, ``state_mib``. Observed: every ratio the
 benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met), and ``targets``
 (each met or missed). The cell is MEASURED, never PASSED, when the program ran and produced every ratio: each target
 is reported met or missed, and a claim the cell backs holds only when all were met — figures from a shared 2-core
@@ -22,7 +22,7 @@ from typing import Any
 
 from qualification.programs._contract import cell_main
 
-BENCHES = ("gemini", "gemini_cuda")
+BENCHES = ("gemini", "gemini_cuda", "goodput")
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -39,6 +39,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         argv += ["--quick"] if p.get("quick") else ["--sizes-mib", str(p.get("sizes_mib", "64"))]
         if "steps" in p:
             argv += ["--steps", str(p["steps"])]
+    elif bench == "goodput":
+        argv += ["--scratch", str(celldir / "scratch")]
+        for key in ("steps", "fail_every", "state_mib"):
+            if key in p:
+                argv += [f"--{key.replace('_', '-')}", str(p[key])]
     else:
         argv += ["--sizes-mib", str(p.get("sizes_mib", "256,1024")), "--device", str(p.get("device", "cuda"))]
     (celldir / "scratch").mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,183 @@
+"""Goodput benchmark: a training run with a failure schedule, gemscout beside what users do today, in one command.
+
+Every arm is the same DDP job (2 CPU ranks, gloo, :mod:`qualification.bench.goodput_rank`) launched through
+``python -m torch.distributed.run --max-restarts``, with the same steps and the same schedule of SIGKILLs (one rank
+every ``--fail-every`` steps, killed inside the step). Measured side by side, one arm after the other:
+
+- ``none``: no checkpoint and no failure. Its median step time is the ideal; its wall time the ideal run.
+- ``gemscout``: ``enable_resiliency`` at its defaults.
+- ``dcp``: ``torch.distributed.checkpoint.async_save`` every N steps, restart from the newest complete save. N comes
+  from the Young/Daly rule, ``sqrt(2 x C x MTBF)``, with C the measured blocking cost of one save (a calibration
+  launch) and MTBF the schedule's time between failures.
+- ``torchft``: not run (see ``skipped`` in the JSON).
+
+Per arm: wall time, goodput (the ideal run's useful step time over the arm's wall time), and wasted time per failure
+((wall - ideal wall) / failures: lost steps, restarts and checkpoint cost together). Every arm's final state must
+equal the ideal run's bit for bit, or the arm counts as failed. The ratio the target is about:
+``wasted_ratio`` = gemscout's wasted time per failure / DCP's (target <= 0.2).
+
+Exit codes: 0 the benchmark ran (the target may be missed: the JSON says so), 1 an arm failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from qualification.errors import QualificationError, UsageError
+from qualification.launch import free_port
+
+WORLD = 2
+TARGET_WASTED_RATIO = 0.2
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m qualification.bench.goodput", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--out", type=Path, default=Path("bench-results/goodput.json"))
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--fail-every", type=int, default=15, help="a SIGKILL during every this-many-th step")
+    ap.add_argument("--state-mib", type=float, default=32, help="params + AdamW state per rank")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--timeout-s", type=float, default=300, help="bound on each torchrun")
+    ap.add_argument("--scratch", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.steps < 4 or not 2 <= args.fail_every < args.steps or args.state_mib <= 0:
+        raise UsageError("--steps >= 4, 2 <= --fail-every < --steps and --state-mib > 0")
+    args.fail_steps = list(range(args.fail_every, args.steps, args.fail_every))
+    return args
+
+
+def torchrun(args: argparse.Namespace, arm: str, work: Path, *, fails: list[int], dcp_every: int = 1) -> dict[str, Any]:
+    """One arm's job; its wall time and rank 0's event log."""
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "events.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORLD}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={len(fails)}",
+           "-m", "qualification.bench.goodput_rank", "--arm", arm, "--work", str(work), "--events", str(log),
+           "--steps", str(args.steps), "--fail-steps", ",".join(map(str, fails)), "--dcp-every", str(dcp_every),
+           "--state-mib", str(args.state_mib), "--batch", str(args.batch)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    with (work / "torchrun.log").open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+            proc.wait()
+            raise QualificationError(f"goodput arm {arm}: no end within {args.timeout_s:g} s; see {out.name}") from None
+    wall = time.monotonic() - t0
+    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    done = [e for e in events if e["event"] == "done"]
+    if proc.returncode != 0 or not done:
+        raise QualificationError(f"goodput arm {arm}: torchrun exited {proc.returncode}; see {work / 'torchrun.log'}")
+    return {"wall_s": wall, "events": events, "digest": done[-1]["digest"]}
+
+
+def step_times(events: list[dict[str, Any]]) -> list[float]:
+    """Seconds between consecutive steps of one attempt (restarts excluded)."""
+    out, last = [], None
+    for e in events:
+        if e["event"] == "start":
+            last = None
+        elif e["event"] == "step":
+            if last is not None:
+                out.append(e["t"] - last)
+            last = e["t"]
+    return out
+
+
+def arm_summary(name: str, run: dict[str, Any], ideal: dict[str, Any], failures: int) -> dict[str, Any]:
+    starts = [e for e in run["events"] if e["event"] == "start"]
+    return {
+        "arm": name,
+        "wall_s": round(run["wall_s"], 3),
+        "goodput": round(ideal["useful_s"] / run["wall_s"], 4),
+        "wasted_per_failure_s": round((run["wall_s"] - ideal["wall_s"]) / failures, 3) if failures else None,
+        "attempts": len(starts),
+        "resume_steps": [e["resume"] for e in starts[1:]],
+        "bitwise_equal_to_ideal": run["digest"] == ideal["digest"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    scratch = Path(tempfile.mkdtemp(prefix="gemscout-goodput-", dir=args.scratch))
+    # The scratch folder stays when an arm fails: its logs say why.
+    base = torchrun(args, "none", scratch / "none", fails=[])
+    t_step = statistics.median(step_times(base["events"]))
+    ideal = {"wall_s": base["wall_s"], "useful_s": t_step * args.steps, "digest": base["digest"]}
+    calib = torchrun(args, "calibrate", scratch / "calibrate", fails=[])
+    save_cost = statistics.median(e["blocking_s"] for e in calib["events"] if e["event"] == "save")
+    mtbf = args.fail_every * t_step
+    interval = math.sqrt(2 * save_cost * mtbf)  # Young/Daly
+    dcp_every = max(1, min(args.steps, round(interval / t_step)))
+    gem = torchrun(args, "gemscout", scratch / "gemscout", fails=args.fail_steps)
+    dcp = torchrun(args, "dcp", scratch / "dcp", fails=args.fail_steps, dcp_every=dcp_every)
+    shutil.rmtree(scratch, ignore_errors=True)
+    failures = len(args.fail_steps)
+    arms = [arm_summary("gemscout", gem, ideal, failures), arm_summary("dcp", dcp, ideal, failures)]
+    wasted = {a["arm"]: a["wasted_per_failure_s"] for a in arms}
+    ratio = wasted["gemscout"] / wasted["dcp"] if wasted["dcp"] and wasted["dcp"] > 0 else None
+    bitwise = all(a["bitwise_equal_to_ideal"] for a in arms)
+    return {
+        "benchmark": "goodput",
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "world_size": WORLD,
+        "steps": args.steps,
+        "fail_steps": args.fail_steps,
+        "state_mib": args.state_mib,
+        "ideal": {"step_s": round(t_step, 5), "wall_s": round(base["wall_s"], 3)},
+        "dcp_rule": {"save_blocking_s": round(save_cost, 5), "mtbf_s": round(mtbf, 3), "every_steps": dcp_every},
+        "arms": arms,
+        "skipped": {"torchft": "torchft 0.2.0 is on the package index and installs here, but its arm (a lighthouse, "
+                               "a Manager per replica group, live recovery from a healthy replica) is not written yet"},
+        # The shape bench_cell reads: one "size" with its ratios and targets.
+        "sizes": [{
+            "state_mib": args.state_mib,
+            "ratios": {"wasted_ratio": round(ratio, 4) if ratio is not None else None,
+                       "goodput_gemscout": arms[0]["goodput"], "goodput_dcp": arms[1]["goodput"]},
+            "met": {"wasted_ratio": ratio is not None and ratio <= TARGET_WASTED_RATIO and bitwise},
+        }],
+        "bitwise_equal_to_ideal": bitwise,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+        doc = run(args)
+    except UsageError as exc:
+        print(f"goodput: {exc}", file=sys.stderr)
+        return 2
+    except QualificationError as exc:
+        print(f"goodput: {exc}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"ideal step {doc['ideal']['step_s'] * 1e3:.1f} ms; DCP async_save every {doc['dcp_rule']['every_steps']} "
+          f"steps (blocking {doc['dcp_rule']['save_blocking_s'] * 1e3:.1f} ms per save, Young/Daly)")
+    for arm in doc["arms"]:
+        print(f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
+              f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}")
+    ratio = doc["sizes"][0]["ratios"]["wasted_ratio"]
+    print(f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
