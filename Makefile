@@ -37,6 +37,9 @@ test-torchtitan: $(STAMP) $(TT)/.installed  ## TorchTitan Trainer.train() on CPU
 bench: $(STAMP)  ## GEMINI benchmarks vs memcpy, raw gloo and DCP; JSON in bench-results/
 	$(BIN)/python -m qualification.bench.gemini --out bench-results/gemini.json
 
+bench-goodput: $(STAMP)  ## goodput under a SIGKILL schedule: gemscout vs DCP async_save (Young/Daly); JSON in bench-results/
+	$(BIN)/python -m qualification.bench.goodput --out bench-results/goodput.json
+
 CAMPAIGNS ?= quickstart
 evidence: $(STAMP)  ## from a clean clone at HEAD: run CAMPAIGNS, verify, copy to docs/evidence/, re-render the docs
 	PYTHON=$(BIN)/python scripts/regenerate_evidence.sh $(CAMPAIGNS)
