@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gemscout._modules import unwrap
 from gemscout.errors import ConfigError
 from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer
 from gemscout.scout.comm_probe import JobCollectiveTimer, job_comm_report
@@ -55,7 +56,7 @@ from gemscout.scout.exchange import PeerExchange
 from gemscout.scout.fsdp_comms import FsdpCollectiveTimer, build_job_timer
 from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
 from gemscout.scout.mesh_cycle import MeshCycle
-from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
+from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params
 from gemscout.scout.replay import ReplayContext, replay_forward, replay_optimizer
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.seams import ReplaySeams
