@@ -25,10 +25,7 @@ and the records gathered over the whole mesh so every rank judges every group.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,24 +45,19 @@ from gemscout.scout.cycle import (
     combine_groups,
     inconclusive,
     judge_gathered,
-    param_digest,
-    precondition_for,
 )
-from gemscout.scout.digests import digest_many
 from gemscout.scout.exchange import PeerExchange
 from gemscout.scout.fsdp_comms import FsdpCollectiveTimer, build_job_timer
-from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
+from gemscout.scout.local_replay import LocalReplay
 from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params
-from gemscout.scout.replay import ReplayContext, replay_forward, replay_optimizer
+from gemscout.scout.replay import ReplayContext
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.seams import ReplaySeams
 from gemscout.scout.stragglers import (
     CommStragglerDetector,
     ComputeStragglerDetector,
     compute_reports,
-    run_queue_seconds,
-    waited_since,
 )
 from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
@@ -166,6 +158,17 @@ class Scout(ReplaySeams):
         if self._mesh is not None:
             self._mesh.plan(self.catalog, self._modules)
         self._capture = CaptureHooks(self._modules, {r.name: r for r in self.catalog.recipes})
+        self._local = LocalReplay(
+            rank=self.rank,
+            modules=self._modules,
+            params=self._params,
+            optimizer=optimizer,
+            capture=self._capture,
+            hooks=self._hooks,
+            collective_hooks=self._collective_hooks,
+            mesh=self._mesh,
+            mark=self._mark_replay,
+        )
         self.rotation = RotationTracker(self._mesh.job_names if self._mesh is not None else self.catalog.names)
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
@@ -438,75 +441,14 @@ class Scout(ReplaySeams):
         own_slice: Captured | None = None,
         blocked: str | None = None,
     ) -> dict[str, Any]:
-        """Replay ``recipe`` on this rank and return its record. ``params``: the gathered parameters of a sharded
-        model (replayed on instead of the live shards, and digested for the precondition); ``own_slice``: this
-        rank's own gathered optimizer slice; ``blocked``: why the replay must not run on any rank."""
-        record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
-        try:
-            if wire_error is not None:
-                raise RuntimeError(wire_error)
-            if captured is None:
-                raise RuntimeError(f"source rank {source} sent no inputs for {recipe.name!r}")
-            if captured.error is not None:
-                raise RuntimeError(f"source rank {source} has no capture: {captured.error}")
-            if blocked is not None:
-                raise RuntimeError(blocked)
-            gathered = None
-            if params is not None:
-                gathered = {
-                    f"{path}.{n}": local_tensor(t)
-                    for path, named in zip(recipe.modules, params, strict=True)
-                    for n, t in named.items()
-                }
-            elif own_slice is not None and own_slice.error is None:
-                gathered = own_slice.tensors
-            own = param_digest(recipe, self._modules[recipe.name], self._params, self._optimizer, gathered)
-            record["precondition"] = precondition_for(recipe, step, captured, own).to_dict()
-            ctx = ReplayContext(
-                recipe=recipe.name, kind=recipe.kind.value, step=step, rank=self.rank, source_rank=source
-            )
-            timer = None
-            if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
-                timer = CollectiveTimer([functools.partial(hook, ctx) for hook in self._collective_hooks.values()])
-            self._current, self._capture.paused = ctx, True
-            queued, window = run_queue_seconds(), time.perf_counter()
-            try:
-                if recipe.has_module:
-                    modules = self._modules[recipe.name]
-                    with (
-                        without_wrapper_hooks(modules) if params is not None else contextlib.nullcontext(),
-                        timer if timer is not None else contextlib.nullcontext(),
-                    ):
-                        outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
-                else:
-                    # The received inputs are views of the exchange's buffer, read by no one after this replay.
-                    # A view over several torch optimizers (TorchTitan's container) names the class that updates.
-                    cls = getattr(self._optimizer, "replay_class", None) or type(self._optimizer)
-                    outcome = replay_optimizer(
-                        cls,
-                        self._optimizer.defaults,
-                        captured,
-                        ctx,
-                        self._hooks,
-                        self._params[recipe.params[0]].device,
-                        consume=True,
-                    )
-            finally:
-                self._current, self._capture.paused = None, False
-            queued, window = waited_since(queued), time.perf_counter() - window
-            record["digest"] = digest_many(outcome.outputs)
-            # Time in the replay's own collectives is communication, and time waiting for a CPU is the host's other
-            # load, not this rank's work: compute is compared without either. The run-queue wait is read around a
-            # window a little wider than the replay's own timer; only what cannot have fallen outside it is removed.
-            queued_inside = max(0.0, queued - max(0.0, window - outcome.seconds))
-            record["replay_s"] = max(
-                0.0, outcome.seconds - (timer.seconds if timer is not None else 0.0) - queued_inside
-            )
-            if timer is not None:
-                record["collective_s"] = timer.seconds
-        except Exception as exc:  # recorded and agreed on, never raised mid-sequence
-            record["error"] = f"{type(exc).__name__}: {exc}"
-        return record
+        """Replay ``recipe`` on this rank and return its record (:meth:`LocalReplay.record`)."""
+        return self._local.record(
+            recipe, step, source, captured, wire_error, params=params, own_slice=own_slice, blocked=blocked
+        )
+
+    def _mark_replay(self, ctx: ReplayContext | None) -> None:
+        # What current_replay reports to the harness's fault hooks while a replay runs.
+        self._current = ctx
 
     def _rewind(self) -> None:
         self.rotation.reset()
