@@ -189,8 +189,9 @@ def verify_bundle(
     )
 
 
-def _verdict(result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool,
-             require_complete: bool) -> tuple[int, str]:
+def _verdict(
+    result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool, require_complete: bool
+) -> tuple[int, str]:
     state = freshness.state
     partial = scope_text(scope)
     what = result + (f", {partial}" if partial else "")
@@ -355,11 +356,13 @@ def _check_consistency(document: dict[str, Any]) -> None:
             f"consistency: summary total {summary['total']} != passed+failed+skipped+measured "
             f"{counted + summary['measured']}"
         )
-    derived = result_of(summary["passed"], summary["failed"], summary["skipped"], summary["measured"],
-                        [c["exitCode"] for c in commands])
+    derived = result_of(
+        summary["passed"], summary["failed"], summary["skipped"], summary["measured"], [c["exitCode"] for c in commands]
+    )
     if predicate["result"] != derived:
-        raise BundleInvalid(f"consistency: result is {predicate['result']} but the counts and exit codes make it "
-                            f"{derived}")
+        raise BundleInvalid(
+            f"consistency: result is {predicate['result']} but the counts and exit codes make it {derived}"
+        )
 
 
 def _check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> None:
@@ -372,18 +375,24 @@ def _check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> Non
         raise BundleInvalid(f"consistency: scope.cellsRun {scope['cellsRun']} != summary.total {summary['total']}")
     if scope["campaignCellsRun"] > min(scope["cellsInCampaign"], scope["cellsRun"]):
         raise BundleInvalid("consistency: scope.campaignCellsRun exceeds the cells in the campaign or the cells run")
-    complete = (scope["filter"] is None and scope["seedOverride"] is None
-                and scope["campaignCellsRun"] == scope["cellsInCampaign"] == scope["cellsRun"])
+    complete = (
+        scope["filter"] is None
+        and scope["seedOverride"] is None
+        and scope["campaignCellsRun"] == scope["cellsInCampaign"] == scope["cellsRun"]
+    )
     if scope["complete"] != complete:
-        raise BundleInvalid(f"consistency: scope.complete is {str(scope['complete']).lower()} but its filter, seed "
-                            f"and cell counts make it {str(complete).lower()}")
+        raise BundleInvalid(
+            f"consistency: scope.complete is {str(scope['complete']).lower()} but its filter, seed "
+            f"and cell counts make it {str(complete).lower()}"
+        )
     exits = {c["id"]: c["exitCode"] for c in predicate["commands"]}
     for claim in predicate["boundaries"]["validated"]:
         for cell in claim["backedBy"]:
             if exits.get(cell) != 0:
                 why = "is not a command of this run" if cell not in exits else f"exited {exits[cell]}"
-                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by {cell!r}, "
-                                    f"which {why}")
+                raise BundleInvalid(
+                    f"consistency: validated claim {claim['claim'][:60]!r} is backed by {cell!r}, which {why}"
+                )
     if SUMMARY_NAME in files:
         _check_summary(predicate, files[SUMMARY_NAME])
 
@@ -401,18 +410,31 @@ def _check_summary(predicate: dict[str, Any], summary_file: BundleFile) -> None:
         raise BundleInvalid(f"consistency: {SUMMARY_NAME} records no scope, but the manifest does")
     recorded = summary["scope"]
     scope = predicate["scope"]
-    pairs = (("complete", "complete"), ("cells_in_campaign", "cellsInCampaign"),
-             ("campaign_cells_run", "campaignCellsRun"), ("cells_run", "cellsRun"), ("filter", "filter"),
-             ("seed_override", "seedOverride"))
+    pairs = (
+        ("complete", "complete"),
+        ("cells_in_campaign", "cellsInCampaign"),
+        ("campaign_cells_run", "campaignCellsRun"),
+        ("cells_run", "cellsRun"),
+        ("filter", "filter"),
+        ("seed_override", "seedOverride"),
+    )
     for snake, camel in pairs:
         if recorded.get(snake) != scope[camel]:
-            raise BundleInvalid(f"consistency: scope.{camel} is {scope[camel]!r} in the manifest but "
-                                f"{recorded.get(snake)!r} in {SUMMARY_NAME}")
+            raise BundleInvalid(
+                f"consistency: scope.{camel} is {scope[camel]!r} in the manifest but "
+                f"{recorded.get(snake)!r} in {SUMMARY_NAME}"
+            )
     bounds = summary.get("boundaries") if isinstance(summary.get("boundaries"), dict) else {}
-    sealed_validated = [{"claim": c.get("claim"), "backedBy": c.get("backed_by")}
-                        for c in bounds.get("validated") or [] if isinstance(c, dict)]
-    sealed_not = [{"claim": c.get("claim"), "reason": c.get("reason")}
-                  for c in bounds.get("not_validated") or [] if isinstance(c, dict)]
+    sealed_validated = [
+        {"claim": c.get("claim"), "backedBy": c.get("backed_by")}
+        for c in bounds.get("validated") or []
+        if isinstance(c, dict)
+    ]
+    sealed_not = [
+        {"claim": c.get("claim"), "reason": c.get("reason")}
+        for c in bounds.get("not_validated") or []
+        if isinstance(c, dict)
+    ]
     if sealed_validated != predicate["boundaries"]["validated"]:
         raise BundleInvalid(f"consistency: the manifest's validated claims differ from those in {SUMMARY_NAME}")
     if sealed_not != predicate["boundaries"]["notValidated"]:
@@ -424,9 +446,11 @@ def _check_summary(predicate: dict[str, Any], summary_file: BundleFile) -> None:
             verdict = cell.get("verdict")
             missed = [t for t in cell.get("targets") or [] if isinstance(t, dict) and t.get("met") is not True]
             if verdict not in ("passed", "measured") or missed:
-                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by "
-                                    f"{cell_id!r}, whose verdict in {SUMMARY_NAME} is {verdict!r}"
-                                    + (" with a missed target" if missed else ""))
+                raise BundleInvalid(
+                    f"consistency: validated claim {claim['claim'][:60]!r} is backed by "
+                    f"{cell_id!r}, whose verdict in {SUMMARY_NAME} is {verdict!r}"
+                    + (" with a missed target" if missed else "")
+                )
 
 
 def _time(text: str) -> datetime:
