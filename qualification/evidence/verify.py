@@ -25,7 +25,7 @@ import hmac
 import re
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,8 @@ from qualification.errors import (
     SignatureInvalid,
     UsageError,
 )
-from qualification.evidence.facts import result_of
+from qualification.evidence.consistency import SUMMARY_NAME as SUMMARY_NAME  # re-exported: it was defined here
+from qualification.evidence.consistency import check_claims, check_consistency
 from qualification.evidence.freshness import GIT_TIMEOUT, Freshness, FreshnessReport, check_freshness
 from qualification.evidence.manifest import (
     DSSE_NAME,
@@ -62,8 +63,6 @@ from qualification.evidence.manifest import (
 from qualification.evidence.sign import GITHUB_OIDC_ISSUER, load_public_key, verify_dsse, verify_sigstore
 from qualification.evidence.verdict import Headline, headline, scope_text
 
-SUMMARY_NAME = "summary.json"
-"""The engine's run record; when a bundle holds it, it must agree with the manifest."""
 _FULL_SHA = re.compile(r"[0-9a-fA-F]{40}")
 
 
@@ -189,8 +188,9 @@ def verify_bundle(
     )
 
 
-def _verdict(result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool,
-             require_complete: bool) -> tuple[int, str]:
+def _verdict(
+    result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool, require_complete: bool
+) -> tuple[int, str]:
     state = freshness.state
     partial = scope_text(scope)
     what = result + (f", {partial}" if partial else "")
@@ -223,9 +223,9 @@ class _Verification:
             checks.append("signature")
         self._check_schema(document)
         self._check_files(document, files)
-        _check_consistency(document)
+        check_consistency(document)
         if not document["predicate"]["schemaVersion"].startswith("1.0."):
-            _check_claims(document, files)
+            check_claims(document, files)
         commit = document["predicate"]["source"]["digest"]["gitCommit"]
         if commit != self.expected_commit:
             raise CommitMismatch(f"commit: bundle was made from {commit}, expected {self.expected_commit}")
@@ -318,116 +318,3 @@ class _Verification:
                 raise BundleInvalid(f"files: {name!r} is {files[name].size} bytes, the manifest says {declared_size}")
             if not hmac.compare_digest(sha256_file(files[name].path), subject["digest"]["sha256"]):
                 raise BundleInvalid(f"files: {name!r} does not match its sha256 in the manifest (edited?)")
-
-
-def _check_consistency(document: dict[str, Any]) -> None:
-    predicate = document["predicate"]
-    summary, commands, run = predicate["summary"], predicate["commands"], predicate["run"]
-    counted = summary["passed"] + summary["failed"] + summary["skipped"]
-    if predicate["schemaVersion"].startswith("1.0.") and summary["total"] != counted:
-        raise BundleInvalid(f"consistency: summary total {summary['total']} != passed+failed+skipped {counted}")
-    subjects = {s["name"] for s in document["subject"]}
-    run_start, run_finish = _time(run["startedOn"]), _time(run["finishedOn"])
-    if run_start > run_finish:
-        raise BundleInvalid("consistency: run.startedOn is after run.finishedOn")
-    for command in commands:
-        start, finish = _time(command["startedOn"]), _time(command["finishedOn"])
-        if start > finish:
-            raise BundleInvalid(f"consistency: command {command['id']!r} startedOn is after its finishedOn")
-        if start < run_start or finish > run_finish:
-            raise BundleInvalid(f"consistency: command {command['id']!r} ran outside the run's start..finish")
-        if command["log"] not in subjects:
-            raise BundleInvalid(f"consistency: log {command['log']!r} of command {command['id']!r} is not a subject")
-    if predicate["schemaVersion"].startswith("1.0."):
-        if predicate["result"] == "PASSED":
-            if summary["passed"] == 0:
-                raise BundleInvalid("consistency: result is PASSED but no cell passed")
-            if summary["failed"]:
-                raise BundleInvalid(f"consistency: result is PASSED but summary.failed is {summary['failed']}")
-            for command in commands:
-                if command["exitCode"] != 0:
-                    raise BundleInvalid(
-                        f"consistency: result is PASSED but command {command['id']!r} exited {command['exitCode']}"
-                    )
-        return
-    if summary["total"] != counted + summary["measured"]:
-        raise BundleInvalid(
-            f"consistency: summary total {summary['total']} != passed+failed+skipped+measured "
-            f"{counted + summary['measured']}"
-        )
-    derived = result_of(summary["passed"], summary["failed"], summary["skipped"], summary["measured"],
-                        [c["exitCode"] for c in commands])
-    if predicate["result"] != derived:
-        raise BundleInvalid(f"consistency: result is {predicate['result']} but the counts and exit codes make it "
-                            f"{derived}")
-
-
-def _check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> None:
-    """Scope and claims (1.1): they add up, every validated claim is backed by commands that exited 0, and the sealed
-    ``summary.json`` of an engine run records the same scope and claims, with every backing cell passed or measured
-    with every target met. A claim moved into ``validated`` by hand, or a filter removed, fails here."""
-    predicate = document["predicate"]
-    scope, summary = predicate["scope"], predicate["summary"]
-    if scope["cellsRun"] != summary["total"]:
-        raise BundleInvalid(f"consistency: scope.cellsRun {scope['cellsRun']} != summary.total {summary['total']}")
-    if scope["campaignCellsRun"] > min(scope["cellsInCampaign"], scope["cellsRun"]):
-        raise BundleInvalid("consistency: scope.campaignCellsRun exceeds the cells in the campaign or the cells run")
-    complete = (scope["filter"] is None and scope["seedOverride"] is None
-                and scope["campaignCellsRun"] == scope["cellsInCampaign"] == scope["cellsRun"])
-    if scope["complete"] != complete:
-        raise BundleInvalid(f"consistency: scope.complete is {str(scope['complete']).lower()} but its filter, seed "
-                            f"and cell counts make it {str(complete).lower()}")
-    exits = {c["id"]: c["exitCode"] for c in predicate["commands"]}
-    for claim in predicate["boundaries"]["validated"]:
-        for cell in claim["backedBy"]:
-            if exits.get(cell) != 0:
-                why = "is not a command of this run" if cell not in exits else f"exited {exits[cell]}"
-                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by {cell!r}, "
-                                    f"which {why}")
-    if SUMMARY_NAME in files:
-        _check_summary(predicate, files[SUMMARY_NAME])
-
-
-def _check_summary(predicate: dict[str, Any], summary_file: BundleFile) -> None:
-    try:
-        summary = parse_json(summary_file.path.read_bytes())
-    except (ValueError, RecursionError) as exc:
-        raise BundleInvalid(f"consistency: {SUMMARY_NAME} is not valid JSON ({exc})") from exc
-    if not isinstance(summary, dict) or summary.get("summary_version") != 2:
-        # Not the engine's run record as `qualify run` seals it (which refuses older summaries): a bundle sealed
-        # from facts may hold any file of that name. Its bytes are still bound by their digest.
-        return
-    if not isinstance(summary.get("scope"), dict):
-        raise BundleInvalid(f"consistency: {SUMMARY_NAME} records no scope, but the manifest does")
-    recorded = summary["scope"]
-    scope = predicate["scope"]
-    pairs = (("complete", "complete"), ("cells_in_campaign", "cellsInCampaign"),
-             ("campaign_cells_run", "campaignCellsRun"), ("cells_run", "cellsRun"), ("filter", "filter"),
-             ("seed_override", "seedOverride"))
-    for snake, camel in pairs:
-        if recorded.get(snake) != scope[camel]:
-            raise BundleInvalid(f"consistency: scope.{camel} is {scope[camel]!r} in the manifest but "
-                                f"{recorded.get(snake)!r} in {SUMMARY_NAME}")
-    bounds = summary.get("boundaries") if isinstance(summary.get("boundaries"), dict) else {}
-    sealed_validated = [{"claim": c.get("claim"), "backedBy": c.get("backed_by")}
-                        for c in bounds.get("validated") or [] if isinstance(c, dict)]
-    sealed_not = [{"claim": c.get("claim"), "reason": c.get("reason")}
-                  for c in bounds.get("not_validated") or [] if isinstance(c, dict)]
-    if sealed_validated != predicate["boundaries"]["validated"]:
-        raise BundleInvalid(f"consistency: the manifest's validated claims differ from those in {SUMMARY_NAME}")
-    if sealed_not != predicate["boundaries"]["notValidated"]:
-        raise BundleInvalid(f"consistency: the manifest's not-validated claims differ from those in {SUMMARY_NAME}")
-    cells = {c.get("id"): c for c in summary.get("cells") or [] if isinstance(c, dict)}
-    for claim in sealed_validated:
-        for cell_id in claim["backedBy"] or []:
-            cell = cells.get(cell_id) or {}
-            verdict = cell.get("verdict")
-            missed = [t for t in cell.get("targets") or [] if isinstance(t, dict) and t.get("met") is not True]
-            if verdict not in ("passed", "measured") or missed:
-                raise BundleInvalid(f"consistency: validated claim {claim['claim'][:60]!r} is backed by "
-                                    f"{cell_id!r}, whose verdict in {SUMMARY_NAME} is {verdict!r}"
-                                    + (" with a missed target" if missed else ""))
-
-
-def _time(text: str) -> datetime:
-    return datetime.fromisoformat(text)  # the schema already asserted RFC 3339 with a trailing Z

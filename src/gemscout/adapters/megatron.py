@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gemscout._modules import unwrap
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.adapters.megatron_topology import _class_names, megatron_topology, moe_layers
@@ -215,13 +216,6 @@ _SCOUT_PATHS = {"embedding": "embedding", "blocks": "decoder.layers", "norm": "d
                 "head": "output_layer"}
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", None)
-    while isinstance(inner, nn.Module):  # Megatron's DDP and Float16Module wrap the model as .module
-        model, inner = inner, getattr(inner, "module", None)
-    return model
-
-
 def _model(model: Any) -> nn.Module:
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
@@ -230,7 +224,7 @@ def _model(model: Any) -> nn.Module:
     # Several chunks are held unwrapped: Megatron's DistributedDataParallel and Float16Module return their inner
     # module's state_dict (no "module." prefix) but a parent's load_state_dict recurses through them by attribute
     # ("0.module.embedding..."), so a list of wrapped chunks would save keys its own load refuses.
-    return chunks[0] if len(chunks) == 1 else nn.ModuleList(_unwrap(c) for c in chunks)
+    return chunks[0] if len(chunks) == 1 else nn.ModuleList(unwrap(c) for c in chunks)
 
 
 def _stage_paths(scout: Any, roots: Sequence[nn.Module]) -> dict[str, str]:
@@ -271,9 +265,9 @@ def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int |
                           f"loop order (pp rank c of n holds stages c, c + n, ...), got {scout.stage_order!r}; "
                           "leave stage_order='loop'")
     if pp > 1:
-        roots = list(model.children()) if chunks > 1 else [_unwrap(model)]
+        roots = list(model.children()) if chunks > 1 else [unwrap(model)]
         return replace(scout, **_stage_paths(scout, roots))
-    root = _unwrap(model)
+    root = unwrap(model)
     names = dict(root.named_modules())
     fill = {field: path for field, path in _SCOUT_PATHS.items()
             if getattr(scout, field) is None and path in names}

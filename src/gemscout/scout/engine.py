@@ -25,10 +25,7 @@ and the records gathered over the whole mesh so every rank judges every group.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gemscout._modules import unwrap
 from gemscout.errors import ConfigError
 from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer
 from gemscout.scout.comm_probe import JobCollectiveTimer, job_comm_report
@@ -47,24 +45,19 @@ from gemscout.scout.cycle import (
     combine_groups,
     inconclusive,
     judge_gathered,
-    param_digest,
-    precondition_for,
 )
-from gemscout.scout.digests import digest_many
 from gemscout.scout.exchange import PeerExchange
 from gemscout.scout.fsdp_comms import FsdpCollectiveTimer, build_job_timer
-from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
+from gemscout.scout.local_replay import LocalReplay
 from gemscout.scout.mesh_cycle import MeshCycle
-from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params, unwrap
-from gemscout.scout.replay import ReplayContext, replay_forward, replay_optimizer
+from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params
+from gemscout.scout.replay import ReplayContext
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.seams import ReplaySeams
 from gemscout.scout.stragglers import (
     CommStragglerDetector,
     ComputeStragglerDetector,
     compute_reports,
-    run_queue_seconds,
-    waited_since,
 )
 from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
 
@@ -92,8 +85,15 @@ class Scout(ReplaySeams):
         "Capture"); each stays INCONCLUSIVE while it is listed. Counted in ``session.metrics()``."""
 
     # -- setup ------------------------------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
-               topology: Topology | None = None, first_step: int = 1) -> Scout:
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: dist.ProcessGroup | None = None,
+        topology: Topology | None = None,
+        first_step: int = 1,
+    ) -> Scout:
         """Find the recipes, register the capture hooks and set up the peer groups. Returns ``self``.
 
         Peers: with neither ``group`` nor ``topology``, SCOUT reads the model. Plain parameters (DDP): every rank is a
@@ -116,16 +116,20 @@ class Scout(ReplaySeams):
         self.rank = dist.get_rank()
         timeout = self.config.timeout
         if group is not None and (topology is not None or has_dtensor_params(root)):
-            raise ConfigError("Scout.attach: group= is for replicated models; on a sharded or parallel model leave it "
-                              "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)")
+            raise ConfigError(
+                "Scout.attach: group= is for replicated models; on a sharded or parallel model leave it "
+                "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)"
+            )
         if group is None and topology is None:
-            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank,
-                                mesh=self.config.mesh)
+            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank, mesh=self.config.mesh)
         # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0); an
         # nn.ModuleList of stage modules (several stages per rank) names each module's recipes by its own stage.
         stage = topology.stage_label if topology is not None else ""
-        chunks = (topology.chunk_labels(len(root), order=self.config.stage_order)
-                  if topology and stage and isinstance(root, nn.ModuleList) else ())
+        chunks = (
+            topology.chunk_labels(len(root), order=self.config.stage_order)
+            if topology and stage and isinstance(root, nn.ModuleList)
+            else ()
+        )
         self.catalog: Catalog = build_catalog(root, optimizer, self.config, stage=stage, chunk_labels=chunks)
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
@@ -154,6 +158,17 @@ class Scout(ReplaySeams):
         if self._mesh is not None:
             self._mesh.plan(self.catalog, self._modules)
         self._capture = CaptureHooks(self._modules, {r.name: r for r in self.catalog.recipes})
+        self._local = LocalReplay(
+            rank=self.rank,
+            modules=self._modules,
+            params=self._params,
+            optimizer=optimizer,
+            capture=self._capture,
+            hooks=self._hooks,
+            collective_hooks=self._collective_hooks,
+            mesh=self._mesh,
+            mark=self._mark_replay,
+        )
         self.rotation = RotationTracker(self._mesh.job_names if self._mesh is not None else self.catalog.names)
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
@@ -250,7 +265,9 @@ class Scout(ReplaySeams):
             disagreement = mesh.agree(step, self._fingerprint)
             if disagreement is not None:
                 return self._stopped(step, due, source, disagreement)
-            slices = {r.name: mesh.gather_slice(r, self._params, self._optimizer, step) for r in due if not r.has_module}
+            slices = {
+                r.name: mesh.gather_slice(r, self._params, self._optimizer, step) for r in due if not r.has_module
+            }
         received, wire_error, in_step = self._send_inputs(step, due, source, {k: c for k, (c, _) in slices.items()})
         if not in_step and mesh is None:
             return self._stopped(step, due, source, str(wire_error))
@@ -263,8 +280,16 @@ class Scout(ReplaySeams):
             elif recipe.name in slices:
                 seconds = slices[recipe.name][1]
             own = slices[recipe.name][0] if recipe.name in slices else None
-            records[recipe.name] = self._replay_local(recipe, step, source, received.get(recipe.name), wire_error,
-                                                      params=params, own_slice=own, blocked=blocked.get(recipe.name))
+            records[recipe.name] = self._replay_local(
+                recipe,
+                step,
+                source,
+                received.get(recipe.name),
+                wire_error,
+                params=params,
+                own_slice=own,
+                blocked=blocked.get(recipe.name),
+            )
             if seconds is not None:
                 records[recipe.name]["gather_s"] = seconds
         assert self._exchange is not None  # only a topology without peers has none, and it never gets here
@@ -273,8 +298,9 @@ class Scout(ReplaySeams):
         if mesh is not None and mesh.topology.stage_dims:
             by_rank = mesh.gather_records(records)  # pipeline stages record different recipes
         elif mesh is not None:
-            by_rank = self._exchange.gather_records(names, records, comm_s=comm_s, group=mesh.domain,
-                                                    ranks=mesh.domain_ranks)
+            by_rank = self._exchange.gather_records(
+                names, records, comm_s=comm_s, group=mesh.domain, ranks=mesh.domain_ranks
+            )
         else:
             by_rank = self._exchange.gather_records(names, records, comm_s=comm_s)
         ranks = tuple(by_rank)
@@ -293,19 +319,41 @@ class Scout(ReplaySeams):
         reports = [report for result in results.values() if (report := result.fault_report()) is not None]
         reports += compute_reports(self._detectors, self.config.stragglers, step, results, times, len(ranks))
         timer = self._job_timer
-        if timer is not None and (late := job_comm_report(
-                self._comm_detector, step, by_rank, timer.rank_to_host, getattr(timer, "groups", None),
-                "FSDP2 all-gather / reduce-scatter" if mesh is not None else "DDP gradient all-reduce")) is not None:
+        if (
+            timer is not None
+            and (
+                late := job_comm_report(
+                    self._comm_detector,
+                    step,
+                    by_rank,
+                    timer.rank_to_host,
+                    getattr(timer, "groups", None),
+                    "FSDP2 all-gather / reduce-scatter" if mesh is not None else "DDP gradient all-reduce",
+                )
+            )
+            is not None
+        ):
             reports.append(late)
         extra: dict[str, Any] = {}
         if mesh is not None:
             reports += mesh.comm_reports(step, due, by_rank, self.config.stragglers)
-            extra = {"gather_s": mesh.side_times(due, by_rank, "gather_s"),
-                     "collective_s": mesh.side_times(due, by_rank, "collective_s")}
+            extra = {
+                "gather_s": mesh.side_times(due, by_rank, "gather_s"),
+                "collective_s": mesh.side_times(due, by_rank, "collective_s"),
+            }
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
-        return CycleResult(step=step, source_rank=source, peers=self.peers, results=results, replay_s=times,
-                           reports=tuple(reports), certified_step=certified, peer_groups=self.peer_groups, **extra)
+        return CycleResult(
+            step=step,
+            source_rank=source,
+            peers=self.peers,
+            results=results,
+            replay_s=times,
+            reports=tuple(reports),
+            certified_step=certified,
+            peer_groups=self.peer_groups,
+            **extra,
+        )
 
     def _name_unreplayable(self, step: int, received: Mapping[str, Captured], results: dict[str, Any]) -> None:
         """A recipe whose inputs SCOUT cannot reproduce (the source's capture says which and why) is INCONCLUSIVE
@@ -316,31 +364,50 @@ class Scout(ReplaySeams):
             if got is None or not got.meta.get("unreplayable") or got.error is None:
                 continue
             reason = f"SCOUT cannot replay {name!r}: {got.error}; outputs were not compared"
-            results[name] = C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=reason,
-                                     preconditions_ok=False)
+            results[name] = C3Result(
+                verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=reason, preconditions_ok=False
+            )
             if name not in self.unreplayable and self.rank == min(self.peers):
-                log.warning("gemscout: %s (step %d; the recipe stays INCONCLUSIVE and nothing is certified until "
-                            "it can be replayed: fix the input, or leave its kind out of ScoutConfig.recipes)",
-                            reason, step)
+                log.warning(
+                    "gemscout: %s (step %d; the recipe stays INCONCLUSIVE and nothing is certified until "
+                    "it can be replayed: fix the input, or leave its kind out of ScoutConfig.recipes)",
+                    reason,
+                    step,
+                )
             self.unreplayable[name] = got.error
 
     def _stopped(self, step: int, due: Sequence[Recipe], source: int, reason: str) -> CycleResult:
         # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded for
         # the rotation or the stragglers, since the peers were not even replaying the same step.
-        return CycleResult(step=step, source_rank=source, peers=self.peers, results=inconclusive(due, step, reason),
-                           replay_s={r.name: {} for r in due}, peer_groups=self.peer_groups)
+        return CycleResult(
+            step=step,
+            source_rank=source,
+            peers=self.peers,
+            results=inconclusive(due, step, reason),
+            replay_s={r.name: {} for r in due},
+            peer_groups=self.peer_groups,
+        )
 
     def _cannot_compare(self, step: int, due: Sequence[Recipe]) -> CycleResult:
         """A due step on a topology without peers: no collective, every recipe INCONCLUSIVE with the reason."""
-        results = inconclusive(due, step, f"SCOUT cannot compare on this topology: {self.disabled_reason}; "
-                               "nothing was replayed")
+        results = inconclusive(
+            due, step, f"SCOUT cannot compare on this topology: {self.disabled_reason}; nothing was replayed"
+        )
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
-        return CycleResult(step=step, source_rank=self.rank, peers=self.peers, results=results,
-                           replay_s={r.name: {} for r in due}, certified_step=certified, peer_groups=self.peer_groups)
+        return CycleResult(
+            step=step,
+            source_rank=self.rank,
+            peers=self.peers,
+            results=results,
+            replay_s={r.name: {} for r in due},
+            certified_step=certified,
+            peer_groups=self.peer_groups,
+        )
 
-    def _send_inputs(self, step: int, due: Sequence[Recipe], source: int,
-                     slices: Mapping[str, Captured]) -> tuple[dict[str, Captured], str | None, bool]:
+    def _send_inputs(
+        self, step: int, due: Sequence[Recipe], source: int, slices: Mapping[str, Captured]
+    ) -> tuple[dict[str, Captured], str | None, bool]:
         """The source's captures to every peer (:meth:`PeerExchange.send_inputs`). ``slices``: optimizer slices
         already gathered on a sharded model (sent instead of the live shards)."""
         assert self._exchange is not None
@@ -362,64 +429,26 @@ class Scout(ReplaySeams):
         except (TypeError, KeyError) as exc:
             return Captured(step=step, error=str(exc))
 
-    def _replay_local(self, recipe: Recipe, step: int, source: int, captured: Captured | None,
-                      wire_error: str | None, *, params: list[dict[str, torch.Tensor]] | None = None,
-                      own_slice: Captured | None = None, blocked: str | None = None) -> dict[str, Any]:
-        """Replay ``recipe`` on this rank and return its record. ``params``: the gathered parameters of a sharded
-        model (replayed on instead of the live shards, and digested for the precondition); ``own_slice``: this
-        rank's own gathered optimizer slice; ``blocked``: why the replay must not run on any rank."""
-        record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
-        try:
-            if wire_error is not None:
-                raise RuntimeError(wire_error)
-            if captured is None:
-                raise RuntimeError(f"source rank {source} sent no inputs for {recipe.name!r}")
-            if captured.error is not None:
-                raise RuntimeError(f"source rank {source} has no capture: {captured.error}")
-            if blocked is not None:
-                raise RuntimeError(blocked)
-            gathered = None
-            if params is not None:
-                gathered = {f"{path}.{n}": local_tensor(t) for path, named in zip(recipe.modules, params, strict=True)
-                            for n, t in named.items()}
-            elif own_slice is not None and own_slice.error is None:
-                gathered = own_slice.tensors
-            own = param_digest(recipe, self._modules[recipe.name], self._params, self._optimizer, gathered)
-            record["precondition"] = precondition_for(recipe, step, captured, own).to_dict()
-            ctx = ReplayContext(recipe=recipe.name, kind=recipe.kind.value, step=step, rank=self.rank,
-                                source_rank=source)
-            timer = None
-            if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
-                timer = CollectiveTimer([functools.partial(hook, ctx) for hook in self._collective_hooks.values()])
-            self._current, self._capture.paused = ctx, True
-            queued, window = run_queue_seconds(), time.perf_counter()
-            try:
-                if recipe.has_module:
-                    modules = self._modules[recipe.name]
-                    with (without_wrapper_hooks(modules) if params is not None else contextlib.nullcontext(),
-                          timer if timer is not None else contextlib.nullcontext()):
-                        outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
-                else:
-                    # The received inputs are views of the exchange's buffer, read by no one after this replay.
-                    # A view over several torch optimizers (TorchTitan's container) names the class that updates.
-                    cls = getattr(self._optimizer, "replay_class", None) or type(self._optimizer)
-                    outcome = replay_optimizer(cls, self._optimizer.defaults, captured, ctx,
-                                               self._hooks, self._params[recipe.params[0]].device, consume=True)
-            finally:
-                self._current, self._capture.paused = None, False
-            queued, window = waited_since(queued), time.perf_counter() - window
-            record["digest"] = digest_many(outcome.outputs)
-            # Time in the replay's own collectives is communication, and time waiting for a CPU is the host's other
-            # load, not this rank's work: compute is compared without either. The run-queue wait is read around a
-            # window a little wider than the replay's own timer; only what cannot have fallen outside it is removed.
-            queued_inside = max(0.0, queued - max(0.0, window - outcome.seconds))
-            record["replay_s"] = max(0.0, outcome.seconds - (timer.seconds if timer is not None else 0.0)
-                                     - queued_inside)
-            if timer is not None:
-                record["collective_s"] = timer.seconds
-        except Exception as exc:  # recorded and agreed on, never raised mid-sequence
-            record["error"] = f"{type(exc).__name__}: {exc}"
-        return record
+    def _replay_local(
+        self,
+        recipe: Recipe,
+        step: int,
+        source: int,
+        captured: Captured | None,
+        wire_error: str | None,
+        *,
+        params: list[dict[str, torch.Tensor]] | None = None,
+        own_slice: Captured | None = None,
+        blocked: str | None = None,
+    ) -> dict[str, Any]:
+        """Replay ``recipe`` on this rank and return its record (:meth:`LocalReplay.record`)."""
+        return self._local.record(
+            recipe, step, source, captured, wire_error, params=params, own_slice=own_slice, blocked=blocked
+        )
+
+    def _mark_replay(self, ctx: ReplayContext | None) -> None:
+        # What current_replay reports to the harness's fault hooks while a replay runs.
+        self._current = ctx
 
     def _rewind(self) -> None:
         self.rotation.reset()
@@ -432,4 +461,3 @@ class Scout(ReplaySeams):
     def _require_attached(self) -> None:
         if not self._attached or self._closed:
             raise ConfigError("Scout: call attach(model, optimizer) first (and not after close())")
-

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gemscout._tensors import is_dtensor
 from gemscout.gemini.comm import wait_all
 from gemscout.scout.topology import Topology, mesh_dims
 
@@ -43,15 +44,9 @@ __all__ = ["CollectiveTimer", "Materializer", "local_tensor", "param_model_dims"
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local part of a DTensor (the tensor itself otherwise): what digests and fault hooks see."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined, no-any-return]
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined, no-any-return]
 
 
 def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
@@ -64,7 +59,7 @@ def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
     dispatches tokens with AllToAlls over the ``ep`` dim. Anything else is replicated along every model dim. Pure;
     no framework is imported."""
     model = set(topology.model_dims)
-    if _is_dtensor(param):
+    if is_dtensor(param):
         return model & set(mesh_dims(param.device_mesh))  # type: ignore[attr-defined]
     dims = {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
     if getattr(param, "allreduce", True) is False:
@@ -92,7 +87,7 @@ class Materializer:
         in the same order). The result is private: never the live parameter's storage when a gather ran, and it
         carries no autograd history. ``requires_grad`` follows the input.
         """
-        if not _is_dtensor(tensor):
+        if not is_dtensor(tensor):
             return tensor.detach()
         from torch.distributed.tensor import DTensor, Replicate
 
@@ -133,7 +128,7 @@ class Materializer:
         return [t for t in out if t is not None]
 
     def _batch_key(self, tensor: torch.Tensor) -> tuple[Any, ...] | None:
-        if not _is_dtensor(tensor):
+        if not is_dtensor(tensor):
             return None
         from torch.distributed.tensor import Shard
 

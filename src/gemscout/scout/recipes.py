@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gemscout._modules import unwrap  # re-exported: callers import it from here
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
 
@@ -66,14 +67,6 @@ class Recipe:
     def has_module(self) -> bool:
         """True for forward recipes (embedding, hidden, output)."""
         return self.kind is not RecipeKind.OPTIMIZER
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module that owns the parameters under wrappers such as DDP (``.module``, repeatedly)."""
-    inner = getattr(model, "module", None)
-    while isinstance(inner, nn.Module):
-        model, inner = inner, getattr(inner, "module", None)
-    return model
 
 
 def _has(model: nn.Module, path: str | None) -> bool:

@@ -43,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError
 
 __all__ = ["Topology", "create_groups", "derive", "discover", "from_mesh", "has_dtensor_params"]
@@ -266,9 +267,7 @@ def from_mesh(mesh: Any, *, data_dims: Sequence[str], shard_dims: Sequence[str] 
 
 def has_dtensor_params(model: nn.Module) -> bool:
     """True when some parameter of ``model`` is a DTensor (FSDP2, TP: the model lives on a DeviceMesh)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def _fsdp_data_dims(model: nn.Module) -> set[str] | None:

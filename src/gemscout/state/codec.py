@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gemscout._tensors import is_dtensor as _is_dtensor  # the name gemini/ imports from here
 from gemscout.errors import ConfigError
 
 _TENSOR, _ARRAY, _TUPLE, _DICT, _SHARD = "__t__", "__np__", "__tuple__", "__dict__", "__dt__"
@@ -99,8 +100,3 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
                 return LocalShard(tensors[value[0]], tuple(value[1]), tuple(value[2]))
         return {k: decode(v, tensors) for k, v in skeleton.items()}
     return skeleton
-
-
-def _is_dtensor(obj: Any) -> bool:
-    cls = type(obj)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")

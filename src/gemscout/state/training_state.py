@@ -17,15 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from gemscout._modules import unwrap as _unwrap  # the name gemini/, adapters/ and api.py import from here
 from gemscout.errors import ConfigError
 from gemscout.state.codec import LocalShard
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module that owns the parameters under DDP-style wrappers (``.module``)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 @dataclass(slots=True)
