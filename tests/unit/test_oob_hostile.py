@@ -39,6 +39,7 @@ from gemscout.oob import (
     StoreServer,
     StoreServerConfig,
     StoreServerError,
+    StoreStatus,
     Watchdog,
     WatchdogConfig,
     serve_store,
@@ -244,8 +245,62 @@ def test_deleted_and_overwritten_slots_never_make_a_hang(served: tuple[dist.TCPS
         ("tamper", (2,), "deleted"), ("tamper", (3,), "forged")
     ]  # fmt: skip
     # Control: the attacker stops, rank 0 really stops publishing: a hang naming rank 0 once the window has passed.
-    for _ in range(40):
+    for step in range(4, 44):  # ranks 1-3 train on; rank 0 is silent
         for pub in live[1:]:
+            pub.step(step)
+            pub.flush()
+        clock.now += 1.0
+        watchdog.poll_once()
+    hangs = [f for f in findings if f.kind == "hang"]
+    assert [f.ranks for f in hangs] == [(0,)], findings
+
+
+class FloodedStore:
+    """A stand-in for the store process's reports (``StoreHealth``): it has swept ``swept`` foreign keys so far."""
+
+    def __init__(self) -> None:
+        self.swept = 0
+
+    def status(self) -> StoreStatus:
+        return StoreStatus(swept=self.swept, sample=("flood/0",), swept_at=None, pressure=True, lost=None)
+
+
+def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore, int]) -> None:
+    """A store filled to its cap refuses the ranks' heartbeats too. While the store process keeps sweeping foreign
+    keys, far longer than the heartbeat timeout, with no rank publishing (fake clock): one tamper finding, no hang.
+    Then the flood ends and rank 0 really stays silent: a hang naming it once the window has passed."""
+    _, port = served
+    live = [
+        ProgressPublisher(
+            OobChannel(
+                dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
+                config=OobConfig(rank=r, secret=SECRET, epoch="run-a"),
+            )
+        )
+        for r in range(WORLD)
+    ]
+    observer = OobChannel(
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
+        config=OobConfig(rank=None, secret=SECRET, epoch="run-a"),
+    )
+    clock, flood = FakeClock(), FloodedStore()
+    findings: list[StallFinding] = []
+    cfg = WatchdogConfig(stall_threshold=timedelta(seconds=10), confirmations=2)
+    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, clock=clock, callbacks=[findings.append], store=flood)
+    for step in range(1, 4):
+        for pub in live:
+            pub.step(step)
+            pub.flush()
+        clock.now += 1.0
+        watchdog.poll_once()
+    for _ in range(40):  # nothing reaches the store; its process sweeps the flood
+        flood.swept += 100
+        clock.now += 1.0
+        watchdog.poll_once()
+    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [("tamper", (), "foreign_keys")]
+    for step in range(4, 44):  # ranks 1-3 train on; rank 0 is silent
+        for pub in live[1:]:
+            pub.step(step)
             pub.flush()
         clock.now += 1.0
         watchdog.poll_once()

@@ -18,7 +18,9 @@ finding naming the slot, recommendation ``observe``: an outsider can make noise,
 Given the :class:`~gemscout.oob.store_server.StoreServer` that serves the store, each poll first reads its status:
 keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
 ``tamper`` finding of kind ``store_lost`` naming the cause, after which the watchdog reads nothing more (there is
-nothing to read; training goes on, its process group has a store of its own).
+nothing to read; training goes on, its process group has a store of its own). While foreign keys were swept within the
+window, a rank's silence is no evidence of its death (a store filled to its cap refuses genuine messages too): a hang
+then needs authentic records whose counters stopped.
 """
 
 from __future__ import annotations
@@ -334,6 +336,9 @@ class Watchdog:
         assert self._started_at is not None
         dead, stuck = [], []
         untrusted = sorted(r for r, k in tampered if r is not None and k == PROGRESS_KEY)
+        # Foreign keys swept within the window: a store filled to its cap refuses genuine messages too, so silence is
+        # no evidence of death now (else a flood would be a way to call a hang). Authentic frozen counters still are.
+        flooded = (None, None) in tampered
         for rank in range(self._world_size):
             rec = records.get(rank)
             if rec is not None and rec.closed:
@@ -342,11 +347,12 @@ class Watchdog:
                 continue  # its frozen heartbeat may be the forger's doing: no staleness from a tampered slot
             seen = self._seen.get(rank)
             if seen is None:
-                if now - self._started_at >= beat_timeout:
+                if now - self._started_at >= beat_timeout and not flooded:
                     dead.append(rank)
                 continue
             if now - seen[3] >= beat_timeout:
-                dead.append(rank)
+                if not flooded:
+                    dead.append(rank)
             elif now - seen[1] >= threshold:
                 stuck.append(rank)
         # Absence alone is no evidence: a slot deleted faster than the polls looks like a rank that never published.
