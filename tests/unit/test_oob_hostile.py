@@ -484,17 +484,33 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
 
 
 def _flood_from_here(port: int, keys: int) -> int:
-    """Write ``keys`` x 64 KiB foreign keys, coming back each time the store drops the connection; return how often
-    it did."""
+    """Write ``keys`` x 64 KiB foreign keys, coming back each time the store drops the connection (at most 20 times);
+    return how often it did."""
     value, store, dropped = "x" * (1 << 16), None, 0
     for i in range(keys):
         try:
             if store is None:
-                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
             store.set(f"flood/{i}", value)
-        except dist.DistNetworkError:
+        except (dist.DistNetworkError, dist.DistStoreError):  # dropped at the cap; a reconnect at the cap times out
             store, dropped = None, dropped + 1
+            if dropped == 20:
+                break
     return dropped
+
+
+def _serves(port: int, timeout: float) -> bool:
+    """Whether a fresh client can write and read back a key within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+            client.set("probe", "ok")
+            if client.get("probe") == b"ok":
+                return True
+        except (dist.DistNetworkError, dist.DistStoreError):
+            time.sleep(0.2)
+    return False
 
 
 def _kinds(findings: list[StallFinding]) -> set[str]:
@@ -520,9 +536,9 @@ def _tell(proc: subprocess.Popen[str], word: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> None:
-    """A training process (one rank, gloo, a ``Watch`` whose store process is capped at 32 MiB) while 125 MiB are
-    flooded at its store: the store refuses past its cap (it drops the flooder, which comes back) and lives, the
-    training side gets a tamper finding and no hang. Then the store process is SIGKILLed (what the kernel's OOM killer
+    """A training process (one rank, gloo, a ``Watch`` whose store process is capped at 32 MiB and sweeps every 2 s)
+    while 125 MiB are flooded at its store: the store fills to its cap, refuses (it drops the flooder, which comes
+    back), lives, and serves again once swept; the training side gets a tamper finding and no hang. Then the store process is SIGKILLed (what the kernel's OOM killer
     would do): a ``store_lost`` finding naming the cause, training goes on, ``Watch.close`` returns at once. Then the
     training process itself is SIGKILLed: its store process does not outlive it."""
     program = Path(__file__).with_name("watch_flood_support.py")
@@ -533,8 +549,10 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
     try:
         ready = _event(training, "ready", timeout=60)
         store_pids.append(ready["store_pid"])
-        dropped = _flood_from_here(ready["port"], FLOOD_KEYS)  # this test's process is not the training process
-        assert dropped >= 1, "the flood never hit the cap"  # the store refused: it dropped the flooder
+        dropped = _flood_from_here(ready["port"], FLOOD_KEYS)  # this process is not the training process
+        assert dropped >= 1, dropped  # the store refused past its cap: it dropped the flooder
+        # Full to its cap, the store refused everyone; its sweeps (the reserve above the cap) make it serve again.
+        assert _serves(ready["port"], timeout=15), "the store stayed full after the flood"
         _tell(training, "flooded")
         seen = _event(training, "flood_seen")
         assert seen["store"] is None, seen  # the store lives on under its cap

@@ -4,7 +4,8 @@ Its own process because a ``Watch`` needs a process group, and because the test 
 store process. It trains (steps every 20 ms, a gloo all-reduce each) and prints one JSON line per event; it waits for
 the test's word on stdin between phases:
 
-1. ``ready`` (port, store pid) — the test floods the store above its cap, writes ``flooded``;
+1. ``ready`` (port, store pid) — the test floods the store above its cap (its sweeps, 2 s apart, cannot keep up),
+   writes ``flooded``;
 2. ``flood_seen`` (the reports so far) — the test SIGKILLs the store process, writes ``killed``;
 3. ``lost`` (the reports), then ``closed`` (seconds ``Watch.close`` took), then a second ``Watch``: ``second`` (its
    store pid) — the test SIGKILLs this process and checks that the store process goes too.
@@ -45,7 +46,7 @@ def main() -> None:
             insecure_dev=True,
             stall_threshold=timedelta(seconds=3),
             poll_interval=timedelta(milliseconds=50),
-            store=StoreServerConfig(memory_cap_bytes=cap_mib << 20),
+            store=StoreServerConfig(memory_cap_bytes=cap_mib << 20, sweep_interval=timedelta(seconds=2)),
         )
         watch = Watch(config, rank=0, world_size=1, on_report=lambda report, finding: None)
         server = watch.store_server

@@ -211,6 +211,8 @@ class StoreServer:
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
         cap = self.config.memory_cap_bytes >> 20
         near = f", having reached 90 % of its {cap} MiB cap (a flood?)" if self._pressure else ""
+        if code == 75:
+            how = "exited: it was full to its memory cap and could not be swept (a flood that never paused)"
         last = " | ".join(line for line in self._tail if not line.startswith(("swept ", "pressure ")))[-600:]
         return f"store process {self._proc.pid} {how}{near}" + (f"; its last output: {last}" if last else "")
 
