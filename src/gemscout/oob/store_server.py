@@ -47,9 +47,10 @@ class StoreServerConfig:
 
     memory_cap_bytes: int = 256 << 20
     """Memory the store process may add to what it holds after importing torch: keys, values, its server thread and
-    its sweeps' copies. Past it, the message that would grow the store is refused and its connection dropped. A job's
-    own slots take ``world_size`` x at most ``OobConfig.max_message_bytes`` (256 KiB); the default leaves room for
-    1,000 ranks' worst case."""
+    its sweeps' copies. Past it, the message that would grow the store is refused and its connection dropped. A
+    reserve above it (an eighth of it, at least 8 MiB) is for sweeps of a full store only. A job's own slots take
+    ``world_size`` x at most ``OobConfig.max_message_bytes`` (256 KiB); the default leaves room for 1,000 ranks'
+    worst case."""
     start_timeout: timedelta = timedelta(seconds=60)
     """How long :meth:`StoreServer.start` waits for the process to serve (it imports torch: seconds on a busy host)."""
     stop_timeout: timedelta = timedelta(seconds=5)
