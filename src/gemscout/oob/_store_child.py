@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     host = args.host
     port = _port_of(args.fd)
-    server = TCPStore(
+    _server = TCPStore(  # serves from its own thread until the process ends
         host,
         port,
         None,
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Full to the cap and not even the reserve lets a sweep through (a flood that never pauses): a store
                 # that refuses everyone is worse than none, whose loss the watchdog reports.
                 _say(f"stuck: the store is full to its {args.cap_bytes >> 20} MiB cap and cannot be swept")
-                return 75
+                os._exit(75)
             time.sleep(args.sweep_interval)
             continue
         failing_since = None
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             swept, sample, reported_at = 0, [], now
         if not removed:
             time.sleep(args.sweep_interval)
-    del server
-    return 0
+    # The parent is gone. No cleanup is owed (the kernel closes the sockets), and an interpreter tearing torch down
+    # takes seconds on a busy host: long enough to look like an orphan.
+    os._exit(0)
 
 
 class _Sweeper:
