@@ -499,10 +499,11 @@ def _flood_from_here(port: int, keys: int) -> int:
     return dropped
 
 
-def _serves(port: int, timeout: float) -> bool:
-    """Whether a fresh client can write and read back a key within ``timeout`` seconds."""
+def _serves(port: int, timeout: float, *, pid: int) -> bool:
+    """Whether a fresh client can write and read back a key within ``timeout`` seconds (no, at once, when the store
+    process ``pid`` is gone)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _gone(pid):
         try:
             client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
             client.set("probe", "ok")
@@ -537,10 +538,12 @@ def _tell(proc: subprocess.Popen[str], word: str) -> None:
 @pytest.mark.timeout(90)
 def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> None:
     """A training process (one rank, gloo, a ``Watch`` whose store process is capped at 32 MiB and sweeps every 2 s)
-    while 125 MiB are flooded at its store: the store fills to its cap, refuses (it drops the flooder, which comes
-    back), lives, and serves again once swept; the training side gets a tamper finding and no hang. Then the store process is SIGKILLed (what the kernel's OOM killer
-    would do): a ``store_lost`` finding naming the cause, training goes on, ``Watch.close`` returns at once. Then the
-    training process itself is SIGKILLed: its store process does not outlive it."""
+    while 125 MiB are flooded at its store: the store fills to its cap and refuses (it drops the flooder, which comes
+    back). Then either it lives and serves again once swept, or — torch's server does not survive every failed
+    allocation: a SIGSEGV was seen with two busy loops beside the test — it dies; either way the training side gets a
+    tamper finding (``foreign_keys`` or ``store_lost``) and no hang. A store that lived is then SIGKILLed (what the
+    kernel's OOM killer would do): a ``store_lost`` finding naming the cause, training goes on, ``Watch.close``
+    returns at once. Then the training process itself is SIGKILLed: its store process does not outlive it."""
     program = Path(__file__).with_name("watch_flood_support.py")
     training = subprocess.Popen(
         [sys.executable, str(program), "32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -552,17 +555,18 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
         dropped = _flood_from_here(ready["port"], FLOOD_KEYS)  # this process is not the training process
         assert dropped >= 1, dropped  # the store refused past its cap: it dropped the flooder
         # Full to its cap, the store refused everyone; its sweeps (the reserve above the cap) make it serve again.
-        assert _serves(ready["port"], timeout=15), "the store stayed full after the flood"
+        survived = _serves(ready["port"], timeout=15, pid=ready["store_pid"])
         _tell(training, "flooded")
         seen = _event(training, "flood_seen")
-        assert seen["store"] is None, seen  # the store lives on under its cap
         assert [k for k in seen["reports"] if k[0] != "tamper"] == [], seen
-        assert any(k[1] == "foreign_keys" for k in seen["reports"]), seen
-        os.kill(ready["store_pid"], signal.SIGKILL)
+        assert (seen["store"] is None) == survived, seen
+        assert any(k[1] in ("foreign_keys", "store_lost") for k in seen["reports"]), seen
+        if survived:
+            os.kill(ready["store_pid"], signal.SIGKILL)
         _tell(training, "killed")
         lost = _event(training, "lost")
         (reason,) = [k[2] for k in lost["reports"] if k[1] == "store_lost"]
-        assert "SIGKILL" in reason and str(ready["store_pid"]) in reason, reason
+        assert f"store process {ready['store_pid']} " in reason and (not survived or "SIGKILL" in reason), reason
         assert [k for k in lost["reports"] if k[0] != "tamper"] == [] and lost["trained"] > 0, lost
         closed = _event(training, "closed")
         assert closed["seconds"] < 5, closed
