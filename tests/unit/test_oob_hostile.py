@@ -484,17 +484,17 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
 
 
 def _flood_from_here(port: int, keys: int) -> int:
-    """Write ``keys`` x 64 KiB foreign keys, coming back each time the store drops the connection (at most 20 times);
-    return how often it did."""
+    """Write ``keys`` x 64 KiB foreign keys, coming back each time the store drops the connection (at most 3 times:
+    at the cap each reconnect waits out its timeout); return how often it did."""
     value, store, dropped = "x" * (1 << 16), None, 0
     for i in range(keys):
         try:
             if store is None:
-                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
             store.set(f"flood/{i}", value)
         except (dist.DistNetworkError, dist.DistStoreError):  # dropped at the cap; a reconnect at the cap times out
             store, dropped = None, dropped + 1
-            if dropped == 20:
+            if dropped == 3:
                 break
     return dropped
 

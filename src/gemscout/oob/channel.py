@@ -340,29 +340,38 @@ class OobChannel:
             return None
 
     def _io(self, operation: Callable[[OobStore], _T]) -> _T:
-        """Run ``operation`` on the store; if the server dropped the connection, once more on a fresh one."""
-        store = self._store
+        """Run ``operation`` on the store; if the server dropped the connection, once more on a fresh one.
+
+        After a failed reconnect the dropped connection is not used again: calls fail at once for
+        ``_RECONNECT_BACKOFF_S`` (each use of a dead connection costs a send and a torch warning), then reconnect."""
+        with self._reconnect_lock:
+            store, failed_at = self._store, self._reconnect_failed_at
+        if failed_at is not None:
+            if time.monotonic() - failed_at < _RECONNECT_BACKOFF_S:
+                raise DistNetworkError("the OOB store dropped this connection and could not be reached again")
+            return operation(self._replace(store))
         try:
             return operation(store)
         except DistNetworkError:
             if self._reconnect is None:
                 raise
-            with self._reconnect_lock:
-                failed_at = self._reconnect_failed_at
-                if failed_at is not None and time.monotonic() - failed_at < _RECONNECT_BACKOFF_S:
-                    raise
-                if self._store is store:  # no other thread replaced it meanwhile
-                    try:
-                        self._store = self._reconnect()
-                    except (OSError, DistNetworkError, DistStoreError) as exc:
-                        self._reconnect_failed_at = time.monotonic()
-                        raise DistNetworkError(
-                            f"the OOB store dropped this connection; reconnecting failed: {exc}"
-                        ) from exc
-                    self._reconnect_failed_at = None
-                    logger.info("OOB store connection was dropped; reconnected")
-                fresh = self._store
-            return operation(fresh)
+            return operation(self._replace(store))
+
+    def _replace(self, dropped: OobStore) -> OobStore:
+        """A fresh connection in place of ``dropped`` (or the one another thread made meanwhile)."""
+        assert self._reconnect is not None
+        with self._reconnect_lock:
+            if self._store is dropped:
+                try:
+                    self._store = self._reconnect()
+                except (OSError, DistNetworkError, DistStoreError) as exc:
+                    self._reconnect_failed_at = time.monotonic()
+                    raise DistNetworkError(
+                        f"the OOB store dropped this connection; reconnecting failed: {exc}"
+                    ) from exc
+                logger.info("OOB store connection was dropped; reconnected")
+            self._reconnect_failed_at = None
+            return self._store
 
     def sweep(self, expected: Iterable[tuple[int, str]]) -> list[str]:
         """Delete every key of the store that is not one of the ``expected`` ``(rank, key)`` slots; return them.
