@@ -46,10 +46,8 @@ class DeepSpeedEngine(nn.Module):
         self.optimizer.bit16_groups = [list(self.module.parameters())]
         at = 0
         for p in self.optimizer.bit16_groups[0]:
-            p._hp_mapping = SimpleNamespace(
-                lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
-                hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()),
-            )
+            p._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
+                                            hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()))
             at += p.numel()
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: 1 / (1 + s))
         self.stage, self.accumulation, self.fp16, self.offload = stage, accumulation, fp16, offload
@@ -127,22 +125,15 @@ def test_torch_passes_through_unchanged() -> None:
     assert target.framework is Framework.TORCH and target.model is model and target.optimizer is opt
 
 
-@pytest.mark.parametrize(
-    ("model", "optimizer", "match"),
-    [
-        (Trainer(), None, r"enable_resiliency.model: a TorchTitan Trainer .* has no model_parts"),
-        ([GPTModel(), GPTModel()], None, r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOptimizer"),
-        (
-            nn.Linear(2, 2),
-            DistributedOptimizer(),
-            r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOpt",
-        ),
-        ([nn.Linear(2, 2)], None, r"expected one torch.nn.Module, got a list of 1"),
-        ("model", None, r"enable_resiliency.model: expected a torch.nn.Module, got str"),
-        (nn.Linear(2, 2), object(), r"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got object$"),
-        (nn.Linear(2, 2), DeepSpeedZeroOptimizer(4), r"pass the DeepSpeedEngine as model, not engine.module"),
-    ],
-)
+@pytest.mark.parametrize(("model", "optimizer", "match"), [
+    (Trainer(), None, r"enable_resiliency.model: a TorchTitan Trainer .* has no model_parts"),
+    ([GPTModel(), GPTModel()], None, r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOptimizer"),
+    (nn.Linear(2, 2), DistributedOptimizer(), r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOpt"),
+    ([nn.Linear(2, 2)], None, r"expected one torch.nn.Module, got a list of 1"),
+    ("model", None, r"enable_resiliency.model: expected a torch.nn.Module, got str"),
+    (nn.Linear(2, 2), object(), r"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got object$"),
+    (nn.Linear(2, 2), DeepSpeedZeroOptimizer(4), r"pass the DeepSpeedEngine as model, not engine.module"),
+])
 def test_unsupported_objects_are_config_errors(model: Any, optimizer: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve(model, optimizer)
@@ -151,15 +142,12 @@ def test_unsupported_objects_are_config_errors(model: Any, optimizer: Any, match
 # -- the DeepSpeed adapter's argument rules ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("engine", "match"),
-    [
-        (DeepSpeedEngine(stage=3), r"not a DeepSpeedZeroOptimizer_Stage3 around a torch optimizer"),  # a 1/2 optimizer
-        (DeepSpeedEngine(stage=0), r"zero_optimization.stage=0"),
-        (DeepSpeedEngine(fp16=True), r"fp16 is not supported"),
-        (DeepSpeedEngine(offload={"device": "cpu"}), r"offload_optimizer / offload_param is not supported"),
-    ],
-)
+@pytest.mark.parametrize(("engine", "match"), [
+    (DeepSpeedEngine(stage=3), r"not a DeepSpeedZeroOptimizer_Stage3 around a torch optimizer"),  # a 1/2 optimizer
+    (DeepSpeedEngine(stage=0), r"zero_optimization.stage=0"),
+    (DeepSpeedEngine(fp16=True), r"fp16 is not supported"),
+    (DeepSpeedEngine(offload={"device": "cpu"}), r"offload_optimizer / offload_param is not supported"),
+])
 def test_engine_settings_the_adapter_cannot_take(engine: DeepSpeedEngine, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve(engine, engine.optimizer)

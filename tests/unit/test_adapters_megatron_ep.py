@@ -23,13 +23,9 @@ from gemscout import ConfigError
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
 from gemscout.scout.topology import derive
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None,
-        reason="megatron-core is not installed (pip install -e '.[megatron]')",
-    ),
-]
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
 
 def _param(**flags: Any) -> torch.Tensor:
@@ -53,33 +49,16 @@ def test_expert_weights_lie_on_the_ep_dim() -> None:
 class _Layout:
     """What parallel_state and torch.distributed report for one layout (Megatron's default order tp-cp-ep-dp-pp)."""
 
-    def __init__(
-        self,
-        monkeypatch: pytest.MonkeyPatch,
-        *,
-        world: int,
-        rank: int,
-        tp: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-        etp: int | None = None,
-        edp_group: list[int],
-        ep_group: list[int],
-    ) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, world: int, rank: int, tp: int = 1, cp: int = 1,
+                 ep: int = 1, etp: int | None = None, edp_group: list[int], ep_group: list[int]) -> None:
         from megatron.core import parallel_state as ps
 
         import gemscout.adapters.megatron_topology as adapter
 
         etp = tp if etp is None else etp
-        sizes = {
-            "pipeline_model_parallel": 1,
-            "data_parallel": world // (tp * cp),
-            "context_parallel": cp,
-            "tensor_model_parallel": tp,
-            "expert_model_parallel": ep,
-            "expert_tensor_parallel": etp,
-            "expert_data_parallel": world // (ep * etp),
-        }
+        sizes = {"pipeline_model_parallel": 1, "data_parallel": world // (tp * cp), "context_parallel": cp,
+                 "tensor_model_parallel": tp, "expert_model_parallel": ep, "expert_tensor_parallel": etp,
+                 "expert_data_parallel": world // (ep * etp)}
         for name, size in sizes.items():
             monkeypatch.setattr(ps, f"get_{name}_world_size", lambda size=size: size)
         groups = {"dp": list(range(world)), "edp": edp_group, "ep": ep_group}
@@ -105,26 +84,19 @@ def test_a_custom_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from gemscout.adapters.megatron import megatron_topology
 
     _Layout(monkeypatch, world=4, rank=0, ep=2, edp_group=[0, 1], ep_group=[0, 2])  # ep outside dp
-    with pytest.raises(
-        ConfigError,
-        match=r"the expert-data-parallel group of rank 0 is \[0, 1\], but the default "
-        r"order tp-cp-ep-dp-pp gives \[0, 2\]",
-    ):
+    with pytest.raises(ConfigError, match=r"the expert-data-parallel group of rank 0 is \[0, 1\], but the default "
+                                          r"order tp-cp-ep-dp-pp gives \[0, 2\]"):
         megatron_topology()
 
 
-@pytest.mark.parametrize(
-    ("layout", "names"),
-    [
-        ({"world": 8, "tp": 2, "ep": 2}, "'tensor_model_parallel_size': 2"),
-        ({"world": 8, "cp": 2, "ep": 2}, "'context_parallel_size': 2"),
-        ({"world": 8, "tp": 2, "ep": 2, "etp": 1}, "'expert_tensor_parallel_size': 1"),
-        ({"world": 4, "tp": 2, "etp": 1}, "'expert_model_parallel_size': 1"),  # an expert TP of its own, no EP
-    ],
-)
-def test_what_stays_refused_names_the_layout_and_the_fix(
-    monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], names: str
-) -> None:
+@pytest.mark.parametrize(("layout", "names"), [
+    ({"world": 8, "tp": 2, "ep": 2}, "'tensor_model_parallel_size': 2"),
+    ({"world": 8, "cp": 2, "ep": 2}, "'context_parallel_size': 2"),
+    ({"world": 8, "tp": 2, "ep": 2, "etp": 1}, "'expert_tensor_parallel_size': 1"),
+    ({"world": 4, "tp": 2, "etp": 1}, "'expert_model_parallel_size': 1"),  # an expert TP of its own, no EP
+])
+def test_what_stays_refused_names_the_layout_and_the_fix(monkeypatch: pytest.MonkeyPatch, layout: dict[str, int],
+                                                         names: str) -> None:
     from gemscout.adapters.megatron import megatron_topology
 
     _Layout(monkeypatch, rank=0, edp_group=[0], ep_group=[0], **layout)

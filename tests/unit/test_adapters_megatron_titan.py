@@ -115,10 +115,8 @@ def test_megatron_optimizer_view_hooks_and_bitwise_state() -> None:
     live.step()
     assert calls == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2)]
     saved = _roundtrip(view.state_dict())
-    expected = (
-        live.main.clone(),
-        {k: v.clone() if torch.is_tensor(v) else v for k, v in live.optimizer.state[live.main].items()},
-    )
+    expected = (live.main.clone(), {k: v.clone() if torch.is_tensor(v) else v
+                                    for k, v in live.optimizer.state[live.main].items()})
     pre.remove()
     post.remove()
     assert "step" not in vars(live)  # the wrapper is gone once its last hook is
@@ -231,14 +229,8 @@ def test_torchtitan_trainer_state_roundtrips_bitwise() -> None:
     handle.remove()
     assert seen == [1, 2, 3]  # once per train_step, with trainer.step already the step taken
     assert target.extra_state_fn is not None
-    saved = _roundtrip(
-        {
-            "optimizer": target.optimizer.state_dict(),
-            "extra": target.extra_state_fn(),
-            "model": trainer.model_parts[0].state_dict(),
-            "sched": trainer.lr_schedulers.state_dict(),
-        }
-    )
+    saved = _roundtrip({"optimizer": target.optimizer.state_dict(), "extra": target.extra_state_fn(),
+                        "model": trainer.model_parts[0].state_dict(), "sched": trainer.lr_schedulers.state_dict()})
     other = Trainer(parts=1)
     again = resolve(other, other.optimizers)
     other.model_parts[0].load_state_dict(saved["model"])
@@ -307,19 +299,9 @@ def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         model = GPTModel()
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-        sched = OptimizerParamScheduler(
-            opt,
-            init_lr=0.0,
-            max_lr=1e-2,
-            min_lr=1e-3,
-            lr_warmup_steps=16,
-            lr_decay_steps=64,
-            lr_decay_style="cosine",
-            start_wd=0.01,
-            end_wd=0.01,
-            wd_incr_steps=64,
-            wd_incr_style="constant",
-        )
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=16,
+                                        lr_decay_steps=64, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=64, wd_incr_style="constant")
         return model, opt, sched
 
     model, opt, sched = build()

@@ -113,19 +113,11 @@ def test_sealed_manifest_records_the_run(sealed: tuple[Path, Path, str, dict]) -
     assert predicate["run"]["startedOn"] == "2026-08-13T10:00:00.000Z"
     assert predicate["artifact"] == {"name": f"qualification-evidence-{commit}", "runUrl": None}
     declared = "declared not validated by the campaign"
-    assert predicate["boundaries"]["notValidated"] == [
-        {"claim": "NCCL", "reason": declared},
-        {"claim": "RDMA", "reason": declared},
-    ]
+    assert predicate["boundaries"]["notValidated"] == [{"claim": "NCCL", "reason": declared},
+                                                       {"claim": "RDMA", "reason": declared}]
     assert predicate["boundaries"]["validated"] == [{"claim": "two-rank gloo recovery", "backedBy": ["000", "001"]}]
-    assert predicate["scope"] == {
-        "complete": True,
-        "cellsInCampaign": 3,
-        "campaignCellsRun": 3,
-        "cellsRun": 3,
-        "filter": None,
-        "seedOverride": None,
-    }
+    assert predicate["scope"] == {"complete": True, "cellsInCampaign": 3, "campaignCellsRun": 3, "cellsRun": 3,
+                                  "filter": None, "seedOverride": None}
 
 
 def test_only_allow_listed_environment_variables_are_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,26 +186,16 @@ def test_duplicate_subject(sealed: tuple[Path, Path, str]) -> None:
 @pytest.mark.parametrize(
     ("mutation", "message"),
     [
-        (
-            lambda p: p["commands"][1].update(exitCode=2),
-            "result is PASSED but the counts and exit codes make it FAILED",
-        ),
+        (lambda p: p["commands"][1].update(exitCode=2), "result is PASSED but the counts and exit codes make it FAILED"),
         (lambda p: p["summary"].update(passed=2, failed=1), "result is PASSED but the counts and exit codes make it "),
         (lambda p: p["summary"].update(total=4), "summary total 4 != passed+failed+skipped+measured 3"),
         (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but the counts and exit codes make it "),
-        (
-            lambda p: p["summary"].update(passed=2, skipped=1),
-            "result is PASSED but the counts and exit codes make it PASSED-WITH-SKIPS",
-        ),
-        (
-            lambda p: p["scope"].update(filter="two-peers"),
-            "scope.complete is true but its filter, seed and cell counts",
-        ),
+        (lambda p: p["summary"].update(passed=2, skipped=1), "result is PASSED but the counts and exit codes make it "
+                                                              "PASSED-WITH-SKIPS"),
+        (lambda p: p["scope"].update(filter="two-peers"), "scope.complete is true but its filter, seed and cell counts"),
         (lambda p: p["scope"].update(campaignCellsRun=1), "scope.complete is true but"),
-        (
-            lambda p: p["boundaries"]["validated"].append({"claim": "NCCL", "backedBy": ["999"]}),
-            "validated claim 'NCCL' is backed by '999', which is not a command of this run",
-        ),
+        (lambda p: p["boundaries"]["validated"].append({"claim": "NCCL", "backedBy": ["999"]}),
+         "validated claim 'NCCL' is backed by '999', which is not a command of this run"),
         (lambda p: p["run"].update(finishedOn="2026-08-13T09:00:00Z"), "run.startedOn is after run.finishedOn"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T10:30:00Z"), "'000' startedOn is after"),
         (lambda p: p["commands"][0].update(startedOn="2026-08-13T09:59:00Z"), "ran outside the run"),
@@ -352,9 +342,8 @@ def test_a_partial_run_is_valid_but_require_complete_refuses_it(tmp_path: Path) 
     repo, commit = make_repo(tmp_path)
     bundle = make_payload(tmp_path)
     scope = Scope(cells_in_campaign=4, campaign_cells_run=2, cells_run=2, filter="two-peers")
-    seal_bundle(
-        bundle, make_facts(repo, summary=Summary(total=2, passed=2, failed=0, skipped=0), scope=scope), repo=repo
-    )
+    seal_bundle(bundle, make_facts(repo, summary=Summary(total=2, passed=2, failed=0, skipped=0), scope=scope),
+                repo=repo)
     result = verify_bundle(bundle, expected_commit=commit, repo=repo)
     assert result.exit_code == EXIT_OK and not result.complete
     assert result.headline.word == "PARTIAL" and result.headline.tone == "warning"
@@ -374,10 +363,8 @@ def test_a_failed_command_moves_its_claim_to_not_validated(tmp_path: Path) -> No
     assert manifest["boundaries"]["validated"] == []
     moved = manifest["boundaries"]["notValidated"][0]
     assert moved["claim"] == "two-rank gloo recovery" and moved["reason"].startswith("failed: 1 of 2 backing commands")
-    assert manifest["boundaries"]["notValidated"][1] == {
-        "claim": "NCCL",
-        "reason": "declared not validated by the campaign",
-    }
+    assert manifest["boundaries"]["notValidated"][1] == {"claim": "NCCL",
+                                                         "reason": "declared not validated by the campaign"}
 
 
 def test_a_boundary_moved_into_validated_by_hand_fails(sealed: tuple[Path, Path, str]) -> None:
@@ -399,10 +386,8 @@ def test_a_schema_1_0_bundle_still_verifies_by_its_own_rules(sealed: tuple[Path,
         p = m["predicate"]
         p["schemaVersion"] = "1.0.0"
         del p["scope"], p["summary"]["measured"]
-        p["boundaries"] = {
-            "validated": [c["claim"] for c in p["boundaries"]["validated"]],
-            "notValidated": [c["claim"] for c in p["boundaries"]["notValidated"]],
-        }
+        p["boundaries"] = {"validated": [c["claim"] for c in p["boundaries"]["validated"]],
+                           "notValidated": [c["claim"] for c in p["boundaries"]["notValidated"]]}
 
     rewrite_manifest(bundle, downgrade)
     result = verify_bundle(bundle, expected_commit=commit, repo=repo)

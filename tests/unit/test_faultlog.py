@@ -13,10 +13,8 @@ from gemscout.faultlog import FILE_NAME, FaultLog, read
 @pytest.mark.timeout(30)
 def test_concurrent_appends_stay_whole_lines(tmp_path: Path) -> None:
     log = FaultLog(tmp_path / FILE_NAME, fsync=False)
-    threads = [
-        threading.Thread(target=lambda t=t: [log.append({"t": t, "i": i, "pad": "x" * 300}) for i in range(200)])
-        for t in range(4)
-    ]
+    threads = [threading.Thread(target=lambda t=t: [log.append({"t": t, "i": i, "pad": "x" * 300}) for i in range(200)])
+               for t in range(4)]
     for th in threads:
         th.start()
     for th in threads:

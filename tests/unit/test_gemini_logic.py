@@ -33,17 +33,9 @@ def test_placement_rejects_bad_topology() -> None:
 
 
 def proposal(rank: int, own=(), held=None, **kw) -> dict:
-    return {
-        "rank": rank,
-        "memory": list(kw.get("memory", [])),
-        "own": list(own),
-        "held": held or {},
-        "memory_held": kw.get("memory_held", {}),
-        "rejected": kw.get("rejected", []),
-        "trust": kw.get("trust", {}),
-        "attempts": kw.get("attempts", {}),
-        "unusable": kw.get("unusable", []),
-    }
+    return {"rank": rank, "memory": list(kw.get("memory", [])), "own": list(own), "held": held or {},
+            "memory_held": kw.get("memory_held", {}), "rejected": kw.get("rejected", []),
+            "trust": kw.get("trust", {}), "attempts": kw.get("attempts", {}), "unusable": kw.get("unusable", [])}
 
 
 def run(props, **kw):
@@ -53,11 +45,8 @@ def run(props, **kw):
 
 
 def test_newest_step_everyone_can_restore_wins_with_peer_source() -> None:
-    props = [
-        proposal(0, own=[5, 4], held={"2": [5, 4]}),
-        proposal(1, own=[], held={"0": [5]}),
-        proposal(2, own=[4], held={"1": [5, 4]}),
-    ]
+    props = [proposal(0, own=[5, 4], held={"2": [5, 4]}), proposal(1, own=[], held={"0": [5]}),
+             proposal(2, own=[4], held={"1": [5, 4]})]
     d = run(props)
     # rank 2 lacks step 5 everywhere except... its replica is held by rank 0 at 5: so 5 is restorable.
     assert d.mode == RecoveryMode.RESTORE and d.step == 5
@@ -66,10 +55,8 @@ def test_newest_step_everyone_can_restore_wins_with_peer_source() -> None:
 
 
 def test_rejected_and_untrusted_steps_are_skipped() -> None:
-    props = [
-        proposal(0, own=[6, 5, 4], trust={"6": "rejected", "5": "candidate", "4": "recovery_verified"}),
-        proposal(1, own=[6, 5, 4]),
-    ]
+    props = [proposal(0, own=[6, 5, 4], trust={"6": "rejected", "5": "candidate", "4": "recovery_verified"}),
+             proposal(1, own=[6, 5, 4])]
     assert run(props).step == 5
     d = run(props, min_trust=TrustState.RECOVERY_VERIFIED)
     assert d.step == 4 and "below recovery_verified" in d.reason
@@ -128,20 +115,12 @@ def test_replica_buffers_keep_newest_and_reuse_memory() -> None:
     assert isinstance(b.buffer_for(8), torch.Tensor)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"interval": 0}, "interval"),
-        ({"chunk_bytes": 1024}, "chunk_bytes"),
-        ({"slots": 1}, "slots"),
-        ({"intervall": 3}, "intervall"),
-        ({"keep_generations": 0}, "keep_generations"),
-        ({"timeout": 5}, "timeout"),
-        ({"min_trust": "maybe"}, "min_trust"),
-        ({"durable_every": 2}, "durable_directory"),
-        ({"replication_jump": -1}, "replication_jump"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"interval": 0}, "interval"), ({"chunk_bytes": 1024}, "chunk_bytes"), ({"slots": 1}, "slots"),
+    ({"intervall": 3}, "intervall"), ({"keep_generations": 0}, "keep_generations"),
+    ({"timeout": 5}, "timeout"), ({"min_trust": "maybe"}, "min_trust"), ({"durable_every": 2}, "durable_directory"),
+    ({"replication_jump": -1}, "replication_jump"),
+])
 def test_bad_config_names_the_field(tmp_path: Path, kwargs: dict, field: str) -> None:
     if "interval" in kwargs:
         from gemscout.config import require

@@ -37,9 +37,8 @@ def test_pruned_file_is_recycled_in_place_and_every_published_file_verifies(tmp_
     inodes: dict[int, int] = {}
     for step in range(1, 9):
         # sizes change from step to step: a recycled file that was longer must be cut to the new size
-        store.write_checkpoint(
-            store.step_file(folder, step), *_frame(step, 4096 * (1 + step % 2)), fsync=False, spares=spares
-        )
+        store.write_checkpoint(store.step_file(folder, step), *_frame(step, 4096 * (1 + step % 2)), fsync=False,
+                               spares=spares)
         inodes[step] = os.stat(store.step_file(folder, step)).st_ino
         store.prune_safe(folder, frontier=step, keep=2, spares=spares)
         assert store.list_steps(folder) == [s for s in (step, step - 1) if s >= 1]
@@ -98,7 +97,8 @@ def test_failed_write_into_a_spare_deletes_it_and_publishes_nothing(tmp_path: Pa
     store.prune_safe(folder, frontier=2, keep=1, spares=spares)
     prefix, data = _frame(3, 512)
     with pytest.raises(TypeError):  # a non-contiguous region cannot be written: the write fails after the prefix
-        store.write_checkpoint(store.step_file(folder, 3), prefix, data.view(-1, 2)[:, 0], fsync=False, spares=spares)
+        store.write_checkpoint(store.step_file(folder, 3), prefix, data.view(-1, 2)[:, 0], fsync=False,
+                               spares=spares)
     assert _temps(folder) == [] and len(spares) == 0 and store.list_steps(folder) == [2]
     store.read_verified(store.step_file(folder, 2))
 
@@ -145,14 +145,12 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_crash_while_overwriting_a_recycled_file_leaves_the_previous_generation_and_a_stale_temp(
-    tmp_path: Path,
-) -> None:
+        tmp_path: Path) -> None:
     folder = tmp_path / "own"
     folder.mkdir()
     support = str(Path(__file__).parent)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), support], capture_output=True, text=True, timeout=100, cwd=tmp_path
-    )
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), support], capture_output=True, text=True,
+                          timeout=100, cwd=tmp_path)
     pid = proc.stdout.split("PID ", 1)[1].split()[0] if "PID " in proc.stdout else "?"
     assert "EFBIG 27" in proc.stdout and "DYING" in proc.stdout, (proc.stdout, proc.stderr)
     assert proc.returncode == -signal.SIGXFSZ and "SURVIVED" not in proc.stdout, (proc.returncode, proc.stderr)

@@ -46,37 +46,14 @@ def cell(name: str, verdict: str = "passed", *, campaign: str = "synthetic", **r
     """A summary.json cell record as the engine writes it; ``result`` overrides observed/metrics/timeline/message."""
     cell_id = f"{campaign}/{name}"
     return {
-        "id": cell_id,
-        "verdict": verdict,
-        "reason": "all 1 expectations met" if verdict == "passed" else "broken",
-        "duration_s": 35.2,
-        "exit_code": 0,
-        "timed_out": False,
-        "swept_pids": [],
-        "pid": 1,
-        "argv": ["python"],
-        "cwd": ".",
-        "log": f"cells/{name}/log.txt",
-        "result": f"cells/{name}/result.json",
-        "started_at": "2026-08-13T10:01:00.000Z",
-        "finished_at": "2026-08-13T10:01:35.200Z",
-        "cell": {
-            "id": cell_id,
-            "program": "lifecycle",
-            "workload": "tiny",
-            "topology": "ddp",
-            "world_size": 3,
-            "fault": {"kind": "sigkill", "rank": 1, "step": 4},
-            "seed": 0,
-            "timeout_s": 60,
-            "params": {},
-            "expect": {"final_step": 6},
-            "requires": [],
-        },
-        "observed": {"final_step": 6},
-        "metrics": {"duration_s": 35.0},
-        "timeline": [],
-        "message": "ran",
+        "id": cell_id, "verdict": verdict, "reason": "all 1 expectations met" if verdict == "passed" else "broken",
+        "duration_s": 35.2, "exit_code": 0, "timed_out": False, "swept_pids": [], "pid": 1, "argv": ["python"],
+        "cwd": ".", "log": f"cells/{name}/log.txt", "result": f"cells/{name}/result.json",
+        "started_at": "2026-08-13T10:01:00.000Z", "finished_at": "2026-08-13T10:01:35.200Z",
+        "cell": {"id": cell_id, "program": "lifecycle", "workload": "tiny", "topology": "ddp", "world_size": 3,
+                 "fault": {"kind": "sigkill", "rank": 1, "step": 4}, "seed": 0, "timeout_s": 60, "params": {},
+                 "expect": {"final_step": 6}, "requires": []},
+        "observed": {"final_step": 6}, "metrics": {"duration_s": 35.0}, "timeline": [], "message": "ran",
         **result,
     }
 
@@ -88,38 +65,21 @@ def make_run(root: Path, cells: list[dict[str, Any]], *, name: str = "synthetic"
     failed = sum(c["verdict"] == "failed" for c in cells)
     passed = sum(c["verdict"] == "passed" for c in cells)
     summary = {
-        "summary_version": 1,
-        "campaign": {
-            "name": name,
-            "tier": "cpu",
-            "description": "synthetic run",
-            "file": "campaign.toml",
-            "source_path": f"campaigns/{name}.toml",
-        },
+        "summary_version": 1, "campaign": {"name": name, "tier": "cpu", "description": "synthetic run",
+                                           "file": "campaign.toml", "source_path": f"campaigns/{name}.toml"},
         "boundaries": {"validated": ["recovery after SIGKILL"], "not_validated": ["NCCL & <GPUs>"]},
-        "started_at": "2026-08-13T10:00:00.000Z",
-        "finished_at": "2026-08-13T10:05:00.000Z",
-        "duration_s": 300.0,
-        "invocation": {
-            "argv": ["qualify", "run", name],
-            "cwd": "/src",
-            "jobs": 1,
-            "filter": None,
-            "seed_override": None,
-            "grace_s": 5.0,
-        },
+        "started_at": "2026-08-13T10:00:00.000Z", "finished_at": "2026-08-13T10:05:00.000Z", "duration_s": 300.0,
+        "invocation": {"argv": ["qualify", "run", name], "cwd": "/src", "jobs": 1, "filter": None,
+                       "seed_override": None, "grace_s": 5.0},
         "counts": {"total": len(cells), "passed": passed, "failed": failed, "skipped": len(cells) - passed - failed},
-        "verdict": "failed" if failed else "passed",
-        "cells": cells,
+        "verdict": "failed" if failed else "passed", "cells": cells,
     }
     (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     for record in cells:
         cell_dir = root / Path(record["log"]).parent
         cell_dir.mkdir(parents=True, exist_ok=True)
         (cell_dir / "log.txt").write_text("log\n")
-        (cell_dir / "result.json").write_text(
-            json.dumps({k: record.get(k) for k in ("observed", "metrics", "message")})
-        )
+        (cell_dir / "result.json").write_text(json.dumps({k: record.get(k) for k in ("observed", "metrics", "message")}))
     return root
 
 
@@ -141,8 +101,7 @@ def test_performance_cell_gets_overhead_and_percentile_charts(tmp_path: Path) ->
     assert "p95 14.40 ms" in text
     # summary.json sorts its keys; the report puts the suite's modes back in their natural order
     assert [text.index(f" {mode} · throughput") for mode in ("gemini", "scout", "combined")] == sorted(
-        text.index(f" {mode} · throughput") for mode in ("gemini", "scout", "combined")
-    )
+        text.index(f" {mode} · throughput") for mode in ("gemini", "scout", "combined"))
 
 
 def test_performance_view_computes_changes_against_the_baseline() -> None:
@@ -170,10 +129,7 @@ def test_run_without_performance_cells_says_so(tmp_path: Path) -> None:
 def test_untrusted_text_is_escaped_everywhere_including_svg(tmp_path: Path) -> None:
     evil = "<script>alert(1)</script>"
     hostile = cell(
-        "hostile",
-        "failed",
-        message=evil,
-        observed={"final_step": evil},
+        "hostile", "failed", message=evil, observed={"final_step": evil},
         timeline=[{"t": 1.0, "event": "fault", "detail": f'"><img src=x onerror=alert(1)>{evil}'}],
         metrics={"modes": {"baseline": MODES["baseline"], f"<b>{evil}": MODES["gemini"]}},
     )
@@ -268,16 +224,10 @@ def test_invalid_and_mismatched_verifications_show_invalid(sealed_run: tuple[Pat
     html = render(bundle, verification_error="files: sha256 differs for cells/ok/log.txt").read_text()
     assert "INVALID" in html and "sha256 differs for cells/ok/log.txt" in html
     other = VerificationResult(
-        commit=commit,
-        result="PASSED",
-        signature="none",
-        checks_passed=("intake",),
-        manifest_sha256="0" * 64,
-        freshness=FreshnessReport(
-            state=Freshness.STALE, commits_behind=2, main_ref="main", main_head=None, reason="behind"
-        ),
-        exit_code=3,
-        message="stale",
+        commit=commit, result="PASSED", signature="none", checks_passed=("intake",), manifest_sha256="0" * 64,
+        freshness=FreshnessReport(state=Freshness.STALE, commits_behind=2, main_ref="main", main_head=None,
+                                  reason="behind"),
+        exit_code=3, message="stale",
     )
     assert "for another manifest" in render(bundle, verification=other).read_text()
 
@@ -304,15 +254,13 @@ def test_qualify_report_command_renders_beside_the_directory(sealed_run: tuple[P
 def test_phases_are_measured_from_the_events_they_name(tmp_path: Path) -> None:
     # A lifecycle cell: the fault fires inside the launch at a moment no event records, so no "fault →" phase may be
     # shown; a node loss recorded after detection must not become a negative "fault → detection".
-    timeline = [
-        {"t": 0.0, "event": "start", "detail": "baseline"},
-        {"t": 5.0, "event": "launch", "detail": "faulted run launched"},
-        {"t": 20.0, "event": "detection", "detail": "launcher saw rank 1 exit"},
-        {"t": 20.5, "event": "fault", "detail": "node 1 lost (recorded late)"},
-        {"t": 23.0, "event": "relaunch", "detail": "3 ranks"},
-        {"t": 28.0, "event": "decision", "detail": "restore step 4"},
-        {"t": 29.0, "event": "recovery", "detail": "resumed at step 4"},
-    ]
+    timeline = [{"t": 0.0, "event": "start", "detail": "baseline"},
+                {"t": 5.0, "event": "launch", "detail": "faulted run launched"},
+                {"t": 20.0, "event": "detection", "detail": "launcher saw rank 1 exit"},
+                {"t": 20.5, "event": "fault", "detail": "node 1 lost (recorded late)"},
+                {"t": 23.0, "event": "relaunch", "detail": "3 ranks"},
+                {"t": 28.0, "event": "decision", "detail": "restore step 4"},
+                {"t": 29.0, "event": "recovery", "detail": "resumed at step 4"}]
     text = text_of(render(make_run(tmp_path / "run", [cell("recover", timeline=timeline)])).read_text())
     assert "detection → relaunch 3.00 s" in text and "relaunch → decision 5.00 s" in text
     assert "detection → recovery 9.00 s" in text

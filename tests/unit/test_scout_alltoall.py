@@ -14,9 +14,8 @@ from gemscout.scout.topology import derive
 G = (4, 5)
 
 
-def rec(
-    ins: list[int], outs: list[int], *, group: tuple[int, ...] = G, dtype: str = "float32", row: tuple[int, ...] = (8,)
-) -> list:
+def rec(ins: list[int], outs: list[int], *, group: tuple[int, ...] = G, dtype: str = "float32",
+        row: tuple[int, ...] = (8,)) -> list:
     return [list(group), dtype, list(row), ins, outs]
 
 
@@ -41,16 +40,13 @@ def test_plan_caps_rows_per_sender() -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("gathered", "why"),
-    [
-        ([[], []], "no AllToAll was recorded"),
-        ([[rec([1, 1], [1, 1])], []], "different numbers"),
-        ([[rec([1, 1], [1, 1])], [rec([1, 1], [1, 1], dtype="int64")]], "dtypes or row shapes"),
-        ([[rec([1, 2], [1, 1])], [rec([1, 1], [1, 1])]], "group rank 0 recorded sending 2 rows to group rank 1"),
-        ([[rec([1, 1], [1, 1])], [rec([1, 1], [1, 1], group=(4, 6))]], "different groups"),
-    ],
-)
+@pytest.mark.parametrize(("gathered", "why"), [
+    ([[], []], "no AllToAll was recorded"),
+    ([[rec([1, 1], [1, 1])], []], "different numbers"),
+    ([[rec([1, 1], [1, 1])], [rec([1, 1], [1, 1], dtype="int64")]], "dtypes or row shapes"),
+    ([[rec([1, 2], [1, 1])], [rec([1, 1], [1, 1])]], "group rank 0 recorded sending 2 rows to group rank 1"),
+    ([[rec([1, 1], [1, 1])], [rec([1, 1], [1, 1], group=(4, 6))]], "different groups"),
+])
 def test_plan_refuses_records_that_do_not_line_up(gathered: list, why: str) -> None:
     reason = plan_cases(G, gathered, ("balanced",), max_rows=16)
     assert isinstance(reason, str) and why in reason
@@ -98,7 +94,8 @@ def test_judge_clean_sender_and_transit() -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("field", "value"), [("interval", 0), ("cases", ("ring",)), ("max_rows", -1), ("timeout", 5)])
+@pytest.mark.parametrize(("field", "value"), [("interval", 0), ("cases", ("ring",)), ("max_rows", -1),
+                                              ("timeout", 5)])
 def test_config_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         AllToAllConfig(**{field: value})  # type: ignore[arg-type]
@@ -142,7 +139,6 @@ def test_a_corrupted_send_is_named(one_rank: None) -> None:
         bad = buffer.clone()
         bad.view(-1).view(torch.uint8)[0] ^= 1
         return bad
-
     check.register_send_hook(flip)
     seen = []
     check.on_report = seen.append
@@ -152,15 +148,12 @@ def test_a_corrupted_send_is_named(one_rank: None) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("dims", "shape", "model", "peers"),
-    [
-        (("dp", "ep"), (2, 2), ("ep",), ((0, 2), (1, 3))),
-        (("dp", "cp"), (2, 2), ("cp",), ((0, 2), (1, 3))),
-        (("dp", "ep", "tp"), (2, 2, 2), ("ep", "tp"), ((0, 4), (1, 5), (2, 6), (3, 7))),
-        (("dp", "ep"), (3, 2), ("ep",), ((0, 2, 4), (1, 3, 5))),
-    ],
-)
+@pytest.mark.parametrize(("dims", "shape", "model", "peers"), [
+    (("dp", "ep"), (2, 2), ("ep",), ((0, 2), (1, 3))),
+    (("dp", "cp"), (2, 2), ("cp",), ((0, 2), (1, 3))),
+    (("dp", "ep", "tp"), (2, 2, 2), ("ep", "tp"), ((0, 4), (1, 5), (2, 6), (3, 7))),
+    (("dp", "ep"), (3, 2), ("ep",), ((0, 2, 4), (1, 3, 5))),
+])
 def test_expert_and_context_peers_keep_their_model_coordinates(dims, shape, model, peers) -> None:
     n = 1
     for size in shape:

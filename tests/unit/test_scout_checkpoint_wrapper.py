@@ -67,7 +67,7 @@ def test_blocks_in_a_module_dict_behind_checkpoint_wrappers_replay_on_the_given_
     given = {n: (p.detach() * 1.5).requires_grad_(True) for n, p in wrapper.named_parameters()}
     ctx = ReplayContext(recipe="hidden.1", kind="hidden", step=STEP, rank=0, source_rank=0)
     outcome = replay_forward([wrapper], ("layers.1",), captured, ctx, ReplayHooks(), params=[given])
-    grads = {k[len("grad.param.layers.1.") :]: g for k, g in outcome.outputs.items() if k.startswith("grad.param.")}
+    grads = {k[len("grad.param.layers.1."):]: g for k, g in outcome.outputs.items() if k.startswith("grad.param.")}
     reference = Block()  # the same block, unwrapped, on the given values: forward and backward by hand
     reference.load_state_dict({n: t.detach() for n, t in given.items()})
     x = captured.tensors["arg.0"].detach().requires_grad_(True)

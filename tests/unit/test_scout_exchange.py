@@ -24,20 +24,10 @@ def _digest(i: int) -> str:
 
 
 def _record(name: str, seed: int, *, shapes: list[list[int]] | None = None, **extra: object) -> dict[str, object]:
-    return {
-        "error": None,
-        "digest": _digest(seed),
-        "replay_s": 0.001 * (seed + 1) / 3,
-        "precondition": {
-            "step": 7,
-            "recipe": name,
-            "shapes": shapes or [[2, 3], [4]],
-            "input_digest": _digest(100),
-            "rng_digest": _digest(101),
-            "param_digest": _digest(102),
-        },
-        **extra,
-    }
+    return {"error": None, "digest": _digest(seed), "replay_s": 0.001 * (seed + 1) / 3,
+            "precondition": {"step": 7, "recipe": name, "shapes": shapes or [[2, 3], [4]],
+                             "input_digest": _digest(100), "rng_digest": _digest(101), "param_digest": _digest(102)},
+            **extra}
 
 
 def _records(seed: int = 0, **extra: object) -> dict[str, dict[str, object]]:

@@ -20,12 +20,8 @@ from gemscout.scout.materialize import CollectiveTimer, _owned_by_fsdp, without_
 
 
 def _fsdp_hooks(module: nn.Module) -> int:
-    return sum(
-        _owned_by_fsdp(h)
-        for sub in module.modules()
-        for registry in (sub._forward_pre_hooks, sub._forward_hooks)
-        for h in registry.values()
-    )
+    return sum(_owned_by_fsdp(h) for sub in module.modules()
+               for registry in (sub._forward_pre_hooks, sub._forward_hooks) for h in registry.values())
 
 
 @pytest.mark.timeout(60)

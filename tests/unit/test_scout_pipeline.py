@@ -20,15 +20,8 @@ def pipeline(shape: tuple[int, ...], rank: int, *, dp: bool = True):
     n = 1
     for size in shape:
         n *= size
-    return derive(
-        dims=dims,
-        shape=shape,
-        ranks=range(n),
-        data_dims=("dp",) if dp else (),
-        shard_dims=(),
-        rank=rank,
-        stage_dims=("pp",),
-    )
+    return derive(dims=dims, shape=shape, ranks=range(n), data_dims=("dp",) if dp else (), shard_dims=(), rank=rank,
+                  stage_dims=("pp",))
 
 
 @pytest.mark.timeout(30)
@@ -52,15 +45,8 @@ def test_pure_pipeline_has_no_peers_and_says_why() -> None:
 @pytest.mark.timeout(30)
 def test_a_stage_dim_cannot_be_data_parallel() -> None:
     with pytest.raises(ValueError, match="overlap"):
-        derive(
-            dims=("pp", "dp"),
-            shape=(2, 2),
-            ranks=range(4),
-            data_dims=("dp",),
-            shard_dims=(),
-            rank=0,
-            stage_dims=("dp",),
-        )
+        derive(dims=("pp", "dp"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0,
+               stage_dims=("dp",))
 
 
 @pytest.mark.timeout(30)
@@ -68,9 +54,8 @@ def test_each_stage_finds_its_own_recipes() -> None:
     assert block_split(3, 2) == [range(0, 2), range(2, 3)]
     config = ScoutConfig()
     stages = [build_stage("three-block", seed=0, stage=s, n_stages=2) for s in range(2)]
-    catalogs = [
-        build_catalog(m, torch.optim.AdamW(m.parameters()), config, stage=f"pp{s}") for s, m in enumerate(stages)
-    ]
+    catalogs = [build_catalog(m, torch.optim.AdamW(m.parameters()), config, stage=f"pp{s}")
+                for s, m in enumerate(stages)]
     kinds = [{r.kind for r in c.recipes} for c in catalogs]
     assert kinds[0] == {RecipeKind.EMBEDDING, RecipeKind.HIDDEN, RecipeKind.OPTIMIZER}
     assert kinds[1] == {RecipeKind.HIDDEN, RecipeKind.OUTPUT, RecipeKind.OPTIMIZER}
@@ -107,17 +92,11 @@ def test_several_stages_per_rank_are_named_by_their_own_stage() -> None:
         catalog = build_catalog(mods, opt, config, stage=f"pp{coord}", chunk_labels=(f"pp{coord}", f"pp{coord + 2}"))
         forward = {r.name: r.modules for r in catalog.recipes if r.kind is not RecipeKind.OPTIMIZER}
         if coord == 0:
-            assert forward == {
-                "pp0.embedding": ("0.embed",),
-                "pp0.hidden.0": ("0.blocks.0",),
-                "pp2.hidden.0": ("1.blocks.0",),
-            }
+            assert forward == {"pp0.embedding": ("0.embed",), "pp0.hidden.0": ("0.blocks.0",),
+                               "pp2.hidden.0": ("1.blocks.0",)}
         else:
-            assert forward == {
-                "pp1.hidden.0": ("0.blocks.0",),
-                "pp3.hidden.0": ("1.blocks.0",),
-                "pp3.output": ("1.norm", "1.head"),
-            }
+            assert forward == {"pp1.hidden.0": ("0.blocks.0",), "pp3.hidden.0": ("1.blocks.0",),
+                               "pp3.output": ("1.norm", "1.head")}
         slices = [r for r in catalog.recipes if r.kind is RecipeKind.OPTIMIZER]
         for r in slices:  # a slice's parameters all belong to the stage module its name says
             chunk = {p.split(".")[0] for p in r.params}
@@ -131,15 +110,8 @@ def test_several_stages_per_rank_are_named_by_their_own_stage() -> None:
 
 @pytest.mark.timeout(30)
 def test_several_stages_per_rank_need_one_stage_dim_and_a_module_list() -> None:
-    two_stage_dims = derive(
-        dims=("pp", "cp", "dp"),
-        shape=(2, 1, 2),
-        ranks=range(4),
-        data_dims=("dp",),
-        shard_dims=(),
-        rank=0,
-        stage_dims=("pp", "cp"),
-    )
+    two_stage_dims = derive(dims=("pp", "cp", "dp"), shape=(2, 1, 2), ranks=range(4), data_dims=("dp",),
+                            shard_dims=(), rank=0, stage_dims=("pp", "cp"))
     with pytest.raises(ConfigError, match="exactly one pipeline dim"):
         two_stage_dims.chunk_labels(2)
     stage = build_stage("three-block", seed=0, stage=0, n_stages=4)
@@ -168,20 +140,11 @@ def test_v_shaped_stages_are_named_by_their_own_stage() -> None:
         ScoutConfig(stage_order="zigzag")
     config = ScoutConfig(optimizer_slice_numel=20000, stage_order="v")
     mods = torch.nn.ModuleList(build_stage("three-block", seed=0, stage=s, n_stages=4) for s in (0, 3))
-    catalog = build_catalog(
-        mods,
-        torch.optim.AdamW(mods.parameters()),
-        config,
-        stage="pp0",
-        chunk_labels=pipeline((2, 2), 0).chunk_labels(2, order=config.stage_order),
-    )
+    catalog = build_catalog(mods, torch.optim.AdamW(mods.parameters()), config, stage="pp0",
+                            chunk_labels=pipeline((2, 2), 0).chunk_labels(2, order=config.stage_order))
     forward = {r.name: r.modules for r in catalog.recipes if r.kind is not RecipeKind.OPTIMIZER}
-    assert forward == {
-        "pp0.embedding": ("0.embed",),
-        "pp0.hidden.0": ("0.blocks.0",),
-        "pp3.hidden.0": ("1.blocks.0",),
-        "pp3.output": ("1.norm", "1.head"),
-    }
+    assert forward == {"pp0.embedding": ("0.embed",), "pp0.hidden.0": ("0.blocks.0",),
+                       "pp3.hidden.0": ("1.blocks.0",), "pp3.output": ("1.norm", "1.head")}
 
 
 @pytest.mark.timeout(60)

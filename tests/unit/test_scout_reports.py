@@ -30,15 +30,7 @@ def make(**overrides: Any) -> FaultReport:
 
 
 def test_enums_hold_the_documented_values() -> None:
-    assert [k.value for k in FaultKind] == [
-        "sdc",
-        "straggler",
-        "hang",
-        "data_stall",
-        "checkpoint_stall",
-        "health",
-        "tamper",
-    ]
+    assert [k.value for k in FaultKind] == ["sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health", "tamper"]
     assert [s.value for s in Scope] == ["rank", "peer_group", "node"]
 
 

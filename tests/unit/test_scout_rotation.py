@@ -29,20 +29,12 @@ A, B = "blake3:" + "a" * 64, "blake3:" + "b" * 64
 
 
 def agree(name: str, step: int) -> C3Result:
-    return C3Result(
-        verdict=Verdict.AGREE, recipe=name, step=step, majority_digest=A, digests_by_rank={0: A, 1: A, 2: A}
-    )
+    return C3Result(verdict=Verdict.AGREE, recipe=name, step=step, majority_digest=A, digests_by_rank={0: A, 1: A, 2: A})
 
 
 def attributed(name: str, step: int) -> C3Result:
-    return C3Result(
-        verdict=Verdict.ATTRIBUTED,
-        recipe=name,
-        step=step,
-        ranks=(2,),
-        majority_digest=A,
-        digests_by_rank={0: A, 1: A, 2: B},
-    )
+    return C3Result(verdict=Verdict.ATTRIBUTED, recipe=name, step=step, ranks=(2,), majority_digest=A,
+                    digests_by_rank={0: A, 1: A, 2: B})
 
 
 def split(name: str, step: int) -> C3Result:  # two peers disagree: SDC without a culprit
@@ -50,14 +42,8 @@ def split(name: str, step: int) -> C3Result:  # two peers disagree: SDC without 
 
 
 def unchecked(name: str, step: int) -> C3Result:  # a precondition failed: not a pass, not a fault
-    return C3Result(
-        verdict=Verdict.INCONCLUSIVE,
-        recipe=name,
-        step=step,
-        digests_by_rank={0: A, 1: B},
-        preconditions_ok=False,
-        reason="precondition 'param_digest' disagrees",
-    )
+    return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank={0: A, 1: B},
+                    preconditions_ok=False, reason="precondition 'param_digest' disagrees")
 
 
 CATALOG = ("embedding", "hidden.0", "hidden.1", "hidden.2", "output", "optimizer.0", "optimizer.1")
@@ -163,16 +149,8 @@ def three_block() -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_catalog_finds_the_boundaries_through_a_wrapper() -> None:
     model, opt = three_block()
     catalog = build_catalog(model, opt, ScoutConfig())
-    assert catalog.names == (
-        "embedding",
-        "hidden.0",
-        "hidden.1",
-        "hidden.2",
-        "output",
-        "optimizer.0",
-        "optimizer.1",
-        "optimizer.2",
-    )
+    assert catalog.names == ("embedding", "hidden.0", "hidden.1", "hidden.2", "output",
+                             "optimizer.0", "optimizer.1", "optimizer.2")
     assert catalog["embedding"].modules == ("embed",)
     assert catalog["hidden.2"].modules == ("blocks.2",)
     assert catalog["output"].modules == ("norm", "head")
@@ -217,10 +195,8 @@ def test_rotating_kinds_replays_one_kind_per_due_step_and_still_visits_every_rec
     seen = [r.name for step in range(2, 2 + 2 * rounds, 2) for r in catalog.due(step)]
     assert set(seen) == set(catalog.names)
     tracker = RotationTracker(catalog.names)
-    certified = [
-        tracker.record(step, {r.name: agree(r.name, step) for r in catalog.due(step)})
-        for step in range(2, 2 + 2 * rounds, 2)
-    ]
+    certified = [tracker.record(step, {r.name: agree(r.name, step) for r in catalog.due(step)})
+                 for step in range(2, 2 + 2 * rounds, 2)]
     # optimizer.2, the last recipe to come up, passes at step 22 (n = 11); hidden.0's pass at step 2 is the oldest
     assert certified[:10] == [None] * 10 and certified[10:] == [2, 2]
     with pytest.raises(ConfigError, match="rotate_kinds"):
@@ -244,22 +220,19 @@ def test_catalog_errors_name_the_field_to_set() -> None:
         build_catalog(mlp, None, ScoutConfig(recipes=("optimizer",)))
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"interval": 0}, "interval"),
-        ({"recipe_intervals": {"decoder": 2}}, "recipe_intervals"),
-        ({"recipe_intervals": {"hidden": 0}}, "recipe_intervals"),
-        ({"recipes": ()}, "recipes"),
-        ({"recipes": ("hidden", "hidden")}, "recipes"),
-        ({"hidden_per_cycle": 0}, "hidden_per_cycle"),
-        ({"optimizer_slice_numel": 0}, "optimizer_slice_numel"),
-        ({"head": ""}, "head"),
-        ({"timeout": timedelta(0)}, "timeout"),
-        ({"stragglers": {}}, "stragglers"),
-        ({"intervall": 2}, "intervall"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"interval": 0}, "interval"),
+    ({"recipe_intervals": {"decoder": 2}}, "recipe_intervals"),
+    ({"recipe_intervals": {"hidden": 0}}, "recipe_intervals"),
+    ({"recipes": ()}, "recipes"),
+    ({"recipes": ("hidden", "hidden")}, "recipes"),
+    ({"hidden_per_cycle": 0}, "hidden_per_cycle"),
+    ({"optimizer_slice_numel": 0}, "optimizer_slice_numel"),
+    ({"head": ""}, "head"),
+    ({"timeout": timedelta(0)}, "timeout"),
+    ({"stragglers": {}}, "stragglers"),
+    ({"intervall": 2}, "intervall"),
+])
 def test_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         ScoutConfig(**kwargs)  # type: ignore[arg-type]
@@ -274,17 +247,13 @@ def test_config_canonical_order_and_overrides() -> None:
 # -- wire format and injectors ------------------------------------------------------------------------------------
 def test_wire_round_trip_keeps_every_dtype_shape_and_byte() -> None:
     tensors = {
-        "f32": torch.randn(3, 5),
-        "scalar": torch.tensor(7.5),
-        "ids": torch.randint(0, 100, (2, 9)),
-        "bf16": torch.randn(4).to(torch.bfloat16),
-        "mask": torch.rand(6) > 0.5,
-        "empty": torch.empty(0, 3),
-        "noncontig": torch.randn(4, 6).t(),
-        "f64": torch.randn(3, dtype=torch.float64),
+        "f32": torch.randn(3, 5), "scalar": torch.tensor(7.5), "ids": torch.randint(0, 100, (2, 9)),
+        "bf16": torch.randn(4).to(torch.bfloat16), "mask": torch.rand(6) > 0.5, "empty": torch.empty(0, 3),
+        "noncontig": torch.randn(4, 6).t(), "f64": torch.randn(3, dtype=torch.float64),
     }
     meta = {"args": [{"value": {"tuple": [1, 2]}}], "training": True, "k": None}
-    captures = {"x": Captured(step=9, tensors=tensors, meta=meta), "y": Captured(step=9, error="no capture")}
+    captures = {"x": Captured(step=9, tensors=tensors, meta=meta),
+                "y": Captured(step=9, error="no capture")}
     header, payload = pack(9, captures)
     back = unpack(header, payload, 9)
     assert back["y"].error == "no capture" and back["y"].tensors == {}
@@ -300,9 +269,8 @@ def test_wire_round_trip_keeps_every_dtype_shape_and_byte() -> None:
     reshaped = header.replace(b'"f32", "torch.float32", [3, 5]', b'"f32", "torch.float32", [5, 3]')
     assert reshaped != header and unpack(reshaped, payload, 9)["x"].received_digest != digest
     with_rng = pack(9, {"x": Captured(step=9, tensors={**tensors, "rng.cpu": torch.get_rng_state()}, meta=meta)})
-    other_rng = pack(
-        9, {"x": Captured(step=9, tensors={**tensors, "rng.cpu": torch.zeros(5056, dtype=torch.uint8)}, meta=meta)}
-    )
+    other_rng = pack(9, {"x": Captured(step=9, tensors={**tensors, "rng.cpu": torch.zeros(5056, dtype=torch.uint8)},
+                                       meta=meta)})
     assert unpack(*with_rng, 9)["x"].received_digest == unpack(*other_rng, 9)["x"].received_digest
     with pytest.raises(ValueError, match="for step 9, expected version 1 for step 10"):
         unpack(header, payload, 10)

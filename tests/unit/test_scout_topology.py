@@ -78,9 +78,8 @@ def test_combined_verdicts() -> None:
     assert "peer group [0, 2]" in two.reason and "detection without a culprit" in two.reason
     named = combine_groups("hidden.1", 7, [_group({0: "a", 2: "a", 4: "x"}), _group({1: "b", 3: "b", 5: "b"})])
     assert named.verdict is Verdict.ATTRIBUTED and named.ranks == (4,)
-    failed = C3Result(
-        verdict=Verdict.INCONCLUSIVE, recipe="hidden.1", step=7, reason="precondition x", preconditions_ok=False
-    )
+    failed = C3Result(verdict=Verdict.INCONCLUSIVE, recipe="hidden.1", step=7, reason="precondition x",
+                      preconditions_ok=False)
     pre = combine_groups("hidden.1", 7, [((0, 2), failed), _group({1: "b", 3: "b"})])
     assert pre.verdict is Verdict.INCONCLUSIVE and not pre.preconditions_ok and not is_sdc(pre)
     assert not pre.outputs_disagree  # the groups' digests differ from each other, never inside a group

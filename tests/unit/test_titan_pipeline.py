@@ -75,12 +75,8 @@ def test_pp_x_fsdp_pairs_the_shard_ranks_of_each_stage(one_rank: None) -> None:
     topo = pipeline_topology(stage(("fsdp",)), dims, None)
     assert dims.asked == [(["pp", "fsdp"], True)]  # size-1 dims are asked for too: FSDP2 keeps a 1-rank fsdp mesh
     assert (topo.dims, topo.shape, topo.kind) == (("pp", "fsdp"), (2, 2), "fsdp+pp")
-    assert (topo.data_dims, topo.shard_dims, topo.peer_dims, topo.stage_dims) == (
-        ("fsdp",),
-        ("fsdp",),
-        ("fsdp",),
-        ("pp",),
-    )
+    assert (topo.data_dims, topo.shard_dims, topo.peer_dims, topo.stage_dims) == (("fsdp",), ("fsdp",), ("fsdp",),
+                                                                                   ("pp",))
     assert topo.peer_groups == ((0, 1), (2, 3)) and topo.peers == (0, 1) and topo.stage_label == "pp0"
 
 
@@ -125,15 +121,8 @@ class ScheduleZBVZeroBubble:
 
 
 def test_stage_order_follows_the_schedules_stages() -> None:
-    topo = derive(
-        dims=("pp", "fsdp"),
-        shape=(2, 2),
-        ranks=range(4),
-        data_dims=("fsdp",),
-        shard_dims=("fsdp",),
-        rank=2,
-        stage_dims=("pp",),
-    )  # pp coordinate 1 of 2
+    topo = derive(dims=("pp", "fsdp"), shape=(2, 2), ranks=range(4), data_dims=("fsdp",), shard_dims=("fsdp",),
+                  rank=2, stage_dims=("pp",))  # pp coordinate 1 of 2
 
     class Trainer:
         def __init__(self, schedule: Any) -> None:
@@ -149,11 +138,9 @@ def test_stage_order_follows_the_schedules_stages() -> None:
 
 def test_scout_under_pp_is_refused_with_tp_cp_or_ep() -> None:
     scout = ScoutConfig()
-    for extra, match in (
-        ({"tp": 2}, r"validated with data parallelism only.*tp=2"),
-        ({"cp": 2}, r"validated with data parallelism only.*cp=2"),
-        ({"ep": 2}, r"SCOUT under TorchTitan expert parallelism"),
-    ):
+    for extra, match in (({"tp": 2}, r"validated with data parallelism only.*tp=2"),
+                         ({"cp": 2}, r"validated with data parallelism only.*cp=2"),
+                         ({"ep": 2}, r"SCOUT under TorchTitan expert parallelism")):
         with pytest.raises(ConfigError, match=match):
             _scout_config(scout, Dims(pp=2, dp_replicate=1, dp_shard=2, **extra), 1)
     with pytest.raises(ConfigError, match=r"2 model_parts but parallel_dims.pp is 1"):

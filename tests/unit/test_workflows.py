@@ -47,9 +47,8 @@ def test_top_level_permissions_are_read_only(workflow: dict[str, Any]) -> None:
 
 
 def test_only_the_sign_job_can_mint_an_oidc_token(workflow: dict[str, Any]) -> None:
-    with_token = [
-        job_id for job_id, job in workflow["jobs"].items() if (job.get("permissions") or {}).get("id-token") == "write"
-    ]
+    with_token = [job_id for job_id, job in workflow["jobs"].items()
+                  if (job.get("permissions") or {}).get("id-token") == "write"]
     assert with_token == ["sign"]
     for job_id, job in workflow["jobs"].items():
         granted = job.get("permissions") or {}
@@ -61,11 +60,8 @@ def test_only_the_sign_job_can_mint_an_oidc_token(workflow: dict[str, Any]) -> N
 
 
 def test_the_sign_job_signs_keyless_with_a_command_the_cli_accepts(workflow: dict[str, Any]) -> None:
-    signing = [
-        line.strip()
-        for line in runs(workflow, "sign").splitlines()
-        if line.strip().startswith("validation-evidence sign")
-    ]
+    signing = [line.strip() for line in runs(workflow, "sign").splitlines()
+               if line.strip().startswith("validation-evidence sign")]
     assert len(signing) == 1
     argv = shlex.split(signing[0].replace('"$BUNDLE"', "bundle"))[1:]
     args = evidence_parser().parse_args(argv)
@@ -76,11 +72,8 @@ def test_the_sign_job_signs_keyless_with_a_command_the_cli_accepts(workflow: dic
 
 
 def test_evidence_artifacts_are_named_by_commit(workflow: dict[str, Any]) -> None:
-    artifacts = [
-        (job_id, step["with"]["name"])
-        for job_id, step in steps(workflow)
-        if step.get("uses", "").startswith(("actions/upload-artifact@", "actions/download-artifact@"))
-    ]
+    artifacts = [(job_id, step["with"]["name"]) for job_id, step in steps(workflow)
+                 if step.get("uses", "").startswith(("actions/upload-artifact@", "actions/download-artifact@"))]
     assert artifacts, "no artifact steps"
     for job_id, name in artifacts:
         assert "${{ github.sha }}" in name, (job_id, name)
@@ -104,7 +97,7 @@ def test_ci_runs_on_push_and_pull_request_and_qualifies_the_cpu_matrix() -> None
     assert set(ci["on"]) == {"push", "pull_request"}
     assert {"lint", "types", "tests", "sign"} <= set(ci["jobs"])
     tests = runs(ci, "tests")
-    assert 'qualify run cpu-matrix --out "$BUNDLE"' in tests
+    assert "qualify run cpu-matrix --out \"$BUNDLE\"" in tests
     assert ci["jobs"]["tests"]["env"]["BUNDLE"] == "evidence/qualification-evidence-${{ github.sha }}"
     assert ci["jobs"]["tests"]["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     # One package index in the job that holds the token.
