@@ -6,8 +6,10 @@ to an authenticated TCPStore. Rank 0 (or every rank) runs a watchdog thread that
 thread's help and reports a stall — naming the root rank where the evidence allows — as a ``FaultReport`` plus a
 conservative ``RecoveryDecision``.
 
-The store rank 0 serves listens on ``MASTER_ADDR``'s address only (loopback for a local job), not on every interface,
-and the watchdog deletes any key that is not a rank's slot. Every attach draws a fresh random epoch that rank 0 gives
+The store rank 0 serves listens on ``MASTER_ADDR``'s address only (loopback for a local job), not on every interface.
+It is served by a child process of rank 0 with a memory cap of its own (:mod:`gemscout.oob.store_server`), so what
+anyone sends to it never grows the training process; that process deletes any key that is not a rank's slot, exits
+with rank 0, and its loss is a ``tamper`` finding (``store_lost``), never a hang or a crash. Every attach draws a fresh random epoch that rank 0 gives
 the others over the process group (not the store): messages of an earlier attach, replayed into the store, are
 refused. Whatever fails authentication is reported as ``tamper`` and never becomes a hang.
 """
@@ -37,11 +39,15 @@ from gemscout.oob import (
     ProgressPublisher,
     StallConfig,
     StallFinding,
+    StoreServer,
+    StoreServerConfig,
+    StoreServerError,
     Watchdog,
     WatchdogConfig,
     checkpoint_io,
-    serve_store,
 )
+from gemscout.oob.config import DEFAULT_NAMESPACE
+from gemscout.oob.records import PROGRESS_KEY
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
 log = logging.getLogger("gemscout.watch")
@@ -88,6 +94,8 @@ class WatchConfig:
     """Fingerprint collectives: DDP's all-reduces (comm hook) and ``torch.distributed`` calls (thin wrappers)."""
     host: str = field(default_factory=socket.gethostname)
     """The host name published with this rank's progress (maps a root rank to its node)."""
+    store: StoreServerConfig = field(default_factory=StoreServerConfig)
+    """How rank 0's store process runs (its memory cap, start and stop timeouts); unused with ``endpoint``."""
 
     def __post_init__(self) -> None:
         c = "WatchConfig"
@@ -142,14 +150,23 @@ class Watch:
         self, config: WatchConfig, *, rank: int, world_size: int, on_report: Callable[[FaultReport, StallFinding], None]
     ) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
-        self._server: dist.TCPStore | None = None
+        self._server: StoreServer | None = None
+        self._unpatch: list[Callable[[], None]] = []
+        self.watchdog: Watchdog | None = None
         host, port, epoch = self._endpoint()
+        try:
+            self._attach(host, port, epoch, on_report)
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, host: str, port: int, epoch: str, on_report: Callable[[FaultReport, StallFinding], None]) -> None:
+        config, rank, world_size = self.config, self.rank, self.world_size
         oob = OobConfig(rank=rank, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch)
         self.channel = OobChannel.connect(host=host, port=port, config=oob, is_master=False)
         self.publisher = ProgressPublisher(self.channel, config=ProgressConfig(host=config.host)).start()
         self.reports: list[FaultReport] = []
         self._on_report = on_report
-        self.watchdog: Watchdog | None = None
         if config.watchdog_on == "all" or rank == 0:
             observer = OobChannel.connect(
                 host=host,
@@ -171,9 +188,10 @@ class Watch:
                     confirmations=config.confirmations,
                 ),
                 callbacks=[self._deliver],
-                sweep=config.endpoint is None,
+                # Rank 0's watchdog follows the store process, which sweeps the store itself (another rank's sees
+                # the store only through its connection).
+                store=self._server,
             ).start()
-        self._unpatch: list[Callable[[], None]] = []
         if config.instrument_collectives:
             self._patch_collectives()
 
@@ -185,15 +203,38 @@ class Watch:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         # Port and epoch travel over the process group, which an outsider of the store cannot write to.
         shared = torch.zeros(3, dtype=torch.int64)
+        failure: Exception | None = None
         if self.rank == 0:
-            # The store lives as long as this object; clients connect to it by host and port. It listens on the
-            # job's address only: TCPStore's own server would listen on every interface.
-            self._server = serve_store(host, 0, timeout=timedelta(seconds=60))
-            shared[0] = self._server.port
+            # The store lives as long as this object, in a process of its own; clients connect to it by host and
+            # port. It listens on the job's address only: TCPStore's own server would listen on every interface.
+            try:
+                self._server = StoreServer.start(
+                    host, 0, namespace=DEFAULT_NAMESPACE, world_size=self.world_size, keys=(PROGRESS_KEY,),
+                    config=self.config.store,
+                )  # fmt: skip
+                shared[0] = self._server.port
+            except (OSError, StoreServerError) as exc:
+                failure, shared[0] = exc, -1  # the others must learn it now, not wait on a store that never comes
             shared[1], shared[2] = secrets.randbits(62), secrets.randbits(62)
-        dist.broadcast(shared, src=0)
+        try:
+            dist.broadcast(shared, src=0)
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            raise
+        if int(shared[0].item()) < 0:
+            if failure is not None:
+                raise StoreServerError(f"gemscout watch: rank 0 could not serve the out-of-band store: {failure}")
+            raise StoreServerError(
+                "gemscout watch: rank 0 could not serve the out-of-band store (rank 0's error says why)"
+            )
         epoch = f"{int(shared[1]):016x}{int(shared[2]):016x}"
         return host, int(shared[0].item()), epoch
+
+    @property
+    def store_server(self) -> StoreServer | None:
+        """The process serving the out-of-band store (rank 0 without ``endpoint``), else ``None``."""
+        return self._server
 
     def _deliver(self, finding: StallFinding) -> None:
         report = finding_to_report(finding)
@@ -274,7 +315,11 @@ class Watch:
                 self.watchdog.stop()
             except Exception as exc:
                 log.warning("gemscout watch: %s", exc)
-        try:
-            self.publisher.stop()
-        except Exception as exc:
-            log.warning("gemscout watch: %s", exc)
+        publisher = getattr(self, "publisher", None)  # absent when attaching failed
+        if publisher is not None:
+            try:
+                publisher.stop()
+            except Exception as exc:
+                log.warning("gemscout watch: %s", exc)
+        if self._server is not None:
+            self._server.close()  # after the last 'closed' record: it is the store the publisher writes to

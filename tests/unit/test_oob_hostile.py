@@ -3,22 +3,30 @@
 Someone on the same host without the job's secret can reach a TCPStore's port (it has no authentication). What must
 hold: the server listens on the job's address only; a forged, deleted or replayed slot never becomes a hang verdict
 (it becomes a ``tamper`` finding naming the slot); a message of an earlier run is refused after a restart; a flood of
-keys does not grow the serving process's memory past a cap; the secret never shows in a ``repr``.
+keys does not grow the training process at all (the store is served by a child process with a memory cap of its own,
+whose loss is a finding); the secret never shows in a ``repr``.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
 import resource
+import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -28,6 +36,10 @@ from gemscout.oob import (
     ProgressConfig,
     ProgressPublisher,
     StallFinding,
+    StoreServer,
+    StoreServerConfig,
+    StoreServerError,
+    StoreStatus,
     Watchdog,
     WatchdogConfig,
     serve_store,
@@ -233,8 +245,62 @@ def test_deleted_and_overwritten_slots_never_make_a_hang(served: tuple[dist.TCPS
         ("tamper", (2,), "deleted"), ("tamper", (3,), "forged")
     ]  # fmt: skip
     # Control: the attacker stops, rank 0 really stops publishing: a hang naming rank 0 once the window has passed.
-    for _ in range(40):
+    for step in range(4, 44):  # ranks 1-3 train on; rank 0 is silent
         for pub in live[1:]:
+            pub.step(step)
+            pub.flush()
+        clock.now += 1.0
+        watchdog.poll_once()
+    hangs = [f for f in findings if f.kind == "hang"]
+    assert [f.ranks for f in hangs] == [(0,)], findings
+
+
+class FloodedStore:
+    """A stand-in for the store process's reports (``StoreHealth``): it has swept ``swept`` foreign keys so far."""
+
+    def __init__(self) -> None:
+        self.swept = 0
+
+    def status(self) -> StoreStatus:
+        return StoreStatus(swept=self.swept, sample=("flood/0",), swept_at=None, pressure=True, lost=None)
+
+
+def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore, int]) -> None:
+    """A store filled to its cap refuses the ranks' heartbeats too. While the store process keeps sweeping foreign
+    keys, far longer than the heartbeat timeout, with no rank publishing (fake clock): one tamper finding, no hang.
+    Then the flood ends and rank 0 really stays silent: a hang naming it once the window has passed."""
+    _, port = served
+    live = [
+        ProgressPublisher(
+            OobChannel(
+                dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
+                config=OobConfig(rank=r, secret=SECRET, epoch="run-a"),
+            )
+        )
+        for r in range(WORLD)
+    ]
+    observer = OobChannel(
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
+        config=OobConfig(rank=None, secret=SECRET, epoch="run-a"),
+    )
+    clock, flood = FakeClock(), FloodedStore()
+    findings: list[StallFinding] = []
+    cfg = WatchdogConfig(stall_threshold=timedelta(seconds=10), confirmations=2)
+    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, clock=clock, callbacks=[findings.append], store=flood)
+    for step in range(1, 4):
+        for pub in live:
+            pub.step(step)
+            pub.flush()
+        clock.now += 1.0
+        watchdog.poll_once()
+    for _ in range(40):  # nothing reaches the store; its process sweeps the flood
+        flood.swept += 100
+        clock.now += 1.0
+        watchdog.poll_once()
+    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [("tamper", (), "foreign_keys")]
+    for step in range(4, 44):  # ranks 1-3 train on; rank 0 is silent
+        for pub in live[1:]:
+            pub.step(step)
             pub.flush()
         clock.now += 1.0
         watchdog.poll_once()
@@ -298,54 +364,242 @@ def test_namespace_is_inside_the_mac(served: tuple[dist.TCPStore, int]) -> None:
     assert job_b.read(0, "progress") is None and job_b.stats.forged == 1
 
 
-def _flood(port: int, keys: int, done: list[bool]) -> None:
-    """The flooder: its own connection, no secret, 64 KiB values under fresh keys, then an oversized real slot."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    value = "x" * (1 << 16)
-    for i in range(keys):
+_FLOODER = """
+import sys
+from datetime import timedelta
+from torch.distributed import DistNetworkError, TCPStore
+port, keys, oversized = int(sys.stdin.readline()), int(sys.argv[1]), sys.argv[2] == "1"
+value, store, sent, dropped = "x" * (1 << 16), None, 0, 0
+for i in range(keys):
+    try:
+        if store is None:
+            store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         store.set(f"flood/{i}", value)
+        sent += 1
+    except DistNetworkError:  # the store refused a message past its cap and dropped us: come back, keep flooding
+        store, dropped = None, dropped + 1
+if oversized:
+    if store is None:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     store.set("gemscout/oob/1/progress", "y" * (1 << 20))
-    done.append(True)
+print(sent, dropped, flush=True)
+"""
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def _flooder(keys: int, *, oversized: bool) -> subprocess.Popen[str]:
+    """The flooder: a process of its own, no secret, ``keys`` x 64 KiB values under fresh keys (reconnecting when the
+    store drops it), then (``oversized``) a 1 MiB value in rank 1's slot. It imports torch first, then reads the port
+    from stdin, so its start overlaps the store's."""
+    command = [sys.executable, "-c", _FLOODER, str(keys), "1" if oversized else "0"]
+    # Its stderr is torch's warning per dropped connection: noise, not evidence.
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def test_a_flood_is_swept_and_leaves_nothing_behind(served: tuple[dist.TCPStore, int]) -> None:
-    """2,000 x 64 KiB keys (125 MiB) written at the store this process serves, while the watchdog sweeps: foreign
-    keys and the oversized slot are deleted and reported as tamper, and the serving process's memory peaks below
-    the flood. TCPStore's server has no key or size cap of its own: between two sweeps a flood is held in full."""
-    store, port = served
-    observer = OobChannel(
-        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
-        config=OobConfig(rank=None, secret=SECRET, epoch="run-a"),
-    )
-    before = _rss_bytes()
-    keys = 2000
-    done: list[bool] = []
-    flooder = threading.Thread(target=_flood, args=(port, keys, done))
-    findings: list[StallFinding] = []
-    cfg = WatchdogConfig(stall_threshold=timedelta(seconds=30), poll_interval=timedelta(milliseconds=20))
-    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, callbacks=[findings.append], sweep=True)
-    peak = before
-    flooder.start()
-    while flooder.is_alive():
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+FLOOD_KEYS = 2000  # x 64 KiB = 125 MiB
+
+
+def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() -> None:
+    """125 MiB of foreign keys from another process, while ranks 0, 2, 3 publish and the watchdog polls: the store is
+    served by a capped child process, so this (the training) process does not grow; the child stays under its cap and
+    serves on; the flood and the oversized slot are deleted and reported as tamper, and the ranks' records still
+    arrive. (A sweeper inside this process could not do it: one writer floods faster than a reader lists and
+    deletes.)"""
+    flooder = _flooder(FLOOD_KEYS, oversized=True)
+    cap = 256 << 20
+    server = StoreServer.start(
+        "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY],
+        config=StoreServerConfig(memory_cap_bytes=cap),
+    )  # fmt: skip
+    try:
+        assert _listen_address(server.port) == "0100007F"  # the child serves on loopback only, like serve_store
+        pubs, observer = _job(server.port)
+        pubs[1].stop()  # rank 1's slot is where the flooder puts its oversized value; nothing overwrites it
+        findings: list[StallFinding] = []
+        cfg = WatchdogConfig(stall_threshold=timedelta(seconds=30), poll_interval=timedelta(milliseconds=20))
+        watchdog = Watchdog(observer, world_size=WORLD, config=cfg, callbacks=[findings.append], store=server)
         watchdog.poll_once()
-        peak = max(peak, _rss_bytes())
-        time.sleep(0.02)
-    assert done == [True]
-    watchdog.poll_once()
-    watchdog.poll_once()
-    flood_bytes = keys * (1 << 16)
-    growth = peak - before
-    assert growth < flood_bytes * 3 // 4, (
-        f"serving process grew {growth >> 20} MiB under a {flood_bytes >> 20} MiB flood"
+        before, child_before = _rss_bytes(), _rss_bytes(server.pid)
+        peak, child_peak = before, child_before
+        assert flooder.stdin is not None and flooder.stdout is not None
+        flooder.stdin.write(f"{server.port}\n")
+        flooder.stdin.flush()
+        deadline = time.monotonic() + 30
+        while flooder.poll() is None and time.monotonic() < deadline:
+            watchdog.poll_once()
+            peak, child_peak = max(peak, _rss_bytes()), max(child_peak, _rss_bytes(server.pid))
+            time.sleep(0.02)
+        sent, dropped = map(int, flooder.stdout.read().split())
+        assert flooder.wait(5) == 0 and sent == FLOOD_KEYS and dropped == 0
+        check = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            any(k.startswith("flood/") for k in check.list_keys())
+            or not {"foreign_keys", "oversized"} <= _kinds(findings)
+        ):
+            watchdog.poll_once()
+            time.sleep(0.05)
+        growth = peak - before
+        assert growth < 8 << 20, f"the training process grew {growth >> 20} MiB under a 125 MiB flood"
+        assert child_peak - child_before < cap and server.status().lost is None
+        assert [k for k in check.list_keys() if not k.endswith("/progress")] == []
+        assert {"foreign_keys", "oversized"} <= _kinds(findings), findings
+        assert all(f.kind == "tamper" and f.recommendation == "observe" for f in findings), findings
+        assert observer.stats.swept >= FLOOD_KEYS // 2
+        pubs[0].step(99)
+        pubs[0].flush()
+        assert (observer.read(0, PROGRESS_KEY) or {}).get("step") == 99  # the store still serves the job
+        # The store process dies (what the kernel's OOM killer would do to it): one finding naming the cause, and the
+        # watchdog reads nothing more; publishing fails without blocking and without raising into training.
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "store_lost" not in _kinds(findings):
+            watchdog.poll_once()
+            time.sleep(0.02)
+        (lost,) = [f for f in findings if f.evidence["tamper"]["kind"] == "store_lost"]
+        assert f"store process {server.pid} was killed by SIGKILL" in lost.reason and lost.recommendation == "observe"
+        assert watchdog.poll_once() == []
+        started = time.monotonic()
+        for pub in pubs:
+            pub.step(100)
+            pub.stop()
+        assert time.monotonic() - started < 5
+    finally:
+        flooder.kill()
+        server.close()
+    assert _gone(server.pid)
+
+
+def _flood_from_here(port: int, keys: int) -> int:
+    """Write ``keys`` x 64 KiB foreign keys, coming back each time the store drops the connection (at most 3 times:
+    at the cap each reconnect waits out its timeout); return how often it did."""
+    value, store, dropped = "x" * (1 << 16), None, 0
+    for i in range(keys):
+        try:
+            if store is None:
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+            store.set(f"flood/{i}", value)
+        except (dist.DistNetworkError, dist.DistStoreError):  # dropped at the cap; a reconnect at the cap times out
+            store, dropped = None, dropped + 1
+            if dropped == 3:
+                break
+    return dropped
+
+
+def _serves(port: int, timeout: float, *, pid: int) -> bool:
+    """Whether a fresh client can write and read back a key within ``timeout`` seconds (no, at once, when the store
+    process ``pid`` is gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not _gone(pid):
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+            client.set("probe", "ok")
+            if client.get("probe") == b"ok":
+                return True
+        except (dist.DistNetworkError, dist.DistStoreError):
+            time.sleep(0.2)
+    return False
+
+
+def _kinds(findings: list[StallFinding]) -> set[str]:
+    return {f.evidence["tamper"]["kind"] for f in findings if f.kind == "tamper"}
+
+
+def _event(proc: subprocess.Popen[str], name: str, timeout: float = 30.0) -> dict[str, Any]:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no {name!r} from the training process within {timeout} s"
+    line = proc.stdout.readline()
+    assert line, f"the training process ended before {name!r} (rc {proc.poll()})"
+    event = json.loads(line)
+    assert event["event"] == name, event
+    return event
+
+
+def _tell(proc: subprocess.Popen[str], word: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(word + "\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.timeout(90)
+def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> None:
+    """A training process (one rank, gloo, a ``Watch`` whose store process is capped at 32 MiB and sweeps every 2 s)
+    while 125 MiB are flooded at its store: the store fills to its cap and refuses (it drops the flooder, which comes
+    back). Then either it lives and serves again once swept, or — torch's server does not survive every failed
+    allocation: a SIGSEGV was seen with two busy loops beside the test — it dies; either way the training side gets a
+    tamper finding (``foreign_keys`` or ``store_lost``) and no hang. A store that lived is then SIGKILLed (what the
+    kernel's OOM killer would do): a ``store_lost`` finding naming the cause, training goes on, ``Watch.close``
+    returns at once. Then the training process itself is SIGKILLed: its store process does not outlive it."""
+    program = Path(__file__).with_name("watch_flood_support.py")
+    training = subprocess.Popen(
+        [sys.executable, str(program), "32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    assert all(not k.startswith("flood/") for k in store.list_keys()), store.num_keys()
-    assert store.num_keys() <= WORLD
-    assert observer.stats.swept >= keys // 2
-    kinds = {f.evidence["tamper"]["kind"] for f in findings if f.kind == "tamper"}
-    assert {"foreign_keys", "oversized"} <= kinds, findings
-    assert all(f.kind == "tamper" for f in findings)
+    store_pids: list[int] = []
+    try:
+        ready = _event(training, "ready", timeout=60)
+        store_pids.append(ready["store_pid"])
+        dropped = _flood_from_here(ready["port"], FLOOD_KEYS)  # this process is not the training process
+        assert dropped >= 1, dropped  # the store refused past its cap: it dropped the flooder
+        # Full to its cap, the store refused everyone; its sweeps (the reserve above the cap) make it serve again.
+        survived = _serves(ready["port"], timeout=15, pid=ready["store_pid"])
+        _tell(training, "flooded")
+        seen = _event(training, "flood_seen")
+        assert [k for k in seen["reports"] if k[0] != "tamper"] == [], seen
+        assert (seen["store"] is None) == survived, seen
+        assert any(k[1] in ("foreign_keys", "store_lost") for k in seen["reports"]), seen
+        if survived:
+            os.kill(ready["store_pid"], signal.SIGKILL)
+        _tell(training, "killed")
+        lost = _event(training, "lost")
+        (reason,) = [k[2] for k in lost["reports"] if k[1] == "store_lost"]
+        assert f"store process {ready['store_pid']} " in reason and (not survived or "SIGKILL" in reason), reason
+        assert [k for k in lost["reports"] if k[0] != "tamper"] == [] and lost["trained"] > 0, lost
+        closed = _event(training, "closed")
+        assert closed["seconds"] < 5, closed
+        second = _event(training, "second", timeout=60)
+        store_pids.append(second["store_pid"])
+        assert not _gone(second["store_pid"])
+        training.kill()
+        training.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not _gone(second["store_pid"]):
+            time.sleep(0.05)
+        assert _gone(second["store_pid"]), "the store process outlived its training process"
+    finally:
+        training.kill()
+        training.wait(10)
+        for pid in store_pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_store_process_that_cannot_start_is_a_clear_error() -> None:
+    """An interpreter that exits at once, and one that is not serving within the start timeout: ``StoreServerError``
+    naming the cause, no process left behind, and no hang."""
+    with pytest.raises(StoreServerError, match="could not start: store process [0-9]+ exited with 1"):
+        StoreServer.start(
+            "127.0.0.1", namespace="ns", world_size=1, keys=["k"], config=StoreServerConfig(python="/bin/false")
+        )
+    started = time.monotonic()
+    slow = StoreServerConfig(start_timeout=timedelta(milliseconds=50))  # importing torch takes far longer
+    with pytest.raises(StoreServerError, match="not serving within .* raise StoreServerConfig.start_timeout"):
+        StoreServer.start("127.0.0.1", namespace="ns", world_size=1, keys=["k"], config=slow)
+    assert time.monotonic() - started < 10
+    assert [p for p in psutil.Process().children() if _CHILD_NAME in " ".join(p.cmdline())] == []
+
+
+_CHILD_NAME = "_store_child.py"

@@ -21,6 +21,7 @@ from gemscout.oob.progress import ProgressConfig, ProgressPublisher
 from gemscout.oob.records import CollectiveFingerprint, ProgressRecord
 from gemscout.oob.secret import SECRET_ENV, generate_secret
 from gemscout.oob.stalls import InstrumentedLoader, StallConfig, StallDetector, checkpoint_io
+from gemscout.oob.store_server import StoreServer, StoreServerConfig, StoreServerError, StoreStatus
 from gemscout.oob.watchdog import Watchdog, WatchdogConfig
 
 __all__ = [
@@ -45,6 +46,10 @@ __all__ = [
     "StallConfig",
     "StallDetector",
     "StallFinding",
+    "StoreServer",
+    "StoreServerConfig",
+    "StoreServerError",
+    "StoreStatus",
     "TamperEvent",
     "Watchdog",
     "WatchdogConfig",

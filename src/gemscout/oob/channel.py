@@ -12,9 +12,13 @@ held an authentic message and then vanished (someone deleted it). Nothing downst
 the watchdog turns tamper events into ``tamper`` findings instead of verdicts.
 
 A ``TCPStore`` has no authentication: anyone who reaches its port can read, write and delete keys. So the server is
-bound to one address (:func:`serve_store`: the job's own address, loopback for a local job) instead of every
-interface, and :meth:`OobChannel.sweep` deletes keys that are not the job's slots, which bounds what a flood can keep
-in rank 0's memory to what arrives between two sweeps (the ``TCPStore`` server itself has no size or key cap).
+bound to one address (the job's own address, loopback for a local job) instead of every interface. The ``TCPStore``
+server has no size or key cap: the watch serves it from a child process with a memory cap of its own
+(:mod:`gemscout.oob.store_server`), never inside training; :func:`serve_store` serves one in this process (tests,
+experiments). :meth:`OobChannel.sweep` deletes keys that are not the job's slots (leftovers; it cannot bound memory: one
+writer floods faster than a reader lists and deletes). A client connection the server dropped (it refuses a message
+past its cap by closing the connection) is replaced once per operation when the channel was made by
+:meth:`OobChannel.connect`.
 
 The secret comes from the launcher (:attr:`OobConfig.secret` or ``GEMSCOUT_OOB_SECRET``; see
 :mod:`gemscout.oob.secret` for why it is never sent through the store). Without one the channel refuses to start,
@@ -33,13 +37,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import blake3
-from torch.distributed import DistStoreError
+from torch.distributed import DistNetworkError, DistStoreError
 
 from gemscout.oob.config import OobConfig
 from gemscout.oob.secret import resolve_secret
@@ -54,8 +58,11 @@ _VERSION = 2
 _SEAL_DOMAIN = b"gemscout-oob-v2 payload sealing key"
 _GET_TIMEOUT = timedelta(milliseconds=500)
 _MAX_JSON_DEPTH = 32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
+_RECONNECT_TIMEOUT = timedelta(seconds=3)  # a store that is gone refuses at once; a busy one answers within this
+_RECONNECT_BACKOFF_S = 5.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
 
-TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys"]
+TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys", "store_lost"]
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -159,9 +166,14 @@ class OobChannel:
     Thread-safe: the progress publisher and a watchdog may share one channel object.
     """
 
-    def __init__(self, store: OobStore, *, config: OobConfig) -> None:
+    def __init__(self, store: OobStore, *, config: OobConfig, reconnect: Callable[[], OobStore] | None = None) -> None:
+        """``reconnect``: makes a fresh connection to the same store, used once per operation when the server
+        dropped this one (``DistNetworkError``); ``None``: such an error is raised."""
         self._store = store
         self._config = config
+        self._reconnect = reconnect
+        self._reconnect_lock = threading.Lock()
+        self._reconnect_failed_at: float | None = None
         self._secret = resolve_secret(config.secret, insecure_dev=config.insecure_dev)
         # A key of its own for sealing payloads, so the MAC key is never also a cipher key.
         self._seal_key = hmac.new(self._secret, _SEAL_DOMAIN, hashlib.sha256).digest()
@@ -199,7 +211,16 @@ class OobChannel:
         if is_master:
             return cls(serve_store(host, port, timeout=timeout), config=config)
         store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
-        return cls(store, config=config)
+
+        def reconnect() -> OobStore:
+            # TCPStore's client retries a refused connection until its timeout: ask the kernel first, so a store that
+            # is gone fails the call at once instead of holding the publisher for seconds on every attempt.
+            socket.create_connection((host, port), timeout=_RECONNECT_TIMEOUT.total_seconds()).close()
+            fresh = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_RECONNECT_TIMEOUT)
+            fresh.set_timeout(timeout)
+            return fresh
+
+        return cls(store, config=config, reconnect=reconnect)
 
     @property
     def rank(self) -> int | None:
@@ -268,7 +289,8 @@ class OobChannel:
         message = f"{self._mac(body.encode('utf-8'))}\n{body}"
         if len(message) > self._config.max_message_bytes:
             raise ValueError(f"OOB message for {key!r} is {len(message)} bytes, above max_message_bytes")
-        self._store.set(self.slot(rank, key), message)
+        slot = self.slot(rank, key)
+        self._io(lambda store: store.set(slot, message))
         with self._lock:
             self._published += 1
         return seq
@@ -282,10 +304,10 @@ class OobChannel:
         """
         slot = self.slot(rank, key)
         if timeout <= timedelta(0):
-            present = self._store.check([slot])
+            present = self._io(lambda store: store.check([slot]))
         else:
             try:
-                self._store.wait([slot], timeout)
+                self._io(lambda store: store.wait([slot], timeout))
                 present = True
             except DistStoreError:  # the wait timed out; network failures still raise
                 present = False
@@ -299,19 +321,57 @@ class OobChannel:
         """The slot's value, or None when it is gone. A TCPStore ``get`` of a missing key waits for the store's
         whole timeout, so a key deleted between ``check`` and ``get`` (a deleter in a loop) would stall every read;
         the get runs under a short timeout instead."""
-        set_timeout = getattr(self._store, "set_timeout", None)
-        try:
+
+        def get(store: OobStore) -> bytes:
+            set_timeout = getattr(store, "set_timeout", None)
             if set_timeout is None:
-                return self._store.get(slot)
+                return store.get(slot)
             with self._io_lock:
-                previous = self._store.timeout  # type: ignore[attr-defined]
+                previous = store.timeout  # type: ignore[attr-defined]
                 set_timeout(_GET_TIMEOUT)
                 try:
-                    return self._store.get(slot)
+                    return store.get(slot)
                 finally:
                     set_timeout(previous)
+
+        try:
+            return self._io(get)
         except DistStoreError:  # deleted between check and get
             return None
+
+    def _io(self, operation: Callable[[OobStore], _T]) -> _T:
+        """Run ``operation`` on the store; if the server dropped the connection, once more on a fresh one.
+
+        After a failed reconnect the dropped connection is not used again: calls fail at once for
+        ``_RECONNECT_BACKOFF_S`` (each use of a dead connection costs a send and a torch warning), then reconnect."""
+        with self._reconnect_lock:
+            store, failed_at = self._store, self._reconnect_failed_at
+        if failed_at is not None:
+            if time.monotonic() - failed_at < _RECONNECT_BACKOFF_S:
+                raise DistNetworkError("the OOB store dropped this connection and could not be reached again")
+            return operation(self._replace(store))
+        try:
+            return operation(store)
+        except DistNetworkError:
+            if self._reconnect is None:
+                raise
+            return operation(self._replace(store))
+
+    def _replace(self, dropped: OobStore) -> OobStore:
+        """A fresh connection in place of ``dropped`` (or the one another thread made meanwhile)."""
+        assert self._reconnect is not None
+        with self._reconnect_lock:
+            if self._store is dropped:
+                try:
+                    self._store = self._reconnect()
+                except (OSError, DistNetworkError, DistStoreError) as exc:
+                    self._reconnect_failed_at = time.monotonic()
+                    raise DistNetworkError(
+                        f"the OOB store dropped this connection; reconnecting failed: {exc}"
+                    ) from exc
+                logger.info("OOB store connection was dropped; reconnected")
+            self._reconnect_failed_at = None
+            return self._store
 
     def sweep(self, expected: Iterable[tuple[int, str]]) -> list[str]:
         """Delete every key of the store that is not one of the ``expected`` ``(rank, key)`` slots; return them.
@@ -330,12 +390,19 @@ class OobChannel:
         for name in removed:
             delete_key(name)
         if removed:
-            sample = ", ".join(repr(name[:64]) for name in sorted(removed)[:5])
-            with self._lock:
-                self._swept += len(removed)
-            self._record_tamper(None, None, sample, "foreign_keys", f"{len(removed)} key(s) not of this job deleted")
-            logger.warning("OOB store: deleted %d key(s) that are not this job's slots (%s)", len(removed), sample)
+            self.note_foreign_keys(len(removed), sorted(removed)[:5])
         return removed
+
+    def note_foreign_keys(self, count: int, sample: Iterable[str], *, detail: str = "") -> None:
+        """Record that ``count`` keys that are not this job's slots were found and deleted (by :meth:`sweep`, or by
+        the store process itself): a ``foreign_keys`` :class:`TamperEvent` for the store. ``detail`` adds to its
+        reason."""
+        shown = ", ".join(repr(name[:64]) for name in list(sample)[:5])
+        with self._lock:
+            self._swept += count
+        reason = f"{count} key(s) not of this job deleted" + (f"; {detail}" if detail else "")
+        self._record_tamper(None, None, shown, "foreign_keys", reason)
+        logger.warning("OOB store: deleted %d key(s) that are not this job's slots (%s)", count, shown)
 
     def read_many(self, ranks: Iterable[int], key: str) -> dict[int, dict[str, Any]]:
         """The newest authentic payload under ``key`` of each of ``ranks`` that has one. Never blocks on absence."""
@@ -468,10 +535,10 @@ class OobChannel:
         if not repeated:
             logger.warning("rejected OOB message in slot %s: %s", self.slot(rank, key), why)
         self._record_tamper(rank, key, self.slot(rank, key), kind, why, new=not repeated)
-        delete_key = getattr(self._store, "delete_key", None)
-        if kind == "oversized" and delete_key is not None:
+        if kind == "oversized" and hasattr(self._store, "delete_key"):
             # No genuine writer publishes one (publish refuses): free the server's memory; the owner republishes.
-            delete_key(self.slot(rank, key))
+            slot = self.slot(rank, key)
+            self._io(lambda store: store.delete_key(slot))  # type: ignore[attr-defined]
             with self._lock:
                 self._present.discard((rank, key))
         return None

@@ -9,6 +9,7 @@ from gemscout.errors import ConfigError
 from gemscout.oob.secret import MIN_SECRET_BYTES
 
 _EPOCH = re.compile(r"[0-9A-Za-z_.-]{0,64}")
+DEFAULT_NAMESPACE = "gemscout/oob"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -22,7 +23,7 @@ class OobConfig:
     by ``repr``: configurations end up in logs."""
     insecure_dev: bool = False
     """Allow starting without any secret, with a public key. For local experiments only; never in a real job."""
-    namespace: str = "gemscout/oob"
+    namespace: str = DEFAULT_NAMESPACE
     """Prefix of every key this channel writes or reads; two jobs sharing one store need two namespaces. It is inside
     the MAC, so a message cannot be moved from one namespace to another."""
     epoch: str = ""

@@ -14,6 +14,13 @@ heartbeats), so it is never counted as dead or stuck, and a hang is called only 
 stopped (a rank that was never seen, e.g. because its slot is deleted as fast as it is written, can join a hang as a
 root but never start one). Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
 finding naming the slot, recommendation ``observe``: an outsider can make noise, never a verdict or a restart.
+
+Given the :class:`~gemscout.oob.store_server.StoreServer` that serves the store, each poll first reads its status:
+keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
+``tamper`` finding of kind ``store_lost`` naming the cause, after which the watchdog reads nothing more (there is
+nothing to read; training goes on, its process group has a store of its own). While foreign keys were swept within the
+window, a rank's silence is no evidence of its death (a store filled to its cap refuses genuine messages too): a hang
+then needs authentic records whose counters stopped.
 """
 
 from __future__ import annotations
@@ -25,16 +32,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from torch.distributed import DistNetworkError
+
 from gemscout.errors import CollectiveTimeout, ConfigError
 from gemscout.oob.channel import OobChannel, TamperEvent
 from gemscout.oob.findings import StallFinding
 from gemscout.oob.records import PROGRESS_KEY, ProgressRecord
 from gemscout.oob.rootcause import locate_root
 from gemscout.oob.stalls import StallConfig, StallDetector
+from gemscout.oob.store_server import StoreHealth
 
 logger = logging.getLogger(__name__)
 
 FindingCallback = Callable[[StallFinding], None]
+_STORE_DEATH_S = 1.0  # from a connection reset by a dying store process to its exit being visible
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,9 +85,11 @@ class Watchdog:
         callbacks: Iterable[FindingCallback] = (),
         clock: Callable[[], float] = time.monotonic,
         sweep: bool = False,
+        store: StoreHealth | None = None,
     ) -> None:
-        """``sweep``: the store belongs to this job's OOB channel alone (``Watch`` serves it), so each poll deletes
-        keys that are not the ranks' slots — the bound on what a flood can keep in the server's memory."""
+        """``sweep``: the store belongs to this job's OOB channel alone, so each poll deletes keys that are not the
+        ranks' slots (leftovers; a bound on memory only against a writer slower than the sweeps). ``store``: the
+        process serving the store (see the module docstring)."""
         if world_size < 1:
             raise ConfigError(f"Watchdog world_size must be >= 1, got {world_size}")
         self._channel = channel
@@ -95,6 +108,10 @@ class Watchdog:
         self._agreeing = 0
         self._episode_reported = False
         self._sweep = sweep
+        self._store = store
+        self._store_swept = 0
+        self._store_lost = False
+        self._poll_errors = 0
         # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
         # on this watchdog's clock, and whether the current episode of it was reported.
         self._tamper_seen: dict[tuple[int | None, str | None], tuple[int, float]] = {}
@@ -135,9 +152,24 @@ class Watchdog:
         now = self._clock()
         if self._started_at is None:
             self._started_at = now
-        if self._sweep:
-            self._channel.sweep((rank, PROGRESS_KEY) for rank in range(self._world_size))
-        records = dict(self._read_records())
+        if self._store is not None:
+            lost = self._check_store()
+            if lost is not None or self._store_lost:
+                if lost is not None:
+                    self._deliver(lost)
+                return [lost] if lost is not None else []
+        try:
+            if self._sweep:
+                self._channel.sweep((rank, PROGRESS_KEY) for rank in range(self._world_size))
+            records = dict(self._read_records())
+        except DistNetworkError:
+            # A dying store process resets connections a moment before it can be reaped: give it that moment, so
+            # its loss is a finding rather than a failed poll.
+            lost = self._await_store_loss()
+            if lost is None:
+                raise
+            self._deliver(lost)
+            return [lost]
         for rank, rec in records.items():
             prev = self._seen.get(rank)
             if prev is None:
@@ -159,6 +191,42 @@ class Watchdog:
         for finding in new:
             self._deliver(finding)
         return new
+
+    def _await_store_loss(self) -> StallFinding | None:
+        if self._store is None:
+            return None
+        deadline = time.monotonic() + _STORE_DEATH_S
+        while True:
+            lost = self._check_store()
+            if lost is not None or self._store_lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.02)
+
+    def _check_store(self) -> StallFinding | None:
+        """Turn the store process's sweeps into a tamper event; its loss (reported once) into a finding."""
+        assert self._store is not None
+        status = self._store.status()
+        if status.swept > self._store_swept:
+            detail = "by the store process" + (", which reached 90 % of its memory cap" if status.pressure else "")
+            self._channel.note_foreign_keys(status.swept - self._store_swept, status.sample, detail=detail)
+            self._store_swept = status.swept
+        if status.lost is None or self._store_lost:
+            return None
+        self._store_lost = True
+        logger.error("OOB store lost: %s", status.lost)
+        event = {"slot": None, "rank": None, "key": None, "kind": "store_lost", "reason": status.lost, "count": 1}
+        return StallFinding(
+            kind="tamper",
+            ranks=(),
+            step=None,
+            evidence={"tamper": event, "swept": status.swept, "pressure": status.pressure},
+            confirmations=1,
+            reason=(
+                f"out-of-band store lost: {status.lost}; the watch sees nothing more of this job (training goes on: "
+                "its process group has a store of its own)"
+            ),
+            recommendation="observe",
+        )
 
     def _read_records(self) -> dict[int, ProgressRecord]:
         # Start from the last authentic records: a slot that now reads as absent or forged keeps the rank's last
@@ -268,6 +336,9 @@ class Watchdog:
         assert self._started_at is not None
         dead, stuck = [], []
         untrusted = sorted(r for r, k in tampered if r is not None and k == PROGRESS_KEY)
+        # Foreign keys swept within the window: a store filled to its cap refuses genuine messages too, so silence is
+        # no evidence of death now (else a flood would be a way to call a hang). Authentic frozen counters still are.
+        flooded = (None, None) in tampered
         for rank in range(self._world_size):
             rec = records.get(rank)
             if rec is not None and rec.closed:
@@ -276,11 +347,12 @@ class Watchdog:
                 continue  # its frozen heartbeat may be the forger's doing: no staleness from a tampered slot
             seen = self._seen.get(rank)
             if seen is None:
-                if now - self._started_at >= beat_timeout:
+                if now - self._started_at >= beat_timeout and not flooded:
                     dead.append(rank)
                 continue
             if now - seen[3] >= beat_timeout:
-                dead.append(rank)
+                if not flooded:
+                    dead.append(rank)
             elif now - seen[1] >= threshold:
                 stuck.append(rank)
         # Absence alone is no evidence: a slot deleted faster than the polls looks like a rank that never published.
@@ -330,5 +402,8 @@ class Watchdog:
         while not self._stop.wait(interval):
             try:
                 self.poll_once()
+                self._poll_errors = 0
             except Exception:  # a store hiccup must not end the watchdog; the next poll retries
-                logger.exception("OOB watchdog poll failed")
+                self._poll_errors += 1
+                if self._poll_errors == 1 or self._poll_errors % 60 == 0:  # a store that is gone fails every poll
+                    logger.exception("OOB watchdog poll failed (%d in a row)", self._poll_errors)
