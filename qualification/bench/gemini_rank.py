@@ -213,7 +213,7 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
             dist.barrier(group=group)
             t0 = time.perf_counter()
             comm.exchange(slot.frame(), peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
-                          recv_buffer=lambda n: refs.recv[:n])
+                          recv_buffer=lambda n, _prefix=0: refs.recv[:n])
             window["exchange_s"].append(time.perf_counter() - t0)
     finally:
         refs.close()

@@ -83,7 +83,9 @@ def _print(inv: Inventory) -> None:
             held = [f"holds {f.owner}" + ("" if f.status != "unusable" else " ✗")
                     for f in r.files if f.step == step and f.kind == "replica"]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
-            cells.append(", ".join(mine + held) or "-")
+            mem = [("mem" if f.kind == "memory" else f"mem holds {f.owner}") + ("" if f.status != "unusable" else " ✗")
+                   for f in r.files if f.step == step and f.kind in ("memory", "memory_replica")]
+            cells.append(", ".join(mine + held + mem) or "-")
         table.add_row(str(step), trust, *cells)
     console.print(table)
     for d in inv.durable:
