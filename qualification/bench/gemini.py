@@ -52,6 +52,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rounds of the side-by-side window: a capture with no training around it, then each reference")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024, help="replication chunk (GEMINI default)")
     ap.add_argument("--no-fsync", action="store_true", help="turn off fsync of checkpoint files (default: on)")
+    ap.add_argument("--persist-every", type=int, default=5,
+                    help="GEMINI writes every N-th capture to disk (fsync); every capture lives in shared memory. "
+                         "With --quiet-captures 5 the side-by-side window holds one disk capture")
     ap.add_argument("--scratch", type=Path, default=None, help="checkpoint scratch folder (default: a temp folder)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, 2 steps, 1 repetition")
     args = ap.parse_args(argv)
@@ -63,8 +66,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--sizes-mib: expected numbers like 64,256, got {args.sizes_mib!r}") from None
     if not args.sizes or any(s <= 0 for s in args.sizes):
         raise UsageError(f"--sizes-mib: give positive sizes, got {args.sizes_mib!r}")
-    if args.steps < 2 or args.reps < 1 or args.quiet_captures < 1:
-        raise UsageError("--steps must be >= 2, --reps and --quiet-captures >= 1")
+    if args.steps < 2 or args.reps < 1 or args.quiet_captures < 1 or args.persist_every < 1:
+        raise UsageError("--steps must be >= 2, --reps, --quiet-captures and --persist-every >= 1")
     return args
 
 
@@ -98,7 +101,8 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     common = ["-m", "qualification.bench.gemini_rank", "--out", str(out), "--state-mib", str(mib),
               "--steps", str(args.steps), "--batch", str(args.batch), "--reps", str(args.reps),
               "--chunk-bytes", str(args.chunk_bytes), "--ckpt", str(scratch / label / "gemini"),
-              "--overlap-factor", str(args.overlap_factor), *(["--no-fsync"] if args.no_fsync else [])]
+              "--overlap-factor", str(args.overlap_factor), "--persist-every", str(args.persist_every),
+              *(["--no-fsync"] if args.no_fsync else [])]
     # Generous: a 256 MiB size takes ~2-3 minutes on 2 idle cores; a rank that hangs still ends the run.
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
     on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),

@@ -257,3 +257,20 @@ def test_a_replica_lands_in_its_file_and_the_newest_stays_whole_while_the_next_a
         buffers.add(step, slot.prefix, buf)
     assert buffers.steps() == [3, 2] and store.list_steps(t.paths.replicas(3)) == [3, 2]
     store.read_verified(store.step_file(t.paths.replicas(3), 3))
+
+
+@pytest.mark.timeout(30)
+def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(base: Path, tmp_path: Path) -> None:
+    from gemscout.inventory import inventory
+
+    t = tier(base, tmp_path)
+    capture(SlotPool(2, t), 1)
+    capture_pool = SlotPool(2, t)
+    capture_pool.adopt(t.adopt(t.paths.own, 2))
+    capture(capture_pool, 2)  # the killed process's last capture: only in memory, nothing on disk
+    inv = inventory(tmp_path, world_size=1)
+    kinds = {(f.kind, f.step) for f in inv.ranks[0].files}
+    assert kinds == {("memory", 1), ("memory", 2)}, kinds
+    assert inv.decision.step == 2 and inv.decision.sources == {0: "memory"}, inv.decision
+    t.close(release=True)
+    assert inventory(tmp_path, world_size=1).ranks[0].files == []  # released: nothing left to restore from
