@@ -274,3 +274,26 @@ def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(base: Pat
     assert inv.decision.step == 2 and inv.decision.sources == {0: "memory"}, inv.decision
     t.close(release=True)
     assert inventory(tmp_path, world_size=1).ranks[0].files == []  # released: nothing left to restore from
+
+
+@pytest.mark.timeout(30)
+def test_a_full_tmpfs_first_sweeps_dead_jobs_within_their_grace(base: Path, tmp_path: Path) -> None:
+    dead = tier(base, tmp_path / "dead", run_id="run-dead")
+    capture(SlotPool(2, dead), 1)
+    doc = json.loads((dead.root / shm.OWNER).read_text())
+    doc["pid"] = 2**22 + 17  # a process that is gone
+    (dead.root / shm.OWNER).write_text(json.dumps(doc))
+    mine = shm.MemoryTier.open(
+        base,
+        run_id="run-mine",
+        directory=tmp_path / "mine",
+        node=0,
+        rank=0,
+        disk_root=tmp_path / "mine" / "node-0" / "rank-0",
+        stale_after_s=3600.0,
+        fsync=False,
+    )
+    assert dead.root.exists(), "inside its grace period: kept for a restart of that job"
+    free = os.statvfs(mine.root).f_bavail * os.statvfs(mine.root).f_frsize
+    mine.check_room(free + 1000)  # fits only once the dead job's ~2.4 MB are gone
+    assert not dead.root.exists()

@@ -1,8 +1,8 @@
 """The GEMINI engine of one rank: capture (into shared memory) → replicate → persist (every N) → certify → recover.
 
 Threads: the training thread runs the hooks; ``gemini-copy`` copies into slots (files of the memory tier,
-:mod:`gemscout.gemini.shm`, published when sealed); ``gemini-io`` replicates, persists to disk and prunes, one capture at a time and in step order on every rank, so the replication collectives of all ranks line
-up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
+:mod:`gemscout.gemini.shm`, published when sealed); ``gemini-io`` replicates, persists to disk and prunes, one
+capture at a time and in step order on every rank, so the replication collectives of all ranks line up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
 thread, so the two never interleave on that group.
 """
 
@@ -236,10 +236,13 @@ class Checkpointer:
             if self.memory is not None and slot.file is None:
                 self._mirror_to_memory(slot)
             received = None
-            if self.config.replicate and self.placement.enabled:
-                received = self._replicate(slot)
+            try:
+                if self.config.replicate and self.placement.enabled:
+                    received = self._replicate(slot)
+            finally:
+                if persist_now:  # even when the replication failed: the node's own power-loss copy
+                    self._persist_own(slot)
             if persist_now:
-                self._persist_own(slot)
                 if received is not None:
                     self._persist_replica(*received)
                 self._advance_frontier(slot.step)

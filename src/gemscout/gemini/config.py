@@ -44,9 +44,10 @@ class CheckpointConfig:
     run id and ``directory``; each rank's folder is tied to an anchor file in its ``directory`` folder, so losing
     that folder loses the memory too. None keeps slots in process memory. The default is used only where
     ``/dev/shm`` exists."""
-    stale_memory_after: timedelta = timedelta(seconds=60)
+    stale_memory_after: timedelta = timedelta(minutes=10)
     """A start removes memory folders of other runs whose owner process is dead and that nothing touched for this
-    long (the time a launcher needs to restart that job and re-claim them)."""
+    long: the time a launcher may take to restart that job and re-claim them (a restart slower than this recovers
+    from disk or its peers instead). When the tmpfs lacks room for this job, dead jobs' folders go at once."""
     when_busy: str = "wait"
     """What a capture does when every slot is still pinned by an earlier capture's io. ``"wait"``: block until one
     is free (bounded by ``timeout``) — every due step is captured, so a failure loses at most ``interval`` steps.

@@ -179,6 +179,8 @@ class MemoryTier:
     def __init__(self, root: Path, anchor: Path, token: str) -> None:
         self.root, self.anchor, self.token = root, anchor, token
         self.paths = store.RankPaths(root)
+        self.base = root.parent.parent.parent  # the memory directory
+        self.key = root.parent.parent.name
 
     @classmethod
     def open(
@@ -294,8 +296,14 @@ class MemoryTier:
     def check_room(self, need: int) -> None:
         """Raise ConfigError before a capture when the tmpfs cannot hold ``need`` more bytes."""
         st = os.statvfs(self.root)
-        if need > st.f_bavail * st.f_frsize:
-            raise _no_room(self.root, need)
+        if need <= st.f_bavail * st.f_frsize:
+            return
+        # Dead jobs' memory goes before this job is refused, without waiting out their grace period.
+        if sweep_dead(self.base, keep=self.key, stale_after_s=0.0):
+            st = os.statvfs(self.root)
+            if need <= st.f_bavail * st.f_frsize:
+                return
+        raise _no_room(self.root, need)
 
     def close(self, *, release: bool) -> None:
         """``release``: the job ended cleanly — delete this rank's memory and its anchor. Otherwise keep it for a
