@@ -143,9 +143,10 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "estimated from the references (copy + 2 digests + 2 file writes + pair exchange), so that neither the copy "
         "nor the io makes the next capture wait (N, the estimate and the forward/backward seconds are in the "
         "measurements).",
-        "GEMINI runs with interval 1 (a capture every step) and product defaults: 2 slots, persist every capture "
-        f"(fsync {'off' if args.no_fsync else 'on'}), replicate every capture, chunk {args.chunk_bytes} bytes. "
-        "It writes each rank's own state and its peer's replica; DCP writes each replicated tensor once per job.",
+        "GEMINI runs with interval 1 (a capture every step), 2 slots in the shared-memory tier (/dev/shm), replicate "
+        f"every capture into the peer's memory tier, write every {args.persist_every}-th capture to disk (fsync "
+        f"{'off' if args.no_fsync else 'on'}), chunk {args.chunk_bytes} bytes. A disk capture writes each rank's "
+        "own state and its peer's replica; DCP writes each replicated tensor once per job.",
         "Blocking vs DCP: GEMINI's stall per capture in the overlap loop (its previous capture's io is done, as "
         "async_save's previous upload was when it was timed) vs the time until dcp.async_save returns "
         "(get_state_dict included) and vs dcp.save; blocking_tight_vs_async_save uses the tight loop, where "
