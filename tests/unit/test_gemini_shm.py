@@ -297,3 +297,21 @@ def test_a_full_tmpfs_first_sweeps_dead_jobs_within_their_grace(base: Path, tmp_
     free = os.statvfs(mine.root).f_bavail * os.statvfs(mine.root).f_frsize
     mine.check_room(free + 1000)  # fits only once the dead job's ~2.4 MB are gone
     assert not dead.root.exists()
+
+
+@pytest.mark.timeout(30)
+def test_recapturing_a_step_after_a_rollback_replaces_the_stale_slot_cleanly(base: Path, tmp_path: Path) -> None:
+    """A restart (or rollback) to step 1 while memory holds steps 1 and 2: the next capture of step 2 must take the
+    stale slot of step 2 out of view, not rename over its file (found by a randomized SIGKILL lifecycle test: the
+    stale slot later renamed the new file away and the capture after failed)."""
+    t = tier(base, tmp_path)
+    pool = SlotPool(2, t)
+    for step in (1, 2):
+        capture(pool, step)
+    for step in (2, 3, 4):  # the resumed trajectory re-captures step 2, then goes on
+        capture(pool, step)
+    assert store.list_steps(t.paths.own) == [4, 3]
+    assert sorted(s.step for s in pool.ready_slots()) == [3, 4]
+    for step in (3, 4):
+        parsed, data = store.read_verified(store.step_file(t.paths.own, step))
+        assert torch.equal(parsed.layout.views(data)[0], state(step)["w"])

@@ -114,8 +114,11 @@ class SlotPool:
         # (the sealed slot is written to the memory tier by the io thread instead).
         memory = self.memory if not pinned else None
         if slot.file is not None and slot.layout == layout and memory is not None:
-            memory.unpublish(slot.file)  # out of view before a byte of it changes
-            return
+            try:
+                memory.unpublish(slot.file)  # out of view before a byte of it changes
+                return
+            except FileNotFoundError:  # removed behind our back (its folder deleted): make a new one
+                slot.file = None
         if slot.file is None and slot.layout == layout and slot.data.is_pinned() == pinned and memory is None:
             return
         if slot.file is not None:
@@ -157,6 +160,14 @@ class SlotPool:
     def publish(self, slot: Slot) -> None:
         """Give a sealed slot's file its step's name (memory tier; a no-op otherwise)."""
         if slot.file is not None and self.memory is not None:
+            # After a recovery to an older step, a slot may still hold the abandoned trajectory's capture of this
+            # step under this name: take it out of view first, or the rename would replace its file behind it.
+            with self._cond:
+                for other in self._slots:
+                    if other is not slot and other.file is not None and other.step == slot.step:
+                        other.ready.clear()
+                        other.step = -1
+                        self.memory.unpublish(other.file)
             self.memory.publish(slot.file, self.memory.paths.own, slot.step)
 
     def discard_files(self) -> None:
