@@ -340,11 +340,10 @@ def sweep_dead(base: Path, *, keep: str | None, stale_after_s: float) -> list[Pa
     if not base.is_dir():
         return removed
     now = time.time()
-    for owner_file in base.glob(f"*/node-*/rank-*/{OWNER}"):
-        root = owner_file.parent
+    for root in _rank_folders(base):
         if root.parent.parent.name == keep:
             continue
-        doc = _read_json(owner_file)
+        doc = _read_json(root / OWNER)
         if doc is not None and owner_alive(doc):
             continue
         try:
@@ -357,6 +356,21 @@ def sweep_dead(base: Path, *, keep: str | None, stale_after_s: float) -> list[Pa
         _remove_empty_parents(root, stop=2)
         removed.append(root)
     return removed
+
+
+def _subdirs(path: Path, prefix: str = "") -> list[Path]:
+    """Sub-folders of ``path``; a folder removed while we look (another job's cleanup) is just not there."""
+    try:
+        with os.scandir(path) as it:
+            return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _rank_folders(base: Path) -> list[Path]:
+    """Every ``<key>/node-*/rank-*`` folder under the memory directory, tolerant of concurrent removal (pathlib's
+    glob raises when a folder vanishes mid-walk: found when two jobs started and ended side by side)."""
+    return [rank for key in _subdirs(base) for node in _subdirs(key, "node-") for rank in _subdirs(node, "rank-")]
 
 
 def describe(directory: Path, rank_root: Path) -> dict[str, Any] | None:
