@@ -56,10 +56,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="GEMINI writes every N-th capture to disk (fsync); every capture lives in shared memory. "
                          "With --quiet-captures 5 the side-by-side window holds one disk capture")
     ap.add_argument("--scratch", type=Path, default=None, help="checkpoint scratch folder (default: a temp folder)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, 2 steps, 1 repetition")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 MiB, 2 steps, 1 repetition, 2 quiet captures, persist every 2nd")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes_mib, args.steps, args.reps, args.quiet_captures = "4", 2, 1, 1
+        # Two quiet captures with a disk capture every second one: the window holds one of each kind.
+        args.sizes_mib, args.steps, args.reps, args.quiet_captures, args.persist_every = "4", 2, 1, 2, 2
     try:
         args.sizes = [float(s) for s in args.sizes_mib.split(",") if s.strip()]
     except ValueError:
