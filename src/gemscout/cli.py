@@ -135,7 +135,12 @@ def render(inv: Inventory) -> str:
                 if f.step == step and f.kind == "replica"
             ]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
-            cells.append(", ".join(mine + held) or "-")
+            mem = [
+                ("mem" if f.kind == "memory" else f"mem holds {f.owner}") + ("" if f.status != "unusable" else " ✗")
+                for f in r.files
+                if f.step == step and f.kind in ("memory", "memory_replica")
+            ]
+            cells.append(", ".join(mine + held + mem) or "-")
         rows.append([str(step), trust, *cells])
     lines += _table(rows)
     for d in inv.durable:
