@@ -315,3 +315,27 @@ def test_recapturing_a_step_after_a_rollback_replaces_the_stale_slot_cleanly(bas
     for step in (3, 4):
         parsed, data = store.read_verified(store.step_file(t.paths.own, step))
         assert torch.equal(parsed.layout.views(data)[0], state(step)["w"])
+
+
+@pytest.mark.timeout(30)
+def test_hostile_files_in_a_memory_folder_are_never_adopted_and_never_hang_the_start(
+    base: Path, tmp_path: Path
+) -> None:
+    """What a restart finds in shared memory was left by another process: it is read like a checkpoint folder
+    (gemscout.files). A FIFO and a link to /dev/zero named like step files, a truncated slot and one with bytes
+    past its declared end are removed, the whole slot is kept, and a FIFO as owner.json is no owner at all."""
+    t = tier(base, tmp_path)
+    capture(SlotPool(2, t), 1)
+    good = store.step_file(t.paths.own, 1)
+    raw = good.read_bytes()
+    store.step_file(t.paths.own, 2).write_bytes(raw[: len(raw) - 100])  # truncated
+    store.step_file(t.paths.own, 3).write_bytes(raw + b"\0" * 4096)  # longer than declared
+    os.mkfifo(store.step_file(t.paths.own, 4))
+    store.step_file(t.paths.own, 5).symlink_to("/dev/zero")
+    (t.root / shm.OWNER).unlink()
+    os.mkfifo(t.root / shm.OWNER)
+    assert shm._read_json(t.root / shm.OWNER) is None  # returns at once: a FIFO is not read
+    found = t.adopt(t.paths.own, 5)
+    assert [a.parsed.identity["step"] for a in found] == [1]
+    assert store.list_steps(t.paths.own) == [1], "every unusable file is removed"
+    (t.root / shm.OWNER).unlink()

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
 import mmap
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,8 +49,9 @@ from typing import Any
 import torch
 
 from gemscout.errors import ConfigError, IntegrityError
+from gemscout.files import load_json
 from gemscout.gemini import store
-from gemscout.state.layout import ALIGN, Parsed
+from gemscout.state.layout import ALIGN, Parsed, parse_prefix
 
 log = logging.getLogger("gemscout.gemini")
 
@@ -108,9 +109,23 @@ class ShmFile:
         self.path = path
         self.data_offset = data_offset
         self.total = total
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        # Never through a link, never blocking on a FIFO: a file found here was left by another process and is
+        # read like any other file of a checkpoint folder (gemscout.files).
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise IntegrityError(f"{path} is a symbolic link; gemscout maps only regular files") from None
+            raise
+        try:
+            if not create:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise IntegrityError(f"{path} is not a regular file; gemscout maps only regular files")
+                if st.st_size != total:
+                    # Mapping past the end would turn the first read of a missing page into SIGBUS.
+                    raise IntegrityError(f"{path} is {st.st_size} bytes, its header declares {total}")
             if create and total:
                 try:
                     # Allocates every page now: a full tmpfs fails here with ENOSPC, not later with SIGBUS when
@@ -283,11 +298,15 @@ class MemoryTier:
             try:
                 parsed = store.read_header(path)
                 f = ShmFile(path, parsed.data_offset + parsed.layout.data_nbytes, parsed.data_offset, create=False)
+                prefix = f.prefix()
+                # The header kept is the mapping's own, parsed again: the file may have changed since it was read.
+                if parse_prefix(prefix) != parsed:
+                    raise IntegrityError("its header changed while it was being adopted")
             except (IntegrityError, OSError, ValueError) as exc:
                 log.warning("gemini: memory file %s is unusable, removed: %s", path, exc)
                 path.unlink(missing_ok=True)
                 continue
-            out.append(Adopted(parsed, f.prefix(), f))
+            out.append(Adopted(parsed, prefix, f))
         return out
 
     def held_bytes(self) -> int:
@@ -316,9 +335,11 @@ class MemoryTier:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A small owner or anchor file, read like every file another process left (regular, bounded, never a hang);
+    None when it is missing or not such a JSON object."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = load_json(path, max_bytes=64 << 10, max_depth=4)
+    except (OSError, IntegrityError):
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -385,10 +406,15 @@ def describe(directory: Path, rank_root: Path) -> dict[str, Any] | None:
     if owner is None or owner.get("token") != anchor.get("token"):
         return None
     paths = store.RankPaths(root)
+    try:
+        own = store.list_steps(paths.own)
+        held = {str(o): store.list_steps(paths.replicas(o)) for o in paths.held_owners()}
+    except OSError:  # a folder replaced by a file, no permission: the memory tier is not usable, say so as absent
+        return None
     return {
         "path": str(root),
         "owner_pid": owner.get("pid"),
         "owner_alive": owner_alive(owner),
-        "own": store.list_steps(paths.own),
-        "held": {str(o): store.list_steps(paths.replicas(o)) for o in paths.held_owners()},
+        "own": own,
+        "held": held,
     }
