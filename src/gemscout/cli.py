@@ -159,6 +159,7 @@ def render(inv: Inventory) -> str:
     what = f"{dec.mode.value.upper()}" + (f" step {dec.step}" if dec.step is not None else "")
     lines.append(f"a restart would {what}" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
     lines.append(
-        "(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a newer step)"
+        "(from disk and the memory tier its anchors name: a job run with memory_directory=None whose processes still "
+        "live may hold a newer step in their slots)"
     )
     return "\n".join(lines)
