@@ -114,8 +114,12 @@ class ReplicaBuffers:
     def add(self, step: int, prefix: bytes, data: torch.Tensor) -> None:
         """Keep a verified replica. If it landed in a memory-tier file, its prefix is written and it is published."""
         landing = self._landing
-        if self.memory is not None and landing is not None and landing.data.data_ptr() == data.data_ptr() \
-                and landing.data_offset == len(prefix):
+        if (
+            self.memory is not None
+            and landing is not None
+            and landing.data.data_ptr() == data.data_ptr()
+            and landing.data_offset == len(prefix)
+        ):
             landing.write_prefix(prefix)
             old = self._files.pop(step, None)
             if old is not None:
