@@ -50,6 +50,8 @@ def _no_memory_tier_left_by_the_session(tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(autouse=True)
 def _no_memory_tier_left_by_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Taken before the test runs: a fixture requested here is torn down after this one, not before.
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
     yield
-    if "tmp_path" in request.fixturenames:
-        _sweep(request.getfixturevalue("tmp_path"))
+    if tmp is not None:
+        _sweep(tmp)
