@@ -52,19 +52,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rounds of the side-by-side window: a capture with no training around it, then each reference")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024, help="replication chunk (GEMINI default)")
     ap.add_argument("--no-fsync", action="store_true", help="turn off fsync of checkpoint files (default: on)")
+    ap.add_argument("--persist-every", type=int, default=5,
+                    help="GEMINI writes every N-th capture to disk (fsync); every capture lives in shared memory. "
+                         "With --quiet-captures 5 the side-by-side window holds one disk capture")
     ap.add_argument("--scratch", type=Path, default=None, help="checkpoint scratch folder (default: a temp folder)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, 2 steps, 1 repetition")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 MiB, 2 steps, 1 repetition, 2 quiet captures, persist every 2nd")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes_mib, args.steps, args.reps, args.quiet_captures = "4", 2, 1, 1
+        # Two quiet captures with a disk capture every second one: the window holds one of each kind.
+        args.sizes_mib, args.steps, args.reps, args.quiet_captures, args.persist_every = "4", 2, 1, 2, 2
     try:
         args.sizes = [float(s) for s in args.sizes_mib.split(",") if s.strip()]
     except ValueError:
         raise UsageError(f"--sizes-mib: expected numbers like 64,256, got {args.sizes_mib!r}") from None
     if not args.sizes or any(s <= 0 for s in args.sizes):
         raise UsageError(f"--sizes-mib: give positive sizes, got {args.sizes_mib!r}")
-    if args.steps < 2 or args.reps < 1 or args.quiet_captures < 1:
-        raise UsageError("--steps must be >= 2, --reps and --quiet-captures >= 1")
+    if args.steps < 2 or args.reps < 1 or args.quiet_captures < 1 or args.persist_every < 1:
+        raise UsageError("--steps must be >= 2, --reps, --quiet-captures and --persist-every >= 1")
     return args
 
 
@@ -98,7 +103,8 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     common = ["-m", "qualification.bench.gemini_rank", "--out", str(out), "--state-mib", str(mib),
               "--steps", str(args.steps), "--batch", str(args.batch), "--reps", str(args.reps),
               "--chunk-bytes", str(args.chunk_bytes), "--ckpt", str(scratch / label / "gemini"),
-              "--overlap-factor", str(args.overlap_factor), *(["--no-fsync"] if args.no_fsync else [])]
+              "--overlap-factor", str(args.overlap_factor), "--persist-every", str(args.persist_every),
+              *(["--no-fsync"] if args.no_fsync else [])]
     # Generous: a 256 MiB size takes ~2-3 minutes on 2 idle cores; a rank that hangs still ends the run.
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
     on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),
@@ -139,9 +145,10 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "estimated from the references (copy + 2 digests + 2 file writes + pair exchange), so that neither the copy "
         "nor the io makes the next capture wait (N, the estimate and the forward/backward seconds are in the "
         "measurements).",
-        "GEMINI runs with interval 1 (a capture every step) and product defaults: 2 slots, persist every capture "
-        f"(fsync {'off' if args.no_fsync else 'on'}), replicate every capture, chunk {args.chunk_bytes} bytes. "
-        "It writes each rank's own state and its peer's replica; DCP writes each replicated tensor once per job.",
+        "GEMINI runs with interval 1 (a capture every step), 2 slots in the shared-memory tier (/dev/shm), replicate "
+        f"every capture into the peer's memory tier, write every {args.persist_every}-th capture to disk (fsync "
+        f"{'off' if args.no_fsync else 'on'}), chunk {args.chunk_bytes} bytes. A disk capture writes each rank's "
+        "own state and its peer's replica; DCP writes each replicated tensor once per job.",
         "Blocking vs DCP: GEMINI's stall per capture in the overlap loop (its previous capture's io is done, as "
         "async_save's previous upload was when it was timed) vs the time until dcp.async_save returns "
         "(get_state_dict included) and vs dcp.save; blocking_tight_vs_async_save uses the tight loop, where "
@@ -156,6 +163,12 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "'raw' is a one-way gloo transfer of the same bytes, the floor of any recovery from a peer. dcp.load reads "
         "files this host just wrote, from the page cache (DCP's best case) and again after evicting them "
         "(posix_fadvise DONTNEED).",
+        "Restart from the memory tier (what a rank restarted on the same node after a SIGKILL does with the "
+        "/dev/shm files its killed process left): claim the rank's memory folder, map its newest sealed slot, verify "
+        "every tensor digest and restore it into the live objects; timed on every rank, worse rank reported, vs "
+        "dcp.load from the page cache. Process start and process-group setup are not timed: every way of recovering "
+        "pays them. The capture pipeline is split into memory-only captures and persist_every captures (which also "
+        "write and fsync both files).",
         "Peak RSS: ru_maxrss of the GEMINI process after its loops (before the side-by-side rounds) minus that of "
         "a separate process that trained the same steps (same loops, same micro-batches) without GEMINI; means over "
         "the 2 ranks. GEMINI's own buffers (its slots and the replicas it holds) are reported beside it "
@@ -186,7 +199,13 @@ def diagnose(size: dict[str, Any]) -> list[str]:
             f"capture's pipeline (copy, digest, persist, replicate, verify, persist replica) takes "
             f"{m['capture_pipeline_s']:.3f} s with nothing else running, a step without GEMINI "
             f"{m['step_off_tight_s']:.3f} s, so capturing every step cannot keep up.")
-    if not met["recovery_speedup_vs_dcp_load"]:
+    if not met["restart_memory_speedup_vs_dcp_load"]:
+        out.append(
+            f"{tag}: a restart from the memory tier took {m['restart_memory_s']:.3f} s (claim the folder, map and "
+            f"verify every digest {m['restart_memory_verify_s']:.3f} s, restore {m['restart_memory_restore_s']:.3f} "
+            f"s) vs dcp.load {m['dcp_load_s']:.3f} s from the page cache: the digest check (BLAKE3 at "
+            f"{m['digest_gbps']:.2f} GB/s) and the restore's copies are its floor.")
+    if not met["node_loss_recovery_vs_raw_transfer"]:
         out.append(
             f"{tag}: recover() took {m['recover_s']:.3f} s; its data path alone (receive "
             f"{m['recover_transfer_recv_s']:.3f} s, verify {m['recover_transfer_verify_s']:.3f} s, restore "
@@ -217,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     config = {k: getattr(args, k) for k in ("sizes", "steps", "batch", "overlap_factor", "reps", "quiet_captures",
-                                            "chunk_bytes", "no_fsync", "quick")}
+                                            "chunk_bytes", "no_fsync", "quick", "persist_every")}
     load = (load0, os.getloadavg()[0])
     return {"benchmark": "gemini", "host": {**host_facts(), "load_average_1min": {"start": load[0], "end": load[1]}},
             "config": config, "duration_s": time.monotonic() - t0, "sizes": sizes,

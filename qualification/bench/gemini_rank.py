@@ -66,6 +66,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)")
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--no-fsync", action="store_true")
+    ap.add_argument("--persist-every", type=int, default=5,
+                    help="write every N-th capture to disk (fsync); every capture lives in the memory tier")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     return ap.parse_args()
 
@@ -134,7 +136,8 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     loops = out["loops"] = loops_without_gemini(args, trainer, micro, args.steps)
 
     cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="bench", chunk_bytes=args.chunk_bytes,
-                                    fsync=not args.no_fsync, timeout=timeout, handle_signals=False)
+                                    fsync=not args.no_fsync, timeout=timeout, handle_signals=False,
+                                    persist_every=args.persist_every)
     clock = HookClock()
     session = clock.attach_around(trainer.opt, lambda: gemscout.enable_resiliency(
         trainer.ddp, trainer.opt, interval=1, checkpoint=cfg))
@@ -163,6 +166,7 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
                                                          for e in b.entries)
 
     out.update(side_by_side(args, trainer, group, session, clock, io))
+    out.update(restart_from_memory(trainer, session, group, timeout))
 
     out.update(recover_from_peer(args, trainer, session, group, timeout))
     files = [step_file(folder, s) for folder in (ckpt.paths.own, *[ckpt.paths.replicas(o) for o in
@@ -191,7 +195,7 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
     peer = (dist.get_rank() + 1) % dist.get_world_size()
     timeout = timedelta(seconds=args.timeout_s)
     window: dict[str, list[float]] = {k: [] for k in ("capture_return_s", "pipeline_s", "memcpy_s", "digest_s",
-                                                      "write_s", "gloo_pair_s", "exchange_s")}
+                                                      "write_s", "gloo_pair_s", "exchange_s", "persisted")}
     newest = ckpt.pool.newest_ready()
     assert newest is not None, "no sealed capture after the loops"
     refs = references(args, trainer, group, recv_nbytes=newest.data.numel())
@@ -206,6 +210,7 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
             window["capture_return_s"].append(clock.post[0])
             ckpt.drain()
             window["pipeline_s"].append(time.perf_counter() - t0)
+            window["persisted"].append(float(session.step in io.persist_s))  # a disk capture (persist_every)
             for name in ("memcpy", "digest", "write", "gloo_pair"):
                 window[f"{name}_s"].append(getattr(refs, name)())
             slot = ckpt.pool.newest_ready()
@@ -213,13 +218,45 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
             dist.barrier(group=group)
             t0 = time.perf_counter()
             comm.exchange(slot.frame(), peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
-                          recv_buffer=lambda n: refs.recv[:n])
+                          recv_buffer=lambda n, _prefix=0: refs.recv[:n])
             window["exchange_s"].append(time.perf_counter() - t0)
     finally:
         refs.close()
-    medians = {k: statistics.median(v) for k, v in window.items() if k not in ("capture_return_s", "pipeline_s")}
+    medians = {k: statistics.median(v) for k, v in window.items()
+               if k not in ("capture_return_s", "pipeline_s", "persisted")}
     return {"window": {**window, **io.between(first, session.step)}, **medians,
             "frame_bytes": len(slot.prefix) + slot.data.numel()}
+
+
+def restart_from_memory(trainer: Trainer, session: Any, group: dist.ProcessGroup,
+                        timeout: timedelta) -> dict[str, Any]:
+    """What a rank restarted on the same node after a SIGKILL does with the memory tier, timed on every rank: claim
+    its shared-memory folder (owner record, anchor check), map the newest sealed slot its previous process left,
+    verify every digest and restore it into the live objects. Process start and process-group setup are not
+    timed: every way of recovering pays them. The restored state must be the state it was taken from, bit for
+    bit (the quiet captures did not change it)."""
+    from gemscout.gemini import comm, shm
+    from gemscout.gemini.restore import restore_frame
+
+    ck = session.checkpointer
+    rank = dist.get_rank()
+    before = state_digest(trainer.tensors())
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    assert ck.memory is not None, "the benchmark measures the memory tier: /dev/shm is needed"
+    tier = shm.MemoryTier.open(ck.config.memory_directory, run_id=ck.run_id, directory=ck.config.directory,
+                               node=ck.placement.node_of(rank), rank=rank, disk_root=ck.paths.root,
+                               stale_after_s=ck.config.stale_memory_after.total_seconds(), fsync=False)
+    newest = tier.adopt(tier.paths.own, ck.config.slots)[0]
+    frame = (newest.prefix, newest.file.data)
+    ck.verify_frame(frame, owner=rank, step=None)
+    t1 = time.perf_counter()
+    restore_frame(ck, frame, owned=False)
+    t2 = time.perf_counter()
+    equal = state_digest(trainer.tensors()) == before
+    agree = comm.all_agree(equal, group=group, timeout=timeout)
+    return {"restart_memory_s": t2 - t0, "restart_memory_verify_s": t1 - t0, "restart_memory_restore_s": t2 - t1,
+            "restart_memory_bitwise_equal": agree}
 
 
 def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,

@@ -44,9 +44,10 @@ log = logging.getLogger("gemscout")
 
 
 def _close_all() -> None:
+    # At exit or process-group teardown the job may be ending on an error: keep the memory tier for a restart.
     for s in list(LIVE):
         try:
-            s.close()
+            s.close(release_memory=False)
         except Exception as exc:  # never let exit cleanup raise
             log.warning("gemscout: close at exit failed: %s", exc)
 

@@ -135,7 +135,12 @@ def render(inv: Inventory) -> str:
                 if f.step == step and f.kind == "replica"
             ]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
-            cells.append(", ".join(mine + held) or "-")
+            mem = [
+                ("mem" if f.kind == "memory" else f"mem holds {f.owner}") + ("" if f.status != "unusable" else " ✗")
+                for f in r.files
+                if f.step == step and f.kind in ("memory", "memory_replica")
+            ]
+            cells.append(", ".join(mine + held + mem) or "-")
         rows.append([str(step), trust, *cells])
     lines += _table(rows)
     for d in inv.durable:
@@ -154,6 +159,7 @@ def render(inv: Inventory) -> str:
     what = f"{dec.mode.value.upper()}" + (f" step {dec.step}" if dec.step is not None else "")
     lines.append(f"a restart would {what}" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
     lines.append(
-        "(from disk alone: a job whose surviving processes still hold their in-memory slots may restore a newer step)"
+        "(from disk and the memory tier its anchors name: a job run with memory_directory=None whose processes still "
+        "live may hold a newer step in their slots)"
     )
     return "\n".join(lines)

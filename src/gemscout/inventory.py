@@ -23,7 +23,7 @@ from gemscout import faultlog
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, IntegrityError
 from gemscout.files import recorded_run_id
-from gemscout.gemini import store
+from gemscout.gemini import shm, store
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.recovery import RecoveryDecision, decide
@@ -36,7 +36,8 @@ _NODE_DIR = re.compile(r"node-([0-9]{1,9})")
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """One checkpoint file: ``kind`` "own" (the rank's own state) or "replica" (held for ``owner``)."""
+    """One checkpoint file: ``kind`` "own" (the rank's own state) or "replica" (held for ``owner``) on disk, or
+    "memory" / "memory_replica": the same in the rank's memory tier (gemini/shm.py)."""
 
     kind: str
     owner: int
@@ -187,6 +188,12 @@ def inventory(
         folders = [("own", rank, paths.own)] + [
             ("replica", o, paths.replicas(o)) for o in _owners(paths, entry.problems)
         ]
+        memory = shm.describe(directory, rank_dir)  # the memory tier its anchor names (a killed process's slots)
+        if memory is not None:
+            mem = store.RankPaths(Path(memory["path"]))
+            folders += [("memory", rank, mem.own)] + [
+                ("memory_replica", o, mem.replicas(o)) for o in _owners(mem, entry.problems)
+            ]
         for kind, owner, folder in folders:
             try:
                 steps = sorted(store.list_steps(folder))
@@ -256,19 +263,25 @@ def _faults(folders: list[Path]) -> list[dict[str, Any]]:
 
 
 def _proposal(entry: RankEntry) -> dict[str, Any]:
-    """What this rank would propose at a restart (no memory: every process is new)."""
+    """What this rank would propose at a restart: a new process adopts the memory tier its killed predecessor left
+    (see gemini/shm.py), so those slots and replicas count as memory, and a step in memory is not looked up on disk."""
     usable = [f for f in entry.files if f.status != "unusable"]
+    memory = [f.step for f in usable if f.kind == "memory"]
     held: dict[str, list[int]] = {}
+    memory_held: dict[str, list[int]] = {}
     for f in usable:
-        if f.kind == "replica":
+        if f.kind == "memory_replica":
+            memory_held.setdefault(str(f.owner), []).append(f.step)
+    for f in usable:
+        if f.kind == "replica" and f.step not in memory_held.get(str(f.owner), []):
             held.setdefault(str(f.owner), []).append(f.step)
     states = {s: TrustState(v) for s, v in entry.trust.items()}
     return {
         "rank": entry.rank,
-        "memory": [],
-        "memory_held": {},
+        "memory": memory,
+        "memory_held": memory_held,
         "held": held,
-        "own": [f.step for f in usable if f.kind == "own"],
+        "own": [f.step for f in usable if f.kind == "own" and f.step not in memory],
         "unusable": [f"rank {entry.rank} {_describe(f)}: {f.reason}" for f in entry.files if f.status == "unusable"]
         + [f"rank {entry.rank} {p}" for p in entry.problems],
         "rejected": sorted(s for s, st in states.items() if st == TrustState.REJECTED),
@@ -279,7 +292,11 @@ def _proposal(entry: RankEntry) -> dict[str, Any]:
 
 def _describe(f: FileEntry) -> str:
     """Recovery's own words for the file (see :func:`gemscout.gemini.proposal.propose`)."""
-    return f"own step {f.step}" if f.kind == "own" else f"replica of rank {f.owner} step {f.step}"
+    return {
+        "own": f"own step {f.step}",
+        "memory": f"memory step {f.step}",
+        "memory_replica": f"in-memory replica of rank {f.owner} step {f.step}",
+    }.get(f.kind, f"replica of rank {f.owner} step {f.step}")
 
 
 def _durable(directory: Path, run_id: str) -> list[dict[str, Any]]:

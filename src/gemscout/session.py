@@ -282,8 +282,11 @@ class Session:
             except Exception as exc:
                 log.warning("gemscout: on_recovery_decision raised: %s", exc)
 
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown."""
+    def close(self, timeout: timedelta | None = None, *, release_memory: bool = True) -> None:
+        """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown.
+
+        ``release_memory``: delete this rank's GEMINI memory tier (the job is done). A signal and exit cleanup pass
+        False: a job ending that way may be restarted, and the restart recovers from that memory."""
         if self.closed:
             return
         self.closed = True
@@ -299,7 +302,7 @@ class Session:
             except Exception as exc:
                 log.warning("gemscout: health monitor: %s", exc)
         if self.checkpointer is not None:
-            self.checkpointer.close(timeout)
+            self.checkpointer.close(timeout, release_memory=release_memory)
         if threading.current_thread() is threading.main_thread():
             for sig, prev in self._prev_signals.items():
                 signal.signal(sig, prev)
@@ -327,7 +330,7 @@ class Session:
             log.warning("gemscout: signal %d: flushed step %d", signum, step)
         finally:
             prev = self._prev_signals.get(signum, signal.SIG_DFL)
-            self.close(timedelta(seconds=5))
+            self.close(timedelta(seconds=5), release_memory=False)
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:

@@ -37,8 +37,10 @@ def test_quickstart_kill_with_node_loss_recovers_from_peer_replica(tmp_path: Pat
     result = run_cell(cell(3, {"kind": "sigkill", "rank": 1, "step": 4, "node_loss": True}, steps=6), tmp_path)
     obs = result["observed"]
     assert obs["recovered_step"] == 4 and obs["resume_step"] == 4 and obs["recovery_mode"] == "restore"
-    assert obs["decision"]["sources"] == {"0": "local", "1": "peer:2", "2": "local"}
-    assert obs["rank_sources"] == ["local", "peer:2", "local"] and obs["killed_rank_source"] == "peer"
+    # The survivors were torn down with the job and restarted on their nodes: they recover from the memory tier
+    # their killed processes left in /dev/shm; rank 1's node (folder and memory) is gone, so it takes its replica.
+    assert obs["decision"]["sources"] == {"0": "memory", "1": "peer:2", "2": "memory"}
+    assert obs["rank_sources"] == ["memory", "peer:2", "memory"] and obs["killed_rank_source"] == "peer"
     assert obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["rank_exit_codes"][1] == -9
     # The timeline runs from the kill's own record (taken by rank 1 right before os.kill), not from the launch.
@@ -113,7 +115,7 @@ def test_a_kill_during_recovery_is_survived_by_the_next_relaunch(tmp_path: Path,
     obs = result["observed"]
     assert obs["recovery_kill_exit_codes"][rank] == -9, result
     assert obs["recovered_step"] == 4, result
-    assert obs["decision"]["sources"] == {"0": "local", "1": "peer:2", "2": "local"}, result
+    assert obs["decision"]["sources"] == {"0": "memory", "1": "peer:2", "2": "memory"}, result
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["final_step"] == 6, result
 
 

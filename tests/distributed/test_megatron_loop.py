@@ -74,7 +74,7 @@ def test_ddp_distopt_healthy_run_is_bitwise_and_sigkill_plus_node_loss_recovers_
     for r, (b, g) in enumerate(zip(base, run, strict=True)):
         assert g["resume_step"] == 4 and g["decision"]["mode"] == "restore", g["decision"]
         assert g["grad_syncs"] == STEPS - 4, g["grad_syncs"]
-        assert g["decision"]["sources"] == {"0": "local", "1": "peer:0"}, g["decision"]
+        assert g["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, g["decision"]  # rank 0: its memory tier
         assert (g["state_digest"], g["losses"]) == (b["state_digest"], b["losses"]), f"rank {r}: not recovered"
 
 
@@ -107,7 +107,7 @@ def test_pipeline_1f1b_distopt_sigkill_plus_node_loss_recovers_bitwise_through_t
     result = run_cell(cell, tmp_path)
     obs = result["observed"]
     assert obs["rank_exit_codes"][1] == -9
-    assert obs["recovered_step"] == 3 and obs["decision"]["sources"] == {"0": "local", "1": "peer:0"}, obs
+    assert obs["recovered_step"] == 3 and obs["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, obs
     assert result["status"] == "passed" and obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["final_step"] == STEPS and obs["replicas_equal"] and obs["errors"] == []
     base, run = (_read(tmp_path / name, 2) for name in ("baseline", "run"))

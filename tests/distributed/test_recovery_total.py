@@ -10,7 +10,9 @@ digests and another shape, which verifies and then fails to load. The last case 
 propose() on rank 1 (the one mock here: every real input is now refused per source, so a bug is simulated by
 making the ledger's summary raise RecursionError): every rank stops with a RecoveryError naming it. The job runs
 with an integrity key, so the keyed path (files, replicas over the wire, peer transfers) is exercised end to end;
-the forgeries here are made inside the job, with its key, so they test the structural checks, not the MAC."""
+the forgeries here are made inside the job, with its key, so they test the structural checks, not the MAC. First of
+all, a byte of rank 1's step-3 slot file in the memory tier (/dev/shm) is flipped: refused on load, the ranks decide
+again and rank 1 restores its disk file (fail closed for shared memory too)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,19 @@ def recover(case):
     assert dt < 10, f"{case}: recover took {dt:.1f}s"
     print(f"case {case}: recover returned in {dt:.2f}s", flush=True)
     return d
+# E. A slot of the memory tier (a file in /dev/shm, mapped) mutated behind gemscout's back: one data byte flipped in
+# the file, its header untouched. It is proposed as memory, refused when loaded, and rank 1 restores from its disk.
+if rank == 1:
+    (slot,) = [sl for sl in ck.pool.ready_slots() if sl.step == 3]
+    assert slot.file is not None and str(slot.file.path).startswith("/dev/shm/")
+    at_byte = slot.file.data_offset + 5
+    fd = os.open(slot.file.path, os.O_RDWR)
+    os.pwrite(fd, bytes([os.pread(fd, 1, at_byte)[0] ^ 0x10]), at_byte)
+    os.close(fd)
+d = recover("E")
+assert d.step == 3 and d.sources == {0: "memory", 1: "local"}, d
+assert digest() == at[3]
+print("CASE E OK", flush=True)
 # A. Poisoned sources beside good ones: each is refused on its own, step 3 restores (rank 1 from its own file).
 if rank == 1:
     (ck.paths.root / "replicas" / "owner-x").mkdir(parents=True)
@@ -134,5 +149,5 @@ def test_a_poisoned_folder_on_one_rank_gives_every_rank_a_decision_within_second
     res = launch(["-c", PROGRAM, str(tmp_path / "ckpt")], world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
     logs = "".join((tmp_path / "logs" / f"rank{r}.attempt0.log").read_text() for r in range(2))
     assert res.ok, logs
-    for case in "ABCD":
+    for case in "EABCD":
         assert logs.count(f"CASE {case} OK") == 2, logs

@@ -119,7 +119,7 @@ def test_sigkill_and_node_loss_recover_bitwise_from_the_peer(baseline: list[dict
     run = ranks(tmp_path)
     for r in run:
         assert r["resume_step"] == 3 and r["errors"] == [], r
-        assert r["decision"]["step"] == 3 and r["decision"]["sources"] == {"0": "local", "1": "peer:0"}, r["decision"]
+        assert r["decision"]["step"] == 3 and r["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, r["decision"]
         assert r["resume_state"]["step"] == 3
     assert_bitwise(run, baseline, first_step=4)  # params, optimizer, schedulers, step, tokens, dataloader
 

@@ -56,9 +56,9 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     assert result["status"] == "passed", result["message"]
     assert obs["torchrun_exit"] == 0 and obs["attempts"] == 2  # torchrun itself relaunched, once
     # Restored from the checkpoint, not a fresh start: step 3, rank 1 from its peer's replica (its node folder was
-    # deleted), rank 0 from its own disk (a relaunched process has no memory copy).
+    # deleted, and its memory tier with it), rank 0 from the memory tier its killed process left in /dev/shm.
     assert obs["mode"] == "restore" and obs["recovered_step"] == 3
-    assert obs["sources"] == ["local", "peer:0"]
+    assert obs["sources"] == ["memory", "peer:0"]
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["replicas_equal"] and obs["final_step"] == 6
     # The fault event is rank 1's own record of its SIGKILL, not the moment the driver launched torchrun.
     assert (obs["kill"]["rank"], obs["kill"]["step"], obs["kill"]["phase"]) == (1, 3, "after-step")
@@ -93,6 +93,6 @@ def test_two_agents_node_loss_replacement_agent_resumes_from_peers(tmp_path: Pat
     obs = torchrun_cell.run_cell(_cell(4, fault, steps=8, max_restarts=2, step_sleep=0.3), tmp_path)["observed"]
     assert obs["torchrun_exit"] == [0, 0] and obs["readmitted"]
     assert obs["mode"] == "restore" and obs["recovered_step"] >= 2
-    assert obs["sources"] == ["local", "local", "peer:0", "peer:1"]
+    assert obs["sources"] == ["memory", "memory", "peer:0", "peer:1"]
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["final_step"] == 8
     assert not _left_behind(tmp_path)

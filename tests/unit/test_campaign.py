@@ -89,7 +89,7 @@ def test_quickstart_cell_is_the_documented_one() -> None:
     assert cell.params == {"steps": 6, "interval": 1}
     # Recovery, not a fresh start: the decision, its step, every rank's source and the resume step are checked too.
     assert cell.expect == {"recovered_step": 4, "source": "peer", "recovery_mode": "restore",
-                           "rank_sources": ["local", "peer:2", "local"],
+                           "rank_sources": ["memory", "peer:2", "memory"],
                            "resume_step": {"eq": "observed.recovered_step"}, "bitwise_equal": True,
                            "losses_equal": True, "final_step": 6}
     assert cell.timeout_s == 120

@@ -1,8 +1,8 @@
-"""The GEMINI engine of one rank: capture → persist → replicate → certify → recover.
+"""The GEMINI engine of one rank: capture (into shared memory) → replicate → persist (every N) → certify → recover.
 
-Threads: the training thread runs the hooks; ``gemini-copy`` copies into slots; ``gemini-io`` persists, replicates
-and prunes, one capture at a time and in step order on every rank, so the replication collectives of all ranks line
-up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
+Threads: the training thread runs the hooks; ``gemini-copy`` copies into slots (files of the memory tier,
+:mod:`gemscout.gemini.shm`, published when sealed); ``gemini-io`` replicates, persists to disk and prunes, one
+capture at a time and in step order on every rank, so the replication collectives of all ranks line up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
 thread, so the two never interleave on that group.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
-from gemscout.gemini import comm, store
+from gemscout.gemini import comm, shm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig
@@ -66,7 +66,10 @@ class Checkpointer:
 
             self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
-        self.pool = SlotPool(config.slots)
+        self.memory = self._open_memory()
+        replicating = config.replicate and placement.enabled
+        self.pool = SlotPool(config.slots, self.memory,
+                             files_expected=config.slots * (2 if replicating else 1))
         self.spares = store.Spares()
         """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
         self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
@@ -108,6 +111,48 @@ class Checkpointer:
         """Steps whose capture was skipped (``when_busy="skip"``) because some rank's io still held every slot."""
         self.set_when_busy(config.when_busy)
         store.clean_stale_temps(self.paths.root)
+        self._adopt_memory()
+
+    # ------------------------------------------------------------------ memory tier
+    def _open_memory(self) -> shm.MemoryTier | None:
+        base = self.config.memory_directory
+        if base is None:
+            return None
+        if base == CheckpointConfig.__dataclass_fields__["memory_directory"].default and not base.parent.is_dir():
+            log.warning("gemini: %s does not exist here; slots stay in process memory", base.parent)
+            return None
+        return shm.MemoryTier.open(base, run_id=self.run_id, directory=self.config.directory,
+                                   node=self.placement.node_of(self.rank), rank=self.rank, disk_root=self.paths.root,
+                                   stale_after_s=self.config.stale_memory_after.total_seconds(),
+                                   fsync=self.config.fsync)
+
+    def _adopt_memory(self) -> None:
+        """Take what a killed earlier process of this rank left in the memory tier: its sealed slots and the
+        replicas it held (identity checked here, every digest when recovery loads one)."""
+        if self.memory is None:
+            return
+
+        def mine(found: list[shm.Adopted], owner: int) -> list[shm.Adopted]:
+            ok = []
+            for got in found:
+                try:
+                    if got.parsed.identity.get("owner") != owner:
+                        raise IntegrityError(f"owner {got.parsed.identity.get('owner')}, expected {owner}")
+                    self.check_identity(got.parsed.identity, where=str(got.file.path))
+                    ok.append(got)
+                except (IntegrityError, RunMismatchError) as exc:
+                    log.warning("gemini: memory file %s is not this run's, removed: %s", got.file.path, exc)
+                    got.file.unlink()
+            return ok
+
+        self.pool.adopt(mine(self.memory.adopt(self.memory.paths.own, self.config.slots), self.rank))
+        for owner in self.memory.paths.held_owners():
+            found = mine(self.memory.adopt(self.memory.paths.replicas(owner), self.config.slots), owner)
+            if found:
+                self.replicas.setdefault(owner, self._buffers(owner)).adopt(found)
+
+    def _buffers(self, owner: int) -> ReplicaBuffers:
+        return ReplicaBuffers(keep=self.config.slots, memory=self.memory, owner=owner)
 
     # ------------------------------------------------------------------ capture
     def set_when_busy(self, mode: str) -> None:
@@ -187,12 +232,21 @@ class Checkpointer:
             # and 0.46 / 0.55 s per capture), and it slowed the replication it competed with by 40-80 %.
             # Every capture is a candidate, written or not (persist_every > 1): certification must be able to vouch
             # for a step that lives only in memory and in its peers' replicas.
+            # Replication first: it is what a node loss needs, and the disk write (every persist_every-th capture)
+            # then no longer delays it.
             self.ledger.add_candidate(slot.step)
+            if self.memory is not None and slot.file is None:
+                self._mirror_to_memory(slot)
+            received = None
+            try:
+                if self.config.replicate and self.placement.enabled:
+                    received = self._replicate(slot)
+            finally:
+                if persist_now:  # even when the replication failed: the node's own power-loss copy
+                    self._persist_own(slot)
             if persist_now:
-                self._persist_own(slot)
-            if self.config.replicate and self.placement.enabled:
-                self._replicate(slot, persist_now)
-            if persist_now:
+                if received is not None:
+                    self._persist_replica(*received)
                 self._advance_frontier(slot.step)
         except Exception as exc:
             self.errors.append(f"step {slot.step}: {exc}")
@@ -216,11 +270,20 @@ class Checkpointer:
         self.stats["persist_s"] = time.perf_counter() - t0
         self._phase("persisted", slot.step)
 
-    def _replicate(self, slot: Slot, persist_now: bool) -> None:
+    def _mirror_to_memory(self, slot: Slot) -> None:
+        """A slot in process memory (pinned, for device copies) is written to the memory tier as a file (one copy),
+        so a killed process still leaves it behind; the ``slots`` newest are kept."""
+        assert self.memory is not None
+        folder = self.memory.paths.own
+        store.write_checkpoint(store.step_file(folder, slot.step), slot.prefix, slot.data, fsync=False)
+        for old in store.list_steps(folder)[self.config.slots :]:
+            store.step_file(folder, old).unlink(missing_ok=True)
+
+    def _replicate(self, slot: Slot) -> tuple[int, int, Frame]:
         self._phase("replicate", slot.step)
         t0 = time.perf_counter()
         owner = self.placement.source(self.rank)
-        buffers = self.replicas.setdefault(owner, ReplicaBuffers(keep=self.config.slots))
+        buffers = self.replicas.setdefault(owner, self._buffers(owner))
         if self.config.replication == "natural":
             from gemscout.gemini import natural
 
@@ -246,8 +309,7 @@ class Checkpointer:
         buffers.add(step, *received)
         self.stats["replicate_s"] = time.perf_counter() - t0
         self._phase("replicated", slot.step)
-        if persist_now:
-            self._persist_replica(owner, step, received)
+        return owner, step, received
 
     def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
         self._phase("persist_replica", step)
@@ -388,8 +450,9 @@ class Checkpointer:
 
         return recover(self, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust)
 
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Drain pending work (bounded) and stop the threads."""
+    def close(self, timeout: timedelta | None = None, *, release_memory: bool = True) -> None:
+        """Drain pending work (bounded) and stop the threads. ``release_memory``: the job is done with this rank's
+        memory tier, delete it; False (a signal, exit cleanup) keeps it for a restart of this rank to adopt."""
         try:
             self.drain(timeout or self.config.flush_timeout)
         except CollectiveTimeout as exc:
@@ -397,5 +460,7 @@ class Checkpointer:
         self._io.shutdown(wait=False, cancel_futures=True)
         self.capturer.shutdown()
         self.spares.discard()
+        if self.memory is not None:
+            self.memory.close(release=release_memory)
 
 

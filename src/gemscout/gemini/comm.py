@@ -75,7 +75,8 @@ def exchange(
 
     Either side may be None (one-way transfer). ``dst``/``src`` are global ranks. The data moves in chunks of
     ``chunk_bytes``, two chunks in flight, so that memory in flight stays bounded and the link never idles between
-    chunks. ``recv_buffer(nbytes)`` may supply a reusable uint8 tensor for the incoming data.
+    chunks. ``recv_buffer(nbytes, prefix_nbytes)`` may supply a reusable uint8 tensor for the incoming data (the
+    incoming prefix's size lets it place the data where the prefix will precede it).
     ``on_arrival(prefix, data)`` is called once the incoming header is in and returns an object whose
     ``received(end)`` is called each time bytes ``[0, end)`` of the data have landed, while the next chunk is still
     in flight (see :class:`gemscout.gemini.arrival.ArrivalCheck`); it must not raise. Returns what was received,
@@ -102,7 +103,7 @@ def exchange(
     received_prefix = bytes(rprefix.numpy()) if src is not None else b""
     if src is not None:
         n = int(sizes[1])
-        rdata = recv_buffer(n) if recv_buffer is not None else torch.empty(n, dtype=torch.uint8)
+        rdata = recv_buffer(n, len(received_prefix)) if recv_buffer is not None else torch.empty(n, dtype=torch.uint8)
         if on_arrival is not None:
             arrival = on_arrival(received_prefix, rdata)
     send_n = send[1].numel() if send is not None else 0

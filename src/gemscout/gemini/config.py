@@ -35,7 +35,19 @@ class CheckpointConfig:
     persist: bool = True
     """Write own checkpoints and held replicas to ``directory``."""
     persist_every: int = 1
-    """Persist every N-th capture (a SIGTERM flush persists the newest capture regardless)."""
+    """Write every N-th capture to ``directory`` (fsynced when ``fsync``: survives a power loss of the node). Every
+    capture lives in the memory tier anyway (``memory_directory``), which survives a killed process; a SIGTERM
+    flush persists the newest capture regardless."""
+    memory_directory: Path | None = Path("/dev/shm/gemscout")
+    """A tmpfs folder where capture slots and held replicas live as mapped files that survive the training
+    process (see gemini/shm.py): a rank restarted on the same node recovers from it without reading disk. Keyed by
+    run id and ``directory``; each rank's folder is tied to an anchor file in its ``directory`` folder, so losing
+    that folder loses the memory too. None keeps slots in process memory. The default is used only where
+    ``/dev/shm`` exists."""
+    stale_memory_after: timedelta = timedelta(minutes=10)
+    """A start removes memory folders of other runs whose owner process is dead and that nothing touched for this
+    long: the time a launcher may take to restart that job and re-claim them (a restart slower than this recovers
+    from disk or its peers instead). When the tmpfs lacks room for this job, dead jobs' folders go at once."""
     when_busy: str = "wait"
     """What a capture does when every slot is still pinned by an earlier capture's io. ``"wait"``: block until one
     is free (bounded by ``timeout``) — every due step is captured, so a failure loses at most ``interval`` steps.
@@ -83,6 +95,11 @@ class CheckpointConfig:
         object.__setattr__(self, "directory", Path(self.directory))
         if self.durable_directory is not None:
             object.__setattr__(self, "durable_directory", Path(self.durable_directory))
+        require(self.memory_directory is None or (isinstance(self.memory_directory, str | Path)
+                                                  and str(self.memory_directory) != ""), c, "memory_directory",
+                "give a tmpfs folder (e.g. '/dev/shm/gemscout') or None to keep slots in process memory")
+        if self.memory_directory is not None:
+            object.__setattr__(self, "memory_directory", Path(self.memory_directory))
         require(isinstance(self.slots, int) and self.slots >= 2, c, "slots", f"must be an int >= 2, got {self.slots!r}")
         require(self.replication in ("ring", "natural"), c, "replication",
                 f"must be 'ring' or 'natural' (HSDP replicate-group peers), got {self.replication!r}")
@@ -109,7 +126,7 @@ class CheckpointConfig:
         except ValueError:
             require(False, c, "min_trust", f"must be one of candidate, recovery_verified, durable; got {self.min_trust!r}")
         require(self.min_trust != TrustState.REJECTED, c, "min_trust", "cannot be 'rejected'")
-        for name in ("timeout", "flush_timeout"):
+        for name in ("timeout", "flush_timeout", "stale_memory_after"):
             value = getattr(self, name)
             require(isinstance(value, timedelta) and value.total_seconds() > 0, c, name,
                     f"must be a positive datetime.timedelta, got {value!r}")

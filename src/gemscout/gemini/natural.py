@@ -136,7 +136,7 @@ def exchange(own: Frame, *, target: int, source: int, group: dist.ProcessGroup, 
     if recv_idx is None:  # another layout: the whole frame came
         rebuilt, check = received, list(range(len(from_source.layout.entries)))
     else:
-        rebuilt = recv_buffer(from_source.layout.data_nbytes)
+        rebuilt = recv_buffer(from_source.layout.data_nbytes, len(source_prefix))
         rebuilt.copy_(data[: from_source.layout.data_nbytes])
         off = 0
         for i in recv_idx:

@@ -8,10 +8,14 @@ goes to the rank ``jump`` places further on (protects against a process loss, no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gemscout.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gemscout.gemini.shm import Adopted, MemoryTier, ShmFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,22 +61,79 @@ class Placement:
 
 
 class ReplicaBuffers:
-    """The last ``keep`` replicas received from one owner, in memory. Buffers are reused when sizes match."""
+    """The last ``keep`` replicas received from one owner, in memory. Buffers are reused when sizes match.
 
-    def __init__(self, keep: int = 2) -> None:
+    With a memory tier (``memory``), each buffer is the mapping of a file in shared memory: a replica is received
+    straight into its file, the verified prefix is written in front of it and the file is published under the
+    step's name, so a restarted holder still has it and no copy is made on receipt. The buffer a transfer lands in
+    is never one of the entries, so the newest complete replica stays whole while the next one arrives."""
+
+    def __init__(self, keep: int = 2, memory: MemoryTier | None = None, owner: int = -1) -> None:
         self.keep = keep
+        self.memory, self.owner = memory, owner
         self.entries: list[tuple[int, bytes, torch.Tensor]] = []  # (step, prefix, data), newest first
+        self._files: dict[int, ShmFile] = {}  # step -> its published file (memory tier)
+        self._landing: ShmFile | None = None  # the unpublished file a transfer is landing in
 
-    def buffer_for(self, nbytes: int) -> torch.Tensor:
+    def adopt(self, found: list[Adopted]) -> None:
+        """The published replicas a killed earlier process of this rank left (newest first)."""
+        for got in found[: self.keep]:
+            step = int(got.parsed.identity["step"])
+            self.entries.append((step, got.prefix, got.file.data))
+            self._files[step] = got.file
+        for got in found[self.keep :]:
+            got.file.unlink()
+
+    def buffer_for(self, nbytes: int, prefix_nbytes: int = 0) -> torch.Tensor:
         """A buffer to receive into: the oldest entry's when full and equal in size, else a new one."""
+        if self.memory is not None and prefix_nbytes > 0:
+            return self._file_for(nbytes, prefix_nbytes)
         if len(self.entries) >= self.keep and self.entries[-1][2].numel() == nbytes:
             return self.entries.pop()[2]
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def _file_for(self, nbytes: int, prefix_nbytes: int) -> torch.Tensor:
+        assert self.memory is not None
+        if self._landing is not None:  # an earlier transfer that did not complete
+            if self._landing.data.numel() == nbytes and self._landing.data_offset == prefix_nbytes:
+                return self._landing.data
+            self._landing.unlink()
+            self._landing = None
+        if len(self.entries) >= self.keep:
+            step, _, data = self.entries[-1]
+            f = self._files.get(step)
+            if f is not None and data.numel() == nbytes and f.data_offset == prefix_nbytes:
+                self.entries.pop()
+                del self._files[step]
+                self.memory.unpublish(f)  # out of view before the transfer overwrites it
+                self._landing = f
+                return f.data
+        self._landing = self.memory.new_file(self.memory.paths.replicas(self.owner), nbytes, prefix_nbytes)
+        return self._landing.data
+
     def add(self, step: int, prefix: bytes, data: torch.Tensor) -> None:
+        """Keep a verified replica. If it landed in a memory-tier file, its prefix is written and it is published."""
+        landing = self._landing
+        if (
+            self.memory is not None
+            and landing is not None
+            and landing.data.data_ptr() == data.data_ptr()
+            and landing.data_offset == len(prefix)
+        ):
+            landing.write_prefix(prefix)
+            old = self._files.pop(step, None)
+            if old is not None:
+                old.unlink()
+            self.memory.publish(landing, self.memory.paths.replicas(self.owner), step)
+            self._files[step] = landing
+            self._landing = None
         self.entries = [e for e in self.entries if e[0] != step]
         self.entries.insert(0, (step, prefix, data))
         self.entries.sort(key=lambda e: -e[0])
+        for dropped, _, _ in self.entries[self.keep :]:
+            f = self._files.pop(dropped, None)
+            if f is not None:
+                f.unlink()
         del self.entries[self.keep :]
 
     def get(self, step: int) -> tuple[bytes, torch.Tensor] | None:
@@ -83,3 +144,6 @@ class ReplicaBuffers:
 
     def steps(self) -> list[int]:
         return [e[0] for e in self.entries]
+
+    def file_of(self, step: int) -> ShmFile | None:
+        return self._files.get(step)

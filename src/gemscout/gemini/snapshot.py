@@ -3,7 +3,11 @@
 Parameters and optimizer state do not change between one ``optimizer.step()`` and the next, so their copy runs on a
 background thread while the next forward and backward run; the next step (or :meth:`Capturer.wait_copied`) waits for
 it. Everything else (buffers, caller state, RNG) may change during the next forward and is copied synchronously.
-Digests and the header are computed on the background thread too.
+Digests and the header are computed on the background thread too; a deferred tensor is hashed chunk by chunk right
+after each chunk is copied, while it is still in cache (one pass over the bytes from memory, not two).
+
+With a memory tier (:mod:`gemscout.gemini.shm`) a slot's buffer is the mapping of a file in shared memory, published
+under its step's name once sealed: the capture copy is the persistence that survives the process.
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from blake3 import blake3
 
 from gemscout.errors import CollectiveTimeout
+from gemscout.gemini import shm
 from gemscout.state.codec import encode
-from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
+from gemscout.state.digest import digest_bytes
+from gemscout.state.layout import Layout, build_header, frame_prefix
+
+_HASH_CHUNK = 256 * 1024
+"""Copy-and-hash granularity: small enough that a chunk is still in the L2 cache when it is hashed."""
 
 
 @dataclass(eq=False)
@@ -37,6 +47,8 @@ class Slot:
     ready: threading.Event = field(default_factory=threading.Event)
     views: list[torch.Tensor] = field(default_factory=list)
     """Typed views of ``data`` for ``layout``, kept while the layout is unchanged (saves per-capture work)."""
+    file: shm.ShmFile | None = None
+    """The shared-memory file whose mapping ``data`` is (memory tier), else None (process memory)."""
 
     def frame(self) -> tuple[bytes, torch.Tensor]:
         """The checkpoint as (prefix, data) — the same bytes as its file on disk."""
@@ -46,12 +58,32 @@ class Slot:
 class SlotPool:
     """A fixed set of slots; a pinned slot is never handed out, so a replica in flight is never overwritten."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, memory: shm.MemoryTier | None = None, *, files_expected: int = 0) -> None:
         self._slots = [Slot(i) for i in range(count)]
         self._cond = threading.Condition()
+        self.memory = memory
+        self.files_expected = files_expected or count
+        """Files of the state's size this rank keeps in the memory tier (own slots + held replicas): the room
+        checked before the first slot file is made."""
+        self._room_checked = False
 
-    def acquire(self, layout: Layout, *, timeout: timedelta, pinned: bool = False) -> Slot:
-        """The oldest unpinned slot, resized for ``layout`` if needed. Blocks while every slot is pinned."""
+    def adopt(self, found: list[shm.Adopted]) -> None:
+        """Take the sealed slots a killed earlier process of this rank left in the memory tier (newest first) as
+        ready slots: recovery proposes them as memory and verifies every digest before restoring one."""
+        with self._cond:
+            for slot, got in zip(self._slots, found, strict=False):
+                slot.file, slot.layout, slot.data = got.file, got.parsed.layout, got.file.data
+                slot.views = got.parsed.layout.views(slot.data)
+                slot.prefix, slot.identity, slot.step = got.prefix, dict(got.parsed.identity), got.parsed.identity["step"]
+                slot.ready.set()
+            for got in found[len(self._slots):]:
+                got.file.unlink()
+
+    def acquire(self, layout: Layout, *, timeout: timedelta, pinned: bool = False, header_hint: int = 0) -> Slot:
+        """The oldest unpinned slot, resized for ``layout`` if needed. Blocks while every slot is pinned.
+
+        With a memory tier the slot's file is taken out of view (renamed to a temp name) before it is written
+        again; ``header_hint`` (an estimate of the header's size) sizes the room reserved ahead of the data."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
             while True:
@@ -69,12 +101,79 @@ class SlotPool:
             slot.pins = 1
             slot.ready.clear()
             slot.step = -1
-            if slot.layout != layout or slot.data.is_pinned() != pinned:
-                # Pinned host memory lets device-to-host copies run asynchronously on a side stream.
-                slot.data = torch.empty(layout.data_nbytes, dtype=torch.uint8, pin_memory=pinned)
-                slot.layout = layout
-                slot.views = layout.views(slot.data)
+            try:
+                self._prepare(slot, layout, pinned, header_hint)
+            except BaseException:
+                slot.pins = 0
+                self._cond.notify_all()
+                raise
             return slot
+
+    def _prepare(self, slot: Slot, layout: Layout, pinned: bool, header_hint: int) -> None:
+        # Pinned host memory lets device-to-host copies run asynchronously on a side stream; it stays process memory
+        # (the sealed slot is written to the memory tier by the io thread instead).
+        memory = self.memory if not pinned else None
+        if slot.file is not None and slot.layout == layout and memory is not None:
+            try:
+                memory.unpublish(slot.file)  # out of view before a byte of it changes
+                return
+            except FileNotFoundError:  # removed behind our back (its folder deleted): make a new one
+                slot.file = None
+        if slot.file is None and slot.layout == layout and slot.data.is_pinned() == pinned and memory is None:
+            return
+        if slot.file is not None:
+            slot.file.unlink()
+            slot.file = None
+        if memory is not None:
+            reserve = shm.reserve_for(header_hint)
+            if not self._room_checked:
+                need = self.files_expected * (layout.data_nbytes + reserve) - memory.held_bytes()
+                memory.check_room(need)
+                self._room_checked = True
+            slot.file = memory.new_file(memory.paths.own, layout.data_nbytes, reserve)
+            slot.data = slot.file.data
+        else:
+            slot.data = torch.empty(layout.data_nbytes, dtype=torch.uint8, pin_memory=pinned)
+        slot.layout = layout
+        slot.views = layout.views(slot.data)
+
+    def seal(self, slot: Slot, header: bytes) -> bytes:
+        """The slot's frame prefix for ``header``; with a memory tier also written into the slot's file, which is
+        then published under its step's name. A header too large for the room reserved moves the slot to a file
+        with more room (one extra copy, once per growth)."""
+        if slot.file is None or self.memory is None:
+            return frame_prefix(header)
+        padded = shm.pad_header(header, slot.file.data_offset)
+        if padded is None:
+            assert slot.layout is not None
+            bigger = self.memory.new_file(self.memory.paths.own, slot.layout.data_nbytes, shm.reserve_for(len(header)))
+            bigger.data.copy_(slot.data)
+            slot.file.unlink()
+            slot.file, slot.data = bigger, bigger.data
+            slot.views = slot.layout.views(slot.data)
+            padded = shm.pad_header(header, bigger.data_offset)
+            assert padded is not None
+        prefix = frame_prefix(padded)
+        slot.file.write_prefix(prefix)
+        return prefix
+
+    def publish(self, slot: Slot) -> None:
+        """Give a sealed slot's file its step's name (memory tier; a no-op otherwise)."""
+        if slot.file is not None and self.memory is not None:
+            # After a recovery to an older step, a slot may still hold the abandoned trajectory's capture of this
+            # step under this name: take it out of view first, or the rename would replace its file behind it.
+            with self._cond:
+                for other in self._slots:
+                    if other is not slot and other.file is not None and other.step == slot.step:
+                        other.ready.clear()
+                        other.step = -1
+                        self.memory.unpublish(other.file)
+            self.memory.publish(slot.file, self.memory.paths.own, slot.step)
+
+    def discard_files(self) -> None:
+        for slot in self._slots:
+            if slot.file is not None:
+                slot.file.unlink()
 
     def has_free(self) -> bool:
         """True if :meth:`acquire` would not block now (only the io thread frees slots, so it stays true until the
@@ -132,13 +231,18 @@ class Capturer:
         skeleton, tensors = encode(state)
         layout = Layout.of(tensors)
         on_device = any(t.is_cuda for t in tensors)
-        slot = self.pool.acquire(layout, timeout=self.timeout, pinned=on_device)
+        hint = (_header_hint(skeleton, len(tensors), identity) if self.pool.memory is not None and not on_device
+                else 0)
+        slot = self.pool.acquire(layout, timeout=self.timeout, pinned=on_device, header_hint=hint)
         views = slot.views
-        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         device_deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for view, src in zip(views, tensors, strict=True):
+        for i, (view, src) in enumerate(zip(views, tensors, strict=True)):
             if self.async_copy and src.data_ptr() in async_ptrs:
-                (device_deferred if src.is_cuda else deferred).append((view, src))
+                if src.is_cuda:
+                    device_deferred.append((view, src))
+                else:
+                    deferred.append((i, view, src))
             else:
                 view.copy_(src)
         event = self._launch_device_copies(device_deferred)
@@ -147,17 +251,21 @@ class Capturer:
         self._copied = copied
 
         def work() -> Slot:
+            hashed: dict[int, str] = {}
             try:
                 if event is not None:
                     event.synchronize()  # the side-stream D2H copies into pinned memory are done
-                for view, src in deferred:
-                    view.copy_(src)
+                for i, view, src in deferred:
+                    hashed[i] = _copy_and_hash(slot.data, layout, i, view, src)
             finally:
                 copied.set_result(None)
-            digests = tensor_digests(layout, slot.data)
+            arr = slot.data.numpy()
+            digests = [hashed[i] if i in hashed else digest_bytes(arr[e.offset : e.offset + e.nbytes].data)
+                       for i, e in enumerate(layout.entries)]
             slot.identity = dict(identity)
-            slot.prefix = frame_prefix(build_header(layout, digests, skeleton, identity))
             slot.step = int(identity["step"])
+            slot.prefix = self.pool.seal(slot, build_header(layout, digests, skeleton, identity))
+            self.pool.publish(slot)
             slot.ready.set()
             if then is not None:
                 then(slot)
@@ -200,3 +308,29 @@ class Capturer:
 
     def shutdown(self) -> None:
         self._copier.shutdown(wait=True)
+
+
+def _header_hint(skeleton: Any, count: int, identity: dict[str, Any]) -> int:
+    """About how long the header of ``count`` tensors with this skeleton is (sizes a memory-tier slot's room)."""
+    import json
+
+    return len(json.dumps(skeleton, separators=(",", ":"), default=str)) + 200 * count + 512 + len(str(identity))
+
+
+def _copy_and_hash(data: torch.Tensor, layout: Layout, index: int, view: torch.Tensor, src: torch.Tensor) -> str:
+    """Copy ``src`` into its place in the slot (``view``) and return the BLAKE3 digest of the copied bytes, chunk
+    by chunk so each chunk is hashed while it is still in cache. Falls back to copy-then-hash for a tensor that is
+    not a plain contiguous one."""
+    entry = layout.entries[index]
+    dst = data[entry.offset : entry.offset + entry.nbytes]
+    arr = data.numpy()
+    if entry.nbytes <= _HASH_CHUNK or not src.is_contiguous() or src.dtype != view.dtype or type(src) is not torch.Tensor:
+        view.copy_(src)
+        return digest_bytes(arr[entry.offset : entry.offset + entry.nbytes].data)
+    raw = src.detach().reshape(-1).view(torch.uint8)
+    hasher = blake3(max_threads=1)
+    for off in range(0, entry.nbytes, _HASH_CHUNK):
+        end = min(off + _HASH_CHUNK, entry.nbytes)
+        dst[off:end].copy_(raw[off:end])
+        hasher.update(arr[entry.offset + off : entry.offset + end].data)
+    return str(hasher.hexdigest())
