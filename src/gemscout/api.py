@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout import _teardown, elastic, nodes
+from gemscout._modules import unwrap
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.files import recorded_run_id
 from gemscout.gemini.checkpointer import Checkpointer
@@ -37,7 +38,7 @@ from gemscout.scout.engine import Scout
 from gemscout.scout.fsdp_comms import fsdp_modules
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.session import LIVE, Session
-from gemscout.state.training_state import StateSources, _unwrap
+from gemscout.state.training_state import StateSources
 from gemscout.watch import Watch, WatchConfig
 
 log = logging.getLogger("gemscout")
@@ -110,7 +111,7 @@ def _topology_digest(
     # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
     shapes = [
         [n, list(p.shape), str(p.dtype)] if isinstance(p, torch.Tensor) else [n, None, type(p).__name__]
-        for n, p in _unwrap(model).state_dict().items()
+        for n, p in unwrap(model).state_dict().items()
     ]
     every = comm.gather_json(shapes, group=group, timeout=timeout)
     doc = {

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout._modules import unwrap
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
 from gemscout.state import training_state
 from gemscout.state.codec import decode, encode
@@ -195,7 +196,7 @@ class ZeroPerParameter:
         for key, _, _ in src["entries"]:
             md = stored(key)
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        model_live = training_state._unwrap(sources.model).state_dict()
+        model_live = unwrap(sources.model).state_dict()
         for name, value in model_live.items():
             md = stored(f"z/model/{name}")
             if md.properties.dtype != value.dtype or tuple(md.size) != tuple(value.shape):
@@ -233,7 +234,7 @@ class ZeroPerParameter:
     def _check_model(sources: training_state.StateSources, fragments: list[list[Row]], where: str) -> None:
         """Each rank's module fragments must be its masters cast to the module dtype, as ``engine.step()`` leaves
         them; otherwise the promotion's model and masters are of different steps."""
-        model = dict(training_state._unwrap(sources.model).named_parameters())
+        model = dict(unwrap(sources.model).named_parameters())
         masters = [g["params"][0] for g in sources.optimizer.param_groups]
         for i, rows in enumerate(fragments):
             for name, _, param_start, start, length in rows:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout._modules import unwrap
 from gemscout.adapters.deepspeed_layout import _Chunk, _kinds
 from gemscout.errors import IntegrityError, RunMismatchError
 from gemscout.state import training_state
@@ -128,7 +129,7 @@ class Zero3PerParameter:
 
         targets: dict[str, Any] = {key: torch.empty(stored(key).size, dtype=stored(key).properties.dtype)
                                    for key, _, _ in src["entries"]}
-        model_live = training_state._unwrap(sources.model).state_dict()
+        model_live = unwrap(sources.model).state_dict()
         if sorted(model_live) != sorted(there["model"]):
             raise RunMismatchError(f"durable promotion {folder.name} holds another module's state; resume with the "
                                    "same model")

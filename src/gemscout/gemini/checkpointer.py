@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout._tensors import is_dtensor
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, shm, store
@@ -33,7 +34,6 @@ from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
 from gemscout.state import integrity, training_state
-from gemscout.state.codec import _is_dtensor
 from gemscout.state.layout import Parsed, parse_prefix, verify_data
 
 log = logging.getLogger("gemscout.gemini")
@@ -94,7 +94,7 @@ class Checkpointer:
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
         "persist_replica" (on the io thread) before each happens, and at "persisted" and "replicated" after those
         end. The harness uses it to kill at a phase."""
-        self.sharded = sources.rank_local or any(_is_dtensor(p) for p in sources.model.parameters())
+        self.sharded = sources.rank_local or any(is_dtensor(p) for p in sources.model.parameters())
         """DTensor parameters (FSDP2, HSDP, TP) or rank-local state (DeepSpeed ZeRO partitions): durable promotions
         are collective, on a group of their own."""
         durable_group = None

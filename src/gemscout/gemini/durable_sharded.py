@@ -34,11 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout._modules import unwrap
+from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
 from gemscout.gemini import comm, store
 from gemscout.gemini.store import _fsync_dir, atomic_writer
 from gemscout.state import integrity, training_state
-from gemscout.state.codec import _is_dtensor, decode
+from gemscout.state.codec import decode
 from gemscout.state.layout import Parsed
 
 log = logging.getLogger("gemscout.gemini")
@@ -154,12 +156,12 @@ def live_shards(sources: training_state.StateSources) -> dict[str, Any]:
     registers unsharded parameters; the io thread only reads the mesh, placements and local shape of what this
     returns."""
     likes: dict[str, Any] = {}
-    for name, value in training_state._unwrap(sources.model).state_dict().items():
-        if _is_dtensor(value):
+    for name, value in unwrap(sources.model).state_dict().items():
+        if is_dtensor(value):
             likes[f"/model/{key_component(name)}"] = value
     flat = [p for g in sources.optimizer.param_groups for p in g["params"]]
     for idx, p in enumerate(flat):
-        if _is_dtensor(p):
+        if is_dtensor(p):
             likes[f"/optimizer/state/{idx}"] = p
     return likes
 

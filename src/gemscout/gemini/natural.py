@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError
 from gemscout.gemini import comm
 from gemscout.gemini.replication import Placement
-from gemscout.state.codec import _is_dtensor
 from gemscout.state.digest import digest_bytes, digests_equal
 from gemscout.state.layout import Parsed, parse_prefix
 
@@ -45,7 +45,7 @@ def replicate_groups(model: torch.nn.Module) -> list[tuple[int, ...]]:
     placement is ``Replicate``. Raises ConfigError when there are none or the parameters disagree."""
     found: set[tuple[tuple[int, ...], ...]] = set()
     for p in model.parameters():
-        if not _is_dtensor(p):
+        if not is_dtensor(p):
             continue
         mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
         rep = [d for d, pl in enumerate(placements) if pl.is_replicate()]

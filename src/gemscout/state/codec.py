@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gemscout._tensors import is_dtensor as _is_dtensor  # the name gemini/ imports from here
+from gemscout._tensors import is_dtensor as _is_dtensor
 from gemscout.errors import ConfigError
 
 _TENSOR, _ARRAY, _TUPLE, _DICT, _SHARD = "__t__", "__np__", "__tuple__", "__dict__", "__dt__"

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gemscout._modules import unwrap as _unwrap  # the name gemini/, adapters/ and api.py import from here
+from gemscout._modules import unwrap as _unwrap
 from gemscout.errors import ConfigError
 from gemscout.state.codec import LocalShard
 
