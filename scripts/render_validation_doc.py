@@ -356,8 +356,12 @@ def render(evidence: Sequence[Evidence], *, commit: str) -> str:
         "",
     ]
     if current and all(e.is_current for e in current):
+        measured = [e.predicate["campaign"]["name"] for e in current if e.predicate["result"] == "MEASURED"]
+        verb = "is a measurement" if len(measured) == 1 else "are measurements"
+        outcome = "and passed" if not measured else (
+            f"and passed, except that {', '.join(measured)} {verb} (MEASURED: read each target, met or missed)")
         lines += [f"**Status: current qualification.** Every campaign below was run at `{commit[:12]}`, the head of "
-                  "main, from a clean tree, and passed; each claim holds only within its boundaries.", ""]
+                  f"main, from a clean tree, {outcome}; each claim holds only within its boundaries.", ""]
     else:
         lines += ["**Status: not current qualification.**", ""]
         lines += [f"- {e.predicate['campaign']['name']}: {_cell_text(e.label())}" for e in evidence] or [
