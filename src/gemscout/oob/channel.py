@@ -47,6 +47,7 @@ from torch.distributed import DistNetworkError, DistStoreError
 
 from gemscout.oob.config import OobConfig
 from gemscout.oob.secret import resolve_secret
+from gemscout.oob.store_server import listen_socket
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -132,21 +133,13 @@ def serve_store(host: str, port: int = 0, *, timeout: timedelta = timedelta(seco
     """
     from torch.distributed import TCPStore
 
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address[:2] if family == socket.AF_INET else address)
-        sock.listen(512)
-        bound_port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
+    sock, bound_host = listen_socket(host, port)
+    bound_port = sock.getsockname()[1]
     # The store owns the descriptor from here on; detach so Python never closes it under the server.
     fd = sock.detach()
     try:
         return TCPStore(
-            str(address[0]),
+            bound_host,
             bound_port,
             None,
             is_master=True,

@@ -37,6 +37,23 @@ _CHILD = Path(__file__).with_name("_store_child.py")
 _TAIL_LINES = 20
 
 
+
+def listen_socket(host: str, port: int) -> tuple[socket.socket, str]:
+    """A socket bound to ``host``'s address only and listening, and that address (``host`` is resolved once).
+
+    TCPStore's own server ignores the host name and listens on every interface, so whoever serves one makes the
+    socket here and hands it over. Raises ``OSError`` when the address cannot be bound (not this host's)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address[:2] if family == socket.AF_INET else address)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, str(address[0])
+
 class StoreServerError(GemscoutError):
     """The store process could not be started (it exited, or did not become ready in time)."""
 
@@ -130,15 +147,11 @@ class StoreServer:
         :class:`StoreServerError` when the child exits or is not ready in time (it is killed then).
         """
         cfg = config or StoreServerConfig()
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock, bound_host = listen_socket(host, port)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address[:2] if family == socket.AF_INET else address)
-            sock.listen(512)
             bound_port = int(sock.getsockname()[1])
             command = [cfg.python, str(_CHILD), "--fd", str(sock.fileno()), "--parent", str(os.getpid())]
-            command += ["--host", str(address[0]), "--cap-bytes", str(cfg.memory_cap_bytes)]
+            command += ["--host", bound_host, "--cap-bytes", str(cfg.memory_cap_bytes)]
             command += ["--namespace", namespace, "--world-size", str(world_size)]
             command += [arg for key in keys for arg in ("--key", key)]
             command += ["--sweep-interval", str(cfg.sweep_interval.total_seconds())]
@@ -155,7 +168,7 @@ class StoreServer:
             # Only the child listens from here on: were this process to keep the socket, a client of a dead store
             # would wait in its backlog for a timeout instead of being refused at once.
             sock.close()
-        server = cls(proc, host=str(address[0]), port=bound_port, config=cfg)
+        server = cls(proc, host=bound_host, port=bound_port, config=cfg)
         server._await_ready()
         return server
 
