@@ -18,7 +18,10 @@ from pathlib import Path
 
 def newest(crashed: Path, wanted: set[str]) -> int | None:
     """The newest step whose trust, on every rank's ledger under ``crashed``, is one of ``wanted``."""
-    ledgers = [json.loads(p.read_text())["states"] for p in sorted(crashed.glob("node-*/rank-*/status.json"))]
+    ledgers = [
+        json.loads(p.read_text())["states"]
+        for p in sorted(crashed.glob("node-*/rank-*/status.json"))
+    ]
     steps = {int(s) for ledger in ledgers for s in ledger}
     ok = [s for s in steps if all(ledger.get(str(s)) in wanted for ledger in ledgers)]
     return max(ok, default=None) if ledgers else None
@@ -27,7 +30,12 @@ def newest(crashed: Path, wanted: set[str]) -> int | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference", type=Path, required=True)
-    ap.add_argument("--crashed", type=Path, required=True, help="the crashed job's checkpoint folder, as it left it")
+    ap.add_argument(
+        "--crashed",
+        type=Path,
+        required=True,
+        help="the crashed job's checkpoint folder, as it left it",
+    )
     ap.add_argument("--resumed", action="append", required=True, help="MODE=OUT (repeat)")
     ap.add_argument("--nproc", type=int, required=True)
     args = ap.parse_args()
@@ -35,7 +43,9 @@ def main() -> int:
     for spec in args.resumed:
         mode, _, out = spec.partition("=")
         wanted = (
-            {"recovery_verified", "durable"} if mode == "verified" else {"candidate", "recovery_verified", "durable"}
+            {"recovery_verified", "durable"}
+            if mode == "verified"
+            else {"candidate", "recovery_verified", "durable"}
         )
         expected = newest(args.crashed, wanted)
         for rank in range(args.nproc):
@@ -48,16 +58,20 @@ def main() -> int:
                 f"({decision.get('mode')}), expected step {expected}"
             )
             checks = {
-                "restored from a checkpoint": decision.get("mode") == "restore" and got["resume_step"] >= 1,
+                "restored from a checkpoint": decision.get("mode") == "restore"
+                and got["resume_step"] >= 1,
                 f"resumed at the newest {mode} step": got["resume_step"] == expected,
-                "parameters and optimizer state bitwise equal": got["state_digest"] == ref["state_digest"],
+                "parameters and optimizer state bitwise equal": got["state_digest"]
+                == ref["state_digest"],
                 "same samples in the same order": (got["samples_digest"], got["samples"])
                 == (ref["samples_digest"], ref["samples"]),
             }
             bad = [name for name, ok in checks.items() if not ok]
             print(f"check_resume: {line}: {'ok' if not bad else 'FAILED: ' + '; '.join(bad)}")
             failures += bad
-    print(f"check_resume: {'all ranks resumed bitwise' if not failures else f'{len(failures)} check(s) failed'}")
+    print(
+        f"check_resume: {'all ranks resumed bitwise' if not failures else f'{len(failures)} check(s) failed'}"
+    )
     return 1 if failures else 0
 
 

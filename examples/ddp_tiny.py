@@ -111,10 +111,17 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", type=Path, required=True, help="checkpoint folder (local disk of each node)")
+    ap.add_argument(
+        "--ckpt", type=Path, required=True, help="checkpoint folder (local disk of each node)"
+    )
     ap.add_argument("--out", type=Path, required=True, help="where each rank writes rank<r>.json")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--scout-interval", type=int, default=None, help="ScoutConfig.interval (default: every 10th step)")
+    ap.add_argument(
+        "--scout-interval",
+        type=int,
+        default=None,
+        help="ScoutConfig.interval (default: every 10th step)",
+    )
     ap.add_argument(
         "--restore",
         choices=("candidate", "verified"),
@@ -122,7 +129,9 @@ def main() -> None:
         help="what a restart restores: the newest capture (default) or the newest SCOUT has verified",
     )
     ap.add_argument("--kill-rank", type=int, default=-1, help="demo: this rank SIGKILLs itself ...")
-    ap.add_argument("--kill-step", type=int, default=-1, help="... right after this step, in the first run only")
+    ap.add_argument(
+        "--kill-step", type=int, default=-1, help="... right after this step, in the first run only"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -135,19 +144,35 @@ def main() -> None:
     loader = StatefulDataLoader(Tokens(), batch_size=4, sampler=sampler)
     samples = SampleLog()
 
-    trust = gemscout.TrustState.RECOVERY_VERIFIED if args.restore == "verified" else gemscout.TrustState.CANDIDATE
+    trust = (
+        gemscout.TrustState.RECOVERY_VERIFIED
+        if args.restore == "verified"
+        else gemscout.TrustState.CANDIDATE
+    )
     session = gemscout.enable_resiliency(
         model,
         optimizer,
         interval=1,  # capture every step
-        checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="example-ddp", min_trust=trust),
-        stateful={"loader": loader, "samples": samples},  # restored with the model, before the first step
+        checkpoint=gemscout.CheckpointConfig(
+            directory=args.ckpt, run_id="example-ddp", min_trust=trust
+        ),
+        stateful={
+            "loader": loader,
+            "samples": samples,
+        },  # restored with the model, before the first step
         scout=gemscout.ScoutConfig(interval=args.scout_interval),
     )
-    first_run = session.last_decision is not None and session.last_decision.mode == gemscout.RecoveryMode.FRESH
-    batches = iter(loader)  # after enable_resiliency: a restored loader continues from its saved position
+    first_run = (
+        session.last_decision is not None
+        and session.last_decision.mode == gemscout.RecoveryMode.FRESH
+    )
+    batches = iter(
+        loader
+    )  # after enable_resiliency: a restored loader continues from its saved position
     for step in range(session.resume_step + 1, args.steps + 1):
-        batch = next(batches)  # fetch before optimizer.step(): the capture inside it must count this batch
+        batch = next(
+            batches
+        )  # fetch before optimizer.step(): the capture inside it must count this batch
         samples.add(batch["id"])
         tokens = batch["tokens"]
         logits = model(tokens[:, :-1])
@@ -159,7 +184,9 @@ def main() -> None:
             # The demo's crash. It waits for this step's capture to land first only so that the restart point is
             # known in advance (examples/check_resume.py asserts it); a real crash takes whatever had landed.
             session.checkpointer.drain()
-            os.kill(os.getpid(), signal.SIGKILL)  # no flush, no cleanup, no goodbye to the other rank
+            os.kill(
+                os.getpid(), signal.SIGKILL
+            )  # no flush, no cleanup, no goodbye to the other rank
 
     decision = session.last_decision.to_dict() if session.last_decision is not None else None
     doc = {

@@ -41,7 +41,11 @@ def main() -> None:
     ap.add_argument("--restore", choices=("candidate", "verified"), default="candidate")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--fsdp2", action="store_true", help="fully_shard every decoder layer and the model, not DDP")
+    ap.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="fully_shard every decoder layer and the model, not DDP",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -61,7 +65,9 @@ def main() -> None:
         pad_token_id=2,
     )
     llama = transformers.LlamaForCausalLM(config)
-    if args.fsdp2:  # FSDP2 as its tutorial wraps a transformer; no mesh given: torch builds one over the world
+    if (
+        args.fsdp2
+    ):  # FSDP2 as its tutorial wraps a transformer; no mesh given: torch builds one over the world
         from torch.distributed.fsdp import fully_shard
 
         for layer in llama.model.layers:
@@ -71,26 +77,39 @@ def main() -> None:
         model = DistributedDataParallel(llama)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = StatefulDataLoader(
-        Tokens(), batch_size=4, sampler=DistributedSampler(Tokens(), num_replicas=world, rank=rank, seed=0)
+        Tokens(),
+        batch_size=4,
+        sampler=DistributedSampler(Tokens(), num_replicas=world, rank=rank, seed=0),
     )
     samples = SampleLog()
-    trust = gemscout.TrustState.RECOVERY_VERIFIED if args.restore == "verified" else gemscout.TrustState.CANDIDATE
+    trust = (
+        gemscout.TrustState.RECOVERY_VERIFIED
+        if args.restore == "verified"
+        else gemscout.TrustState.CANDIDATE
+    )
     session = gemscout.enable_resiliency(
         model,
         optimizer,
         interval=1,
-        checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="example-hf", min_trust=trust),
+        checkpoint=gemscout.CheckpointConfig(
+            directory=args.ckpt, run_id="example-hf", min_trust=trust
+        ),
         stateful={"loader": loader, "samples": samples},
         # SCOUT finds the recipes itself: model.embed_tokens, each of model.layers, model.norm + lm_head, the
         # optimizer; a decoder layer's position embeddings, ids, mask and DynamicCache are captured and replayed.
         scout=gemscout.ScoutConfig(interval=2),
     )
-    first_run = session.last_decision is not None and session.last_decision.mode == gemscout.RecoveryMode.FRESH
+    first_run = (
+        session.last_decision is not None
+        and session.last_decision.mode == gemscout.RecoveryMode.FRESH
+    )
     batches = iter(loader)
     for step in range(session.resume_step + 1, args.steps + 1):
         batch = next(batches)
         samples.add(batch["id"])
-        loss = model(input_ids=batch["tokens"], labels=batch["tokens"]).loss  # the model shifts the labels itself
+        loss = model(
+            input_ids=batch["tokens"], labels=batch["tokens"]
+        ).loss  # the model shifts the labels itself
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -50,8 +50,12 @@ def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout_s: fl
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--script", type=Path, required=True, help="the example to run (examples/ddp_tiny.py, ...)")
-    ap.add_argument("--work", type=Path, required=True, help="a fresh folder for checkpoints, outputs and logs")
+    ap.add_argument(
+        "--script", type=Path, required=True, help="the example to run (examples/ddp_tiny.py, ...)"
+    )
+    ap.add_argument(
+        "--work", type=Path, required=True, help="a fresh folder for checkpoints, outputs and logs"
+    )
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-rank", type=int, default=1)
@@ -77,7 +81,14 @@ def main() -> int:
         code = torchrun(
             args.script,
             args.nproc,
-            [*common, "--ckpt", str(args.work / f"ckpt-{name}"), "--out", str(args.work / name), *more],
+            [
+                *common,
+                "--ckpt",
+                str(args.work / f"ckpt-{name}"),
+                "--out",
+                str(args.work / name),
+                *more,
+            ],
             args.work / "logs" / f"{name}.log",
             args.timeout_s,
         )
@@ -87,13 +98,19 @@ def main() -> int:
     if run("reference", []) != 0:
         print(f"run_kill: the uninterrupted run failed; see {args.work / 'logs'}", file=sys.stderr)
         return 1
-    if run("crashed", ["--kill-rank", str(args.kill_rank), "--kill-step", str(args.kill_step)]) == 0:
+    if (
+        run("crashed", ["--kill-rank", str(args.kill_rank), "--kill-step", str(args.kill_step)])
+        == 0
+    ):
         print("run_kill: the crashed run exited 0: the kill did not happen", file=sys.stderr)
         return 1
     for mode in modes:
         shutil.copytree(args.work / "ckpt-crashed", args.work / f"ckpt-resumed-{mode}")
         if run(f"resumed-{mode}", ["--restore", mode]) != 0:
-            print(f"run_kill: the restarted run ({mode}) failed; see {args.work / 'logs'}", file=sys.stderr)
+            print(
+                f"run_kill: the restarted run ({mode}) failed; see {args.work / 'logs'}",
+                file=sys.stderr,
+            )
             return 1
     check = [
         sys.executable,

@@ -42,7 +42,9 @@ def members(leader_pid: int, token: str) -> list[psutil.Process]:
     return found
 
 
-def terminate(leader: subprocess.Popen[bytes], token: str, *, grace: timedelta = timedelta(seconds=5)) -> list[int]:
+def terminate(
+    leader: subprocess.Popen[bytes], token: str, *, grace: timedelta = timedelta(seconds=5)
+) -> list[int]:
     """SIGTERM the whole cell, wait up to ``grace`` for it to exit, then SIGKILL whatever is left; reap the leader.
 
     Works the same whether the leader is still running (a timeout) or has already exited (the sweep after a normal

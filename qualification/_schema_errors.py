@@ -13,8 +13,15 @@ from typing import Any
 
 from jsonschema.exceptions import ValidationError
 
-_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table",
-               type(None): "null"}
+_JSON_TYPES = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "table",
+    type(None): "null",
+}
 
 
 def key_path(parts: Iterable[Any]) -> str:
@@ -25,7 +32,9 @@ def key_path(parts: Iterable[Any]) -> str:
     return text
 
 
-def describe_schema_error(error: ValidationError, root: dict[str, Any] | None = None) -> tuple[str, str]:
+def describe_schema_error(
+    error: ValidationError, root: dict[str, Any] | None = None
+) -> tuple[str, str]:
     """Return ``(anchor, message)``: a one-line message that starts by naming the offending key, and the dotted key
     whose line in the source best shows the problem (the key itself; for a missing key, the table that lacks it).
 
@@ -41,7 +50,11 @@ def describe_schema_error(error: ValidationError, root: dict[str, Any] | None = 
         extras = [k for k in error.instance if k not in allowed]
         bad = key_path([*error.absolute_path, extras[0]]) if extras else where
         hint = difflib.get_close_matches(extras[0], allowed, n=1) if extras else []
-        suffix = f" (did you mean '{hint[0]}'?)" if hint else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+        suffix = (
+            f" (did you mean '{hint[0]}'?)"
+            if hint
+            else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+        )
         return bad, f"'{bad}': unknown key{suffix}"
     if kind == "required" and isinstance(error.instance, dict):
         missing = [k for k in error.validator_value if k not in error.instance]

@@ -26,13 +26,18 @@ from qualification.evidence.facts import (
 
 def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
     """The seal facts of the run in ``out_dir`` described by ``summary``; CI facts come from GitHub's variables."""
-    if not isinstance(summary, dict) or summary.get("summary_version") != 2 or not isinstance(summary.get("cells"),
-                                                                                          list):
+    if (
+        not isinstance(summary, dict)
+        or summary.get("summary_version") != 2
+        or not isinstance(summary.get("cells"), list)
+    ):
         from qualification.errors import UsageError
 
         version = summary.get("summary_version") if isinstance(summary, dict) else None
-        raise UsageError(f"{out_dir / 'summary.json'} is not a summary this qualify can seal (summary_version "
-                         f"{version!r}, expected 2: it records the run's scope); re-run the campaign")
+        raise UsageError(
+            f"{out_dir / 'summary.json'} is not a summary this qualify can seal (summary_version "
+            f"{version!r}, expected 2: it records the run's scope); re-run the campaign"
+        )
     cells = summary["cells"]
     commands = tuple(
         CommandRecord(
@@ -45,7 +50,8 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
             log=cell["log"],
         )
         for cell in cells
-        if cell["exit_code"] is not None  # skipped cells and programs that do not exist ran no command
+        if cell["exit_code"]
+        is not None  # skipped cells and programs that do not exist ran no command
     )
     counts = summary["counts"]
     ran = [c["cell"] for c in cells if c["verdict"] != "skipped"] or [c["cell"] for c in cells]
@@ -54,14 +60,25 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
     backends = tuple(sorted({str((c.get("params") or {}).get("backend", "gloo")) for c in ran}))
     gpu = any(str((c.get("params") or {}).get("device", "cpu")).startswith("cuda") for c in ran)
     return SealInput(
-        campaign=CampaignRef(name=summary["campaign"]["name"], tier=summary["campaign"]["tier"],
-                             path=_campaign_file(out_dir, summary)),
+        campaign=CampaignRef(
+            name=summary["campaign"]["name"],
+            tier=summary["campaign"]["tier"],
+            path=_campaign_file(out_dir, summary),
+        ),
         commands=commands,
-        summary=Summary(total=counts["total"], passed=counts["passed"], failed=counts["failed"],
-                        skipped=counts["skipped"], measured=counts.get("measured", 0)),
-        topology=Topology(hosts=1, world_size=max((c["world_size"] for c in ran), default=1),
-                          backends=backends,
-                          devices=_cuda_devices() if gpu else ("cpu",)),
+        summary=Summary(
+            total=counts["total"],
+            passed=counts["passed"],
+            failed=counts["failed"],
+            skipped=counts["skipped"],
+            measured=counts.get("measured", 0),
+        ),
+        topology=Topology(
+            hosts=1,
+            world_size=max((c["world_size"] for c in ran), default=1),
+            backends=backends,
+            devices=_cuda_devices() if gpu else ("cpu",),
+        ),
         boundaries=_boundaries(summary["boundaries"]),
         scope=_scope(summary.get("scope")),
         started_on=datetime.fromisoformat(summary["started_at"]),
@@ -73,18 +90,27 @@ def seal_input(out_dir: Path, summary: dict[str, Any]) -> SealInput:
 def _boundaries(raw: dict[str, Any]) -> Boundaries:
     """The claims as the engine evaluated them (summary v2); a v1 summary's plain strings are left to sealing,
     which binds them to the run's commands."""
-    validated = tuple(BackedClaim(claim=c["claim"], backed_by=tuple(c["backed_by"])) if isinstance(c, dict) else c
-                      for c in raw["validated"])
-    not_validated = tuple(UnbackedClaim(claim=c["claim"], reason=c["reason"]) if isinstance(c, dict) else c
-                          for c in raw["not_validated"])
+    validated = tuple(
+        BackedClaim(claim=c["claim"], backed_by=tuple(c["backed_by"])) if isinstance(c, dict) else c
+        for c in raw["validated"]
+    )
+    not_validated = tuple(
+        UnbackedClaim(claim=c["claim"], reason=c["reason"]) if isinstance(c, dict) else c
+        for c in raw["not_validated"]
+    )
     return Boundaries(validated=validated, not_validated=not_validated)
 
 
 def _scope(raw: dict[str, Any] | None) -> Scope | None:
     if raw is None:
         return None
-    return Scope(cells_in_campaign=raw["cells_in_campaign"], campaign_cells_run=raw["campaign_cells_run"],
-                 cells_run=raw["cells_run"], filter=raw["filter"], seed_override=raw["seed_override"])
+    return Scope(
+        cells_in_campaign=raw["cells_in_campaign"],
+        campaign_cells_run=raw["campaign_cells_run"],
+        cells_run=raw["cells_run"],
+        filter=raw["filter"],
+        seed_override=raw["seed_override"],
+    )
 
 
 def _campaign_file(out_dir: Path, summary: dict[str, Any]) -> Path:
@@ -117,8 +143,14 @@ def _ci_facts() -> dict[str, Any]:
     event = env.get("GITHUB_EVENT_NAME", "")
     if event in TRIGGERS:
         facts["trigger"] = event
-    facts["runner"] = "github-hosted" if env.get("RUNNER_ENVIRONMENT") == "github-hosted" else "self-hosted"
-    server, repo, run_id = env.get("GITHUB_SERVER_URL"), env.get("GITHUB_REPOSITORY"), env.get("GITHUB_RUN_ID")
+    facts["runner"] = (
+        "github-hosted" if env.get("RUNNER_ENVIRONMENT") == "github-hosted" else "self-hosted"
+    )
+    server, repo, run_id = (
+        env.get("GITHUB_SERVER_URL"),
+        env.get("GITHUB_REPOSITORY"),
+        env.get("GITHUB_RUN_ID"),
+    )
     if server and repo and run_id:
         facts["run_url"] = f"{server}/{repo}/actions/runs/{run_id}"
         facts["invocation_id"] = f"{facts['run_url']}/attempts/{env.get('GITHUB_RUN_ATTEMPT', '1')}"

@@ -27,9 +27,27 @@ from qualification.errors import CampaignError, UsageError
 #: The checkout this package lives in (for an editable install); campaigns/ is found beside it.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-CELL_FIELDS = ("program", "workload", "topology", "world_size", "fault", "seed", "timeout_s", "params", "expect",
-               "requires")
-REQUIRED_CELL_FIELDS = ("program", "workload", "topology", "world_size", "fault", "seed", "timeout_s")
+CELL_FIELDS = (
+    "program",
+    "workload",
+    "topology",
+    "world_size",
+    "fault",
+    "seed",
+    "timeout_s",
+    "params",
+    "expect",
+    "requires",
+)
+REQUIRED_CELL_FIELDS = (
+    "program",
+    "workload",
+    "topology",
+    "world_size",
+    "fault",
+    "seed",
+    "timeout_s",
+)
 AXES = ("topology", "world_size", "fault", "seed")
 MERGED_TABLES = ("params", "expect")
 
@@ -153,11 +171,15 @@ def load(ref: str | Path) -> Campaign:
     except tomllib.TOMLDecodeError as exc:
         raise CampaignError(f"{path}: invalid TOML: {exc}") from None
     except RecursionError:
-        raise CampaignError(f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)") from None
+        raise CampaignError(
+            f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)"
+        ) from None
     try:
         validate_document(document, path=path, text=text)
     except RecursionError:
-        raise CampaignError(f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)") from None
+        raise CampaignError(
+            f"{path}: nested too deeply to be a campaign (arrays or tables inside each other)"
+        ) from None
     cells = expand(document, path=path)
     boundaries = document["boundaries"]
     claims = _claims(boundaries["validated"], cells, path=path)
@@ -271,13 +293,19 @@ def override_seed(cells: Iterable[Cell], seed: int) -> list[Cell]:
 def _relative_to_cwd(path: Path) -> Path:
     # Shown in messages and recorded in the evidence: campaigns/quickstart.toml reads better than /home/.../...
     resolved = path.resolve()
-    return resolved.relative_to(Path.cwd().resolve()) if resolved.is_relative_to(Path.cwd().resolve()) else resolved
+    return (
+        resolved.relative_to(Path.cwd().resolve())
+        if resolved.is_relative_to(Path.cwd().resolve())
+        else resolved
+    )
 
 
 def _matches(cell_id: str, pattern: str) -> bool:
     if any(ch in pattern for ch in "*?["):
         # A glob matches the whole id, or the id without its campaign prefix ("selftest-pass-*").
-        return fnmatch.fnmatchcase(cell_id, pattern) or fnmatch.fnmatchcase(cell_id.split("/", 1)[-1], pattern)
+        return fnmatch.fnmatchcase(cell_id, pattern) or fnmatch.fnmatchcase(
+            cell_id.split("/", 1)[-1], pattern
+        )
     return pattern in cell_id
 
 
@@ -293,8 +321,14 @@ def _as_axis(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _cell_id(campaign: str, merged: Mapping[str, Any], topology: str, world_size: int,
-             fault: Mapping[str, Any], seed: int) -> str:
+def _cell_id(
+    campaign: str,
+    merged: Mapping[str, Any],
+    topology: str,
+    world_size: int,
+    fault: Mapping[str, Any],
+    seed: int,
+) -> str:
     head = merged["program"] + (f"-{merged['label']}" if "label" in merged else "")
     return f"{campaign}/{head}-{topology}-w{world_size}-{fault_slug(fault)}-s{seed}"
 

@@ -52,7 +52,11 @@ class Scope:
 
 
 def scope_of(
-    campaign: Campaign, outcomes: Sequence[CellOutcome], *, filter_expr: str | None, seed_override: int | None
+    campaign: Campaign,
+    outcomes: Sequence[CellOutcome],
+    *,
+    filter_expr: str | None,
+    seed_override: int | None,
 ) -> Scope:
     """The scope of a run of ``campaign`` that produced ``outcomes``."""
     ran = {outcome.cell.id for outcome in outcomes}
@@ -75,7 +79,9 @@ def narrowing(scope: Scope) -> str:
     return " and ".join(parts) or "the run"
 
 
-def evaluate(campaign: Campaign, outcomes: Sequence[CellOutcome], scope: Scope) -> dict[str, list[dict[str, Any]]]:
+def evaluate(
+    campaign: Campaign, outcomes: Sequence[CellOutcome], scope: Scope
+) -> dict[str, list[dict[str, Any]]]:
     """``{"validated": [{"claim", "backed_by"}], "not_validated": [{"claim", "reason"}]}`` for this run.
 
     Validated claims list the ids of the cells that back them; not validated ones are the claims this run does not
@@ -115,7 +121,11 @@ def _problems(backing: list[str], by_id: dict[str, CellOutcome], scope: Scope) -
         if cells:
             examples = "; ".join(f"{cell_id}: {why}" for cell_id, why in cells[:_EXAMPLES])
             more = f"; and {len(cells) - _EXAMPLES} more" if len(cells) > _EXAMPLES else ""
-            reasons.append(f"{kind}: {len(cells)} of {len(backing)} backing cells ({examples}{more})")
+            reasons.append(
+                f"{kind}: {len(cells)} of {len(backing)} backing cells ({examples}{more})"
+            )
     if absent:
-        reasons.append(f"not run: {len(absent)} of {len(backing)} backing cells were left out by {narrowing(scope)}")
+        reasons.append(
+            f"not run: {len(absent)} of {len(backing)} backing cells were left out by {narrowing(scope)}"
+        )
     return reasons

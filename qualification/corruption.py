@@ -36,7 +36,9 @@ def own_slot(ckpt: Path, rank: int, step: int, *, ranks_per_node: int = 1) -> Pa
     return step_file(paths.own, step)
 
 
-def replica_slot(ckpt: Path, owner: int, step: int, *, world_size: int, ranks_per_node: int = 1) -> Path:
+def replica_slot(
+    ckpt: Path, owner: int, step: int, *, world_size: int, ranks_per_node: int = 1
+) -> Path:
     """The file in which the replica holder of ``owner`` (by GEMINI's ring placement) keeps its copy of ``step``."""
     placement = Placement(world_size=world_size, ranks_per_node=ranks_per_node)
     holder = placement.target(owner)
@@ -82,7 +84,9 @@ def flip_byte(path: Path, offset_from_end: int = 100) -> None:
     any real checkpoint: the last tensor's bytes end there)."""
     raw = bytearray(path.read_bytes())
     if not 0 < offset_from_end <= len(raw):
-        raise ValueError(f"{path} is {len(raw)} bytes; cannot flip the byte {offset_from_end} from its end")
+        raise ValueError(
+            f"{path} is {len(raw)} bytes; cannot flip the byte {offset_from_end} from its end"
+        )
     raw[-offset_from_end] ^= 0x01
     path.write_bytes(bytes(raw))
 

@@ -42,13 +42,22 @@ class EngineOptions:
     """Between SIGTERM and SIGKILL when a cell is terminated."""
     python: str = sys.executable
     """The interpreter that runs each driver; the one running ``qualify`` unless told otherwise."""
-    cwd: Path = field(default_factory=lambda: REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd())
+    cwd: Path = field(
+        default_factory=lambda: (
+            REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd()
+        )
+    )
     """Working directory of every driver: the checkout (editable install), else where ``qualify`` was started."""
 
 
-def run_cells(cells: Sequence[Cell], out_dir: Path, options: EngineOptions = EngineOptions(), *,
-              on_start: Callable[[Cell], None] | None = None,
-              on_finish: Callable[[CellOutcome], None] | None = None) -> list[CellOutcome]:
+def run_cells(
+    cells: Sequence[Cell],
+    out_dir: Path,
+    options: EngineOptions = EngineOptions(),
+    *,
+    on_start: Callable[[Cell], None] | None = None,
+    on_finish: Callable[[CellOutcome], None] | None = None,
+) -> list[CellOutcome]:
     """Run every cell, up to ``options.jobs`` at once; return their outcomes in the order of ``cells``.
 
     Blocks until every cell has finished, timed out or been skipped. On KeyboardInterrupt every running tree is
@@ -77,8 +86,14 @@ def prepare_out_dir(out_dir: Path, campaign: Campaign) -> None:
     (out_dir / "campaign.toml").write_bytes(campaign.source)
 
 
-def build_summary(campaign: Campaign, outcomes: Sequence[CellOutcome], *, started_at: datetime,
-                  finished_at: datetime, invocation: dict[str, Any]) -> dict[str, Any]:
+def build_summary(
+    campaign: Campaign,
+    outcomes: Sequence[CellOutcome],
+    *,
+    started_at: datetime,
+    finished_at: datetime,
+    invocation: dict[str, Any],
+) -> dict[str, Any]:
     """The content of ``summary.json``: campaign, scope, boundaries as this run backs them, counts, verdict and one
     record per cell.
 
@@ -87,12 +102,21 @@ def build_summary(campaign: Campaign, outcomes: Sequence[CellOutcome], *, starte
     from qualification.claims import evaluate, scope_of
 
     counts = {v.value: sum(o.verdict is v for o in outcomes) for v in Verdict}
-    scope = scope_of(campaign, outcomes, filter_expr=invocation.get("filter"),
-                     seed_override=invocation.get("seed_override"))
+    scope = scope_of(
+        campaign,
+        outcomes,
+        filter_expr=invocation.get("filter"),
+        seed_override=invocation.get("seed_override"),
+    )
     return {
         "summary_version": SUMMARY_VERSION,
-        "campaign": {"name": campaign.name, "tier": campaign.tier, "description": campaign.description,
-                     "file": "campaign.toml", "source_path": str(campaign.path)},
+        "campaign": {
+            "name": campaign.name,
+            "tier": campaign.tier,
+            "description": campaign.description,
+            "file": "campaign.toml",
+            "source_path": str(campaign.path),
+        },
         "scope": scope.to_json(),
         "boundaries": evaluate(campaign, outcomes, scope),
         "started_at": iso(started_at),
@@ -159,8 +183,13 @@ def _probe(requirement: str) -> str | None:
 
 
 class _Runner:
-    def __init__(self, out_dir: Path, options: EngineOptions, on_start: Callable[[Cell], None] | None,
-                 on_finish: Callable[[CellOutcome], None] | None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        options: EngineOptions,
+        on_start: Callable[[Cell], None] | None,
+        on_finish: Callable[[CellOutcome], None] | None,
+    ) -> None:
         self.out_dir = out_dir.resolve()
         self.options = options
         self.on_start = on_start
@@ -188,24 +217,50 @@ class _Runner:
         for requirement in cell.requires:
             why = unmet_requirement(requirement)
             if why:
-                return CellOutcome(cell=cell, verdict=Verdict.SKIPPED, reason=f"requires {requirement}: {why}")
+                return CellOutcome(
+                    cell=cell, verdict=Verdict.SKIPPED, reason=f"requires {requirement}: {why}"
+                )
         module = f"qualification.programs.{cell.program}"
         if importlib.util.find_spec(module) is None:
-            return CellOutcome(cell=cell, verdict=Verdict.FAILED, reason=f"program module {module} does not exist")
+            return CellOutcome(
+                cell=cell, verdict=Verdict.FAILED, reason=f"program module {module} does not exist"
+            )
         if self.stopping.is_set():
-            return CellOutcome(cell=cell, verdict=Verdict.FAILED, reason="not run: the campaign was interrupted")
+            return CellOutcome(
+                cell=cell, verdict=Verdict.FAILED, reason="not run: the campaign was interrupted"
+            )
 
         cell_dir = self.out_dir / "cells" / cell.safe_id
         cell_dir.mkdir(parents=True, exist_ok=True)
         write_json(cell_dir / "cell.json", cell.to_json())
-        argv = [self.options.python, "-m", module, "--cell", str(cell_dir / "cell.json"), "--out", str(cell_dir)]
+        argv = [
+            self.options.python,
+            "-m",
+            module,
+            "--cell",
+            str(cell_dir / "cell.json"),
+            "--out",
+            str(cell_dir),
+        ]
         token = uuid.uuid4().hex
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GEMSCOUT_CELL_ID": cell.id,
-               _proctree.TOKEN_VAR: token}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "GEMSCOUT_CELL_ID": cell.id,
+            _proctree.TOKEN_VAR: token,
+        }
         started_at, t0 = now(), time.monotonic()
         with open(cell_dir / "log.txt", "wb") as log:
-            proc = subprocess.Popen(argv, cwd=self.options.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=self.options.cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             with self.lock:
                 self.running[token] = proc
             try:
@@ -219,9 +274,20 @@ class _Runner:
                 self.running.pop(token, None)
         duration = time.monotonic() - t0
         outcome = CellOutcome(
-            cell=cell, verdict=Verdict.FAILED, reason="", duration_s=duration, pid=proc.pid, exit_code=proc.returncode,
-            timed_out=timed_out, argv=argv, cwd=str(self.options.cwd), log=relative(cell_dir / "log.txt", self.out_dir),
-            result_file=None, started_at=started_at, finished_at=now(), swept_pids=swept,
+            cell=cell,
+            verdict=Verdict.FAILED,
+            reason="",
+            duration_s=duration,
+            pid=proc.pid,
+            exit_code=proc.returncode,
+            timed_out=timed_out,
+            argv=argv,
+            cwd=str(self.options.cwd),
+            log=relative(cell_dir / "log.txt", self.out_dir),
+            result_file=None,
+            started_at=started_at,
+            finished_at=now(),
+            swept_pids=swept,
         )
         judge(outcome, cell_dir, self.out_dir)
         if self.stopping.is_set() and outcome.verdict is Verdict.FAILED:

@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 OPERATORS = ("le", "ge", "eq", "in")
-REFERENCE = re.compile(r"^\s*(observed|params|fault|cell)\.[A-Za-z_][A-Za-z0-9_]*(\s*[+-]\s*((observed|params|fault|cell)\."
-                       r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+))*\s*$")
+REFERENCE = re.compile(
+    r"^\s*(observed|params|fault|cell)\.[A-Za-z_][A-Za-z0-9_]*(\s*[+-]\s*((observed|params|fault|cell)\."
+    r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+))*\s*$"
+)
 _TERM = re.compile(r"([+-]?)\s*((observed|params|fault|cell)\.([A-Za-z_][A-Za-z0-9_]*)|[0-9]+)")
 
 
@@ -28,8 +30,14 @@ class Unresolved(Exception):
     """A reference names a value the cell does not have."""
 
 
-def check(expect: Mapping[str, Any], observed: Mapping[str, Any], *, params: Mapping[str, Any] | None = None,
-          fault: Mapping[str, Any] | None = None, cell: Mapping[str, Any] | None = None) -> list[str]:
+def check(
+    expect: Mapping[str, Any],
+    observed: Mapping[str, Any],
+    *,
+    params: Mapping[str, Any] | None = None,
+    fault: Mapping[str, Any] | None = None,
+    cell: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Return one line per unmet expectation (empty when all hold), in the order of ``expect``.
 
     Each line names the key, the expectation and the observed value, e.g.
@@ -40,7 +48,9 @@ def check(expect: Mapping[str, Any], observed: Mapping[str, Any], *, params: Map
     mismatches = []
     for key, want in expect.items():
         if key not in observed:
-            mismatches.append(f"{key}: expected {describe(want)}, but the program did not report it")
+            mismatches.append(
+                f"{key}: expected {describe(want)}, but the program did not report it"
+            )
             continue
         got = observed[key]
         try:
@@ -61,8 +71,12 @@ def resolve(want: Any, scope: Mapping[str, Mapping[str, Any]]) -> Any:
     """``want`` with every reference bound in its operator table replaced by the value it names."""
     if not isinstance(want, Mapping):
         return want
-    return {op: _resolve_bound(bound, scope) if op in ("le", "ge", "eq") and is_reference(bound) else bound
-            for op, bound in want.items()}
+    return {
+        op: _resolve_bound(bound, scope)
+        if op in ("le", "ge", "eq") and is_reference(bound)
+        else bound
+        for op, bound in want.items()
+    }
 
 
 def _resolve_bound(text: str, scope: Mapping[str, Mapping[str, Any]]) -> Any:

@@ -34,8 +34,16 @@ from torch.utils.hooks import RemovableHandle
 from gemscout.scout.engine import Scout
 from gemscout.scout.replay import ReplayContext
 
-__all__ = ["FAULT_KINDS", "CollectiveDelay", "Injector", "ReplayDelay", "ReplayFault", "corrupt", "corrupt_module_output",
-           "fail_at"]
+__all__ = [
+    "FAULT_KINDS",
+    "CollectiveDelay",
+    "Injector",
+    "ReplayDelay",
+    "ReplayFault",
+    "corrupt",
+    "corrupt_module_output",
+    "fail_at",
+]
 
 FAULT_KINDS: tuple[str, ...] = ("bitflip", "signflip", "scale", "zero", "permute", "stale")
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -84,8 +92,11 @@ class ReplayFault:
             raise ValueError(f"unknown fault kind {self.kind!r}; use one of {FAULT_KINDS}")
 
     def applies(self, ctx: ReplayContext) -> bool:
-        return (ctx.rank == self.rank and (self.step is None or ctx.step == self.step)
-                and (self.recipe is None or ctx.recipe == self.recipe))
+        return (
+            ctx.rank == self.rank
+            and (self.step is None or ctx.step == self.step)
+            and (self.recipe is None or ctx.recipe == self.recipe)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +123,16 @@ class CollectiveDelay:
     from_step: int = 0
 
     def applies(self, ctx: ReplayContext) -> bool:
-        return (ctx.rank == self.rank and ctx.step >= self.from_step
-                and (self.recipe is None or ctx.recipe == self.recipe))
+        return (
+            ctx.rank == self.rank
+            and ctx.step >= self.from_step
+            and (self.recipe is None or ctx.recipe == self.recipe)
+        )
 
 
-def fail_at(kind: str, *, rank: int, step: int | None = None, recipe: str | None = None) -> ReplayFault:
+def fail_at(
+    kind: str, *, rank: int, step: int | None = None, recipe: str | None = None
+) -> ReplayFault:
     """The replay fault ``kind`` on ``rank`` at ``step`` for ``recipe``."""
     return ReplayFault(kind, rank, step, recipe)
 
@@ -136,9 +152,11 @@ class Injector:
     _handles: list[RemovableHandle] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._handles = [self.scout.register_replay_input_hook(self._on_inputs),
-                         self.scout.register_replay_output_hook(self._on_outputs),
-                         self.scout.register_replay_collective_hook(self._on_collective)]
+        self._handles = [
+            self.scout.register_replay_input_hook(self._on_inputs),
+            self.scout.register_replay_output_hook(self._on_outputs),
+            self.scout.register_replay_collective_hook(self._on_collective),
+        ]
 
     def set(self, *faults: ReplayFault | ReplayDelay | CollectiveDelay) -> None:
         """Replace the active faults."""
@@ -149,14 +167,20 @@ class Injector:
         for handle in self._handles:
             handle.remove()
 
-    def _on_inputs(self, ctx: ReplayContext, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    def _on_inputs(
+        self, ctx: ReplayContext, inputs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
         previous = self._previous.get(ctx.recipe)
         self._previous[ctx.recipe] = {k: t.detach().clone() for k, t in inputs.items()}
         for fault in self.faults:
             if isinstance(fault, ReplayFault) and fault.kind == "stale" and fault.applies(ctx):
                 if previous is None or previous.keys() != inputs.keys():
-                    raise RuntimeError(f"stale-input fault on {ctx.recipe}: no earlier replay of it on this rank")
-                self.fired.append({"kind": "stale", "recipe": ctx.recipe, "step": ctx.step, "rank": ctx.rank})
+                    raise RuntimeError(
+                        f"stale-input fault on {ctx.recipe}: no earlier replay of it on this rank"
+                    )
+                self.fired.append(
+                    {"kind": "stale", "recipe": ctx.recipe, "step": ctx.step, "rank": ctx.rank}
+                )
                 return previous
         return None
 
@@ -164,23 +188,41 @@ class Injector:
         for fault in self.faults:
             if isinstance(fault, CollectiveDelay) and fault.applies(ctx):
                 time.sleep(fault.seconds)
-                self.fired.append({"kind": "collective_delay", "recipe": ctx.recipe, "step": ctx.step,
-                                   "rank": ctx.rank, "op": op})
+                self.fired.append(
+                    {
+                        "kind": "collective_delay",
+                        "recipe": ctx.recipe,
+                        "step": ctx.step,
+                        "rank": ctx.rank,
+                        "op": op,
+                    }
+                )
 
-    def _on_outputs(self, ctx: ReplayContext, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    def _on_outputs(
+        self, ctx: ReplayContext, outputs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
         changed = None
         for fault in self.faults:
             if isinstance(fault, CollectiveDelay) or not fault.applies(ctx):
                 continue
             if isinstance(fault, ReplayDelay):
                 time.sleep(fault.seconds)
-                self.fired.append({"kind": "delay", "recipe": ctx.recipe, "step": ctx.step, "rank": ctx.rank})
+                self.fired.append(
+                    {"kind": "delay", "recipe": ctx.recipe, "step": ctx.step, "rank": ctx.rank}
+                )
             elif fault.kind != "stale":
                 changed = dict(changed or outputs)
                 key = _target_key(changed)
                 changed[key] = corrupt(changed[key], fault.kind)
-                self.fired.append({"kind": fault.kind, "recipe": ctx.recipe, "step": ctx.step, "rank": ctx.rank,
-                                   "tensor": key})
+                self.fired.append(
+                    {
+                        "kind": fault.kind,
+                        "recipe": ctx.recipe,
+                        "step": ctx.step,
+                        "rank": ctx.rank,
+                        "tensor": key,
+                    }
+                )
         return changed
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _PORT_FLOOR = 20000
-_BIND_RETRIES = 3  # fresh ports tried when the store's port is taken between choosing it and binding it
+_BIND_RETRIES = (
+    3  # fresh ports tried when the store's port is taken between choosing it and binding it
+)
 
 
 def _ephemeral_low() -> int:
@@ -89,11 +91,21 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     for _ in range(_BIND_RETRIES):
-        res = _launch_once(argv, world_size=world_size, timeout_s=timeout_s - (time.monotonic() - t0),
-                           log_dir=log_dir, env=env, local_world_size=local_world_size, attempt=attempt, python=python)
+        res = _launch_once(
+            argv,
+            world_size=world_size,
+            timeout_s=timeout_s - (time.monotonic() - t0),
+            log_dir=log_dir,
+            env=env,
+            local_world_size=local_world_size,
+            attempt=attempt,
+            python=python,
+        )
         if res.first_failed != 0 or not _port_taken(log_dir / f"rank0.attempt{attempt}.log"):
             break
-    return LaunchResult(res.returncodes, res.first_failed, time.monotonic() - t0, res.timed_out, res.detected_wall)
+    return LaunchResult(
+        res.returncodes, res.first_failed, time.monotonic() - t0, res.timed_out, res.detected_wall
+    )
 
 
 def _launch_once(
@@ -114,13 +126,25 @@ def _launch_once(
     for rank in range(world_size):
         penv = dict(os.environ)
         penv.update(env or {})
-        penv.update({
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank % lws), "LOCAL_WORLD_SIZE": str(lws), "OMP_NUM_THREADS": "1",
-            "TORCHELASTIC_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1",
-        })
+        penv.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank % lws),
+                "LOCAL_WORLD_SIZE": str(lws),
+                "OMP_NUM_THREADS": "1",
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         log = open(log_dir / f"rank{rank}.attempt{attempt}.log", "wb")
-        procs.append(subprocess.Popen([python or sys.executable, *argv], env=penv, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [python or sys.executable, *argv], env=penv, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
         log.close()
     first_failed: int | None = None
     detected_wall: float | None = None
@@ -141,7 +165,9 @@ def _launch_once(
                 p.wait(timeout=10)
             break
         time.sleep(0.05)
-    return LaunchResult([p.returncode for p in procs], first_failed, time.monotonic() - t0, timed_out, detected_wall)
+    return LaunchResult(
+        [p.returncode for p in procs], first_failed, time.monotonic() - t0, timed_out, detected_wall
+    )
 
 
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:

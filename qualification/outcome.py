@@ -102,7 +102,9 @@ def judge(outcome: CellOutcome, cell_dir: Path, out_dir: Path) -> None:
         outcome.result, outcome.result_file = result, relative(cell_dir / "result.json", out_dir)
     said = f"; program said: {result['message']}" if result and result["message"] else ""
     if outcome.timed_out:
-        outcome.reason = f"timed out after {cell.timeout_s:g} s; process tree terminated (see {outcome.log})"
+        outcome.reason = (
+            f"timed out after {cell.timeout_s:g} s; process tree terminated (see {outcome.log})"
+        )
     elif outcome.exit_code != 0:
         outcome.reason = f"crashed: {_describe_exit(outcome.exit_code)}{said} (see {outcome.log})"
     elif problem or result is None:
@@ -110,8 +112,13 @@ def judge(outcome: CellOutcome, cell_dir: Path, out_dir: Path) -> None:
     elif result["status"] != "passed":
         outcome.reason = f"program reported status {result['status']!r}{said}"
     else:
-        mismatches = expect.check(cell.expect, result["observed"], params=cell.params, fault=cell.fault,
-                                  cell={"world_size": cell.world_size, "seed": cell.seed})
+        mismatches = expect.check(
+            cell.expect,
+            result["observed"],
+            params=cell.params,
+            fault=cell.fault,
+            cell={"world_size": cell.world_size, "seed": cell.seed},
+        )
         if mismatches:
             outcome.reason = "; ".join(mismatches)
         elif "targets" in result:
@@ -119,10 +126,14 @@ def judge(outcome: CellOutcome, cell_dir: Path, out_dir: Path) -> None:
             outcome.reason = describe_targets(result["targets"])
         else:
             outcome.verdict = Verdict.PASSED
-            outcome.reason = f"all {len(cell.expect)} expectations met" if cell.expect else "no expectations"
+            outcome.reason = (
+                f"all {len(cell.expect)} expectations met" if cell.expect else "no expectations"
+            )
     if outcome.swept_pids and not outcome.timed_out:
         # Not a failure of what the cell checks, but the evidence must show that its program did not clean up.
-        outcome.reason += f"; the engine ended {len(outcome.swept_pids)} process(es) the cell left running"
+        outcome.reason += (
+            f"; the engine ended {len(outcome.swept_pids)} process(es) the cell left running"
+        )
 
 
 def describe_targets(targets: list[dict[str, Any]]) -> str:
@@ -130,7 +141,9 @@ def describe_targets(targets: list[dict[str, Any]]) -> str:
     missed = [t for t in targets if not t["met"]]
     text = f"measured: {len(targets) - len(missed)} of {len(targets)} targets met"
     if missed:
-        text += "; missed: " + "; ".join(f"{t['name']} ({t['detail']})" if t["detail"] else t["name"] for t in missed)
+        text += "; missed: " + "; ".join(
+            f"{t['name']} ({t['detail']})" if t["detail"] else t["name"] for t in missed
+        )
     return text
 
 
@@ -144,7 +157,9 @@ def _read_result(path: Path, cell: Cell) -> tuple[dict[str, Any] | None, str | N
         result = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         return None, f"result.json is not valid JSON: {exc}"
-    error = best_match(Draft202012Validator(load_schema("cell-result.schema.json")).iter_errors(result))
+    error = best_match(
+        Draft202012Validator(load_schema("cell-result.schema.json")).iter_errors(result)
+    )
     if error is not None:
         return None, f"result.json fails its schema: {describe_schema_error(error)[1]}"
     if result["cell_id"] != cell.id:

@@ -102,8 +102,13 @@ class Evidence:
     def is_current(self) -> bool:
         """Current qualification: this commit, head of main, clean tree, not FAILED, the whole campaign, and
         something actually ran."""
-        return (self.current_commit and self.verification.exit_code == 0 and self.ran_cells > 0
-                and str(self.verification.freshness.state) == "CURRENT" and self.partial is None)
+        return (
+            self.current_commit
+            and self.verification.exit_code == 0
+            and self.ran_cells > 0
+            and str(self.verification.freshness.state) == "CURRENT"
+            and self.partial is None
+        )
 
     def label(self) -> str:
         """What this evidence is, in one sentence that never overstates it."""
@@ -120,19 +125,27 @@ class Evidence:
         if self.partial is not None:
             return f"{older}{self.partial} at commit {short}: not a qualification of the whole campaign"
         if not self.current_commit:
-            behind = f", {freshness.commits_behind} commit(s) behind {freshness.main_ref}" if state == "STALE" else ""
+            behind = (
+                f", {freshness.commits_behind} commit(s) behind {freshness.main_ref}"
+                if state == "STALE"
+                else ""
+            )
             return f"historical: evidence for commit {short}{behind}, not for the commit this page describes"
         if state == "CURRENT":
             result = self.predicate["result"]
             if result == "PASSED-WITH-SKIPS":
-                return (f"current, PASSED-WITH-SKIPS: commit {short} is the head of {freshness.main_ref}; "
-                        f"{self.predicate['summary']['skipped']} cell(s) skipped, and the claims they back are not "
-                        "validated")
+                return (
+                    f"current, PASSED-WITH-SKIPS: commit {short} is the head of {freshness.main_ref}; "
+                    f"{self.predicate['summary']['skipped']} cell(s) skipped, and the claims they back are not "
+                    "validated"
+                )
             if result == "MEASURED":
                 return f"current, MEASURED: commit {short} is the head of {freshness.main_ref}; read each target"
             return f"current qualification: commit {short} is the head of {freshness.main_ref}"
         if state == "STALE":
-            return f"stale: {freshness.main_ref} is {freshness.commits_behind} commit(s) past {short}"
+            return (
+                f"stale: {freshness.main_ref} is {freshness.commits_behind} commit(s) past {short}"
+            )
         if state == "NOT-ON-MAIN":
             return f"evidence for commit {short}, which is not on {freshness.main_ref}: not current qualification"
         return f"freshness unknown ({freshness.reason}): not current qualification"
@@ -158,7 +171,9 @@ def _bundle_dir(bundle: Path) -> Iterator[Path]:
         yield bundle
     elif bundle.is_file() and bundle.name.endswith((".tar.gz", ".tgz")):
         with tempfile.TemporaryDirectory(prefix="validation-doc-") as scratch:
-            yield extract_archive(bundle, Path(scratch), max_files=MAX_FILES, max_file_bytes=MAX_FILE_BYTES)
+            yield extract_archive(
+                bundle, Path(scratch), max_files=MAX_FILES, max_file_bytes=MAX_FILE_BYTES
+            )
     else:
         raise UsageError(f"bundle {bundle} is neither a directory nor a .tar.gz")
 
@@ -169,7 +184,9 @@ def _claimed_commit(root: Path) -> str:
         document = parse_json((root / MANIFEST_NAME).read_bytes())
         return str(document["predicate"]["source"]["digest"]["gitCommit"]).lower()
     except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
-        raise BundleInvalid(f"intake: {root / MANIFEST_NAME} is unreadable or names no commit ({exc})") from exc
+        raise BundleInvalid(
+            f"intake: {root / MANIFEST_NAME} is unreadable or names no commit ({exc})"
+        ) from exc
 
 
 def _read_verified(root: Path, name: str, expected_sha256: str) -> bytes:
@@ -180,21 +197,34 @@ def _read_verified(root: Path, name: str, expected_sha256: str) -> bytes:
     return data
 
 
-def load_evidence(bundle: Path, *, expected_commit: str, trust: TrustPolicy, repo: Path, main_ref: str) -> Evidence:
+def load_evidence(
+    bundle: Path, *, expected_commit: str, trust: TrustPolicy, repo: Path, main_ref: str
+) -> Evidence:
     """Verify ``bundle`` and return what the page needs from it. Raises the verifier's errors unchanged."""
     with _bundle_dir(bundle) as root:
         claimed = _claimed_commit(root)
         current_commit = claimed == expected_commit.lower()
-        result = verify_bundle(root, expected_commit=expected_commit if current_commit else claimed, trust=trust,
-                               repo=repo, main_ref=main_ref, allow_stale=False)
+        result = verify_bundle(
+            root,
+            expected_commit=expected_commit if current_commit else claimed,
+            trust=trust,
+            repo=repo,
+            main_ref=main_ref,
+            allow_stale=False,
+        )
         document = parse_json(_read_verified(root, MANIFEST_NAME, result.manifest_sha256))
         subjects = {s["name"]: s["digest"]["sha256"] for s in document["subject"]}
         summary = None
         if SUMMARY_NAME in subjects:
             summary = json.loads(_read_verified(root, SUMMARY_NAME, subjects[SUMMARY_NAME]))
             _check_summary_agrees(summary, document["predicate"])
-    return Evidence(source=str(bundle), verification=result, predicate=document["predicate"], summary=summary,
-                    current_commit=current_commit)
+    return Evidence(
+        source=str(bundle),
+        verification=result,
+        predicate=document["predicate"],
+        summary=summary,
+        current_commit=current_commit,
+    )
 
 
 def _check_summary_agrees(summary: dict[str, Any], predicate: dict[str, Any]) -> None:
@@ -202,10 +232,14 @@ def _check_summary_agrees(summary: dict[str, Any], predicate: dict[str, Any]) ->
     for key in ("total", "passed", "failed", "skipped", "measured"):
         if key not in predicate["summary"]:
             continue  # a 1.0.0 manifest counts no measured cells
-        recorded = counts.get(key, 0) if key == "measured" else counts.get(key)  # older summaries count none
+        recorded = (
+            counts.get(key, 0) if key == "measured" else counts.get(key)
+        )  # older summaries count none
         if recorded != predicate["summary"][key]:
-            raise BundleInvalid(f"consistency: {SUMMARY_NAME} counts {key}={recorded}, the manifest "
-                                f"{predicate['summary'][key]}")
+            raise BundleInvalid(
+                f"consistency: {SUMMARY_NAME} counts {key}={recorded}, the manifest "
+                f"{predicate['summary'][key]}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------- page
@@ -231,13 +265,20 @@ def key_observations(cell: dict[str, Any]) -> str:
     verdict = cell.get("verdict")
     observed = cell.get("observed") or {}
     expect = (cell.get("cell") or {}).get("expect") or {}
-    parts = [f"{key}={_show(observed[key])}" for key in expect if key in observed][:MAX_OBSERVATIONS]
+    parts = [f"{key}={_show(observed[key])}" for key in expect if key in observed][
+        :MAX_OBSERVATIONS
+    ]
     if not parts:
-        parts = [f"{k}={_show(v)}" for k, v in sorted(observed.items())
-                 if isinstance(v, str | int | float | bool)][:MAX_OBSERVATIONS]
+        parts = [
+            f"{k}={_show(v)}"
+            for k, v in sorted(observed.items())
+            if isinstance(v, str | int | float | bool)
+        ][:MAX_OBSERVATIONS]
     if verdict != "passed" and cell.get("reason"):
         parts.insert(0, str(cell["reason"]))
-    recovery = observed.get("fault_to_first_step_s")  # measured from the kill's own record, not asserted
+    recovery = observed.get(
+        "fault_to_first_step_s"
+    )  # measured from the kill's own record, not asserted
     if isinstance(recovery, int | float) and not isinstance(recovery, bool):
         parts.append(f"SIGKILL to first resumed step {recovery:.2f} s (measured)")
     return "; ".join(parts) or "-"
@@ -247,13 +288,17 @@ def _cells_table(evidence: Evidence) -> list[str]:
     lines = ["| cell | verdict | key observations |", "|---|---|---|"]
     if evidence.summary is not None:
         for cell in evidence.summary.get("cells", []):
-            lines.append(f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(str(cell.get('verdict', '?')).upper())} "
-                         f"| {_cell_text(key_observations(cell))} |")
+            lines.append(
+                f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(str(cell.get('verdict', '?')).upper())} "
+                f"| {_cell_text(key_observations(cell))} |"
+            )
         return lines
     # A bundle sealed from facts (validation-evidence seal) has commands but no engine summary.
     for command in evidence.predicate["commands"]:
         verdict = "EXIT 0" if command["exitCode"] == 0 else f"EXIT {command['exitCode']}"
-        lines.append(f"| `{_cell_text(command['id'])}` | {verdict} | `{_cell_text(' '.join(command['argv']))}` |")
+        lines.append(
+            f"| `{_cell_text(command['id'])}` | {verdict} | `{_cell_text(' '.join(command['argv']))}` |"
+        )
     return lines
 
 
@@ -264,18 +309,41 @@ def _evidence_table(evidence: Evidence) -> list[str]:
     behind = f", {freshness.commits_behind} behind" if freshness.commits_behind else ""
     esc = _cell_text
     rows = [
-        ("campaign", f"{esc(campaign['name'])} (tier {esc(campaign['tier'])}, `{esc(campaign['path'])}`)"),
+        (
+            "campaign",
+            f"{esc(campaign['name'])} (tier {esc(campaign['tier'])}, `{esc(campaign['path'])}`)",
+        ),
         ("commit", f"`{esc(evidence.commit)}`" + (" (dirty tree)" if p["source"]["dirty"] else "")),
         ("ref", esc(p["source"].get("ref") or "-")),
         ("verdict", f"**{esc(v.headline.text)}**"),
-        ("result", f"{esc(p['result'])}: {counts['passed']} passed, {counts['failed']} failed, "
-                   f"{counts['skipped']} skipped, {counts.get('measured', 0)} measured of {counts['total']} cells"),
-        ("scope", esc(evidence.partial or f"complete: all {p['scope']['cellsInCampaign']} cells of the campaign")),
-        ("run", esc(f"{run['startedOn']} to {run['finishedOn']}, trigger {run['trigger']}, runner {run['runner']}")),
-        ("artifact", f"`{esc(artifact['name'])}`"
-                     + (f", workflow run {esc(artifact['runUrl'])}" if artifact.get("runUrl") else "")),
+        (
+            "result",
+            f"{esc(p['result'])}: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{counts['skipped']} skipped, {counts.get('measured', 0)} measured of {counts['total']} cells",
+        ),
+        (
+            "scope",
+            esc(
+                evidence.partial
+                or f"complete: all {p['scope']['cellsInCampaign']} cells of the campaign"
+            ),
+        ),
+        (
+            "run",
+            esc(
+                f"{run['startedOn']} to {run['finishedOn']}, trigger {run['trigger']}, runner {run['runner']}"
+            ),
+        ),
+        (
+            "artifact",
+            f"`{esc(artifact['name'])}`"
+            + (f", workflow run {esc(artifact['runUrl'])}" if artifact.get("runUrl") else ""),
+        ),
         ("verification", esc(f"{', '.join(v.checks_passed)}; signature {v.signature}")),
-        ("freshness", esc(f"{freshness.state} against {freshness.main_ref}{behind}: {freshness.reason}")),
+        (
+            "freshness",
+            esc(f"{freshness.state} against {freshness.main_ref}{behind}: {freshness.reason}"),
+        ),
         ("manifest sha256", f"`{v.manifest_sha256}`"),
     ]
     return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
@@ -286,8 +354,11 @@ def _boundaries(evidence: Evidence) -> list[str]:
     with its reason (a 1.0.0 manifest's plain lists are shown as they were, marked as unbacked)."""
     bounds = evidence.predicate["boundaries"]
     old = evidence.predicate["schemaVersion"].startswith("1.0.")
-    headline = ("**Validated** (schema 1.0.0: the campaign's list, not checked against its cells):" if old
-                else "**Validated by this run** (every backing cell ran and passed):")
+    headline = (
+        "**Validated** (schema 1.0.0: the campaign's list, not checked against its cells):"
+        if old
+        else "**Validated by this run** (every backing cell ran and passed):"
+    )
     lines = [headline, ""]
     for item in bounds["validated"]:
         if isinstance(item, str):
@@ -309,15 +380,21 @@ def _boundaries(evidence: Evidence) -> list[str]:
 
 def _environment(evidence: Evidence) -> list[str]:
     env, topology, package = (evidence.predicate[k] for k in ("environment", "topology", "package"))
-    gpus = ", ".join(f"{g['index']}: {g['name']} ({g['memoryMiB']} MiB)" for g in env["gpus"]) or "none"
+    gpus = (
+        ", ".join(f"{g['index']}: {g['name']} ({g['memoryMiB']} MiB)" for g in env["gpus"])
+        or "none"
+    )
     facts = [
         ("package", f"{package['name']} {package['version']}"),
         ("python", f"{env['python']} ({env['implementation']}) on {env['platform']}"),
         ("torch", env["torch"] or "not installed"),
         ("CPU", f"{env['cpu']['count']} x {env['cpu']['model'] or 'unknown model'}"),
         ("GPUs", gpus),
-        ("topology", f"{topology['hosts']} host(s), world size {topology['worldSize']}, backends "
-                     f"{', '.join(topology['backends'])}, devices {', '.join(sorted(set(topology['devices'])))}"),
+        (
+            "topology",
+            f"{topology['hosts']} host(s), world size {topology['worldSize']}, backends "
+            f"{', '.join(topology['backends'])}, devices {', '.join(sorted(set(topology['devices'])))}",
+        ),
     ]
     variables = env.get("variables") or {}
     if variables:
@@ -327,8 +404,12 @@ def _environment(evidence: Evidence) -> list[str]:
 
 def _section(evidence: Evidence, level: str) -> list[str]:
     p = evidence.predicate
-    lines = [f"{level} {p['campaign']['name']} at `{evidence.commit[:12]}`", "",
-             f"**{_cell_text(evidence.label())}.**", ""]
+    lines = [
+        f"{level} {p['campaign']['name']} at `{evidence.commit[:12]}`",
+        "",
+        f"**{_cell_text(evidence.label())}.**",
+        "",
+    ]
     lines += _evidence_table(evidence) + [""]
     lines += [f"{level}# Cells", ""] + _cells_table(evidence) + [""]
     lines += [f"{level}# Boundaries", ""] + _boundaries(evidence) + [""]
@@ -351,33 +432,55 @@ def render(evidence: Sequence[Evidence], *, commit: str) -> str:
         f"{finished}).",
         f"Commit: `{commit}`.",
         f"Campaigns: {', '.join(e.predicate['campaign']['name'] for e in current) or 'none for this commit'}"
-        + (f"; historical: {', '.join(e.predicate['campaign']['name'] for e in historical)}" if historical else "")
+        + (
+            f"; historical: {', '.join(e.predicate['campaign']['name'] for e in historical)}"
+            if historical
+            else ""
+        )
         + ".",
         "",
     ]
     if current and all(e.is_current for e in current):
-        measured = [e.predicate["campaign"]["name"] for e in current if e.predicate["result"] == "MEASURED"]
+        measured = [
+            e.predicate["campaign"]["name"] for e in current if e.predicate["result"] == "MEASURED"
+        ]
         verb = "is a measurement" if len(measured) == 1 else "are measurements"
-        outcome = "and passed" if not measured else (
-            f"and passed, except that {', '.join(measured)} {verb} (MEASURED: read each target, met or missed)")
-        lines += [f"**Status: current qualification.** Every campaign below was run at `{commit[:12]}`, the head of "
-                  f"main, from a clean tree, {outcome}; each claim holds only within its boundaries.", ""]
+        outcome = (
+            "and passed"
+            if not measured
+            else (
+                f"and passed, except that {', '.join(measured)} {verb} (MEASURED: read each target, met or missed)"
+            )
+        )
+        lines += [
+            f"**Status: current qualification.** Every campaign below was run at `{commit[:12]}`, the head of "
+            f"main, from a clean tree, {outcome}; each claim holds only within its boundaries.",
+            "",
+        ]
     else:
         lines += ["**Status: not current qualification.**", ""]
-        lines += [f"- {e.predicate['campaign']['name']}: {_cell_text(e.label())}" for e in evidence] or [
-            "- no evidence was given for this commit"]
+        lines += [
+            f"- {e.predicate['campaign']['name']}: {_cell_text(e.label())}" for e in evidence
+        ] or ["- no evidence was given for this commit"]
         lines += [""]
-    lines += ["A result applies only to the commit in its manifest. Verify a downloaded bundle yourself with",
-              "`validation-evidence verify BUNDLE --expected-commit <sha>` before treating it as current.", ""]
+    lines += [
+        "A result applies only to the commit in its manifest. Verify a downloaded bundle yourself with",
+        "`validation-evidence verify BUNDLE --expected-commit <sha>` before treating it as current.",
+        "",
+    ]
     lines += ["## Evidence for this commit", ""]
     for item in current:
         lines += _section(item, "###")
     if not current:
         lines += ["No bundle for this commit was given.", ""]
     if historical:
-        lines += ["## Historical evidence", "",
-                  "Each bundle here verified intact against its own commit, which is not the commit above. Its results",
-                  "describe that commit only and are not current qualification.", ""]
+        lines += [
+            "## Historical evidence",
+            "",
+            "Each bundle here verified intact against its own commit, which is not the commit above. Its results",
+            "describe that commit only and are not current qualification.",
+            "",
+        ]
         for item in historical:
             lines += _section(item, "###")
     lines += [
@@ -410,27 +513,58 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Render docs/validation.md from verified evidence bundles.")
-    parser.add_argument("bundles", nargs="*", type=Path, metavar="BUNDLE", help="bundle directory or .tar.gz")
-    parser.add_argument("--update-blocks", nargs="+", type=Path, metavar="FILE",
-                        help="rewrite the generated figures blocks of these Markdown files from their bundles")
-    parser.add_argument("--expected-commit", metavar="SHA", help="full commit the page is about (default: HEAD)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "validation.md", help="page to write")
-    parser.add_argument("--repo", type=Path, default=REPO_ROOT, help="git clone for freshness (default: checkout)")
-    parser.add_argument("--main-ref", default="main", help="ref that is main (default: main; fetch first)")
-    parser.add_argument("--public-key", type=Path, help="P-256 public key (PEM) of key-signed bundles")
+    parser = _Parser(
+        prog=PROG, description="Render docs/validation.md from verified evidence bundles."
+    )
+    parser.add_argument(
+        "bundles", nargs="*", type=Path, metavar="BUNDLE", help="bundle directory or .tar.gz"
+    )
+    parser.add_argument(
+        "--update-blocks",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="rewrite the generated figures blocks of these Markdown files from their bundles",
+    )
+    parser.add_argument(
+        "--expected-commit", metavar="SHA", help="full commit the page is about (default: HEAD)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "docs" / "validation.md", help="page to write"
+    )
+    parser.add_argument(
+        "--repo", type=Path, default=REPO_ROOT, help="git clone for freshness (default: checkout)"
+    )
+    parser.add_argument(
+        "--main-ref", default="main", help="ref that is main (default: main; fetch first)"
+    )
+    parser.add_argument(
+        "--public-key", type=Path, help="P-256 public key (PEM) of key-signed bundles"
+    )
     parser.add_argument("--trusted-root", type=Path, help="pinned Sigstore trusted_root.json")
-    parser.add_argument("--cert-identity", help="exact signer identity (SAN) of Sigstore signatures")
-    parser.add_argument("--cert-oidc-issuer", default=GITHUB_OIDC_ISSUER, help="OIDC issuer of that identity")
+    parser.add_argument(
+        "--cert-identity", help="exact signer identity (SAN) of Sigstore signatures"
+    )
+    parser.add_argument(
+        "--cert-oidc-issuer", default=GITHUB_OIDC_ISSUER, help="OIDC issuer of that identity"
+    )
     parser.add_argument("--require-signature", action="store_true", help="refuse unsigned bundles")
-    parser.add_argument("--require-current", action="store_true",
-                        help="write nothing unless the evidence for this commit is current qualification")
+    parser.add_argument(
+        "--require-current",
+        action="store_true",
+        help="write nothing unless the evidence for this commit is current qualification",
+    )
     return parser
 
 
 def _head(repo: Path) -> str:
-    done = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30,
-                          check=False)
+    done = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if done.returncode != 0:
         raise UsageError(f"cannot read HEAD of {repo}; pass --expected-commit")
     return done.stdout.strip()
@@ -444,9 +578,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _behind_head(repo: Path, commit: str) -> int | None:
-    done = subprocess.run(["git", "-C", str(repo), "rev-list", "--count", f"{commit}..HEAD"], capture_output=True,
-                          text=True, timeout=30, check=False)
-    return int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
+    done = subprocess.run(
+        ["git", "-C", str(repo), "rev-list", "--count", f"{commit}..HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return (
+        int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
+    )
 
 
 def block_body(evidence: Evidence, bundle: str, *, behind: int | None) -> str:
@@ -455,23 +596,35 @@ def block_body(evidence: Evidence, bundle: str, *, behind: int | None) -> str:
     commit = evidence.commit
     # Always historical: the commit that holds this block comes after the one the bundle was sealed at, and a later
     # commit is never covered by an earlier run.
-    when = ("historical: sealed at the HEAD this block was rendered at; later commits are not covered" if behind == 0
-            else f"historical: HEAD was {behind} commit(s) past it when this block was rendered" if behind is not None
-            else "historical: its commit is not an ancestor of HEAD")
-    lines = [f"*Generated by `scripts/render_validation_doc.py --update-blocks` from the sealed bundle `{bundle}` "
-             f"(campaign {p['campaign']['name']}, commit `{commit[:12]}`, {when}; "
-             f"`validation-evidence verify {bundle} --expected-commit {commit}`). "
-             f"Verdict: {_cell_text(evidence.headline.text)}.*", "",
-             "| cell | verdict | duration (s) | key observations |", "|---|---|---|---|"]
+    when = (
+        "historical: sealed at the HEAD this block was rendered at; later commits are not covered"
+        if behind == 0
+        else f"historical: HEAD was {behind} commit(s) past it when this block was rendered"
+        if behind is not None
+        else "historical: its commit is not an ancestor of HEAD"
+    )
+    lines = [
+        f"*Generated by `scripts/render_validation_doc.py --update-blocks` from the sealed bundle `{bundle}` "
+        f"(campaign {p['campaign']['name']}, commit `{commit[:12]}`, {when}; "
+        f"`validation-evidence verify {bundle} --expected-commit {commit}`). "
+        f"Verdict: {_cell_text(evidence.headline.text)}.*",
+        "",
+        "| cell | verdict | duration (s) | key observations |",
+        "|---|---|---|---|",
+    ]
     for cell in (evidence.summary or {}).get("cells", []):
         duration = cell.get("duration_s")
         shown = f"{duration:.1f}" if isinstance(duration, int | float) else "-"
-        lines.append(f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(str(cell.get('verdict', '?')).upper())} "
-                     f"| {shown} | {_cell_text(key_observations(cell))} |")
+        lines.append(
+            f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(str(cell.get('verdict', '?')).upper())} "
+            f"| {shown} | {_cell_text(key_observations(cell))} |"
+        )
     return "\n".join(lines)
 
 
-def update_blocks(files: Sequence[Path], *, trust: TrustPolicy, repo: Path, main_ref: str) -> list[str]:
+def update_blocks(
+    files: Sequence[Path], *, trust: TrustPolicy, repo: Path, main_ref: str
+) -> list[str]:
     """Rewrite every generated block of ``files`` from its bundle; return one line per block written."""
     from qualification.report.docblocks import blocks, replace_body
 
@@ -480,10 +633,18 @@ def update_blocks(files: Sequence[Path], *, trust: TrustPolicy, repo: Path, main
         text = path.read_text(encoding="utf-8")
         for block in blocks(path):
             bundle = REPO_ROOT / block.bundle
-            evidence = load_evidence(bundle, expected_commit=_claimed_commit(bundle), trust=trust, repo=repo,
-                                     main_ref=main_ref)
-            text = replace_body(text, block.bundle, block_body(evidence, block.bundle,
-                                                               behind=_behind_head(repo, evidence.commit)))
+            evidence = load_evidence(
+                bundle,
+                expected_commit=_claimed_commit(bundle),
+                trust=trust,
+                repo=repo,
+                main_ref=main_ref,
+            )
+            text = replace_body(
+                text,
+                block.bundle,
+                block_body(evidence, block.bundle, behind=_behind_head(repo, evidence.commit)),
+            )
             written.append(f"{path}:{block.line}: {block.bundle} ({evidence.commit[:12]})")
         _write_atomic(path, text)
     return written
@@ -494,7 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.update_blocks:
         trust = TrustPolicy(public_key=args.public_key, require_signature=args.require_signature)
         try:
-            for line in update_blocks(args.update_blocks, trust=trust, repo=args.repo, main_ref=args.main_ref):
+            for line in update_blocks(
+                args.update_blocks, trust=trust, repo=args.repo, main_ref=args.main_ref
+            ):
                 print(f"wrote {line}")
         except QualificationError as exc:
             _fail(str(exc), exc.exit_code)
@@ -503,18 +666,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.bundles:
         _fail("give at least one BUNDLE, or --update-blocks FILE... (see --help)", 2)
-    trust = TrustPolicy(public_key=args.public_key, trusted_root=args.trusted_root, cert_identity=args.cert_identity,
-                        cert_issuer=args.cert_oidc_issuer, require_signature=args.require_signature)
+    trust = TrustPolicy(
+        public_key=args.public_key,
+        trusted_root=args.trusted_root,
+        cert_identity=args.cert_identity,
+        cert_issuer=args.cert_oidc_issuer,
+        require_signature=args.require_signature,
+    )
     try:
         commit = args.expected_commit or _head(args.repo)
-        evidence = [load_evidence(bundle, expected_commit=commit, trust=trust, repo=args.repo, main_ref=args.main_ref)
-                    for bundle in args.bundles]
+        evidence = [
+            load_evidence(
+                bundle, expected_commit=commit, trust=trust, repo=args.repo, main_ref=args.main_ref
+            )
+            for bundle in args.bundles
+        ]
         current = [e for e in evidence if e.current_commit]
         if args.require_current and not (current and all(e.is_current for e in current)):
             labels = "; ".join(f"{e.source}: {e.label()}" for e in evidence)
             stale = any(str(e.verification.freshness.state) == "STALE" for e in current)
-            raise NotCurrent(f"not current qualification, no page written ({labels})",
-                             EXIT_STALE if stale else EXIT_NOT_ON_MAIN)
+            raise NotCurrent(
+                f"not current qualification, no page written ({labels})",
+                EXIT_STALE if stale else EXIT_NOT_ON_MAIN,
+            )
         _write_atomic(args.out, render(evidence, commit=commit.lower()))
     except QualificationError as exc:
         _fail(str(exc), exc.exit_code)

@@ -35,7 +35,9 @@ def _sweep(under: Path) -> None:
         where = str(doc.get("directory", "")) if isinstance(doc, dict) else ""
         if (where == mine or where.startswith(mine + "/")) and not shm.owner_alive(doc):
             shutil.rmtree(owner.parent, ignore_errors=True)
-            for parent in list(owner.parent.parents)[:2]:  # node-<n>, then the run's folder, once empty
+            for parent in list(owner.parent.parents)[
+                :2
+            ]:  # node-<n>, then the run's folder, once empty
                 try:
                     parent.rmdir()
                 except OSError:

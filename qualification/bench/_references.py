@@ -31,7 +31,9 @@ from torch import nn
 from gemscout.state.layout import Layout, tensor_digests
 
 
-def timed(fn: Callable[[], Any], reps: int, *, warmup: int = 0, before: Callable[[], Any] | None = None) -> float:
+def timed(
+    fn: Callable[[], Any], reps: int, *, warmup: int = 0, before: Callable[[], Any] | None = None
+) -> float:
     """Median wall time of ``fn`` over ``reps`` runs; ``before`` (untimed) runs ahead of each, e.g. a barrier."""
     times = []
     for i in range(warmup + reps):
@@ -51,11 +53,28 @@ class References:
     that both sides see the same machine load.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], scratch: Path, *, peer: int, group: dist.ProcessGroup,
-                 chunk_bytes: int, fsync: bool, recv_nbytes: int = 0) -> None:
-        self.tensors, self.peer, self.group, self.chunk_bytes, self.fsync = tensors, peer, group, chunk_bytes, fsync
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        scratch: Path,
+        *,
+        peer: int,
+        group: dist.ProcessGroup,
+        chunk_bytes: int,
+        fsync: bool,
+        recv_nbytes: int = 0,
+    ) -> None:
+        self.tensors, self.peer, self.group, self.chunk_bytes, self.fsync = (
+            tensors,
+            peer,
+            group,
+            chunk_bytes,
+            fsync,
+        )
         self.layout = Layout.of(tensors)
-        self.buf = torch.zeros(self.layout.data_nbytes, dtype=torch.uint8)  # zeros: pages touched before timing
+        self.buf = torch.zeros(
+            self.layout.data_nbytes, dtype=torch.uint8
+        )  # zeros: pages touched before timing
         # Also receives GEMINI frames, whose data region adds RNG state and buffers to the tensors here.
         self.recv = torch.zeros(max(recv_nbytes, self.layout.data_nbytes), dtype=torch.uint8)
         self._views = self.layout.views(self.buf)
@@ -88,12 +107,17 @@ class References:
 
     def gloo_pair(self) -> float:
         """Raw simultaneous exchange of the buffer with the peer: per chunk one isend and one irecv, wait both."""
-        n, c = self.buf.numel(), self.chunk_bytes  # the receive buffer may be larger; only n bytes move
+        n, c = (
+            self.buf.numel(),
+            self.chunk_bytes,
+        )  # the receive buffer may be larger; only n bytes move
         dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for off in range(0, n, c):
-            works = [dist.isend(self.buf[off : off + c], self.peer, group=self.group),
-                     dist.irecv(self.recv[off : off + c], self.peer, group=self.group)]
+            works = [
+                dist.isend(self.buf[off : off + c], self.peer, group=self.group),
+                dist.irecv(self.recv[off : off + c], self.peer, group=self.group),
+            ]
             for w in works:
                 w.wait()
         return time.perf_counter() - t0
@@ -120,8 +144,14 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {"model": msd, "optim": osd}
 
 
-def dcp_times(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, *, reps: int,
-              group: dist.ProcessGroup) -> dict[str, float]:
+def dcp_times(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    *,
+    reps: int,
+    group: dist.ProcessGroup,
+) -> dict[str, float]:
     """DCP save, async_save and load of ``model`` + ``optimizer`` into ``folder`` (shared by every rank).
 
     Each timing includes ``get_state_dict`` (and ``set_state_dict`` for load): that is what a training loop calls.
@@ -134,8 +164,12 @@ def dcp_times(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, 
 
     save_dir, async_dir = folder / "save", folder / "async"
     # One untimed run of each first: DCP's first call also pays one-off costs (planner, executor threads).
-    save_s = timed(lambda: dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_dir), reps, warmup=1,
-                   before=barrier)
+    save_s = timed(
+        lambda: dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_dir),
+        reps,
+        warmup=1,
+        before=barrier,
+    )
 
     blocking, total = [], []
     for i in range(1 + reps):
@@ -161,5 +195,10 @@ def dcp_times(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, 
         barrier()
 
     cold_s = timed(load, reps, before=evict_then_barrier)
-    return {"dcp_save_s": save_s, "dcp_async_save_blocking_s": statistics.median(blocking),
-            "dcp_async_save_total_s": statistics.median(total), "dcp_load_s": load_s, "dcp_load_cold_s": cold_s}
+    return {
+        "dcp_save_s": save_s,
+        "dcp_async_save_blocking_s": statistics.median(blocking),
+        "dcp_async_save_total_s": statistics.median(total),
+        "dcp_load_s": load_s,
+        "dcp_load_cold_s": cold_s,
+    }

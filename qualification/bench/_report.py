@@ -26,31 +26,89 @@ TARGETS: dict[str, tuple[str, float]] = {
     "rss_extra_vs_state": ("<=", 4.2),
 }
 INFO_RATIOS = (
-    "blocking_tight_vs_async_save", "blocking_vs_save", "capture_return_vs_async_save",
-    "replication_in_loop_vs_gloo", "exchange_vs_gloo",
-    "recovery_transfer_speedup_vs_dcp_load", "recovery_speedup_vs_dcp_load_cold",
-    "recovery_floor_speedup_vs_dcp_load", "persist_vs_write", "rss_gemini_buffers_vs_state",
-    "loop_slowdown_tight", "recovery_speedup_vs_dcp_load", "pipeline_vs_memcpy",
+    "blocking_tight_vs_async_save",
+    "blocking_vs_save",
+    "capture_return_vs_async_save",
+    "replication_in_loop_vs_gloo",
+    "exchange_vs_gloo",
+    "recovery_transfer_speedup_vs_dcp_load",
+    "recovery_speedup_vs_dcp_load_cold",
+    "recovery_floor_speedup_vs_dcp_load",
+    "persist_vs_write",
+    "rss_gemini_buffers_vs_state",
+    "loop_slowdown_tight",
+    "recovery_speedup_vs_dcp_load",
+    "pipeline_vs_memcpy",
 )
 RATIO_KEYS = (*TARGETS, *INFO_RATIOS)
 MEASUREMENT_KEYS = (
-    "state_bytes", "params", "frame_bytes", "memcpy_s", "memcpy_gbps",
-    "fwd_bwd_tight_s", "step_off_tight_s", "step_on_tight_s",
-    "stall_tight_s", "stall_tight_pre_s", "stall_tight_post_s", "stall_tight_max_s", "reported_stall_tight_s",
-    "step_on_tight_skip_s", "stall_tight_skip_s", "stall_tight_skip_max_s", "tight_skip_captured_fraction",
+    "state_bytes",
+    "params",
+    "frame_bytes",
+    "memcpy_s",
+    "memcpy_gbps",
+    "fwd_bwd_tight_s",
+    "step_off_tight_s",
+    "step_on_tight_s",
+    "stall_tight_s",
+    "stall_tight_pre_s",
+    "stall_tight_post_s",
+    "stall_tight_max_s",
+    "reported_stall_tight_s",
+    "step_on_tight_skip_s",
+    "stall_tight_skip_s",
+    "stall_tight_skip_max_s",
+    "tight_skip_captured_fraction",
     "tight_skip_max_steps_lost",
-    "overlap_micro_batches", "fwd_bwd_overlap_s", "step_off_overlap_s", "step_on_overlap_s",
-    "stall_overlap_s", "stall_overlap_pre_s", "stall_overlap_post_s", "stall_overlap_max_s",
-    "reported_stall_overlap_s", "capture_return_s", "capture_pipeline_s", "pipeline_estimate_s",
-    "dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s", "dcp_load_cold_s",
-    "replicate_s", "replication_gbps", "replicate_in_loop_s", "replication_in_loop_gbps",
-    "exchange_s", "exchange_gbps", "gloo_pair_s", "gloo_pair_gbps",
-    "recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
-    "recover_transfer_restore_s", "recover_raw_recv_s", "survivor_files_verified", "survivor_files_verify_s",
+    "overlap_micro_batches",
+    "fwd_bwd_overlap_s",
+    "step_off_overlap_s",
+    "step_on_overlap_s",
+    "stall_overlap_s",
+    "stall_overlap_pre_s",
+    "stall_overlap_post_s",
+    "stall_overlap_max_s",
+    "reported_stall_overlap_s",
+    "capture_return_s",
+    "capture_pipeline_s",
+    "pipeline_estimate_s",
+    "dcp_async_save_blocking_s",
+    "dcp_async_save_total_s",
+    "dcp_save_s",
+    "dcp_load_s",
+    "dcp_load_cold_s",
+    "replicate_s",
+    "replication_gbps",
+    "replicate_in_loop_s",
+    "replication_in_loop_gbps",
+    "exchange_s",
+    "exchange_gbps",
+    "gloo_pair_s",
+    "gloo_pair_gbps",
+    "recover_s",
+    "recover_transfer_s",
+    "recover_transfer_recv_s",
+    "recover_transfer_verify_s",
+    "recover_transfer_restore_s",
+    "recover_raw_recv_s",
+    "survivor_files_verified",
+    "survivor_files_verify_s",
     "survivor_files_inventory_s",
-    "rss_off_bytes", "rss_on_bytes", "rss_extra_bytes", "gemini_buffer_bytes",
-    "digest_s", "digest_gbps", "write_s", "write_gbps", "persist_s", "persist_gbps", "persist_in_loop_s",
-    "capture_pipeline_memory_s", "capture_pipeline_disk_s", "restart_memory_s", "restart_memory_verify_s",
+    "rss_off_bytes",
+    "rss_on_bytes",
+    "rss_extra_bytes",
+    "gemini_buffer_bytes",
+    "digest_s",
+    "digest_gbps",
+    "write_s",
+    "write_gbps",
+    "persist_s",
+    "persist_gbps",
+    "persist_in_loop_s",
+    "capture_pipeline_memory_s",
+    "capture_pipeline_disk_s",
+    "restart_memory_s",
+    "restart_memory_verify_s",
     "restart_memory_restore_s",
 )
 
@@ -70,8 +128,13 @@ def _loop(rank: dict[str, Any], name: str, warmup: int) -> dict[str, float]:
     if "pre_hook_s" in loop:
         pre, post = loop["pre_hook_s"][cut:], loop["post_hook_s"][cut:]
         stall = [a + b for a, b in zip(pre, post, strict=True)]
-        out.update(stall=_med(stall), pre=_med(pre), post=_med(post), max=max(stall),
-                   reported=_med(loop["reported_stall_s"][cut:]))
+        out.update(
+            stall=_med(stall),
+            pre=_med(pre),
+            post=_med(post),
+            max=max(stall),
+            reported=_med(loop["reported_stall_s"][cut:]),
+        )
     return out
 
 
@@ -87,32 +150,65 @@ def _rank_figures(r: dict[str, Any], warmup: int) -> dict[str, float]:
         run = run + 1 if s in skipped else 0
         lost = max(lost, run + 1)
     return {
-        "step_on_tight_skip_s": skip["step"], "stall_tight_skip_s": skip["stall"],
+        "step_on_tight_skip_s": skip["step"],
+        "stall_tight_skip_s": skip["stall"],
         "stall_tight_skip_max_s": skip["max"],
-        "tight_skip_captured_fraction": 1 - len(skipped) / max(1, len(steps)), "tight_skip_max_steps_lost": lost,
-        "memcpy_s": r["memcpy_s"], "digest_s": r["digest_s"], "write_s": r["write_s"],
-        "fwd_bwd_tight_s": t_off["fwd_bwd"], "step_off_tight_s": t_off["step"], "step_on_tight_s": t_on["step"],
-        "stall_tight_s": t_on["stall"], "stall_tight_pre_s": t_on["pre"], "stall_tight_post_s": t_on["post"],
-        "stall_tight_max_s": t_on["max"], "reported_stall_tight_s": t_on["reported"],
-        "overlap_micro_batches": loops["overlap_on"]["micro_batches"], "fwd_bwd_overlap_s": o_off["fwd_bwd"],
-        "step_off_overlap_s": o_off["step"], "step_on_overlap_s": o_on["step"], "stall_overlap_s": o_on["stall"],
-        "stall_overlap_pre_s": o_on["pre"], "stall_overlap_post_s": o_on["post"], "stall_overlap_max_s": o_on["max"],
+        "tight_skip_captured_fraction": 1 - len(skipped) / max(1, len(steps)),
+        "tight_skip_max_steps_lost": lost,
+        "memcpy_s": r["memcpy_s"],
+        "digest_s": r["digest_s"],
+        "write_s": r["write_s"],
+        "fwd_bwd_tight_s": t_off["fwd_bwd"],
+        "step_off_tight_s": t_off["step"],
+        "step_on_tight_s": t_on["step"],
+        "stall_tight_s": t_on["stall"],
+        "stall_tight_pre_s": t_on["pre"],
+        "stall_tight_post_s": t_on["post"],
+        "stall_tight_max_s": t_on["max"],
+        "reported_stall_tight_s": t_on["reported"],
+        "overlap_micro_batches": loops["overlap_on"]["micro_batches"],
+        "fwd_bwd_overlap_s": o_off["fwd_bwd"],
+        "step_off_overlap_s": o_off["step"],
+        "step_on_overlap_s": o_on["step"],
+        "stall_overlap_s": o_on["stall"],
+        "stall_overlap_pre_s": o_on["pre"],
+        "stall_overlap_post_s": o_on["post"],
+        "stall_overlap_max_s": o_on["max"],
         "reported_stall_overlap_s": o_on["reported"],
-        "capture_return_s": _med(quiet["capture_return_s"]), "capture_pipeline_s": _med(quiet["pipeline_s"]),
+        "capture_return_s": _med(quiet["capture_return_s"]),
+        "capture_pipeline_s": _med(quiet["pipeline_s"]),
         # Split by whether the capture was also written to disk (every persist_every-th): the memory-only pipeline
         # is copy + digest + publish + replicate into the peer's memory + verify + publish there.
-        "capture_pipeline_memory_s": _med([t for t, d in zip(quiet["pipeline_s"], quiet.get("persisted", []),
-                                                             strict=False) if not d]),
-        "capture_pipeline_disk_s": _med([t for t, d in zip(quiet["pipeline_s"], quiet.get("persisted", []),
-                                                           strict=False) if d]),
-        "restart_memory_s": r["restart_memory_s"], "restart_memory_verify_s": r["restart_memory_verify_s"],
+        "capture_pipeline_memory_s": _med(
+            [
+                t
+                for t, d in zip(quiet["pipeline_s"], quiet.get("persisted", []), strict=False)
+                if not d
+            ]
+        ),
+        "capture_pipeline_disk_s": _med(
+            [t for t, d in zip(quiet["pipeline_s"], quiet.get("persisted", []), strict=False) if d]
+        ),
+        "restart_memory_s": r["restart_memory_s"],
+        "restart_memory_verify_s": r["restart_memory_verify_s"],
         "restart_memory_restore_s": r["restart_memory_restore_s"],
         "pipeline_estimate_s": r["calibration"]["pipeline_estimate_s"],
         "persist_s": _med(quiet["persist_s"]),
-        "persist_in_loop_s": _med(loops["tight_on"]["persist_s"] + loops["overlap_on"]["persist_s"]),
-        "exchange_s": r["exchange_s"], "gloo_pair_s": r["gloo_pair_s"],
-        **{k: r[k] for k in ("dcp_async_save_blocking_s", "dcp_async_save_total_s", "dcp_save_s", "dcp_load_s",
-                             "dcp_load_cold_s")},
+        "persist_in_loop_s": _med(
+            loops["tight_on"]["persist_s"] + loops["overlap_on"]["persist_s"]
+        ),
+        "exchange_s": r["exchange_s"],
+        "gloo_pair_s": r["gloo_pair_s"],
+        **{
+            k: r[k]
+            for k in (
+                "dcp_async_save_blocking_s",
+                "dcp_async_save_total_s",
+                "dcp_save_s",
+                "dcp_load_s",
+                "dcp_load_cold_s",
+            )
+        },
     }
 
 
@@ -122,11 +218,17 @@ def _fastest_per_capture(ranks: list[list[float]]) -> list[float]:
     return [min(xs) for xs in zip(*ranks, strict=False)]
 
 
-def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: int, victim: int) -> dict[str, Any]:
+def summarize(
+    off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: int, victim: int
+) -> dict[str, Any]:
     """One size's entry: ``measurements``, ``ratios``, ``targets``, ``met`` and ``checks`` (booleans, sources)."""
     state = on[0]["state_bytes"]
     per_rank = [_rank_figures(r, warmup) for r in on]
-    m: dict[str, Any] = {"state_bytes": state, "params": on[0]["params"], "frame_bytes": on[0]["frame_bytes"]}
+    m: dict[str, Any] = {
+        "state_bytes": state,
+        "params": on[0]["params"],
+        "frame_bytes": on[0]["frame_bytes"],
+    }
     m.update({key: max(r[key] for r in per_rank) for key in per_rank[0]})
     # Two ranks running the same program differ by up to ~30 MiB of peak RSS from run to run (allocator timing),
     # so the ranks' means are compared.
@@ -135,11 +237,23 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
     m["rss_extra_bytes"] = m["rss_on_bytes"] - m["rss_off_bytes"]
     m["gemini_buffer_bytes"] = statistics.fmean(r["gemini_buffer_bytes"] for r in on)
     m["replicate_s"] = _med(_fastest_per_capture([r["window"]["replicate_s"] for r in on]))
-    m["replicate_in_loop_s"] = _med(_fastest_per_capture(
-        [r["loops"]["tight_on"]["replicate_s"] + r["loops"]["overlap_on"]["replicate_s"] for r in on]))
+    m["replicate_in_loop_s"] = _med(
+        _fastest_per_capture(
+            [
+                r["loops"]["tight_on"]["replicate_s"] + r["loops"]["overlap_on"]["replicate_s"]
+                for r in on
+            ]
+        )
+    )
     v, survivor = on[victim], on[1 - victim]
-    for key in ("recover_s", "recover_transfer_s", "recover_transfer_recv_s", "recover_transfer_verify_s",
-                "recover_transfer_restore_s", "recover_raw_recv_s"):
+    for key in (
+        "recover_s",
+        "recover_transfer_s",
+        "recover_transfer_recv_s",
+        "recover_transfer_verify_s",
+        "recover_transfer_restore_s",
+        "recover_raw_recv_s",
+    ):
         m[key] = v[key]
     m["survivor_files_verified"] = survivor["disk_files_verified"]
     m["survivor_files_verify_s"] = survivor["disk_files_verify_s"]
@@ -174,20 +288,36 @@ def summarize(off: list[dict[str, Any]], on: list[dict[str, Any]], *, warmup: in
         "loop_slowdown_tight": worst("step_on_tight_s", "step_off_tight_s"),
         "pipeline_memory_vs_memcpy": worst("capture_pipeline_memory_s", "memcpy_s"),
         "pipeline_vs_memcpy": worst("capture_pipeline_s", "memcpy_s"),
-        "restart_memory_speedup_vs_dcp_load": min(r["dcp_load_s"] / r["restart_memory_s"] for r in per_rank),
+        "restart_memory_speedup_vs_dcp_load": min(
+            r["dcp_load_s"] / r["restart_memory_s"] for r in per_rank
+        ),
         "node_loss_recovery_vs_raw_transfer": v["recover_raw_recv_s"] / v["recover_s"],
         "loop_slowdown_overlap": worst("step_on_overlap_s", "step_off_overlap_s"),
     }
     targets = {k: {"op": op, "value": val} for k, (op, val) in TARGETS.items()}
-    met = {k: (ratios[k] <= val if op == "<=" else ratios[k] >= val) for k, (op, val) in TARGETS.items()}
+    met = {
+        k: (ratios[k] <= val if op == "<=" else ratios[k] >= val)
+        for k, (op, val) in TARGETS.items()
+    }
     checks = {
-        "recovered_bitwise_equal": all(r["recovered_bitwise_equal"] and r["recovered_again_bitwise_equal"]
-                                       and r["restart_memory_bitwise_equal"] for r in on),
-        "recovery_sources": v["recover_decision"]["sources"], "recovery_step": v["recover_decision"]["step"],
+        "recovered_bitwise_equal": all(
+            r["recovered_bitwise_equal"]
+            and r["recovered_again_bitwise_equal"]
+            and r["restart_memory_bitwise_equal"]
+            for r in on
+        ),
+        "recovery_sources": v["recover_decision"]["sources"],
+        "recovery_step": v["recover_decision"]["step"],
         "gemini_errors": [e for r in on for e in r["errors"]],
     }
-    return {"state_mib": round(state / 2**20, 1), "measurements": m, "ratios": ratios, "targets": targets,
-            "met": met, "checks": checks}
+    return {
+        "state_mib": round(state / 2**20, 1),
+        "measurements": m,
+        "ratios": ratios,
+        "targets": targets,
+        "met": met,
+        "checks": checks,
+    }
 
 
 def _fmt(x: float) -> str:
@@ -197,7 +327,8 @@ def _fmt(x: float) -> str:
 
 
 SHOWN = (
-    ("memcpy_s", "raw memcpy of the state (s)"), ("stall_tight_s", "stall per capture, tight loop (s)"),
+    ("memcpy_s", "raw memcpy of the state (s)"),
+    ("stall_tight_s", "stall per capture, tight loop (s)"),
     ("fwd_bwd_tight_s", "  fwd/bwd per step, tight (s)"),
     ("stall_tight_skip_s", "stall per capture, tight loop, when_busy=skip (s)"),
     ("tight_skip_captured_fraction", "  steps captured, when_busy=skip"),
@@ -205,21 +336,31 @@ SHOWN = (
     ("stall_overlap_s", "stall per capture, overlap loop (s)"),
     ("fwd_bwd_overlap_s", "  fwd/bwd per step, overlap (s)"),
     ("capture_pipeline_s", "capture pipeline, quiet: capture to drained (s)"),
-    ("capture_pipeline_memory_s", "  memory only: copy+digest+publish+replicate+verify+publish (s)"),
+    (
+        "capture_pipeline_memory_s",
+        "  memory only: copy+digest+publish+replicate+verify+publish (s)",
+    ),
     ("capture_pipeline_disk_s", "  a persist_every capture: the same + both files fsynced (s)"),
     ("restart_memory_s", "restart after SIGKILL: adopt shm slot, verify, restore (s)"),
     ("step_off_tight_s", "step without GEMINI, tight (s)"),
-    ("step_on_tight_s", "step with GEMINI, tight (s)"), ("step_off_overlap_s", "step without GEMINI, overlap (s)"),
-    ("step_on_overlap_s", "step with GEMINI, overlap (s)"), ("capture_return_s", "capture() return, quiet (s)"),
-    ("dcp_async_save_blocking_s", "DCP async_save blocking (s)"), ("dcp_save_s", "DCP save (s)"),
-    ("dcp_load_s", "DCP load, page cache (s)"), ("dcp_load_cold_s", "DCP load, evicted (s)"),
+    ("step_on_tight_s", "step with GEMINI, tight (s)"),
+    ("step_off_overlap_s", "step without GEMINI, overlap (s)"),
+    ("step_on_overlap_s", "step with GEMINI, overlap (s)"),
+    ("capture_return_s", "capture() return, quiet (s)"),
+    ("dcp_async_save_blocking_s", "DCP async_save blocking (s)"),
+    ("dcp_save_s", "DCP save (s)"),
+    ("dcp_load_s", "DCP load, page cache (s)"),
+    ("dcp_load_cold_s", "DCP load, evicted (s)"),
     ("replication_gbps", "replication, quiet (GB/s)"),
-    ("replication_in_loop_gbps", "replication, in loop (GB/s)"), ("gloo_pair_gbps", "raw gloo pair exchange (GB/s)"),
-    ("recover_s", "recover() from peer memory (s)"), ("recover_transfer_s", "  transfer+verify+restore only (s)"),
+    ("replication_in_loop_gbps", "replication, in loop (GB/s)"),
+    ("gloo_pair_gbps", "raw gloo pair exchange (GB/s)"),
+    ("recover_s", "recover() from peer memory (s)"),
+    ("recover_transfer_s", "  transfer+verify+restore only (s)"),
     ("recover_raw_recv_s", "  raw one-way gloo transfer of the frame (s)"),
     ("survivor_files_verify_s", "  survivor's files read + verified whole (s)"),
     ("survivor_files_inventory_s", "  survivor's files read by header, as recover() does (s)"),
-    ("digest_gbps", "BLAKE3 digest (GB/s)"), ("write_s", "raw file write + fsync (s)"),
+    ("digest_gbps", "BLAKE3 digest (GB/s)"),
+    ("write_s", "raw file write + fsync (s)"),
     ("persist_s", "GEMINI persist own file (s)"),
     ("rss_extra_bytes", "peak RSS extra with GEMINI (MiB)"),
     ("gemini_buffer_bytes", "  of which GEMINI's slots and held replicas (MiB)"),

@@ -31,7 +31,9 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
         width = self.model.layers[0].in_features
         self.x = torch.randn(batch, width, generator=torch.Generator().manual_seed(100 + rank))
-        self.step(1)  # AdamW creates its state on the first step: only then is the state its full size
+        self.step(
+            1
+        )  # AdamW creates its state on the first step: only then is the state its full size
 
     def fwd_bwd(self, micro: int) -> None:
         for i in range(micro):
@@ -113,7 +115,9 @@ class HookClock:
         self.pre, self.post, self.reported = [], [], []
 
 
-def run_loop(trainer: Trainer, micro: int, steps: int, clock: HookClock | None = None) -> dict[str, Any]:
+def run_loop(
+    trainer: Trainer, micro: int, steps: int, clock: HookClock | None = None
+) -> dict[str, Any]:
     """``steps`` training steps; per step: forward/backward and whole-step seconds, and hook seconds with a clock."""
     if clock is not None:
         clock.reset()

@@ -35,37 +35,82 @@ PEAK_STATE_MULTIPLE = 7.5
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m qualification.bench.gemini", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--out", type=Path, default=Path("bench-results/gemini.json"), help="JSON result file")
-    ap.add_argument("--sizes-mib", default="64,256",
-                    help="training-state sizes in MiB (params + AdamW state), comma separated; 1024 is opt-in: "
-                         "it needs ~15 GiB free and several minutes")
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop (the first 2 are warm-up)")
+    ap = argparse.ArgumentParser(
+        prog="python -m qualification.bench.gemini",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument(
+        "--out", type=Path, default=Path("bench-results/gemini.json"), help="JSON result file"
+    )
+    ap.add_argument(
+        "--sizes-mib",
+        default="64,256",
+        help="training-state sizes in MiB (params + AdamW state), comma separated; 1024 is opt-in: "
+        "it needs ~15 GiB free and several minutes",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=8, help="optimizer steps per loop (the first 2 are warm-up)"
+    )
     ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
-    ap.add_argument("--overlap-factor", type=float, default=2.5,
-                    help="the overlap loop's forward/backward lasts this many times the capture pipeline, "
-                         "estimated from the references (copy + 2 digests + 2 file writes + pair exchange)")
+    ap.add_argument(
+        "--overlap-factor",
+        type=float,
+        default=2.5,
+        help="the overlap loop's forward/backward lasts this many times the capture pipeline, "
+        "estimated from the references (copy + 2 digests + 2 file writes + pair exchange)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each reference")
-    ap.add_argument("--quiet-captures", type=int, default=5,
-                    help="rounds of the side-by-side window: a capture with no training around it, then each reference")
-    ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024, help="replication chunk (GEMINI default)")
-    ap.add_argument("--no-fsync", action="store_true", help="turn off fsync of checkpoint files (default: on)")
-    ap.add_argument("--persist-every", type=int, default=5,
-                    help="GEMINI writes every N-th capture to disk (fsync); every capture lives in shared memory. "
-                         "With --quiet-captures 5 the side-by-side window holds one disk capture")
-    ap.add_argument("--scratch", type=Path, default=None, help="checkpoint scratch folder (default: a temp folder)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 4 MiB, 2 steps, 1 repetition, 2 quiet captures, persist every 2nd")
+    ap.add_argument(
+        "--quiet-captures",
+        type=int,
+        default=5,
+        help="rounds of the side-by-side window: a capture with no training around it, then each reference",
+    )
+    ap.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="replication chunk (GEMINI default)",
+    )
+    ap.add_argument(
+        "--no-fsync", action="store_true", help="turn off fsync of checkpoint files (default: on)"
+    )
+    ap.add_argument(
+        "--persist-every",
+        type=int,
+        default=5,
+        help="GEMINI writes every N-th capture to disk (fsync); every capture lives in shared memory. "
+        "With --quiet-captures 5 the side-by-side window holds one disk capture",
+    )
+    ap.add_argument(
+        "--scratch",
+        type=Path,
+        default=None,
+        help="checkpoint scratch folder (default: a temp folder)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 4 MiB, 2 steps, 1 repetition, 2 quiet captures, persist every 2nd",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         # Two quiet captures with a disk capture every second one: the window holds one of each kind.
-        args.sizes_mib, args.steps, args.reps, args.quiet_captures, args.persist_every = "4", 2, 1, 2, 2
+        args.sizes_mib, args.steps, args.reps, args.quiet_captures, args.persist_every = (
+            "4",
+            2,
+            1,
+            2,
+            2,
+        )
     try:
         args.sizes = [float(s) for s in args.sizes_mib.split(",") if s.strip()]
     except ValueError:
-        raise UsageError(f"--sizes-mib: expected numbers like 64,256, got {args.sizes_mib!r}") from None
+        raise UsageError(
+            f"--sizes-mib: expected numbers like 64,256, got {args.sizes_mib!r}"
+        ) from None
     if not args.sizes or any(s <= 0 for s in args.sizes):
         raise UsageError(f"--sizes-mib: give positive sizes, got {args.sizes_mib!r}")
     if args.steps < 2 or args.reps < 1 or args.quiet_captures < 1 or args.persist_every < 1:
@@ -79,8 +124,10 @@ def check_memory(sizes: list[float]) -> None:
     need = max(sizes) * 2**20 * PEAK_STATE_MULTIPLE * WORLD
     avail = psutil.virtual_memory().available
     if need > avail:
-        raise UsageError(f"--sizes-mib {max(sizes):g} needs ~{need / 2**30:.1f} GiB free for {WORLD} ranks, "
-                         f"{avail / 2**30:.1f} GiB are available; drop the largest size")
+        raise UsageError(
+            f"--sizes-mib {max(sizes):g} needs ~{need / 2**30:.1f} GiB free for {WORLD} ranks, "
+            f"{avail / 2**30:.1f} GiB are available; drop the largest size"
+        )
 
 
 def host_facts() -> dict[str, Any]:
@@ -88,10 +135,19 @@ def host_facts() -> dict[str, Any]:
     import psutil
     import torch
 
-    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-            "memory_bytes": psutil.virtual_memory().total, "blake3": getattr(blake3, "__version__", "?"),
-            "world_size": WORLD, "backend": "gloo", "omp_num_threads": 1}
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "blake3": getattr(blake3, "__version__", "?"),
+        "world_size": WORLD,
+        "backend": "gloo",
+        "omp_num_threads": 1,
+    }
 
 
 def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> dict[str, Any]:
@@ -100,21 +156,55 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     out = raw / label
     if out.exists():
         shutil.rmtree(out)
-    common = ["-m", "qualification.bench.gemini_rank", "--out", str(out), "--state-mib", str(mib),
-              "--steps", str(args.steps), "--batch", str(args.batch), "--reps", str(args.reps),
-              "--chunk-bytes", str(args.chunk_bytes), "--ckpt", str(scratch / label / "gemini"),
-              "--overlap-factor", str(args.overlap_factor), "--persist-every", str(args.persist_every),
-              *(["--no-fsync"] if args.no_fsync else [])]
+    common = [
+        "-m",
+        "qualification.bench.gemini_rank",
+        "--out",
+        str(out),
+        "--state-mib",
+        str(mib),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--reps",
+        str(args.reps),
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+        "--ckpt",
+        str(scratch / label / "gemini"),
+        "--overlap-factor",
+        str(args.overlap_factor),
+        "--persist-every",
+        str(args.persist_every),
+        *(["--no-fsync"] if args.no_fsync else []),
+    ]
     # Generous: a 256 MiB size takes ~2-3 minutes on 2 idle cores; a rank that hangs still ends the run.
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
-    on_argv = [*common, "--role", "on", "--dcp", str(scratch / label / "dcp"),
-               "--quiet-captures", str(args.quiet_captures), "--timeout-s", str(timeout_s)]
+    on_argv = [
+        *common,
+        "--role",
+        "on",
+        "--dcp",
+        str(scratch / label / "dcp"),
+        "--quiet-captures",
+        str(args.quiet_captures),
+        "--timeout-s",
+        str(timeout_s),
+    ]
     micro, on = 2, []
     # On first: the baseline trains the same steps, with the overlap loop's micro-batches the on run calibrated.
     for role in ("on", "off"):
-        argv = on_argv if role == "on" else [*common, "--role", "off", "--overlap-micro", str(micro)]
-        result = launch(argv, world_size=WORLD, timeout_s=timeout_s, log_dir=out / "logs" / role,
-                        env={"OMP_NUM_THREADS": "1"})
+        argv = (
+            on_argv if role == "on" else [*common, "--role", "off", "--overlap-micro", str(micro)]
+        )
+        result = launch(
+            argv,
+            world_size=WORLD,
+            timeout_s=timeout_s,
+            log_dir=out / "logs" / role,
+            env={"OMP_NUM_THREADS": "1"},
+        )
         if not result.ok:
             why = "timed out" if result.timed_out else f"exit codes {result.returncodes}"
             raise QualificationError(f"{label} role {role}: ranks {why}; see {out / 'logs'}")
@@ -123,16 +213,24 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
             micro = int(on[0]["loops"]["overlap_on"]["micro_batches"])
     off = [json.loads((out / f"off.rank{r}.json").read_text()) for r in range(WORLD)]
     shutil.rmtree(scratch / label, ignore_errors=True)
-    return {"requested_mib": mib, **_report.summarize(off, on, warmup=min(2, args.steps - 1), victim=VICTIM)}
+    return {
+        "requested_mib": mib,
+        **_report.summarize(off, on, warmup=min(2, args.steps - 1), victim=VICTIM),
+    }
 
 
-def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple[float, float]) -> list[str]:
+def notes_for(
+    args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple[float, float]
+) -> list[str]:
     cpus = os.cpu_count() or 1
     notes = [
         f"{WORLD} ranks on one host, gloo over loopback, 1 intra-op thread per rank, {cpus} CPUs. Load average "
         f"(1 min) {load[0]:.2f} at start, {load[1]:.2f} at end"
-        + (": the machine was shared with other work; timings are noisier and slower than on an idle host."
-           if max(load) > cpus else "."),
+        + (
+            ": the machine was shared with other work; timings are noisier and slower than on an idle host."
+            if max(load) > cpus
+            else "."
+        ),
         "Side by side: the references (memcpy, BLAKE3, file write + fsync, raw gloo pair exchange) and "
         "comm.exchange of a real frame are timed in the same rounds as GEMINI's quiet captures (a capture with no "
         f"training around it), {args.quiet_captures} rounds, medians; the loops run just before those rounds.",
@@ -175,16 +273,22 @@ def notes_for(args: argparse.Namespace, sizes: list[dict[str, Any]], load: tuple
         "(rss_gemini_buffers_vs_state): the rest is its threads, imported modules and glibc heap growth.",
     ]
     if any(s >= LARGE_MIB for s in args.sizes):
-        notes.append("A 1 GiB state is opt-in (--sizes-mib 64,256,1024): it needs ~15 GiB of free memory here.")
+        notes.append(
+            "A 1 GiB state is opt-in (--sizes-mib 64,256,1024): it needs ~15 GiB of free memory here."
+        )
     for s in sizes:
         missed = [k for k, ok in s["met"].items() if not ok]
         if missed:
             notes.append(f"{s['state_mib']:g} MiB: targets missed: {', '.join(missed)}.")
         notes.extend(diagnose(s))
         if not s["checks"]["recovered_bitwise_equal"]:
-            notes.append(f"{s['state_mib']:g} MiB: the recovered state was NOT bitwise equal to the survivor's.")
+            notes.append(
+                f"{s['state_mib']:g} MiB: the recovered state was NOT bitwise equal to the survivor's."
+            )
         if s["checks"]["gemini_errors"]:
-            notes.append(f"{s['state_mib']:g} MiB: GEMINI reported errors: {s['checks']['gemini_errors']}")
+            notes.append(
+                f"{s['state_mib']:g} MiB: GEMINI reported errors: {s['checks']['gemini_errors']}"
+            )
     return notes
 
 
@@ -198,13 +302,15 @@ def diagnose(size: dict[str, Any]) -> list[str]:
             f"({m['stall_tight_post_s']:.3f} s), not the copy (pre-step wait {m['stall_tight_pre_s']:.4f} s): one "
             f"capture's pipeline (copy, digest, persist, replicate, verify, persist replica) takes "
             f"{m['capture_pipeline_s']:.3f} s with nothing else running, a step without GEMINI "
-            f"{m['step_off_tight_s']:.3f} s, so capturing every step cannot keep up.")
+            f"{m['step_off_tight_s']:.3f} s, so capturing every step cannot keep up."
+        )
     if not met["restart_memory_speedup_vs_dcp_load"]:
         out.append(
             f"{tag}: a restart from the memory tier took {m['restart_memory_s']:.3f} s (claim the folder, map and "
             f"verify every digest {m['restart_memory_verify_s']:.3f} s, restore {m['restart_memory_restore_s']:.3f} "
             f"s) vs dcp.load {m['dcp_load_s']:.3f} s from the page cache: the digest check (BLAKE3 at "
-            f"{m['digest_gbps']:.2f} GB/s) and the restore's copies are its floor.")
+            f"{m['digest_gbps']:.2f} GB/s) and the restore's copies are its floor."
+        )
     if not met["node_loss_recovery_vs_raw_transfer"]:
         out.append(
             f"{tag}: recover() took {m['recover_s']:.3f} s; its data path alone (receive "
@@ -216,12 +322,14 @@ def diagnose(size: dict[str, Any]) -> list[str]:
             f"{m['dcp_load_cold_s']:.3f} s evicted): on loopback gloo a peer's memory is no faster to reach than "
             f"the page cache. recover()'s inventory reads the survivor's {m['survivor_files_verified']} checkpoint "
             f"files by header ({m['survivor_files_inventory_s']:.4f} s); reading and verifying them whole would "
-            f"take {m['survivor_files_verify_s']:.3f} s.")
+            f"take {m['survivor_files_verify_s']:.3f} s."
+        )
     if not met["replication_vs_gloo"]:
         out.append(
             f"{tag}: replicate_s {m['replicate_s']:.3f} s includes the BLAKE3 check of what arrived (digest alone: "
             f"{m['digest_s']:.3f} s); comm.exchange by itself moves the bytes at {m['exchange_gbps']:.2f} GB/s vs "
-            f"{m['gloo_pair_gbps']:.2f} GB/s raw.")
+            f"{m['gloo_pair_gbps']:.2f} GB/s raw."
+        )
     return out
 
 
@@ -235,12 +343,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sizes = [run_size(args, mib, raw, scratch) for mib in args.sizes]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    config = {k: getattr(args, k) for k in ("sizes", "steps", "batch", "overlap_factor", "reps", "quiet_captures",
-                                            "chunk_bytes", "no_fsync", "quick", "persist_every")}
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "sizes",
+            "steps",
+            "batch",
+            "overlap_factor",
+            "reps",
+            "quiet_captures",
+            "chunk_bytes",
+            "no_fsync",
+            "quick",
+            "persist_every",
+        )
+    }
     load = (load0, os.getloadavg()[0])
-    return {"benchmark": "gemini", "host": {**host_facts(), "load_average_1min": {"start": load[0], "end": load[1]}},
-            "config": config, "duration_s": time.monotonic() - t0, "sizes": sizes,
-            "notes": notes_for(args, sizes, load), "raw": str(raw)}
+    return {
+        "benchmark": "gemini",
+        "host": {**host_facts(), "load_average_1min": {"start": load[0], "end": load[1]}},
+        "config": config,
+        "duration_s": time.monotonic() - t0,
+        "sizes": sizes,
+        "notes": notes_for(args, sizes, load),
+        "raw": str(raw),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,11 +40,14 @@ TARGETS = {"stall_vs_raw_copy": ("le", 0.25), "bandwidth_vs_raw": ("ge", 0.7)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m qualification.bench.gemini_cuda",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m qualification.bench.gemini_cuda", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON result file (a new file)")
     ap.add_argument("--sizes-mib", default="256,1024", help="state sizes in MiB, comma separated")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions of each measurement (medians)")
+    ap.add_argument(
+        "--reps", type=int, default=5, help="timed repetitions of each measurement (medians)"
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args(argv)
     try:
@@ -54,8 +57,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.sizes or any(s <= 0 for s in args.sizes) or args.reps < 1:
         ap.error("--sizes-mib must be positive numbers and --reps >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gemini_cuda: no CUDA device here; run on a GPU machine, or pass --device cpu for a dry run",
-              file=sys.stderr)
+        print(
+            "gemini_cuda: no CUDA device here; run on a GPU machine, or pass --device cpu for a dry run",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return args
 
@@ -96,20 +101,25 @@ def _raw_copies(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):
                 for t, off, n in flat_views:
-                    buffer[off: off + n].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
+                    buffer[off : off + n].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             event.synchronize()
         else:
             for t, off, n in flat_views:
-                buffer[off: off + n].view(t.dtype).copy_(t.reshape(-1))
+                buffer[off : off + n].view(t.dtype).copy_(t.reshape(-1))
         return time.perf_counter() - t0
 
     copy_into(pinned, True)  # warm-up: first touch of the pages
     pinned_s = statistics.median(copy_into(pinned, True) for _ in range(reps))
     pageable_s = statistics.median(copy_into(pageable, False) for _ in range(reps))
-    return {"raw_pinned_s": pinned_s, "raw_pageable_s": pageable_s, "nbytes": nbytes,
-            "raw_pinned_gbps": nbytes / pinned_s / 1e9, "raw_pageable_gbps": nbytes / pageable_s / 1e9}
+    return {
+        "raw_pinned_s": pinned_s,
+        "raw_pageable_s": pageable_s,
+        "nbytes": nbytes,
+        "raw_pinned_gbps": nbytes / pinned_s / 1e9,
+        "raw_pageable_gbps": nbytes / pageable_s / 1e9,
+    }
 
 
 def _captures(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[str, float]:
@@ -127,7 +137,9 @@ def _captures(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[st
             cap.wait_copied()  # CUDA: the compute stream waits for the copy's event; no host wait
             _sync(device)
             copy_s = time.perf_counter() - t0
-            cap.pool.release(future.result(timeout=120))  # what persistence and replication do when done
+            cap.pool.release(
+                future.result(timeout=120)
+            )  # what persistence and replication do when done
             sealed_s = time.perf_counter() - t0
             if step:  # the first capture allocates (and pins) the slots
                 stalls.append(stall)
@@ -135,11 +147,17 @@ def _captures(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[st
                 sealed.append(sealed_s)
     finally:
         cap.shutdown()
-    return {"stall_s": statistics.median(stalls), "stall_max_s": max(stalls), "copy_s": statistics.median(copies),
-            "sealed_s": statistics.median(sealed)}
+    return {
+        "stall_s": statistics.median(stalls),
+        "stall_max_s": max(stalls),
+        "copy_s": statistics.median(copies),
+        "sealed_s": statistics.median(sealed),
+    }
 
 
-def _overlap(state: dict[str, torch.Tensor], device: str, raw_s: float, reps: int) -> dict[str, float]:
+def _overlap(
+    state: dict[str, torch.Tensor], device: str, raw_s: float, reps: int
+) -> dict[str, float]:
     from gemscout.gemini.snapshot import Capturer, SlotPool
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -165,7 +183,9 @@ def _overlap(state: dict[str, torch.Tensor], device: str, raw_s: float, reps: in
     ptrs = {t.data_ptr() for t in state.values()}
     together = []
     try:
-        cap.pool.release(cap.capture({"model": state}, {"step": 0}, ptrs).result(timeout=120))  # allocate first
+        cap.pool.release(
+            cap.capture({"model": state}, {"step": 0}, ptrs).result(timeout=120)
+        )  # allocate first
         for step in range(1, reps + 1):
             _sync(device)
             t0 = time.perf_counter()
@@ -182,8 +202,12 @@ def _overlap(state: dict[str, torch.Tensor], device: str, raw_s: float, reps: in
         cap.shutdown()
     with_capture = statistics.median(together)
     extra = max(0.0, with_capture - alone)
-    return {"compute_alone_s": alone, "compute_with_capture_s": with_capture, "matmuls": count,
-            "hidden_fraction": max(0.0, 1.0 - extra / raw_s) if raw_s > 0 else 0.0}
+    return {
+        "compute_alone_s": alone,
+        "compute_with_capture_s": with_capture,
+        "matmuls": count,
+        "hidden_fraction": max(0.0, 1.0 - extra / raw_s) if raw_s > 0 else 0.0,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,22 +217,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw = _raw_copies(state, args.device, args.reps)
         cap = _captures(state, args.device, args.reps)
         over = _overlap(state, args.device, raw["raw_pinned_s"], args.reps)
-        ratios = {"stall_vs_raw_copy": cap["stall_s"] / raw["raw_pinned_s"],
-                  "bandwidth_vs_raw": raw["raw_pinned_s"] / cap["copy_s"]}
-        checks = {name: (ratios[name] <= limit if op == "le" else ratios[name] >= limit)
-                  for name, (op, limit) in TARGETS.items()}
-        sizes.append({"state_mib": mib, "measurements": {**raw, **cap, **over,
-                                                         "capture_gbps": raw["nbytes"] / cap["copy_s"] / 1e9},
-                      "ratios": ratios, "met": checks})
+        ratios = {
+            "stall_vs_raw_copy": cap["stall_s"] / raw["raw_pinned_s"],
+            "bandwidth_vs_raw": raw["raw_pinned_s"] / cap["copy_s"],
+        }
+        checks = {
+            name: (ratios[name] <= limit if op == "le" else ratios[name] >= limit)
+            for name, (op, limit) in TARGETS.items()
+        }
+        sizes.append(
+            {
+                "state_mib": mib,
+                "measurements": {
+                    **raw,
+                    **cap,
+                    **over,
+                    "capture_gbps": raw["nbytes"] / cap["copy_s"] / 1e9,
+                },
+                "ratios": ratios,
+                "met": checks,
+            }
+        )
         del state
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    host: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "machine": platform.machine(), "device": args.device}
+    host: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "device": args.device,
+    }
     if args.device == "cuda":
         host["gpu"] = torch.cuda.get_device_name()
-    return {"benchmark": "gemini_cuda", "host": host, "reps": args.reps, "targets": TARGETS, "sizes": sizes,
-            "dry_run": args.device != "cuda"}
+    return {
+        "benchmark": "gemini_cuda",
+        "host": host,
+        "reps": args.reps,
+        "targets": TARGETS,
+        "sizes": sizes,
+        "dry_run": args.device != "cuda",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp.replace(args.out)
     for entry in doc["sizes"]:
         m, r = entry["measurements"], entry["ratios"]
-        print(f"{entry['state_mib']:.0f} MiB: raw pinned {m['raw_pinned_gbps']:.1f} GB/s, capture {m['capture_gbps']:.1f} "
-              f"GB/s ({r['bandwidth_vs_raw']:.2f}x), stall {m['stall_s'] * 1e3:.2f} ms "
-              f"({r['stall_vs_raw_copy']:.3f}x the raw copy), copy hidden under compute {m['hidden_fraction']:.0%}")
+        print(
+            f"{entry['state_mib']:.0f} MiB: raw pinned {m['raw_pinned_gbps']:.1f} GB/s, capture {m['capture_gbps']:.1f} "
+            f"GB/s ({r['bandwidth_vs_raw']:.2f}x), stall {m['stall_s'] * 1e3:.2f} ms "
+            f"({r['stall_vs_raw_copy']:.3f}x the raw copy), copy hidden under compute {m['hidden_fraction']:.0%}"
+        )
     return 0
 
 

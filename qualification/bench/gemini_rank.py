@@ -59,15 +59,30 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
     ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
     ap.add_argument("--overlap-factor", type=float, default=2.5)
-    ap.add_argument("--overlap-micro", type=int, default=2, help="role off: the on run's overlap micro-batches")
+    ap.add_argument(
+        "--overlap-micro", type=int, default=2, help="role off: the on run's overlap micro-batches"
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each DCP operation")
-    ap.add_argument("--quiet-captures", type=int, default=5, help="rounds of the side-by-side window")
-    ap.add_argument("--ckpt", type=Path, required=True, help="GEMINI checkpoint folder; references write beside it")
-    ap.add_argument("--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)")
+    ap.add_argument(
+        "--quiet-captures", type=int, default=5, help="rounds of the side-by-side window"
+    )
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        required=True,
+        help="GEMINI checkpoint folder; references write beside it",
+    )
+    ap.add_argument(
+        "--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)"
+    )
     ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--no-fsync", action="store_true")
-    ap.add_argument("--persist-every", type=int, default=5,
-                    help="write every N-th capture to disk (fsync); every capture lives in the memory tier")
+    ap.add_argument(
+        "--persist-every",
+        type=int,
+        default=5,
+        help="write every N-th capture to disk (fsync); every capture lives in the memory tier",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0)
     return ap.parse_args()
 
@@ -92,11 +107,15 @@ class IoRecorder:
 
     def between(self, first: int, last: int) -> dict[str, list[float]]:
         steps = range(first, last + 1)
-        return {"persist_s": [self.persist_s[s] for s in steps if s in self.persist_s],
-                "replicate_s": [self.replicate_s[s] for s in steps if s in self.replicate_s]}
+        return {
+            "persist_s": [self.persist_s[s] for s in steps if s in self.persist_s],
+            "replicate_s": [self.replicate_s[s] for s in steps if s in self.replicate_s],
+        }
 
 
-def calibrate(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> tuple[dict[str, float], int]:
+def calibrate(
+    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup
+) -> tuple[dict[str, float], int]:
     """Estimate one capture's pipeline (copy, digest, persist, exchange, verify, persist the replica) from the
     references, and size the overlap loop to outlast it ``--overlap-factor`` times: the factor covers the CPU that
     training takes from the io threads. The references' buffers are freed before GEMINI allocates its own.
@@ -104,29 +123,50 @@ def calibrate(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGro
     refs = references(args, trainer, group)
     try:
         refs.memcpy(), refs.gloo_pair()  # warm-up: first touch, first connection use
-        cal = {f"{name}_s": statistics.median(getattr(refs, name)() for _ in range(3))
-               for name in ("memcpy", "digest", "write", "gloo_pair")}
+        cal = {
+            f"{name}_s": statistics.median(getattr(refs, name)() for _ in range(3))
+            for name in ("memcpy", "digest", "write", "gloo_pair")
+        }
     finally:
         refs.close()
-    cal["pipeline_estimate_s"] = cal["memcpy_s"] + 2 * cal["digest_s"] + 2 * cal["write_s"] + cal["gloo_pair_s"]
-    micro, cal["micro_fwd_bwd_s"] = trainer.micro_batches_for(args.overlap_factor * cal["pipeline_estimate_s"], group)
+    cal["pipeline_estimate_s"] = (
+        cal["memcpy_s"] + 2 * cal["digest_s"] + 2 * cal["write_s"] + cal["gloo_pair_s"]
+    )
+    micro, cal["micro_fwd_bwd_s"] = trainer.micro_batches_for(
+        args.overlap_factor * cal["pipeline_estimate_s"], group
+    )
     return cal, micro
 
 
-def references(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup,
-               recv_nbytes: int = 0) -> _references.References:
+def references(
+    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup, recv_nbytes: int = 0
+) -> _references.References:
     from qualification.bench import _references
 
     peer = (dist.get_rank() + 1) % dist.get_world_size()
-    return _references.References(trainer.tensors(), args.ckpt.parent / "references", peer=peer, group=group,
-                                  chunk_bytes=args.chunk_bytes, fsync=not args.no_fsync, recv_nbytes=recv_nbytes)
+    return _references.References(
+        trainer.tensors(),
+        args.ckpt.parent / "references",
+        peer=peer,
+        group=group,
+        chunk_bytes=args.chunk_bytes,
+        fsync=not args.no_fsync,
+        recv_nbytes=recv_nbytes,
+    )
 
 
-def loops_without_gemini(args: argparse.Namespace, trainer: Trainer, micro: int, overlap_steps: int) -> dict[str, Any]:
-    return {"tight_off": run_loop(trainer, 1, args.steps), "overlap_off": run_loop(trainer, micro, overlap_steps)}
+def loops_without_gemini(
+    args: argparse.Namespace, trainer: Trainer, micro: int, overlap_steps: int
+) -> dict[str, Any]:
+    return {
+        "tight_off": run_loop(trainer, 1, args.steps),
+        "overlap_off": run_loop(trainer, micro, overlap_steps),
+    }
 
 
-def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup) -> dict[str, Any]:
+def gemini_phases(
+    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup
+) -> dict[str, Any]:
     import gemscout
     from gemscout.gemini.store import list_steps, read_header, read_verified, step_file
 
@@ -135,12 +175,20 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     out["calibration"], micro = calibrate(args, trainer, group)
     loops = out["loops"] = loops_without_gemini(args, trainer, micro, args.steps)
 
-    cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="bench", chunk_bytes=args.chunk_bytes,
-                                    fsync=not args.no_fsync, timeout=timeout, handle_signals=False,
-                                    persist_every=args.persist_every)
+    cfg = gemscout.CheckpointConfig(
+        directory=args.ckpt,
+        run_id="bench",
+        chunk_bytes=args.chunk_bytes,
+        fsync=not args.no_fsync,
+        timeout=timeout,
+        handle_signals=False,
+        persist_every=args.persist_every,
+    )
     clock = HookClock()
-    session = clock.attach_around(trainer.opt, lambda: gemscout.enable_resiliency(
-        trainer.ddp, trainer.opt, interval=1, checkpoint=cfg))
+    session = clock.attach_around(
+        trainer.opt,
+        lambda: gemscout.enable_resiliency(trainer.ddp, trainer.opt, interval=1, checkpoint=cfg),
+    )
     ckpt = session.checkpointer
     clock.stall_probe = lambda: float(ckpt.stats["capture_stall_s"])
     io = IoRecorder(ckpt)
@@ -162,15 +210,19 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     loops["tight_skip_on"]["steps"] = list(range(first, session.step + 1))
     # Every buffer GEMINI keeps (two slots, two replica buffers) exists after the first two captures.
     out["peak_rss_bytes"] = peak_rss_bytes()
-    out["gemini_buffer_bytes"] = ckpt.pool.nbytes + sum(e[2].numel() for b in ckpt.replicas.values()
-                                                         for e in b.entries)
+    out["gemini_buffer_bytes"] = ckpt.pool.nbytes + sum(
+        e[2].numel() for b in ckpt.replicas.values() for e in b.entries
+    )
 
     out.update(side_by_side(args, trainer, group, session, clock, io))
     out.update(restart_from_memory(trainer, session, group, timeout))
 
     out.update(recover_from_peer(args, trainer, session, group, timeout))
-    files = [step_file(folder, s) for folder in (ckpt.paths.own, *[ckpt.paths.replicas(o) for o in
-             ckpt.paths.held_owners()]) for s in list_steps(folder)]
+    files = [
+        step_file(folder, s)
+        for folder in (ckpt.paths.own, *[ckpt.paths.replicas(o) for o in ckpt.paths.held_owners()])
+        for s in list_steps(folder)
+    ]
     t0 = time.perf_counter()
     for path in files:
         read_verified(path)
@@ -184,8 +236,14 @@ def gemini_phases(args: argparse.Namespace, trainer: Trainer, group: dist.Proces
     return out
 
 
-def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup, session: Any,
-                 clock: HookClock, io: IoRecorder) -> dict[str, Any]:
+def side_by_side(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    group: dist.ProcessGroup,
+    session: Any,
+    clock: HookClock,
+    io: IoRecorder,
+) -> dict[str, Any]:
     """``--quiet-captures`` rounds of one quiet capture followed by each reference on the same bytes and by
     ``comm.exchange`` of the frame just captured (GEMINI's transport alone). Returns the rounds and the
     references' medians."""
@@ -194,8 +252,19 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
     ckpt = session.checkpointer
     peer = (dist.get_rank() + 1) % dist.get_world_size()
     timeout = timedelta(seconds=args.timeout_s)
-    window: dict[str, list[float]] = {k: [] for k in ("capture_return_s", "pipeline_s", "memcpy_s", "digest_s",
-                                                      "write_s", "gloo_pair_s", "exchange_s", "persisted")}
+    window: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "capture_return_s",
+            "pipeline_s",
+            "memcpy_s",
+            "digest_s",
+            "write_s",
+            "gloo_pair_s",
+            "exchange_s",
+            "persisted",
+        )
+    }
     newest = ckpt.pool.newest_ready()
     assert newest is not None, "no sealed capture after the loops"
     refs = references(args, trainer, group, recv_nbytes=newest.data.numel())
@@ -210,26 +279,42 @@ def side_by_side(args: argparse.Namespace, trainer: Trainer, group: dist.Process
             window["capture_return_s"].append(clock.post[0])
             ckpt.drain()
             window["pipeline_s"].append(time.perf_counter() - t0)
-            window["persisted"].append(float(session.step in io.persist_s))  # a disk capture (persist_every)
+            window["persisted"].append(
+                float(session.step in io.persist_s)
+            )  # a disk capture (persist_every)
             for name in ("memcpy", "digest", "write", "gloo_pair"):
                 window[f"{name}_s"].append(getattr(refs, name)())
             slot = ckpt.pool.newest_ready()
             assert slot is not None, "no sealed capture after drain"
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            comm.exchange(slot.frame(), peer, peer, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
-                          recv_buffer=lambda n, _prefix=0: refs.recv[:n])
+            comm.exchange(
+                slot.frame(),
+                peer,
+                peer,
+                group=group,
+                chunk_bytes=args.chunk_bytes,
+                timeout=timeout,
+                recv_buffer=lambda n, _prefix=0: refs.recv[:n],
+            )
             window["exchange_s"].append(time.perf_counter() - t0)
     finally:
         refs.close()
-    medians = {k: statistics.median(v) for k, v in window.items()
-               if k not in ("capture_return_s", "pipeline_s", "persisted")}
-    return {"window": {**window, **io.between(first, session.step)}, **medians,
-            "frame_bytes": len(slot.prefix) + slot.data.numel()}
+    medians = {
+        k: statistics.median(v)
+        for k, v in window.items()
+        if k not in ("capture_return_s", "pipeline_s", "persisted")
+    }
+    return {
+        "window": {**window, **io.between(first, session.step)},
+        **medians,
+        "frame_bytes": len(slot.prefix) + slot.data.numel(),
+    }
 
 
-def restart_from_memory(trainer: Trainer, session: Any, group: dist.ProcessGroup,
-                        timeout: timedelta) -> dict[str, Any]:
+def restart_from_memory(
+    trainer: Trainer, session: Any, group: dist.ProcessGroup, timeout: timedelta
+) -> dict[str, Any]:
     """What a rank restarted on the same node after a SIGKILL does with the memory tier, timed on every rank: claim
     its shared-memory folder (owner record, anchor check), map the newest sealed slot its previous process left,
     verify every digest and restore it into the live objects. Process start and process-group setup are not
@@ -244,9 +329,16 @@ def restart_from_memory(trainer: Trainer, session: Any, group: dist.ProcessGroup
     dist.barrier(group=group)
     t0 = time.perf_counter()
     assert ck.memory is not None, "the benchmark measures the memory tier: /dev/shm is needed"
-    tier = shm.MemoryTier.open(ck.config.memory_directory, run_id=ck.run_id, directory=ck.config.directory,
-                               node=ck.placement.node_of(rank), rank=rank, disk_root=ck.paths.root,
-                               stale_after_s=ck.config.stale_memory_after.total_seconds(), fsync=False)
+    tier = shm.MemoryTier.open(
+        ck.config.memory_directory,
+        run_id=ck.run_id,
+        directory=ck.config.directory,
+        node=ck.placement.node_of(rank),
+        rank=rank,
+        disk_root=ck.paths.root,
+        stale_after_s=ck.config.stale_memory_after.total_seconds(),
+        fsync=False,
+    )
     newest = tier.adopt(tier.paths.own, ck.config.slots)[0]
     frame = (newest.prefix, newest.file.data)
     ck.verify_frame(frame, owner=rank, step=None)
@@ -255,12 +347,21 @@ def restart_from_memory(trainer: Trainer, session: Any, group: dist.ProcessGroup
     t2 = time.perf_counter()
     equal = state_digest(trainer.tensors()) == before
     agree = comm.all_agree(equal, group=group, timeout=timeout)
-    return {"restart_memory_s": t2 - t0, "restart_memory_verify_s": t1 - t0, "restart_memory_restore_s": t2 - t1,
-            "restart_memory_bitwise_equal": agree}
+    return {
+        "restart_memory_s": t2 - t0,
+        "restart_memory_verify_s": t1 - t0,
+        "restart_memory_restore_s": t2 - t1,
+        "restart_memory_bitwise_equal": agree,
+    }
 
 
-def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, group: dist.ProcessGroup,
-                      timeout: timedelta) -> dict[str, Any]:
+def recover_from_peer(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    session: Any,
+    group: dist.ProcessGroup,
+    timeout: timedelta,
+) -> dict[str, Any]:
     from gemscout.gemini import comm
     from gemscout.gemini.arrival import VerifyOnArrival
     from gemscout.gemini.restore import restore_frame
@@ -280,7 +381,10 @@ def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, 
     dist.barrier(group=group)
     t0 = time.perf_counter()
     decision = session.recover()
-    out: dict[str, Any] = {"recover_s": time.perf_counter() - t0, "recover_decision": decision.to_dict()}
+    out: dict[str, Any] = {
+        "recover_s": time.perf_counter() - t0,
+        "recover_decision": decision.to_dict(),
+    }
     after = state_digest(trainer.tensors())
     digests = comm.gather_json([before, after], group=group, timeout=timeout)
     out["recovered_bitwise_equal"] = all(a == digests[survivor][0] for _, a in digests)
@@ -292,19 +396,39 @@ def recover_from_peer(args: argparse.Namespace, trainer: Trainer, session: Any, 
     t0 = time.perf_counter()
     if rank == survivor:
         assert held is not None
-        comm.exchange((held[1], held[2]), victim, None, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout)
+        comm.exchange(
+            (held[1], held[2]),
+            victim,
+            None,
+            group=group,
+            chunk_bytes=args.chunk_bytes,
+            timeout=timeout,
+        )
     if rank == victim:
         check = VerifyOnArrival()
-        frame = comm.exchange(None, None, survivor, group=group, chunk_bytes=args.chunk_bytes, timeout=timeout,
-                              on_arrival=check)
+        frame = comm.exchange(
+            None,
+            None,
+            survivor,
+            group=group,
+            chunk_bytes=args.chunk_bytes,
+            timeout=timeout,
+            on_arrival=check,
+        )
         assert frame is not None
         t1 = time.perf_counter()
         ckpt.verify_frame(frame, owner=victim, step=None, verified=check.result())
         t2 = time.perf_counter()
         restore_frame(ckpt, frame, owned=True)
         t3 = time.perf_counter()
-        out.update({"recover_transfer_s": t3 - t0, "recover_transfer_recv_s": t1 - t0,
-                    "recover_transfer_verify_s": t2 - t1, "recover_transfer_restore_s": t3 - t2})
+        out.update(
+            {
+                "recover_transfer_s": t3 - t0,
+                "recover_transfer_recv_s": t1 - t0,
+                "recover_transfer_verify_s": t2 - t1,
+                "recover_transfer_restore_s": t3 - t2,
+            }
+        )
     out["recovered_again_bitwise_equal"] = state_digest(trainer.tensors()) == digests[survivor][0]
     # The floor of any recovery from a peer: moving the same bytes one way on a gloo group, nothing else.
     nbytes = len(held[1]) + held[2].numel() if held is not None else 0
@@ -335,19 +459,32 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise SystemExit("gemini_rank: the benchmark pairs exactly 2 ranks (WORLD_SIZE=2)")
-    group = dist.new_group(backend="gloo", timeout=timeout)  # references and barriers; GEMINI makes its own
+    group = dist.new_group(
+        backend="gloo", timeout=timeout
+    )  # references and barriers; GEMINI makes its own
     trainer = Trainer(args.state_mib, args.batch, rank)
     width, depth = shape_for(args.state_mib)
     result: dict[str, Any] = {
-        "rank": rank, "role": args.role, "width": width, "depth": depth, "batch": args.batch,
-        "params": sum(p.numel() for p in trainer.model.parameters()), "state_bytes": trainer.state_bytes(),
+        "rank": rank,
+        "role": args.role,
+        "width": width,
+        "depth": depth,
+        "batch": args.batch,
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "state_bytes": trainer.state_bytes(),
     }
     if args.role == "off":
         # Training alone, step for step what the on role trains up to its peak-RSS reading (see the docstring).
         trainer.micro_batches_for(0.0, group)  # the calibration's micro-batches
         result["loops"] = loops_without_gemini(args, trainer, args.overlap_micro, args.steps)
-        result["loops"].update({f"{k}_again": v for k, v in
-                                loops_without_gemini(args, trainer, args.overlap_micro, args.steps).items()})
+        result["loops"].update(
+            {
+                f"{k}_again": v
+                for k, v in loops_without_gemini(
+                    args, trainer, args.overlap_micro, args.steps
+                ).items()
+            }
+        )
         result["loops"]["tight_third"] = run_loop(trainer, 1, args.steps)
         result["peak_rss_bytes"] = peak_rss_bytes()
     else:
@@ -358,7 +495,9 @@ def main() -> None:
         dist.barrier(group=group)
         from qualification.bench import _references
 
-        result.update(_references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group))
+        result.update(
+            _references.dcp_times(trainer.ddp, trainer.opt, args.dcp, reps=args.reps, group=group)
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.role}.rank{rank}.json").write_text(json.dumps(result, indent=1))
     dist.barrier(group=group)

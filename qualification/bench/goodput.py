@@ -44,12 +44,17 @@ TARGET_WASTED_RATIO = 0.2
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m qualification.bench.goodput", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        prog="python -m qualification.bench.goodput",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     ap.add_argument("--out", type=Path, default=Path("bench-results/goodput.json"))
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--fail-every", type=int, default=15, help="a SIGKILL during every this-many-th step")
+    ap.add_argument(
+        "--fail-every", type=int, default=15, help="a SIGKILL during every this-many-th step"
+    )
     ap.add_argument("--state-mib", type=float, default=32, help="params + AdamW state per rank")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--timeout-s", type=float, default=300, help="bound on each torchrun")
@@ -61,30 +66,61 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def torchrun(args: argparse.Namespace, arm: str, work: Path, *, fails: list[int], dcp_every: int = 1) -> dict[str, Any]:
+def torchrun(
+    args: argparse.Namespace, arm: str, work: Path, *, fails: list[int], dcp_every: int = 1
+) -> dict[str, Any]:
     """One arm's job; its wall time and rank 0's event log."""
     work.mkdir(parents=True, exist_ok=True)
     log = work / "events.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORLD}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={len(fails)}",
-           "-m", "qualification.bench.goodput_rank", "--arm", arm, "--work", str(work), "--events", str(log),
-           "--steps", str(args.steps), "--fail-steps", ",".join(map(str, fails)), "--dcp-every", str(dcp_every),
-           "--state-mib", str(args.state_mib), "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={WORLD}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--max-restarts={len(fails)}",
+        "-m",
+        "qualification.bench.goodput_rank",
+        "--arm",
+        arm,
+        "--work",
+        str(work),
+        "--events",
+        str(log),
+        "--steps",
+        str(args.steps),
+        "--fail-steps",
+        ",".join(map(str, fails)),
+        "--dcp-every",
+        str(dcp_every),
+        "--state-mib",
+        str(args.state_mib),
+        "--batch",
+        str(args.batch),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     with (work / "torchrun.log").open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
             proc.wait()
-            raise QualificationError(f"goodput arm {arm}: no end within {args.timeout_s:g} s; see {out.name}") from None
+            raise QualificationError(
+                f"goodput arm {arm}: no end within {args.timeout_s:g} s; see {out.name}"
+            ) from None
     wall = time.monotonic() - t0
     events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     done = [e for e in events if e["event"] == "done"]
     if proc.returncode != 0 or not done:
-        raise QualificationError(f"goodput arm {arm}: torchrun exited {proc.returncode}; see {work / 'torchrun.log'}")
+        raise QualificationError(
+            f"goodput arm {arm}: torchrun exited {proc.returncode}; see {work / 'torchrun.log'}"
+        )
     return {"wall_s": wall, "events": events, "digest": done[-1]["digest"]}
 
 
@@ -101,13 +137,17 @@ def step_times(events: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def arm_summary(name: str, run: dict[str, Any], ideal: dict[str, Any], failures: int) -> dict[str, Any]:
+def arm_summary(
+    name: str, run: dict[str, Any], ideal: dict[str, Any], failures: int
+) -> dict[str, Any]:
     starts = [e for e in run["events"] if e["event"] == "start"]
     return {
         "arm": name,
         "wall_s": round(run["wall_s"], 3),
         "goodput": round(ideal["useful_s"] / run["wall_s"], 4),
-        "wasted_per_failure_s": round((run["wall_s"] - ideal["wall_s"]) / failures, 3) if failures else None,
+        "wasted_per_failure_s": round((run["wall_s"] - ideal["wall_s"]) / failures, 3)
+        if failures
+        else None,
         "attempts": len(starts),
         "resume_steps": [e["resume"] for e in starts[1:]],
         "bitwise_equal_to_ideal": run["digest"] == ideal["digest"],
@@ -142,17 +182,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fail_steps": args.fail_steps,
         "state_mib": args.state_mib,
         "ideal": {"step_s": round(t_step, 5), "wall_s": round(base["wall_s"], 3)},
-        "dcp_rule": {"save_blocking_s": round(save_cost, 5), "mtbf_s": round(mtbf, 3), "every_steps": dcp_every},
+        "dcp_rule": {
+            "save_blocking_s": round(save_cost, 5),
+            "mtbf_s": round(mtbf, 3),
+            "every_steps": dcp_every,
+        },
         "arms": arms,
-        "skipped": {"torchft": "torchft 0.2.0 is on the package index and installs here, but its arm (a lighthouse, "
-                               "a Manager per replica group, live recovery from a healthy replica) is not written yet"},
+        "skipped": {
+            "torchft": "torchft 0.2.0 is on the package index and installs here, but its arm (a lighthouse, "
+            "a Manager per replica group, live recovery from a healthy replica) is not written yet"
+        },
         # The shape bench_cell reads: one "size" with its ratios and targets.
-        "sizes": [{
-            "state_mib": args.state_mib,
-            "ratios": {"wasted_ratio": round(ratio, 4) if ratio is not None else None,
-                       "goodput_gemscout": arms[0]["goodput"], "goodput_dcp": arms[1]["goodput"]},
-            "met": {"wasted_ratio": ratio is not None and ratio <= TARGET_WASTED_RATIO and bitwise},
-        }],
+        "sizes": [
+            {
+                "state_mib": args.state_mib,
+                "ratios": {
+                    "wasted_ratio": round(ratio, 4) if ratio is not None else None,
+                    "goodput_gemscout": arms[0]["goodput"],
+                    "goodput_dcp": arms[1]["goodput"],
+                },
+                "met": {
+                    "wasted_ratio": ratio is not None and ratio <= TARGET_WASTED_RATIO and bitwise
+                },
+            }
+        ],
         "bitwise_equal_to_ideal": bitwise,
     }
 
@@ -169,13 +222,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
-    print(f"ideal step {doc['ideal']['step_s'] * 1e3:.1f} ms; DCP async_save every {doc['dcp_rule']['every_steps']} "
-          f"steps (blocking {doc['dcp_rule']['save_blocking_s'] * 1e3:.1f} ms per save, Young/Daly)")
+    print(
+        f"ideal step {doc['ideal']['step_s'] * 1e3:.1f} ms; DCP async_save every {doc['dcp_rule']['every_steps']} "
+        f"steps (blocking {doc['dcp_rule']['save_blocking_s'] * 1e3:.1f} ms per save, Young/Daly)"
+    )
     for arm in doc["arms"]:
-        print(f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
-              f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}")
+        print(
+            f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
+            f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}"
+        )
     ratio = doc["sizes"][0]["ratios"]["wasted_ratio"]
-    print(f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); JSON: {args.out}")
+    print(
+        f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); JSON: {args.out}"
+    )
     return 0
 
 

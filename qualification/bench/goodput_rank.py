@@ -68,10 +68,14 @@ def fire(marker_dir: Path, step: int, victim: int, rank: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", choices=ARMS, required=True)
-    ap.add_argument("--work", type=Path, required=True, help="this arm's folder: checkpoints, markers")
+    ap.add_argument(
+        "--work", type=Path, required=True, help="this arm's folder: checkpoints, markers"
+    )
     ap.add_argument("--events", type=Path, required=True)
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--fail-steps", default="", help="comma-separated steps during which a rank is killed")
+    ap.add_argument(
+        "--fail-steps", default="", help="comma-separated steps during which a rank is killed"
+    )
     ap.add_argument("--dcp-every", type=int, default=1)
     ap.add_argument("--state-mib", type=float, default=16)
     ap.add_argument("--batch", type=int, default=64)
@@ -100,8 +104,14 @@ def main() -> None:
         if start:
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(args.work / "dcp" / f"step-{start}"), process_group=load_group)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            dcp.load(
+                state,
+                checkpoint_id=str(args.work / "dcp" / f"step-{start}"),
+                process_group=load_group,
+            )
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
     log("start", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), resume=start)
     pending = None
     # async_save's background collectives need a group of their own: on the training group they interleave with
@@ -126,7 +136,9 @@ def main() -> None:
                 pending.result()  # one save in flight at a time, as DCP's docs do it
             msd, osd = get_state_dict(model, optimizer)
             pending = dcp.async_save(
-                {"model": msd, "optim": osd}, checkpoint_id=str(args.work / "dcp" / f"step-{step}"), process_group=save_group
+                {"model": msd, "optim": osd},
+                checkpoint_id=str(args.work / "dcp" / f"step-{step}"),
+                process_group=save_group,
             )
             log("save", step=step, blocking_s=time.perf_counter() - t0)
         log("step", step=step)

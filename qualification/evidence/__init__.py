@@ -17,7 +17,14 @@ from qualification.evidence.facts import (
 )
 from qualification.evidence.freshness import Freshness, FreshnessReport
 from qualification.evidence.seal import SealedBundle, seal_bundle, sign_bundle
-from qualification.evidence.sign import KeySigner, NoneSigner, Signer, SigstoreSigner, generate_key, make_signer
+from qualification.evidence.sign import (
+    KeySigner,
+    NoneSigner,
+    Signer,
+    SigstoreSigner,
+    generate_key,
+    make_signer,
+)
 from qualification.evidence.verify import TrustPolicy, VerificationResult, verify_bundle
 
 __all__ = [

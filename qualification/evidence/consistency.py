@@ -27,7 +27,9 @@ def check_consistency(document: dict[str, Any]) -> None:
     summary, commands, run = predicate["summary"], predicate["commands"], predicate["run"]
     counted = summary["passed"] + summary["failed"] + summary["skipped"]
     if predicate["schemaVersion"].startswith("1.0.") and summary["total"] != counted:
-        raise BundleInvalid(f"consistency: summary total {summary['total']} != passed+failed+skipped {counted}")
+        raise BundleInvalid(
+            f"consistency: summary total {summary['total']} != passed+failed+skipped {counted}"
+        )
     subjects = {s["name"] for s in document["subject"]}
     run_start, run_finish = _time(run["startedOn"]), _time(run["finishedOn"])
     if run_start > run_finish:
@@ -35,17 +37,25 @@ def check_consistency(document: dict[str, Any]) -> None:
     for command in commands:
         start, finish = _time(command["startedOn"]), _time(command["finishedOn"])
         if start > finish:
-            raise BundleInvalid(f"consistency: command {command['id']!r} startedOn is after its finishedOn")
+            raise BundleInvalid(
+                f"consistency: command {command['id']!r} startedOn is after its finishedOn"
+            )
         if start < run_start or finish > run_finish:
-            raise BundleInvalid(f"consistency: command {command['id']!r} ran outside the run's start..finish")
+            raise BundleInvalid(
+                f"consistency: command {command['id']!r} ran outside the run's start..finish"
+            )
         if command["log"] not in subjects:
-            raise BundleInvalid(f"consistency: log {command['log']!r} of command {command['id']!r} is not a subject")
+            raise BundleInvalid(
+                f"consistency: log {command['log']!r} of command {command['id']!r} is not a subject"
+            )
     if predicate["schemaVersion"].startswith("1.0."):
         if predicate["result"] == "PASSED":
             if summary["passed"] == 0:
                 raise BundleInvalid("consistency: result is PASSED but no cell passed")
             if summary["failed"]:
-                raise BundleInvalid(f"consistency: result is PASSED but summary.failed is {summary['failed']}")
+                raise BundleInvalid(
+                    f"consistency: result is PASSED but summary.failed is {summary['failed']}"
+                )
             for command in commands:
                 if command["exitCode"] != 0:
                     raise BundleInvalid(
@@ -58,7 +68,11 @@ def check_consistency(document: dict[str, Any]) -> None:
             f"{counted + summary['measured']}"
         )
     derived = result_of(
-        summary["passed"], summary["failed"], summary["skipped"], summary["measured"], [c["exitCode"] for c in commands]
+        summary["passed"],
+        summary["failed"],
+        summary["skipped"],
+        summary["measured"],
+        [c["exitCode"] for c in commands],
     )
     if predicate["result"] != derived:
         raise BundleInvalid(
@@ -73,9 +87,13 @@ def check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> None
     predicate = document["predicate"]
     scope, summary = predicate["scope"], predicate["summary"]
     if scope["cellsRun"] != summary["total"]:
-        raise BundleInvalid(f"consistency: scope.cellsRun {scope['cellsRun']} != summary.total {summary['total']}")
+        raise BundleInvalid(
+            f"consistency: scope.cellsRun {scope['cellsRun']} != summary.total {summary['total']}"
+        )
     if scope["campaignCellsRun"] > min(scope["cellsInCampaign"], scope["cellsRun"]):
-        raise BundleInvalid("consistency: scope.campaignCellsRun exceeds the cells in the campaign or the cells run")
+        raise BundleInvalid(
+            "consistency: scope.campaignCellsRun exceeds the cells in the campaign or the cells run"
+        )
     complete = (
         scope["filter"] is None
         and scope["seedOverride"] is None
@@ -90,7 +108,9 @@ def check_claims(document: dict[str, Any], files: dict[str, BundleFile]) -> None
     for claim in predicate["boundaries"]["validated"]:
         for cell in claim["backedBy"]:
             if exits.get(cell) != 0:
-                why = "is not a command of this run" if cell not in exits else f"exited {exits[cell]}"
+                why = (
+                    "is not a command of this run" if cell not in exits else f"exited {exits[cell]}"
+                )
                 raise BundleInvalid(
                     f"consistency: validated claim {claim['claim'][:60]!r} is backed by {cell!r}, which {why}"
                 )
@@ -137,15 +157,23 @@ def check_summary(predicate: dict[str, Any], summary_file: BundleFile) -> None:
         if isinstance(c, dict)
     ]
     if sealed_validated != predicate["boundaries"]["validated"]:
-        raise BundleInvalid(f"consistency: the manifest's validated claims differ from those in {SUMMARY_NAME}")
+        raise BundleInvalid(
+            f"consistency: the manifest's validated claims differ from those in {SUMMARY_NAME}"
+        )
     if sealed_not != predicate["boundaries"]["notValidated"]:
-        raise BundleInvalid(f"consistency: the manifest's not-validated claims differ from those in {SUMMARY_NAME}")
+        raise BundleInvalid(
+            f"consistency: the manifest's not-validated claims differ from those in {SUMMARY_NAME}"
+        )
     cells = {c.get("id"): c for c in summary.get("cells") or [] if isinstance(c, dict)}
     for claim in sealed_validated:
         for cell_id in claim["backedBy"] or []:
             cell = cells.get(cell_id) or {}
             verdict = cell.get("verdict")
-            missed = [t for t in cell.get("targets") or [] if isinstance(t, dict) and t.get("met") is not True]
+            missed = [
+                t
+                for t in cell.get("targets") or []
+                if isinstance(t, dict) and t.get("met") is not True
+            ]
             if verdict not in ("passed", "measured") or missed:
                 raise BundleInvalid(
                     f"consistency: validated claim {claim['claim'][:60]!r} is backed by "

@@ -27,7 +27,11 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 
 def _aware(value: datetime, field: str) -> None:
-    _require(isinstance(value, datetime) and value.tzinfo is not None, field, "must be a timezone-aware datetime")
+    _require(
+        isinstance(value, datetime) and value.tzinfo is not None,
+        field,
+        "must be a timezone-aware datetime",
+    )
 
 
 def timestamp(value: datetime) -> str:
@@ -92,9 +96,16 @@ class Summary:
 
     def __post_init__(self) -> None:
         counts = (self.total, self.passed, self.failed, self.skipped, self.measured)
-        _require(all(isinstance(n, int) and n >= 0 for n in counts), "summary", "counts must be integers >= 0")
-        _require(self.total == self.passed + self.failed + self.skipped + self.measured, "summary.total",
-                 "!= passed+failed+skipped+measured")
+        _require(
+            all(isinstance(n, int) and n >= 0 for n in counts),
+            "summary",
+            "counts must be integers >= 0",
+        )
+        _require(
+            self.total == self.passed + self.failed + self.skipped + self.measured,
+            "summary.total",
+            "!= passed+failed+skipped+measured",
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -110,15 +121,27 @@ class Scope:
 
     def __post_init__(self) -> None:
         counts = (self.cells_in_campaign, self.campaign_cells_run, self.cells_run)
-        _require(all(isinstance(n, int) and n >= 0 for n in counts), "scope", "counts must be integers >= 0")
-        _require(self.campaign_cells_run <= min(self.cells_in_campaign, self.cells_run), "scope.campaign_cells_run",
-                 "exceeds the cells in the campaign or the cells run")
-        _require(self.filter is None or bool(self.filter), "scope.filter", "must be None or non-empty")
+        _require(
+            all(isinstance(n, int) and n >= 0 for n in counts),
+            "scope",
+            "counts must be integers >= 0",
+        )
+        _require(
+            self.campaign_cells_run <= min(self.cells_in_campaign, self.cells_run),
+            "scope.campaign_cells_run",
+            "exceeds the cells in the campaign or the cells run",
+        )
+        _require(
+            self.filter is None or bool(self.filter), "scope.filter", "must be None or non-empty"
+        )
 
     @property
     def complete(self) -> bool:
-        return (self.filter is None and self.seed_override is None
-                and self.campaign_cells_run == self.cells_in_campaign == self.cells_run)
+        return (
+            self.filter is None
+            and self.seed_override is None
+            and self.campaign_cells_run == self.cells_in_campaign == self.cells_run
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -133,8 +156,12 @@ class Topology:
     """Devices used, e.g. ``("cpu",)`` or ``("cuda:0", "cuda:1")``."""
 
     def __post_init__(self) -> None:
-        _require(self.hosts >= 1 and self.world_size >= 1, "topology.hosts/world_size", "must be >= 1")
-        _require(len(set(self.backends)) == len(self.backends), "topology.backends", "has duplicates")
+        _require(
+            self.hosts >= 1 and self.world_size >= 1, "topology.hosts/world_size", "must be >= 1"
+        )
+        _require(
+            len(set(self.backends)) == len(self.backends), "topology.backends", "has duplicates"
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -146,7 +173,11 @@ class BackedClaim:
 
     def __post_init__(self) -> None:
         _require(bool(self.claim), "boundaries.validated[].claim", "must be non-empty")
-        _require(len(self.backed_by) > 0, f"boundaries.validated[{self.claim!r}]", "names no backing cell")
+        _require(
+            len(self.backed_by) > 0,
+            f"boundaries.validated[{self.claim!r}]",
+            "names no backing cell",
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -157,7 +188,11 @@ class UnbackedClaim:
     reason: str
 
     def __post_init__(self) -> None:
-        _require(bool(self.claim) and bool(self.reason), "boundaries.not_validated[]", "needs a claim and a reason")
+        _require(
+            bool(self.claim) and bool(self.reason),
+            "boundaries.not_validated[]",
+            "needs a claim and a reason",
+        )
 
 
 DECLARED = "declared not validated by the campaign"
@@ -173,7 +208,9 @@ class Boundaries:
     validated: tuple[BackedClaim | str, ...]
     not_validated: tuple[UnbackedClaim | str, ...]
 
-    def resolve(self, commands: tuple[CommandRecord, ...]) -> tuple[list[BackedClaim], list[UnbackedClaim]]:
+    def resolve(
+        self, commands: tuple[CommandRecord, ...]
+    ) -> tuple[list[BackedClaim], list[UnbackedClaim]]:
         """Every claim as a record: plain strings bound to the commands that back them (or moved, with why)."""
         validated: list[BackedClaim] = []
         not_validated: list[UnbackedClaim] = []
@@ -182,16 +219,25 @@ class Boundaries:
             if isinstance(claim, BackedClaim):
                 validated.append(claim)
             elif not commands:
-                not_validated.append(UnbackedClaim(claim=claim, reason="not run: the run recorded no command"))
+                not_validated.append(
+                    UnbackedClaim(claim=claim, reason="not run: the run recorded no command")
+                )
             elif failing:
                 shown = ", ".join(f"{c.id} exited {c.exit_code}" for c in failing[:2])
-                not_validated.append(UnbackedClaim(
-                    claim=claim, reason=f"failed: {len(failing)} of {len(commands)} backing commands ({shown})"))
+                not_validated.append(
+                    UnbackedClaim(
+                        claim=claim,
+                        reason=f"failed: {len(failing)} of {len(commands)} backing commands ({shown})",
+                    )
+                )
             else:
                 validated.append(BackedClaim(claim=claim, backed_by=tuple(c.id for c in commands)))
         for item in self.not_validated:
-            not_validated.append(item if isinstance(item, UnbackedClaim) else UnbackedClaim(claim=item,
-                                                                                            reason=DECLARED))
+            not_validated.append(
+                item
+                if isinstance(item, UnbackedClaim)
+                else UnbackedClaim(claim=item, reason=DECLARED)
+            )
         return validated, not_validated
 
 
@@ -228,7 +274,9 @@ class SealInput:
         ids = [c.id for c in self.commands]
         _require(len(set(ids)) == len(ids), "commands", "have duplicate ids")
         for command in self.commands:
-            inside = self.started_on <= command.started_on and command.finished_on <= self.finished_on
+            inside = (
+                self.started_on <= command.started_on and command.finished_on <= self.finished_on
+            )
             _require(inside, f"commands[{command.id!r}]", "ran outside started_on..finished_on")
         url_ok = self.run_url is None or self.run_url.startswith(("https://", "http://"))
         _require(url_ok, "run_url", "must be an http(s) URL or None")
@@ -236,15 +284,23 @@ class SealInput:
     @property
     def result(self) -> str:
         """The campaign's result, as the verifier re-derives it (:func:`result_of`)."""
-        return result_of(self.summary.passed, self.summary.failed, self.summary.skipped, self.summary.measured,
-                         [c.exit_code for c in self.commands])
+        return result_of(
+            self.summary.passed,
+            self.summary.failed,
+            self.summary.skipped,
+            self.summary.measured,
+            [c.exit_code for c in self.commands],
+        )
 
     @property
     def effective_scope(self) -> Scope:
         if self.scope is not None:
             return self.scope
-        return Scope(cells_in_campaign=self.summary.total, campaign_cells_run=self.summary.total,
-                     cells_run=self.summary.total)
+        return Scope(
+            cells_in_campaign=self.summary.total,
+            campaign_cells_run=self.summary.total,
+            cells_run=self.summary.total,
+        )
 
 
 RESULTS = ("PASSED", "PASSED-WITH-SKIPS", "MEASURED", "FAILED")
@@ -300,8 +356,13 @@ def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
             for c in reader.get(data, "commands", list)
         ),
         summary=Summary(
-            **{k: reader.get(summary, k, int, "summary.") for k in ("total", "passed", "failed", "skipped")},
-            measured=reader.get(summary, "measured", int, "summary.") if "measured" in summary else 0,
+            **{
+                k: reader.get(summary, k, int, "summary.")
+                for k in ("total", "passed", "failed", "skipped")
+            },
+            measured=reader.get(summary, "measured", int, "summary.")
+            if "measured" in summary
+            else 0,
         ),
         topology=Topology(
             hosts=reader.get(topology, "hosts", int, "topology."),
@@ -310,10 +371,14 @@ def load_facts(path: Path, *, campaign_file: Path | None = None) -> SealInput:
             devices=tuple(reader.get(topology, "devices", list, "topology.")),
         ),
         boundaries=Boundaries(
-            validated=tuple(reader.claim(item, "validated") for item in reader.get(boundaries, "validated", list,
-                                                                                    "boundaries.")),
-            not_validated=tuple(reader.claim(item, "notValidated") for item in reader.get(
-                boundaries, "notValidated", list, "boundaries.")),
+            validated=tuple(
+                reader.claim(item, "validated")
+                for item in reader.get(boundaries, "validated", list, "boundaries.")
+            ),
+            not_validated=tuple(
+                reader.claim(item, "notValidated")
+                for item in reader.get(boundaries, "notValidated", list, "boundaries.")
+            ),
         ),
         scope=reader.scope(data.get("scope")),
         started_on=reader.time(data, "startedOn"),
@@ -346,16 +411,21 @@ class _Reader:
         if where == "validated":
             backed = self.get(item, "backedBy", list, "boundaries.validated[].")
             return BackedClaim(claim=text, backed_by=tuple(str(cell) for cell in backed))
-        return UnbackedClaim(claim=text, reason=self.get(item, "reason", str, "boundaries.notValidated[]."))
+        return UnbackedClaim(
+            claim=text, reason=self.get(item, "reason", str, "boundaries.notValidated[].")
+        )
 
     def scope(self, data: Any) -> Scope | None:
         if data is None:
             return None
         seed = data.get("seedOverride") if isinstance(data, Mapping) else None
         filter_expr = data.get("filter") if isinstance(data, Mapping) else None
-        if (seed is not None and not isinstance(seed, int)) or (filter_expr is not None
-                                                                 and not isinstance(filter_expr, str)):
-            raise UsageError(f"facts file {self._path}: scope.seedOverride must be an int, scope.filter a string")
+        if (seed is not None and not isinstance(seed, int)) or (
+            filter_expr is not None and not isinstance(filter_expr, str)
+        ):
+            raise UsageError(
+                f"facts file {self._path}: scope.seedOverride must be an int, scope.filter a string"
+            )
         return Scope(
             cells_in_campaign=self.get(data, "cellsInCampaign", int, "scope."),
             campaign_cells_run=self.get(data, "campaignCellsRun", int, "scope."),
@@ -369,9 +439,13 @@ class _Reader:
         try:
             value = datetime.fromisoformat(text)
         except ValueError as exc:
-            raise UsageError(f"facts file {self._path}: {where}{key} is not an RFC 3339 time: {text!r}") from exc
+            raise UsageError(
+                f"facts file {self._path}: {where}{key} is not an RFC 3339 time: {text!r}"
+            ) from exc
         if value.tzinfo is None:
-            raise UsageError(f"facts file {self._path}: {where}{key} has no timezone (end it with Z)")
+            raise UsageError(
+                f"facts file {self._path}: {where}{key} has no timezone (end it with Z)"
+            )
         return value.astimezone(UTC)
 
 

@@ -71,7 +71,9 @@ def _git(repo: Path, *args: str, timeout: timedelta) -> subprocess.CompletedProc
     )
 
 
-def read_source(repo: Path, *, exclude: Path | None = None, timeout: timedelta = GIT_TIMEOUT) -> SourceFacts:
+def read_source(
+    repo: Path, *, exclude: Path | None = None, timeout: timedelta = GIT_TIMEOUT
+) -> SourceFacts:
     """Commit, ref, dirty flag and remote of the checkout at ``repo``.
 
     ``exclude`` (the bundle being sealed, if it lies inside the checkout) does not count towards dirtiness; any other
@@ -81,7 +83,9 @@ def read_source(repo: Path, *, exclude: Path | None = None, timeout: timedelta =
     try:
         top = _git(repo, "rev-parse", "--show-toplevel", timeout=timeout)
         if top.returncode != 0:
-            raise UsageError(f"{repo} is not a git checkout; evidence must be bound to a commit (use --repo)")
+            raise UsageError(
+                f"{repo} is not a git checkout; evidence must be bound to a commit (use --repo)"
+            )
         toplevel = Path(top.stdout.strip())
         head = _git(toplevel, "rev-parse", "--verify", "HEAD^{commit}", timeout=timeout)
         if head.returncode != 0:
@@ -98,8 +102,14 @@ def read_source(repo: Path, *, exclude: Path | None = None, timeout: timedelta =
     except FileNotFoundError as exc:
         raise UsageError("git is not installed; it is needed to bind evidence to a commit") from exc
     except subprocess.TimeoutExpired as exc:
-        raise UsageError(f"git did not answer within {timeout.total_seconds():.0f} s in {repo}") from exc
-    ref = symbolic.stdout.strip() if symbolic.returncode == 0 else os.environ.get("GITHUB_REF") or None
+        raise UsageError(
+            f"git did not answer within {timeout.total_seconds():.0f} s in {repo}"
+        ) from exc
+    ref = (
+        symbolic.stdout.strip()
+        if symbolic.returncode == 0
+        else os.environ.get("GITHUB_REF") or None
+    )
     return SourceFacts(
         root=toplevel,
         commit=head.stdout.strip().lower(),
@@ -132,7 +142,11 @@ def check_freshness(
 
     def unknown(reason: str, head: str | None = None) -> FreshnessReport:
         return FreshnessReport(
-            state=Freshness.UNKNOWN, commits_behind=None, main_ref=main_ref, main_head=head, reason=reason
+            state=Freshness.UNKNOWN,
+            commits_behind=None,
+            main_ref=main_ref,
+            main_head=head,
+            reason=reason,
         )
 
     if repo is None:
@@ -140,14 +154,24 @@ def check_freshness(
     try:
         if _git(repo, "rev-parse", "--git-dir", timeout=timeout).returncode != 0:
             return unknown(f"{repo} is not a git repository")
-        resolved = _git(repo, "rev-parse", "--verify", "--quiet", f"{main_ref}^{{commit}}", timeout=timeout)
+        resolved = _git(
+            repo, "rev-parse", "--verify", "--quiet", f"{main_ref}^{{commit}}", timeout=timeout
+        )
         if resolved.returncode != 0:
-            return unknown(f"main ref {main_ref!r} is not in {repo} (git fetch, or pass --main-ref)")
+            return unknown(
+                f"main ref {main_ref!r} is not in {repo} (git fetch, or pass --main-ref)"
+            )
         head = resolved.stdout.strip().lower()
         if dirty:
-            return unknown(f"sealed from a dirty tree: the payload matches no commit, not even {commit[:12]}", head)
+            return unknown(
+                f"sealed from a dirty tree: the payload matches no commit, not even {commit[:12]}",
+                head,
+            )
         if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}", timeout=timeout).returncode != 0:
-            return unknown(f"commit {commit[:12]} is not in {repo} (shallow clone? git fetch --unshallow)", head)
+            return unknown(
+                f"commit {commit[:12]} is not in {repo} (shallow clone? git fetch --unshallow)",
+                head,
+            )
         if commit == head:
             return FreshnessReport(
                 state=Freshness.CURRENT,
@@ -167,7 +191,9 @@ def check_freshness(
             )
         count = _git(repo, "rev-list", "--count", f"{commit}..{head}", timeout=timeout)
         if ancestor.returncode != 0 or count.returncode != 0:
-            return unknown(f"git could not relate {commit[:12]} to {main_ref}: {ancestor.stderr.strip()}", head)
+            return unknown(
+                f"git could not relate {commit[:12]} to {main_ref}: {ancestor.stderr.strip()}", head
+            )
     except FileNotFoundError:
         return unknown("git is not installed")
     except subprocess.TimeoutExpired:

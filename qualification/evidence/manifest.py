@@ -59,7 +59,11 @@ class Subject:
     size: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "digest": {"sha256": self.sha256}, "annotations": {"sizeBytes": self.size}}
+        return {
+            "name": self.name,
+            "digest": {"sha256": self.sha256},
+            "annotations": {"sizeBytes": self.size},
+        }
 
 
 def build_statement(subjects: list[Subject], predicate: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,7 +79,9 @@ def build_statement(subjects: list[Subject], predicate: Mapping[str, Any]) -> di
 def canonical_bytes(document: Mapping[str, Any]) -> bytes:
     """Serialize ``document`` canonically (see the module docstring). Floats are refused: they do not round-trip."""
     _refuse_floats(document)
-    return (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode(
+        "utf-8"
+    )
 
 
 def _refuse_floats(value: Any) -> None:
@@ -106,7 +112,11 @@ def parse_json(data: bytes) -> Any:
 @cache
 def load_schema() -> dict[str, Any]:
     """The manifest schema, ``qualification/schemas/`` (package data: the one copy)."""
-    text = resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_text(encoding="utf-8")
+    text = (
+        resources.files("qualification")
+        .joinpath("schemas", SCHEMA_FILE)
+        .read_text(encoding="utf-8")
+    )
     schema: dict[str, Any] = json.loads(text)
     return schema
 
@@ -121,7 +131,9 @@ def schema_errors(document: Any) -> list[str]:
 
     Formats (date-time, uri) are asserted, not just annotated: without ``format_checker`` jsonschema ignores them.
     """
-    validator = Draft202012Validator(load_schema(), format_checker=Draft202012Validator.FORMAT_CHECKER)
+    validator = Draft202012Validator(
+        load_schema(), format_checker=Draft202012Validator.FORMAT_CHECKER
+    )
     found = []
     for error in validator.iter_errors(document):
         pointer = "/" + "/".join(str(part) for part in error.absolute_path)
@@ -170,7 +182,9 @@ def scan_bundle(root: Path, *, max_files: int, max_file_bytes: int) -> list[Bund
         if not stat.S_ISREG(info.st_mode):
             raise BundleInvalid(f"intake: {name!r} is not a regular file (device, socket or pipe)")
         if info.st_size > max_file_bytes:
-            raise BundleInvalid(f"intake: {name!r} is {info.st_size} bytes, over the {max_file_bytes}-byte limit")
+            raise BundleInvalid(
+                f"intake: {name!r} is {info.st_size} bytes, over the {max_file_bytes}-byte limit"
+            )
         found.append(BundleFile(name, path, info.st_size))
         if len(found) > max_files:
             raise BundleInvalid(f"intake: more than {max_files} files in the bundle")
@@ -241,11 +255,15 @@ def extract_archive(archive: Path, dest: Path, *, max_files: int, max_file_bytes
                 if problem is not None:
                     raise BundleInvalid(f"intake: archive member {member.name!r} {problem}")
                 if member.issym() or member.islnk():
-                    raise BundleInvalid(f"intake: archive member {name!r} is a link; bundles hold regular files only")
+                    raise BundleInvalid(
+                        f"intake: archive member {name!r} is a link; bundles hold regular files only"
+                    )
                 if not member.isreg():
                     raise BundleInvalid(f"intake: archive member {name!r} is not a regular file")
                 if member.size > max_file_bytes:
-                    raise BundleInvalid(f"intake: archive member {name!r} is over the {max_file_bytes}-byte limit")
+                    raise BundleInvalid(
+                        f"intake: archive member {name!r} is over the {max_file_bytes}-byte limit"
+                    )
                 count += 1
                 if count > max_files:
                     raise BundleInvalid(f"intake: more than {max_files} files in the archive")

@@ -87,21 +87,29 @@ def seal_bundle(
     files = scan_bundle(bundle_dir, max_files=MAX_FILES, max_file_bytes=MAX_FILE_BYTES)
     sealed = sorted(f.name for f in files if f.name in RESERVED_NAMES)
     if sealed:
-        raise UsageError(f"{bundle_dir} is already sealed ({', '.join(sealed)}); seal a fresh payload directory")
+        raise UsageError(
+            f"{bundle_dir} is already sealed ({', '.join(sealed)}); seal a fresh payload directory"
+        )
     if not files:
         raise UsageError(f"{bundle_dir} is empty; there is nothing to seal")
     names = {f.name for f in files}
     for command in facts.commands:
         if command.log not in names:
-            raise UsageError(f"seal input: log {command.log!r} of command {command.id!r} is not in {bundle_dir}")
+            raise UsageError(
+                f"seal input: log {command.log!r} of command {command.id!r} is not in {bundle_dir}"
+            )
     subjects = [Subject(f.name, sha256_file(f.path), f.size) for f in files]
     source = read_source(repo, exclude=bundle_dir, timeout=timeout)
     statement = build_statement(subjects, _predicate(facts, source, timeout))
     problems = schema_errors(statement)
-    if problems:  # our own output must pass our own verifier; a failure here is a bug in the facts or in us
+    if (
+        problems
+    ):  # our own output must pass our own verifier; a failure here is a bug in the facts or in us
         raise UsageError(f"sealed manifest would not pass the schema: {problems[0]}")
     manifest = canonical_bytes(statement)
-    envelope = signer.sign(manifest)  # before writing: a refused signature must leave the payload unsealed
+    envelope = signer.sign(
+        manifest
+    )  # before writing: a refused signature must leave the payload unsealed
     write_atomic(bundle_dir / MANIFEST_NAME, manifest)
     signature_path = None
     if envelope is not None and signer.envelope_name is not None:
@@ -196,7 +204,9 @@ def _display_path(path: Path, root: Path) -> str:
     """``path`` relative to the checkout when inside it (``campaigns/cpu.toml``), else as given."""
     resolved = path.resolve()
     return (
-        resolved.relative_to(root.resolve()).as_posix() if resolved.is_relative_to(root.resolve()) else path.as_posix()
+        resolved.relative_to(root.resolve()).as_posix()
+        if resolved.is_relative_to(root.resolve())
+        else path.as_posix()
     )
 
 
@@ -236,7 +246,9 @@ def _torch_version() -> str | None:
 
 def _cpu_model() -> str | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in (
+            Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+        ):
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip() or None
     except OSError:
@@ -250,7 +262,9 @@ def _gpus(timeout: timedelta) -> list[dict[str, Any]]:
         return []
     query = [tool, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
     try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=timeout.total_seconds(), check=True)
+        out = subprocess.run(
+            query, capture_output=True, text=True, timeout=timeout.total_seconds(), check=True
+        )
     except (OSError, subprocess.SubprocessError):
         return []  # a wedged driver must not stop the evidence from being sealed; the inventory just stays empty
     gpus = []
@@ -268,7 +282,10 @@ def write_archive(bundle_dir: Path, archive: Path) -> Path:
     files = scan_bundle(bundle_dir, max_files=MAX_FILES, max_file_bytes=MAX_FILE_BYTES)
 
     def pack(handle: BinaryIO) -> None:
-        with gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
+        with (
+            gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) as zipped,
+            tarfile.open(fileobj=zipped, mode="w") as tar,
+        ):
             for item in files:
                 info = tarfile.TarInfo(item.name)
                 info.size, info.mode, info.mtime = item.size, 0o644, 0

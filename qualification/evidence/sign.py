@@ -42,7 +42,9 @@ def pae(payload_type: str, body: bytes) -> bytes:
 
 def keyid(public_key: ec.EllipticCurvePublicKey) -> str:
     """Hex SHA-256 of the key's SubjectPublicKeyInfo DER. A hint for messages only: DSSE keyids are unauthenticated."""
-    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    der = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return hashlib.sha256(der).hexdigest()
 
 
@@ -88,7 +90,12 @@ class KeySigner(Signer):
         envelope = {
             "payload": base64.b64encode(manifest).decode("ascii"),
             "payloadType": PAYLOAD_TYPE,
-            "signatures": [{"keyid": keyid(self._key.public_key()), "sig": base64.b64encode(signature).decode()}],
+            "signatures": [
+                {
+                    "keyid": keyid(self._key.public_key()),
+                    "sig": base64.b64encode(signature).decode(),
+                }
+            ],
         }
         return (json.dumps(envelope, sort_keys=True, indent=2) + "\n").encode("utf-8")
 
@@ -116,11 +123,15 @@ class SigstoreSigner(Signer):
             from sigstore.oidc import IdentityToken, detect_credential
             from sigstore.sign import SigningContext
         except ImportError as exc:
-            raise UsageError(f"sigstore signing needs the sigstore package; {_INSTALL_HINT}") from exc
+            raise UsageError(
+                f"sigstore signing needs the sigstore package; {_INSTALL_HINT}"
+            ) from exc
         try:
             token = self._identity_token or detect_credential()
             if not token:
-                raise UsageError("sigstore signing needs an OIDC token: run in CI with id-token: write")
+                raise UsageError(
+                    "sigstore signing needs an OIDC token: run in CI with id-token: write"
+                )
             trust = ClientTrustConfig.staging() if self._staging else ClientTrustConfig.production()
             context = SigningContext.from_trust_config(trust)
             with context.signer(IdentityToken(token)) as signer:
@@ -136,12 +147,16 @@ def make_signer(mode: str, *, key: Path | None = None, identity_token: str | Non
         return NoneSigner()
     if mode == "key":
         if key is None:
-            raise UsageError("--sign key needs --key PATH (make one with: validation-evidence keygen PATH)")
+            raise UsageError(
+                "--sign key needs --key PATH (make one with: validation-evidence keygen PATH)"
+            )
         return KeySigner(load_private_key(key))
     if mode == "sigstore":
         # Checked here, before any cell runs: hours of cells must not end in "the extra is not installed".
         if importlib.util.find_spec("sigstore") is None:
-            raise UsageError(f"--sign sigstore needs the sigstore package, which is not installed; {_INSTALL_HINT}")
+            raise UsageError(
+                f"--sign sigstore needs the sigstore package, which is not installed; {_INSTALL_HINT}"
+            )
         return SigstoreSigner(identity_token=identity_token)
     raise UsageError(f"unknown signing mode {mode!r}; choose none, key or sigstore")
 
@@ -163,7 +178,9 @@ def generate_key(path: Path) -> tuple[Path, Path]:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never world-readable, not even briefly
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+        )  # never world-readable, not even briefly
         with os.fdopen(fd, "wb") as handle:
             handle.write(private_pem)
         public_path.write_bytes(public_pem)
@@ -219,30 +236,46 @@ def verify_dsse(envelope_bytes: bytes, public_key: ec.EllipticCurvePublicKey) ->
         envelope = json.loads(envelope_bytes)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SignatureInvalid(f"signature: {DSSE_NAME} is not JSON: {exc}") from exc
-    except RecursionError as exc:  # a parser stack exhausted by nesting is a malformed envelope, not a crash
-        raise SignatureInvalid(f"signature: {DSSE_NAME} is nested too deeply to be a DSSE envelope") from exc
+    except (
+        RecursionError
+    ) as exc:  # a parser stack exhausted by nesting is a malformed envelope, not a crash
+        raise SignatureInvalid(
+            f"signature: {DSSE_NAME} is nested too deeply to be a DSSE envelope"
+        ) from exc
     signatures = envelope.get("signatures") if isinstance(envelope, dict) else None
-    if not isinstance(signatures, list) or not signatures or not all(isinstance(s, dict) for s in signatures):
+    if (
+        not isinstance(signatures, list)
+        or not signatures
+        or not all(isinstance(s, dict) for s in signatures)
+    ):
         raise SignatureInvalid(f"signature: {DSSE_NAME} is not a DSSE envelope (no signatures)")
     if envelope.get("payloadType") != PAYLOAD_TYPE:
-        raise SignatureInvalid(f"signature: payloadType is {envelope.get('payloadType')!r}, expected {PAYLOAD_TYPE!r}")
+        raise SignatureInvalid(
+            f"signature: payloadType is {envelope.get('payloadType')!r}, expected {PAYLOAD_TYPE!r}"
+        )
     payload = _b64decode(envelope.get("payload"), "payload")
     message = pae(PAYLOAD_TYPE, payload)
     for entry in signatures:
         try:
-            public_key.verify(_b64decode(entry.get("sig"), "sig"), message, ec.ECDSA(hashes.SHA256()))
+            public_key.verify(
+                _b64decode(entry.get("sig"), "sig"), message, ec.ECDSA(hashes.SHA256())
+            )
         except (InvalidSignature, SignatureInvalid):
             continue
         return payload
     # The keyid only chooses the message; the decision above was made on the signature alone.
     expected_id = keyid(public_key)
-    claimed_ids = {e.get("keyid") for e in signatures if isinstance(e.get("keyid"), str) and e.get("keyid")}
+    claimed_ids = {
+        e.get("keyid") for e in signatures if isinstance(e.get("keyid"), str) and e.get("keyid")
+    }
     if claimed_ids and expected_id not in claimed_ids:
         claimed = ", ".join(sorted(str(k)[:16] for k in claimed_ids))
         raise SignatureInvalid(
             f"signature: made by another key ({claimed}…), not the given public key ({expected_id[:16]}…)"
         )
-    raise SignatureInvalid("signature: DSSE signature does not verify with the given public key (envelope altered)")
+    raise SignatureInvalid(
+        "signature: DSSE signature does not verify with the given public key (envelope altered)"
+    )
 
 
 def verify_sigstore(
@@ -260,17 +293,26 @@ def verify_sigstore(
         from sigstore.verify import Verifier
         from sigstore.verify.policy import AllOf, Identity, OIDCSourceRepositoryDigest
     except ImportError as exc:
-        raise UsageError(f"{SIGSTORE_NAME} needs the sigstore package to verify; {_INSTALL_HINT}") from exc
+        raise UsageError(
+            f"{SIGSTORE_NAME} needs the sigstore package to verify; {_INSTALL_HINT}"
+        ) from exc
     try:
         root = TrustedRoot.from_file(str(trusted_root))
     except (OSError, ValueError, SigstoreError) as exc:
         raise UsageError(f"cannot load trusted root {trusted_root}: {exc}") from exc
     try:
         bundle = Bundle.from_json(bundle_bytes)
-        policy = AllOf([Identity(identity=identity, issuer=issuer), OIDCSourceRepositoryDigest(expected_commit)])
+        policy = AllOf(
+            [
+                Identity(identity=identity, issuer=issuer),
+                OIDCSourceRepositoryDigest(expected_commit),
+            ]
+        )
         payload_type, payload = Verifier(trusted_root=root).verify_dsse(bundle, policy)
     except (SigstoreError, ValueError) as exc:
         raise SignatureInvalid(f"signature: {SIGSTORE_NAME} does not verify: {exc}") from exc
     if payload_type != PAYLOAD_TYPE:
-        raise SignatureInvalid(f"signature: payloadType is {payload_type!r}, expected {PAYLOAD_TYPE!r}")
+        raise SignatureInvalid(
+            f"signature: payloadType is {payload_type!r}, expected {PAYLOAD_TYPE!r}"
+        )
     return bytes(payload)

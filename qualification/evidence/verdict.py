@@ -48,7 +48,9 @@ def scope_text(scope: Mapping[str, Any] | None) -> str | None:
     return f"PARTIAL {scope.get('campaignCellsRun')} of {scope.get('cellsInCampaign')} cells{how}"
 
 
-def headline(*, validity: str, result: str, scope: Mapping[str, Any] | None, freshness: str | None) -> Headline:
+def headline(
+    *, validity: str, result: str, scope: Mapping[str, Any] | None, freshness: str | None
+) -> Headline:
     """The verdict of a bundle (see the module docstring).
 
     ``validity`` is VALID, INVALID, NOT VERIFIED or NOT SEALED; ``freshness`` is None unless verified."""
@@ -56,11 +58,17 @@ def headline(*, validity: str, result: str, scope: Mapping[str, Any] | None, fre
     tail = f"{result}" + (f", {partial}" if partial else "")
     if validity == "INVALID":
         return Headline(
-            word="INVALID", text=f"INVALID: the bundle failed verification (it claims {tail})", tone="failed"
+            word="INVALID",
+            text=f"INVALID: the bundle failed verification (it claims {tail})",
+            tone="failed",
         )
     if result == "FAILED":
         prefix = "" if validity == "VALID" else f" ({validity})"
-        return Headline(word="FAILED", text=f"FAILED{prefix}" + (f", {partial}" if partial else ""), tone="failed")
+        return Headline(
+            word="FAILED",
+            text=f"FAILED{prefix}" + (f", {partial}" if partial else ""),
+            tone="failed",
+        )
     if validity != "VALID":
         return Headline(word=validity, text=f"{validity}: {tail}", tone="neutral")
     if freshness != "CURRENT":
@@ -71,5 +79,7 @@ def headline(*, validity: str, result: str, scope: Mapping[str, Any] | None, fre
     if result == "PASSED-WITH-SKIPS":
         return Headline(word=result, text=result, tone="warning")
     if result == "MEASURED":
-        return Headline(word=result, text=f"{result}: measurement cells only; read each target", tone="neutral")
+        return Headline(
+            word=result, text=f"{result}: measurement cells only; read each target", tone="neutral"
+        )
     return Headline(word=result, text=f"{result}, CURRENT, complete", tone="passed")

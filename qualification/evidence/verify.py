@@ -40,9 +40,16 @@ from qualification.errors import (
     SignatureInvalid,
     UsageError,
 )
-from qualification.evidence.consistency import SUMMARY_NAME as SUMMARY_NAME  # re-exported: it was defined here
+from qualification.evidence.consistency import (
+    SUMMARY_NAME as SUMMARY_NAME,
+)  # re-exported: it was defined here
 from qualification.evidence.consistency import check_claims, check_consistency
-from qualification.evidence.freshness import GIT_TIMEOUT, Freshness, FreshnessReport, check_freshness
+from qualification.evidence.freshness import (
+    GIT_TIMEOUT,
+    Freshness,
+    FreshnessReport,
+    check_freshness,
+)
 from qualification.evidence.manifest import (
     DSSE_NAME,
     MANIFEST_NAME,
@@ -60,7 +67,12 @@ from qualification.evidence.manifest import (
     schema_errors,
     sha256_file,
 )
-from qualification.evidence.sign import GITHUB_OIDC_ISSUER, load_public_key, verify_dsse, verify_sigstore
+from qualification.evidence.sign import (
+    GITHUB_OIDC_ISSUER,
+    load_public_key,
+    verify_dsse,
+    verify_sigstore,
+)
 from qualification.evidence.verdict import Headline, headline, scope_text
 
 _FULL_SHA = re.compile(r"[0-9a-fA-F]{40}")
@@ -102,7 +114,12 @@ class VerificationResult:
 
     @property
     def headline(self) -> Headline:
-        return headline(validity="VALID", result=self.result, scope=self.scope, freshness=str(self.freshness.state))
+        return headline(
+            validity="VALID",
+            result=self.result,
+            scope=self.scope,
+            freshness=str(self.freshness.state),
+        )
 
     @property
     def complete(self) -> bool:
@@ -152,26 +169,38 @@ def verify_bundle(
     subclasses :class:`SignatureInvalid`, :class:`CommitMismatch`) for a bundle that fails a check.
     """
     if not _FULL_SHA.fullmatch(expected_commit):
-        raise UsageError(f"--expected-commit must be a full 40-hex commit SHA, got {expected_commit!r}")
+        raise UsageError(
+            f"--expected-commit must be a full 40-hex commit SHA, got {expected_commit!r}"
+        )
     if not bundle.exists():
         raise UsageError(f"bundle {bundle} does not exist")
-    verify_dir = _Verification(trust or TrustPolicy(), expected_commit.lower(), max_files, max_file_bytes)
+    verify_dir = _Verification(
+        trust or TrustPolicy(), expected_commit.lower(), max_files, max_file_bytes
+    )
     if bundle.is_dir():
         document, checks = verify_dir.run(bundle)
     elif bundle.name.endswith((".tar.gz", ".tgz")):
         with tempfile.TemporaryDirectory(prefix="evidence-") as scratch:
             document, checks = verify_dir.run(
-                extract_archive(bundle, Path(scratch), max_files=max_files, max_file_bytes=max_file_bytes)
+                extract_archive(
+                    bundle, Path(scratch), max_files=max_files, max_file_bytes=max_file_bytes
+                )
             )
     else:
         raise UsageError(f"bundle {bundle} is neither a directory nor a .tar.gz")
     predicate = document["predicate"]
     source = predicate["source"]
     freshness = check_freshness(
-        verify_dir.expected_commit, repo=repo, main_ref=main_ref, dirty=source["dirty"], timeout=timeout
+        verify_dir.expected_commit,
+        repo=repo,
+        main_ref=main_ref,
+        dirty=source["dirty"],
+        timeout=timeout,
     )
     scope = predicate.get("scope")
-    exit_code, message = _verdict(predicate["result"], scope, freshness, allow_stale, require_complete)
+    exit_code, message = _verdict(
+        predicate["result"], scope, freshness, allow_stale, require_complete
+    )
     return VerificationResult(
         commit=source["digest"]["gitCommit"],
         result=predicate["result"],
@@ -189,7 +218,11 @@ def verify_bundle(
 
 
 def _verdict(
-    result: str, scope: dict[str, Any] | None, freshness: FreshnessReport, allow_stale: bool, require_complete: bool
+    result: str,
+    scope: dict[str, Any] | None,
+    freshness: FreshnessReport,
+    allow_stale: bool,
+    require_complete: bool,
 ) -> tuple[int, str]:
     state = freshness.state
     partial = scope_text(scope)
@@ -197,25 +230,35 @@ def _verdict(
     if result == "FAILED":
         return EXIT_FAILED, f"valid bundle of a FAILED run; freshness {state}: {freshness.reason}"
     if require_complete and partial is not None:
-        return EXIT_INCOMPLETE, f"valid, but not a complete campaign ({partial}); --require-complete refuses it"
+        return (
+            EXIT_INCOMPLETE,
+            f"valid, but not a complete campaign ({partial}); --require-complete refuses it",
+        )
     if state is Freshness.CURRENT:
         return EXIT_OK, f"valid, {what} and CURRENT: {freshness.reason}"
     if state is Freshness.STALE:
-        return (EXIT_OK if allow_stale else EXIT_STALE), f"valid and {what}, but STALE: {freshness.reason}"
+        return (
+            EXIT_OK if allow_stale else EXIT_STALE
+        ), f"valid and {what}, but STALE: {freshness.reason}"
     return EXIT_NOT_ON_MAIN, f"valid and {what}, but {state}: {freshness.reason}"
 
 
 class _Verification:
     """One pass over one bundle directory; each ``_check_*`` raises or returns, in the documented order."""
 
-    def __init__(self, trust: TrustPolicy, expected_commit: str, max_files: int, max_file_bytes: int) -> None:
+    def __init__(
+        self, trust: TrustPolicy, expected_commit: str, max_files: int, max_file_bytes: int
+    ) -> None:
         self.trust, self.expected_commit = trust, expected_commit
         self.max_files, self.max_file_bytes = max_files, max_file_bytes
         self.signature = "none"
         self.manifest_sha256 = ""
 
     def run(self, root: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
-        files = {f.name: f for f in scan_bundle(root, max_files=self.max_files, max_file_bytes=self.max_file_bytes)}
+        files = {
+            f.name: f
+            for f in scan_bundle(root, max_files=self.max_files, max_file_bytes=self.max_file_bytes)
+        }
         manifest = self._check_intake(root, files)
         checks = ["intake"]
         document = self._check_signature(files, manifest)
@@ -228,7 +271,9 @@ class _Verification:
             check_claims(document, files)
         commit = document["predicate"]["source"]["digest"]["gitCommit"]
         if commit != self.expected_commit:
-            raise CommitMismatch(f"commit: bundle was made from {commit}, expected {self.expected_commit}")
+            raise CommitMismatch(
+                f"commit: bundle was made from {commit}, expected {self.expected_commit}"
+            )
         return document, (*checks, "schema", "files", "consistency", "commit")
 
     def _check_intake(self, root: Path, files: dict[str, BundleFile]) -> bytes:
@@ -237,7 +282,9 @@ class _Verification:
         for metadata in sorted(RESERVED_NAMES & files.keys()):
             size = files[metadata].size
             if size > MAX_METADATA_BYTES:
-                raise BundleInvalid(f"intake: {metadata} is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit")
+                raise BundleInvalid(
+                    f"intake: {metadata} is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit"
+                )
         manifest = files[MANIFEST_NAME].path.read_bytes()
         self.manifest_sha256 = hashlib.sha256(manifest).hexdigest()
         try:
@@ -252,7 +299,9 @@ class _Verification:
                 if problem is not None:
                     raise BundleInvalid(f"intake: subject name {name!r} {problem}")
                 if name in RESERVED_NAMES:
-                    raise BundleInvalid(f"intake: subject name {name!r} is reserved for the manifest or a signature")
+                    raise BundleInvalid(
+                        f"intake: subject name {name!r} is reserved for the manifest or a signature"
+                    )
         return manifest
 
     def _check_signature(self, files: dict[str, BundleFile], manifest: bytes) -> Any:
@@ -260,18 +309,24 @@ class _Verification:
         envelopes = [name for name in (DSSE_NAME, SIGSTORE_NAME) if name in files]
         if not envelopes:
             if trust.require_signature or trust.public_key or trust.trusted_root:
-                raise SignatureInvalid("signature: bundle is not signed, but a signature is required")
+                raise SignatureInvalid(
+                    "signature: bundle is not signed, but a signature is required"
+                )
             return parse_json(manifest)
         signed: list[tuple[str, bytes]] = []
         for name in envelopes:
             envelope = files[name].path.read_bytes()
             if name == DSSE_NAME:
                 if trust.public_key is None:
-                    raise UsageError(f"bundle is signed ({DSSE_NAME}); pass --public-key to verify it")
+                    raise UsageError(
+                        f"bundle is signed ({DSSE_NAME}); pass --public-key to verify it"
+                    )
                 signed.append((name, verify_dsse(envelope, load_public_key(trust.public_key))))
             else:
                 if trust.trusted_root is None or trust.cert_identity is None:
-                    raise UsageError(f"bundle is signed ({SIGSTORE_NAME}); pass --trusted-root and --cert-identity")
+                    raise UsageError(
+                        f"bundle is signed ({SIGSTORE_NAME}); pass --trusted-root and --cert-identity"
+                    )
                 payload = verify_sigstore(
                     envelope,
                     trusted_root=trust.trusted_root,
@@ -282,7 +337,9 @@ class _Verification:
                 signed.append((name, payload))
         for name, payload in signed:
             if not hmac.compare_digest(payload, manifest):
-                raise SignatureInvalid(f"signature: {MANIFEST_NAME} differs from the payload signed in {name}")
+                raise SignatureInvalid(
+                    f"signature: {MANIFEST_NAME} differs from the payload signed in {name}"
+                )
         self.signature = "+".join("key" if name == DSSE_NAME else "sigstore" for name, _ in signed)
         # From here on only the verified bytes are used (the DSSE rule); they equal manifest.json, checked above.
         return parse_json(signed[0][1])
@@ -308,13 +365,21 @@ class _Verification:
         payload = {name for name in files if name not in RESERVED_NAMES}
         missing = sorted(set(subjects) - payload)
         if missing:
-            raise BundleInvalid(f"files: subject {missing[0]!r} is missing from the bundle ({len(missing)} missing)")
+            raise BundleInvalid(
+                f"files: subject {missing[0]!r} is missing from the bundle ({len(missing)} missing)"
+            )
         extra = sorted(payload - set(subjects))
         if extra:
-            raise BundleInvalid(f"files: {extra[0]!r} is in the bundle but is not a subject ({len(extra)} undeclared)")
+            raise BundleInvalid(
+                f"files: {extra[0]!r} is in the bundle but is not a subject ({len(extra)} undeclared)"
+            )
         for name, subject in sorted(subjects.items()):
             declared_size = subject["annotations"]["sizeBytes"]
             if files[name].size != declared_size:
-                raise BundleInvalid(f"files: {name!r} is {files[name].size} bytes, the manifest says {declared_size}")
+                raise BundleInvalid(
+                    f"files: {name!r} is {files[name].size} bytes, the manifest says {declared_size}"
+                )
             if not hmac.compare_digest(sha256_file(files[name].path), subject["digest"]["sha256"]):
-                raise BundleInvalid(f"files: {name!r} does not match its sha256 in the manifest (edited?)")
+                raise BundleInvalid(
+                    f"files: {name!r} does not match its sha256 in the manifest (edited?)"
+                )

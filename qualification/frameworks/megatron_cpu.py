@@ -41,8 +41,11 @@ __all__ = ["MEGATRON_VERSION", "install"]
 MEGATRON_VERSION = "0.16.1"
 TORCH_VERSION = "2.13.0"
 _MODE: TorchFunctionMode | None = None
-_CUDA_TYPES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
 
 
 def _is_cuda(device: Any) -> bool:
@@ -54,8 +57,13 @@ def _is_cuda(device: Any) -> bool:
 class _CudaAsCpu(TorchFunctionMode):
     """Shims 1 and 2 of the module docstring, for every torch call made on the thread that entered it."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
@@ -73,11 +81,15 @@ def install() -> None:
     if _MODE is not None:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("the Megatron CPU layer is for machines without CUDA; run Megatron as shipped on a GPU")
+        raise RuntimeError(
+            "the Megatron CPU layer is for machines without CUDA; run Megatron as shipped on a GPU"
+        )
     megatron = importlib.metadata.version("megatron-core")
     if megatron != MEGATRON_VERSION or torch.__version__.split("+")[0] != TORCH_VERSION:
-        raise RuntimeError(f"qualification.frameworks.megatron_cpu is verified for megatron-core {MEGATRON_VERSION} "
-                           f"on torch {TORCH_VERSION}, found {megatron} on {torch.__version__}")
+        raise RuntimeError(
+            f"qualification.frameworks.megatron_cpu is verified for megatron-core {MEGATRON_VERSION} "
+            f"on torch {TORCH_VERSION}, found {megatron} on {torch.__version__}"
+        )
     from qualification.programs import _megatron_cpu_shims
 
     _megatron_cpu_shims.install()

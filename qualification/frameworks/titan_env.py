@@ -35,7 +35,9 @@ def unavailable(interpreter: str | None = None, *, timeout_s: float = 60.0) -> s
     if not Path(exe).is_file():
         return f"no TorchTitan interpreter at {exe}; {fix}"
     try:
-        probe = subprocess.run([exe, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+        probe = subprocess.run(
+            [exe, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"the TorchTitan interpreter {exe} did not answer ({exc}); {fix}"
     found = probe.stdout.strip() if probe.returncode == 0 else None

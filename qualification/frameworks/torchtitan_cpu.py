@@ -81,10 +81,14 @@ class _CpuMemory:
 def _check_versions() -> None:
     titan = importlib.metadata.version("torchtitan")
     if titan != TORCHTITAN_VERSION or not torch.__version__.startswith(TORCH_VERSION):
-        raise RuntimeError(f"the TorchTitan CPU shims are written for torchtitan {TORCHTITAN_VERSION} on torch "
-                           f"{TORCH_VERSION}; found torchtitan {titan}, torch {torch.__version__}")
+        raise RuntimeError(
+            f"the TorchTitan CPU shims are written for torchtitan {TORCHTITAN_VERSION} on torch "
+            f"{TORCH_VERSION}; found torchtitan {titan}, torch {torch.__version__}"
+        )
     if torch.cuda.is_available():
-        raise RuntimeError("the TorchTitan CPU shims are for machines without CUDA; run TorchTitan as shipped")
+        raise RuntimeError(
+            "the TorchTitan CPU shims are for machines without CUDA; run TorchTitan as shipped"
+        )
 
 
 def apply() -> None:
@@ -97,7 +101,9 @@ def apply() -> None:
         return
     _check_versions()
     if "torchtitan.tools.utils" in sys.modules:
-        raise RuntimeError("apply() must run before torchtitan is imported (it picks its device type at import)")
+        raise RuntimeError(
+            "apply() must run before torchtitan is imported (it picks its device type at import)"
+        )
     import torch._utils as tutils
 
     # 1. Device type "cpu", only for the moment torchtitan reads it.
@@ -155,30 +161,61 @@ def _accept_presplit_microbatches() -> None:
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
         original = cls.step
 
-        def step(self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
-                 losses: Any = None, return_outputs: bool = True, loss_kwargs: Any = None, _torch: Any = original,
-                 **kwargs: Any) -> Any:
+        def step(
+            self: Any,
+            *args: Any,
+            arg_mbs: Any = None,
+            kwarg_mbs: Any = None,
+            target_mbs: Any = None,
+            losses: Any = None,
+            return_outputs: bool = True,
+            loss_kwargs: Any = None,
+            _torch: Any = original,
+            **kwargs: Any,
+        ) -> Any:
             if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-                return _torch(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
-                              **kwargs)
+                return _torch(
+                    self,
+                    *args,
+                    losses=losses,
+                    return_outputs=return_outputs,
+                    loss_kwargs=loss_kwargs,
+                    **kwargs,
+                )
             if args or kwargs or return_outputs:
-                raise RuntimeError("pre-split pipeline step: only torchtitan's call (microbatches, no outputs) is "
-                                   "supported by the CPU shim")
+                raise RuntimeError(
+                    "pre-split pipeline step: only torchtitan's call (microbatches, no outputs) is "
+                    "supported by the CPU shim"
+                )
             if self._has_backward and not torch.is_grad_enabled():
-                raise RuntimeError("step() requires gradients to be enabled for backward computation")
+                raise RuntimeError(
+                    "step() requires gradients to be enabled for backward computation"
+                )
             stages = getattr(self, "_stages", None) or [self._stage]
             for stage in stages:
                 stage.has_backward = self._has_backward
                 stage.clear_runtime_states()
-            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs)
+            self._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs
+            )
             return None
 
         cls.step = step  # type: ignore[method-assign]
 
 
-def trainer_config(*, assets: Path, dump: Path, steps: int, seq_len: int = 128, local_batch: int = 2,
-                   seed: int = 0, dp_shard: int = -1, dp_replicate: int = 1, pp: int = 1,
-                   pp_schedule: str = "1F1B") -> Any:
+def trainer_config(
+    *,
+    assets: Path,
+    dump: Path,
+    steps: int,
+    seq_len: int = 128,
+    local_batch: int = 2,
+    seed: int = 0,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    pp: int = 1,
+    pp_schedule: str = "1F1B",
+) -> Any:
     """The llama3 debug model's ``Trainer.Config`` (torchtitan's own ``llama3_debugmodel``) set up for this CPU:
     fp32 parameters, ``partial_dtensor``, no CUDA graphs, no validation, TorchTitan's own checkpointing off, a fixed
     seed, the assets of :func:`make_assets`. ``pp`` > 1: TorchTitan's own pipeline split and ``pp_schedule``
@@ -194,14 +231,22 @@ def trainer_config(*, assets: Path, dump: Path, steps: int, seq_len: int = 128, 
     config.training.steps = steps
     config.training.seq_len = seq_len
     config.training.local_batch_size = local_batch
-    config.training.mixed_precision_param = "float32"  # bf16 matmuls: ~8 s/step on this CPU instead of ~1 s
+    config.training.mixed_precision_param = (
+        "float32"  # bf16 matmuls: ~8 s/step on this CPU instead of ~1 s
+    )
     config.training.disable_cuda_graphs = True
-    config.parallelism.spmd_backend = "partial_dtensor"  # spmd_types wants every parameter on the full SPMD mesh
+    config.parallelism.spmd_backend = (
+        "partial_dtensor"  # spmd_types wants every parameter on the full SPMD mesh
+    )
     config.parallelism.data_parallel_shard_degree = dp_shard
     config.parallelism.data_parallel_replicate_degree = dp_replicate
-    config.parallelism.pipeline_parallel_degree = pp  # microbatches of 1 sample: local_batch of them per step
+    config.parallelism.pipeline_parallel_degree = (
+        pp  # microbatches of 1 sample: local_batch of them per step
+    )
     config.parallelism.pipeline_parallel_schedule = pp_schedule
-    config.checkpoint.enable = False  # gemscout restores; Trainer.train() would load its own DCP checkpoint
+    config.checkpoint.enable = (
+        False  # gemscout restores; Trainer.train() would load its own DCP checkpoint
+    )
     config.validator.enable = False
     config.debug.seed = seed
     config.debug.enable_structured_logging = False
@@ -222,15 +267,22 @@ def make_assets(folder: Path, *, documents: int = 1500, seed: int = 0) -> Path:
 
     rng = random.Random(seed)
     words = _words(rng)
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 160))) + "." for _ in range(documents)]
+    texts = [
+        " ".join(rng.choice(words) for _ in range(rng.randint(20, 160))) + "."
+        for _ in range(documents)
+    ]
     data = folder / "c4_test"
     data.mkdir(parents=True, exist_ok=True)
     (data / "data.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tok = folder / "tokenizer"
     tok.mkdir(parents=True, exist_ok=True)

@@ -17,16 +17,24 @@ from typing import Any
 RunCell = Callable[[dict[str, Any], Path], dict[str, Any]]
 
 
-def measured(cell: dict[str, Any], observed: dict[str, Any], timeline: list[dict[str, Any]],
-             started: float) -> dict[str, Any]:
+def measured(
+    cell: dict[str, Any], observed: dict[str, Any], timeline: list[dict[str, Any]], started: float
+) -> dict[str, Any]:
     """A cell result that ran to the end: its observations (the engine judges them against ``expect``), the
     timeline and the duration since ``started`` (``time.monotonic()``)."""
-    return {"cell_id": cell["id"], "status": "passed", "observed": observed,
-            "metrics": {"duration_s": round(time.monotonic() - started, 3)}, "timeline": timeline, "message": ""}
+    return {
+        "cell_id": cell["id"],
+        "status": "passed",
+        "observed": observed,
+        "metrics": {"duration_s": round(time.monotonic() - started, 3)},
+        "timeline": timeline,
+        "message": "",
+    }
 
 
-def trust_gating(trust: dict[int, str], decisions: list[dict[str, Any]], fault_step: int,
-                 end: int | None = None) -> dict[str, bool]:
+def trust_gating(
+    trust: dict[int, str], decisions: list[dict[str, Any]], fault_step: int, end: int | None = None
+) -> dict[str, bool]:
     """How the trust states answered an SDC first seen at ``fault_step`` and present until ``end`` (default: that step
     only): ``decision_before_fault`` (the first SDC decision names an older step, or none), ``fault_step_rejected``
     (no capture in ``[fault_step, end)`` was certified, while certification did happen elsewhere in the run),
@@ -38,9 +46,11 @@ def trust_gating(trust: dict[int, str], decisions: list[dict[str, Any]], fault_s
     sdc = [d for d in decisions if d["failure_kind"] == "sdc"]
     certified = {s for s, st in trust.items() if st == "recovery_verified"}
     return {
-        "decision_before_fault": bool(certified) and bool(sdc)
+        "decision_before_fault": bool(certified)
+        and bool(sdc)
         and (sdc[0]["step"] is None or sdc[0]["step"] < fault_step),
-        "fault_step_rejected": bool(certified) and not any(fault_step <= s < end for s in certified),
+        "fault_step_rejected": bool(certified)
+        and not any(fault_step <= s < end for s in certified),
         "certified_after": any(s >= end for s in certified),
     }
 

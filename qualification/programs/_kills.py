@@ -68,20 +68,33 @@ def record(
     return event
 
 
-def sigkill_self(out: Path, *, rank: int, step: int | None, phase: str, attempt: int | None = None) -> NoReturn:
+def sigkill_self(
+    out: Path, *, rank: int, step: int | None, phase: str, attempt: int | None = None
+) -> NoReturn:
     """Record the kill of this process, then SIGKILL it (never returns)."""
     record(out, rank=rank, step=step, phase=phase, target_pids=[os.getpid()], attempt=attempt)
     os.kill(os.getpid(), signal.SIGKILL)
-    raise AssertionError("unreachable: SIGKILL was delivered")  # for the type checker; the process is gone
+    raise AssertionError(
+        "unreachable: SIGKILL was delivered"
+    )  # for the type checker; the process is gone
 
 
 def sigkill_self_later(
-    out: Path, delay_s: float, *, rank: int, step: int | None, phase: str, attempt: int | None = None
+    out: Path,
+    delay_s: float,
+    *,
+    rank: int,
+    step: int | None,
+    phase: str,
+    attempt: int | None = None,
 ) -> threading.Timer:
     """Start a timer that records and SIGKILLs this process ``delay_s`` from now, wherever it then is; the record's
     ``wall`` is taken when the timer fires, not when it was armed."""
     timer = threading.Timer(
-        delay_s, sigkill_self, (out,), {"rank": rank, "step": step, "phase": phase, "attempt": attempt}
+        delay_s,
+        sigkill_self,
+        (out,),
+        {"rank": rank, "step": step, "phase": phase, "attempt": attempt},
     )
     timer.start()
     return timer
@@ -101,7 +114,11 @@ def read(out: Path) -> list[dict[str, Any]]:
 
 
 def describe(event: dict[str, Any]) -> str:
-    who = f"rank {event['rank']}" if event.get("rank") is not None else f"pids {event.get('target_pids')}"
+    who = (
+        f"rank {event['rank']}"
+        if event.get("rank") is not None
+        else f"pids {event.get('target_pids')}"
+    )
     at = f" at step {event['step']}" if event.get("step") is not None else ""
     attempt = f", attempt {event['attempt']}" if event.get("attempt") is not None else ""
     by = "" if event.get("by") == "self" else f" by {event.get('by')}"

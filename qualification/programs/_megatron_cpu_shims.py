@@ -95,7 +95,9 @@ def install() -> None:
     if _INSTALLED:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("the Megatron CPU shims are for machines without CUDA; run Megatron as shipped on a GPU")
+        raise RuntimeError(
+            "the Megatron CPU shims are for machines without CUDA; run Megatron as shipped on a GPU"
+        )
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.get_rng_state = _cpu_get_rng_state  # type: ignore[assignment]
     torch.cuda.set_rng_state = _cpu_set_rng_state  # type: ignore[assignment]

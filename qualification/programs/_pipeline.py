@@ -42,8 +42,17 @@ from torch import nn
 from qualification.workloads import lm_loss
 from qualification.workloads.pipeline import build_stage
 
-__all__ = ["MICROBATCHES", "PIPELINE_TOPOLOGIES", "SCHEDULES", "Layout", "Pipeline", "build_pipeline",
-           "fitting_schedules", "replica_of", "stage_ids"]
+__all__ = [
+    "MICROBATCHES",
+    "PIPELINE_TOPOLOGIES",
+    "SCHEDULES",
+    "Layout",
+    "Pipeline",
+    "build_pipeline",
+    "fitting_schedules",
+    "replica_of",
+    "stage_ids",
+]
 
 
 class Layout(NamedTuple):
@@ -67,12 +76,20 @@ class Layout(NamedTuple):
 
 
 PIPELINE_TOPOLOGIES: dict[str, Layout] = {
-    "pp": Layout(2, 1), "pp-dp": Layout(2, 2), "pp-dp3": Layout(2, 3),
-    "pp3": Layout(3, 1), "pp3-dp2": Layout(3, 2),
-    "pp-virtual": Layout(4, 1, per_rank=2), "pp-virtual-dp": Layout(4, 2, per_rank=2),
-    "pp-v": Layout(4, 1, per_rank=2, order="v"), "pp-v-dp": Layout(4, 2, per_rank=2, order="v"),
-    "pp-dp-ddp": Layout(2, 2, ddp=True), "pp-fsdp": Layout(2, 2, fsdp=True),
-    "pp-tp": Layout(2, 1, tp=2), "pp-dp-tp": Layout(2, 2, tp=2), "pp-dp3-tp": Layout(2, 3, tp=2),
+    "pp": Layout(2, 1),
+    "pp-dp": Layout(2, 2),
+    "pp-dp3": Layout(2, 3),
+    "pp3": Layout(3, 1),
+    "pp3-dp2": Layout(3, 2),
+    "pp-virtual": Layout(4, 1, per_rank=2),
+    "pp-virtual-dp": Layout(4, 2, per_rank=2),
+    "pp-v": Layout(4, 1, per_rank=2, order="v"),
+    "pp-v-dp": Layout(4, 2, per_rank=2, order="v"),
+    "pp-dp-ddp": Layout(2, 2, ddp=True),
+    "pp-fsdp": Layout(2, 2, fsdp=True),
+    "pp-tp": Layout(2, 1, tp=2),
+    "pp-dp-tp": Layout(2, 2, tp=2),
+    "pp-dp3-tp": Layout(2, 3, tp=2),
 }
 """Topology name → layout. ``PIPELINE_TOPOLOGIES[name][1]`` is the replica count."""
 SINGLE_SCHEDULES = ("gpipe", "1f1b")
@@ -122,7 +139,9 @@ class Pipeline:
         micro-batch loss (every rank of the pipeline gets the last stage's value)."""
         losses: list[torch.Tensor] = []
         args = (x,) if 0 in self.stages else ()
-        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.n_stages - 1 in self.stages else {}
+        kwargs: dict[str, Any] = (
+            {"target": y, "losses": losses} if self.n_stages - 1 in self.stages else {}
+        )
         self.schedule.step(*args, **kwargs)
         loss = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
@@ -133,8 +152,11 @@ class Pipeline:
     def _average_grads(self) -> None:
         # A TP-sharded parameter's gradient is a DTensor: its dp replicas hold the same part, so the local parts
         # are what is averaged (to_local is a view: the copy back lands in the gradient).
-        grads = [g.to_local() if hasattr(g, "to_local") else g
-                 for p in self.module.parameters() if (g := p.grad) is not None]
+        grads = [
+            g.to_local() if hasattr(g, "to_local") else g
+            for p in self.module.parameters()
+            if (g := p.grad) is not None
+        ]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.replicas
@@ -148,12 +170,20 @@ def _schedule(name: str, stages: list[Any], layout: Layout) -> Any:
     import torch.distributed.pipelining as pipelining
 
     kind = getattr(pipelining, _SCHEDULE_CLASSES[name])
-    return kind(stages[0] if layout.per_rank == 1 else stages, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+    return kind(
+        stages[0] if layout.per_rank == 1 else stages, n_microbatches=MICROBATCHES, loss_fn=lm_loss
+    )
 
 
-_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                     "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
-                     "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+_SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 
 
 def fitting_schedules(layout: Layout) -> tuple[str, ...]:
@@ -187,13 +217,17 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if topology not in PIPELINE_TOPOLOGIES:
-        raise SystemExit(f"unknown pipeline topology {topology!r}; choose one of {sorted(PIPELINE_TOPOLOGIES)}")
+        raise SystemExit(
+            f"unknown pipeline topology {topology!r}; choose one of {sorted(PIPELINE_TOPOLOGIES)}"
+        )
     if schedule not in SCHEDULES:
         raise SystemExit(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     layout = PIPELINE_TOPOLOGIES[topology]
     if schedule not in (fits := fitting_schedules(layout)):
-        raise SystemExit(f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank, "
-                         f"{layout.order} order); choose one of {fits}")
+        raise SystemExit(
+            f"schedule {schedule!r} does not fit {topology} ({layout.per_rank} stage(s) per rank, "
+            f"{layout.order} order); choose one of {fits}"
+        )
     pp_size, replicas = layout.stages // layout.per_rank, layout.replicas
     inner = replicas * layout.tp  # ranks per pp coordinate
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -203,19 +237,33 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
         mesh = init_device_mesh("cpu", (pp_size,), mesh_dim_names=("pp",))
         pp_mesh, dp_group, replica = mesh, None, 0
     else:
-        dims = [(d, n) for d, n in (("pp", pp_size), ("dp", replicas), ("tp", layout.tp)) if n > 1 or d == "pp"]
-        mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+        dims = [
+            (d, n)
+            for d, n in (("pp", pp_size), ("dp", replicas), ("tp", layout.tp))
+            if n > 1 or d == "pp"
+        ]
+        mesh = init_device_mesh(
+            "cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+        )
         pp_mesh, replica = mesh["pp"], replica_of(topology, rank)
         dp_group = mesh["dp"].get_group() if replicas > 1 else None
     coord = rank // inner
     ids = stage_ids(layout, coord)
-    mods: list[nn.Module] = [build_stage(workload, seed=seed, stage=s, n_stages=layout.stages) for s in ids]
+    mods: list[nn.Module] = [
+        build_stage(workload, seed=seed, stage=s, n_stages=layout.stages) for s in ids
+    ]
     if layout.tp > 1:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         for m in mods:  # Megatron-style MLP sharding; attention, embedding and head stay plain (replicated over tp)
             for block in m.blocks:
-                parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+                parallelize_module(
+                    block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+                )
     if layout.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -233,11 +281,21 @@ def build_pipeline(topology: str, workload: str, *, seed: int, schedule: str) ->
             # would differ from the uninterrupted run in the last bits. Off, every step reduces once, bitwise alike.
             m.require_backward_grad_sync = False
     pp_group = pp_mesh.get_group()
-    pipe_stages = [PipelineStage(m, s, layout.stages, torch.device("cpu"), group=pp_group)
-                   for m, s in zip(mods, ids, strict=True)]
+    pipe_stages = [
+        PipelineStage(m, s, layout.stages, torch.device("cpu"), group=pp_group)
+        for m, s in zip(mods, ids, strict=True)
+    ]
     last_coord = 0 if layout.order == "v" else (layout.stages - 1) % pp_size
-    return Pipeline(module=mods[0] if len(mods) == 1 else nn.ModuleList(mods), stages=ids,
-                    n_stages=layout.stages, replica=replica, replicas=replicas, mesh=mesh,
-                    schedule=_schedule(schedule, pipe_stages, layout), pp_group=pp_group,
-                    dp_group=None if layout.ddp or layout.fsdp else dp_group,
-                    last_rank=last_coord * inner + rank % inner, order=layout.order)
+    return Pipeline(
+        module=mods[0] if len(mods) == 1 else nn.ModuleList(mods),
+        stages=ids,
+        n_stages=layout.stages,
+        replica=replica,
+        replicas=replicas,
+        mesh=mesh,
+        schedule=_schedule(schedule, pipe_stages, layout),
+        pp_group=pp_group,
+        dp_group=None if layout.ddp or layout.fsdp else dp_group,
+        last_rank=last_coord * inner + rank % inner,
+        order=layout.order,
+    )

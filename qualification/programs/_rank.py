@@ -70,7 +70,11 @@ def trust_states(session: Any) -> dict[str, str]:
 
 def megatron_run_arguments(ap: Any) -> None:
     """The run arguments the Megatron rank programs share with the lifecycle driver (an ``argparse`` parser)."""
-    ap.add_argument("--workload", default="gpt-megatron", help="accepted for the lifecycle driver; always GPTModel")
+    ap.add_argument(
+        "--workload",
+        default="gpt-megatron",
+        help="accepted for the lifecycle driver; always GPTModel",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=int, default=1)

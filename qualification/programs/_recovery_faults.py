@@ -31,6 +31,7 @@ def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callab
 
     def _die() -> None:
         sigkill_self(out, rank=rank, step=None, phase=phase)
+
     from gemscout.gemini import comm
 
     real = comm.exchange
@@ -40,6 +41,7 @@ def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callab
             _die()
         on_arrival = kwargs.get("on_arrival")
         if phase == "recover-receive" and src is not None and on_arrival is not None:
+
             def watched(prefix: bytes, data: Any) -> Any:
                 check = on_arrival(prefix, data)
                 inner = check.received
@@ -51,6 +53,7 @@ def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callab
 
                 check.received = received
                 return check
+
             kwargs["on_arrival"] = watched
         return real(send, dst, src, **kwargs)
 

@@ -31,7 +31,12 @@ class Agent:
         self.log = log
         with open(log, "ab") as fh:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
 
     def tree(self) -> list[psutil.Process]:
@@ -48,8 +53,15 @@ class Agent:
         that folder, durably, right before the signals (a cleanup or timeout kill passes none)."""
         procs = self.tree()
         if record is not None:
-            _kills.record(record, rank=None, step=None, phase="node-loss", target_pids=[p.pid for p in procs],
-                          by="driver", detail=detail)
+            _kills.record(
+                record,
+                rank=None,
+                step=None,
+                phase="node-loss",
+                target_pids=[p.pid for p in procs],
+                by="driver",
+                detail=detail,
+            )
         for p in procs:
             try:
                 p.send_signal(signal.SIGKILL)
@@ -101,11 +113,25 @@ def torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str
         rank_args += ["--step-sleep", str(p["step_sleep"])]
     if p.get("baseline", "process") == "inline":
         rank_args.append("--inline-baseline")
-    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", RANK_PROGRAM, *rank_args, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        "-m",
+        RANK_PROGRAM,
+        *rank_args,
+        *extra,
+    ]
 
 
 def single_node(world: int, restarts: int) -> list[str]:
-    return ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={restarts}", "--monitor-interval=0.2"]
+    return [
+        "--standalone",
+        f"--nproc-per-node={world}",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.2",
+    ]
 
 
 def read_results(out: Path, world: int) -> list[dict[str, Any]] | None:

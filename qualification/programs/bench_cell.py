@@ -30,8 +30,14 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     p = cell.get("params", {})
     bench = str(p.get("bench", "gemini"))
     if bench not in BENCHES:
-        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": [],
-                "message": f"params.bench: {bench!r} is not one of {list(BENCHES)}"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {},
+            "metrics": {},
+            "timeline": [],
+            "message": f"params.bench: {bench!r} is not one of {list(BENCHES)}",
+        }
     out = celldir / f"{bench.replace('_', '-')}-bench.json"
     argv = [sys.executable, "-m", f"qualification.bench.{bench}", "--out", str(out)]
     if bench == "gemini":
@@ -45,18 +51,39 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             if key in p:
                 argv += [f"--{key.replace('_', '-')}", str(p[key])]
     else:
-        argv += ["--sizes-mib", str(p.get("sizes_mib", "256,1024")), "--device", str(p.get("device", "cuda"))]
+        argv += [
+            "--sizes-mib",
+            str(p.get("sizes_mib", "256,1024")),
+            "--device",
+            str(p.get("device", "cuda")),
+        ]
     (celldir / "scratch").mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5)
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=float(cell.get("timeout_s", 600)) - 5
+        )
     finally:
-        shutil.rmtree(celldir / "scratch", ignore_errors=True)  # benchmark checkpoints are not evidence
+        shutil.rmtree(
+            celldir / "scratch", ignore_errors=True
+        )  # benchmark checkpoints are not evidence
     (celldir / "bench.log").write_text(proc.stdout + proc.stderr)
-    timeline = [{"t": 0.0, "event": "start", "detail": " ".join(argv[1:])},
-                {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"exit {proc.returncode}"}]
+    timeline = [
+        {"t": 0.0, "event": "start", "detail": " ".join(argv[1:])},
+        {
+            "t": round(time.monotonic() - t0, 3),
+            "event": "finish",
+            "detail": f"exit {proc.returncode}",
+        },
+    ]
     if proc.returncode != 0 or not out.exists():
-        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
-                "message": f"benchmark exited {proc.returncode}; see bench.log"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {},
+            "metrics": {},
+            "timeline": timeline,
+            "message": f"benchmark exited {proc.returncode}; see bench.log",
+        }
     doc = json.loads(out.read_text())
     observed: dict[str, Any] = {"targets_met": 0, "targets_total": 0}
     targets: list[dict[str, Any]] = []
@@ -68,11 +95,21 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             observed["targets_total"] += 1
             observed["targets_met"] += bool(met)
             value = size["ratios"].get(name)
-            targets.append({"name": f"{name} at {tag}", "met": bool(met),
-                            "detail": f"ratio {value}" if value is not None else ""})
-    result: dict[str, Any] = {"cell_id": cell["id"], "status": "passed", "observed": observed,
-                              "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
-                              "timeline": timeline, "message": ""}
+            targets.append(
+                {
+                    "name": f"{name} at {tag}",
+                    "met": bool(met),
+                    "detail": f"ratio {value}" if value is not None else "",
+                }
+            )
+    result: dict[str, Any] = {
+        "cell_id": cell["id"],
+        "status": "passed",
+        "observed": observed,
+        "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
+        "timeline": timeline,
+        "message": "",
+    }
     if targets:  # a measurement: the engine's verdict is MEASURED, each target met or missed
         result["targets"] = targets
     return result

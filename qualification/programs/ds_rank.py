@@ -68,10 +68,15 @@ def import_deepspeed() -> Any:
 
 
 def ds_config(stage: int, *, accumulation: int = 1, bf16: bool = False) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
-            "zero_optimization": ds_zero3.zero3_config() if stage == 3 else {"stage": stage},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": bf16}, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": ds_zero3.zero3_config() if stage == 3 else {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -116,14 +121,20 @@ def full_state(engine: Any) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     inner = engine.optimizer.optimizer
-    assert all(inner.state.get(g["params"][0]) for g in inner.param_groups), "--full-state needs a stepped engine"
+    assert all(inner.state.get(g["params"][0]) for g in inner.param_groups), (
+        "--full-state needs a stepped engine"
+    )
     _link_moments(engine)
     out: dict[str, Any] = {}
     for name, p in engine.module.named_parameters():
-        tensors = {"master": safe_get_full_fp32_param(p),
-                   **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}}
+        tensors = {
+            "master": safe_get_full_fp32_param(p),
+            **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")},
+        }
         out[name] = {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in tensors.items()}
-    out["/groups"] = [[float(inner.state[g["params"][0]]["step"]), repr(g["lr"])] for g in inner.param_groups]
+    out["/groups"] = [
+        [float(inner.state[g["params"][0]]["step"]), repr(g["lr"])] for g in inner.param_groups
+    ]
     return out
 
 
@@ -137,13 +148,28 @@ def dump_full(engine: Any, path: Path) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _link_moments(engine)
-    params = {name: {"master": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in _MOMENTS}}
-              for name, p in engine.module.named_parameters()}
+    params = {
+        name: {
+            "master": safe_get_full_fp32_param(p),
+            **{k: safe_get_full_optimizer_state(p, k) for k in _MOMENTS},
+        }
+        for name, p in engine.module.named_parameters()
+    }
     inner = engine.optimizer.optimizer
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": inner.state[g["params"][0]]["step"].clone()}
-              for g in inner.param_groups]
-    ds_zero3.save_blob(engine, path, params=params, groups=groups,
-                       model={k: v.clone() for k, v in engine.module.state_dict().items()})
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "step": inner.state[g["params"][0]]["step"].clone(),
+        }
+        for g in inner.param_groups
+    ]
+    ds_zero3.save_blob(
+        engine,
+        path,
+        params=params,
+        groups=groups,
+        model={k: v.clone() for k, v in engine.module.state_dict().items()},
+    )
 
 
 def load_full(engine: Any, path: Path) -> int:
@@ -153,11 +179,15 @@ def load_full(engine: Any, path: Path) -> int:
     blob = torch.load(path, weights_only=False)
     inner = engine.optimizer.optimizer
     with torch.no_grad():
-        engine.module.load_state_dict(blob["model"])  # in place: the module's weights are views of DeepSpeed's flat
+        engine.module.load_state_dict(
+            blob["model"]
+        )  # in place: the module's weights are views of DeepSpeed's flat
         for group, saved in zip(inner.param_groups, blob["groups"], strict=True):
             master = group["params"][0]
-            inner.state[master] = {"step": saved["step"].clone(),
-                                   **{k: torch.zeros_like(master) for k in _MOMENTS}}
+            inner.state[master] = {
+                "step": saved["step"].clone(),
+                **{k: torch.zeros_like(master) for k in _MOMENTS},
+            }
             group.update({k: v for k, v in saved.items() if k != "step"})
         _link_moments(engine)
     return ds_zero3.set_full_state(engine, blob)
@@ -181,8 +211,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--bf16", action="store_true", help="bf16 module weights, fp32 master partition")
-    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--bf16", action="store_true", help="bf16 module weights, fp32 master partition"
+    )
+    ap.add_argument(
+        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
+    )
     ap.add_argument("--run-id", default="qualify")
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--persist-every", type=int, default=1)
@@ -192,33 +226,70 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-phase", default="after-step")
     ap.add_argument("--kill-seed", type=int, default=0)
     ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument("--scout", action="store_true", help="SCOUT forward recipes on the engine's module")
+    ap.add_argument(
+        "--scout", action="store_true", help="SCOUT forward recipes on the engine's module"
+    )
     ap.add_argument("--fault-rank", type=int, default=-1)
     ap.add_argument("--fault-step", type=int, default=-1)
     ap.add_argument("--heal-step", type=int, default=1 << 30)
     ap.add_argument("--fault-block", type=int, default=1)
-    ap.add_argument("--scout-recipes", default="embedding,hidden,output",
-                    help="SCOUT recipe kinds (comma-separated); 'optimizer' replays the ZeRO partition owner's update")
+    ap.add_argument(
+        "--scout-recipes",
+        default="embedding,hidden,output",
+        help="SCOUT recipe kinds (comma-separated); 'optimizer' replays the ZeRO partition owner's update",
+    )
     ap.add_argument("--optimizer-slice-numel", type=int, default=1 << 16)
-    ap.add_argument("--optimizer-slices-per-cycle", type=int, default=1, help="0: every slice of the owner")
-    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="corrupt this rank's optimizer-slice replay")
-    ap.add_argument("--replay-fault-steps", default="", help="comma-separated steps of the replay fault")
-    ap.add_argument("--update-fault-rank", type=int, default=-1,
-                    help="flip a bit of this rank's fp32 master partition right after its real update")
+    ap.add_argument(
+        "--optimizer-slices-per-cycle", type=int, default=1, help="0: every slice of the owner"
+    )
+    ap.add_argument(
+        "--replay-fault-rank",
+        type=int,
+        default=-1,
+        help="corrupt this rank's optimizer-slice replay",
+    )
+    ap.add_argument(
+        "--replay-fault-steps", default="", help="comma-separated steps of the replay fault"
+    )
+    ap.add_argument(
+        "--update-fault-rank",
+        type=int,
+        default=-1,
+        help="flip a bit of this rank's fp32 master partition right after its real update",
+    )
     ap.add_argument("--update-fault-step", type=int, default=-1)
     ap.add_argument("--param-groups", type=int, default=1, choices=(1, 2))
-    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument(
+        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
+    )
     ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
-    ap.add_argument("--straggler-margin-s", type=float, default=0.0,
-                    help="> 0: compute-straggler detection with this absolute margin (0: off)")
-    ap.add_argument("--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays")
+    ap.add_argument(
+        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
+    )
+    ap.add_argument(
+        "--straggler-margin-s",
+        type=float,
+        default=0.0,
+        help="> 0: compute-straggler detection with this absolute margin (0: off)",
+    )
+    ap.add_argument(
+        "--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays"
+    )
     ap.add_argument("--replay-delay-s", type=float, default=0.25)
-    ap.add_argument("--full-state", action="store_true",
-                    help="record the gathered full fp32 state's digests at resume and at the end")
-    ap.add_argument("--dump-full", type=Path, default=None, help="write the full state here at the end")
-    ap.add_argument("--load-full", type=Path, default=None,
-                    help="start from a --dump-full file with DeepSpeed's own setters (no gemscout)")
+    ap.add_argument(
+        "--full-state",
+        action="store_true",
+        help="record the gathered full fp32 state's digests at resume and at the end",
+    )
+    ap.add_argument(
+        "--dump-full", type=Path, default=None, help="write the full state here at the end"
+    )
+    ap.add_argument(
+        "--load-full",
+        type=Path,
+        default=None,
+        help="start from a --dump-full file with DeepSpeed's own setters (no gemscout)",
+    )
     return ap.parse_args()
 
 
@@ -230,18 +301,24 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
     model = build_model(args.workload, seed=args.seed)
-    if args.param_groups == 2:  # no weight decay on vectors (norms, biases): two ZeRO partitions per rank
+    if (
+        args.param_groups == 2
+    ):  # no weight decay on vectors (norms, biases): two ZeRO partitions per rank
         decay = [p for p in model.parameters() if p.dim() > 1]
         flat = [p for p in model.parameters() if p.dim() <= 1]
-        opt = torch.optim.AdamW([{"params": decay}, {"params": flat, "weight_decay": 0.0}], lr=3e-3,
-                                weight_decay=0.01)
+        opt = torch.optim.AdamW(
+            [{"params": decay}, {"params": flat, "weight_decay": 0.0}], lr=3e-3, weight_decay=0.01
+        )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
-                                                lr_scheduler=sched, config=ds_config(
-                                                    STAGES[args.topology], accumulation=args.accumulation,
-                                                    bf16=args.bf16))
+    engine, ds_opt, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=ds_config(STAGES[args.topology], accumulation=args.accumulation, bf16=args.bf16),
+    )
     losses: dict[int, float] = {}
     reports: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
@@ -254,7 +331,12 @@ def main() -> None:
         import gemscout
 
         def extra() -> dict[str, Any]:
-            if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
+            if (
+                killer
+                and args.kill_phase == "capture"
+                and session is not None
+                and session.step == args.kill_step
+            ):
                 sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
             return {"losses": {str(k): v for k, v in losses.items()}}
 
@@ -262,31 +344,62 @@ def main() -> None:
             losses.clear()
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
-        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
-                                        persist_every=args.persist_every, keep_generations=args.keep_generations,
-                                        timeout=timedelta(seconds=60), fsync=False, durable_directory=args.durable,
-                                        durable_every=args.durable_every)
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id=args.run_id,
+            ranks_per_node=args.ranks_per_node,
+            persist_every=args.persist_every,
+            keep_generations=args.keep_generations,
+            timeout=timedelta(seconds=60),
+            fsync=False,
+            durable_directory=args.durable,
+            durable_every=args.durable_every,
+        )
         kinds = tuple(args.scout_recipes.split(","))
         per_cycle = args.optimizer_slices_per_cycle or None
-        stragglers = (StragglerConfig(absolute_margin_s=args.straggler_margin_s)
-                      if args.straggler_margin_s > 0 else None)
-        scout = gemscout.ScoutConfig(interval=args.interval, recipes=kinds, stragglers=stragglers,
-                                     optimizer_slice_numel=args.optimizer_slice_numel,
-                                     optimizer_slices_per_cycle=per_cycle) if args.scout else None
+        stragglers = (
+            StragglerConfig(absolute_margin_s=args.straggler_margin_s)
+            if args.straggler_margin_s > 0
+            else None
+        )
+        scout = (
+            gemscout.ScoutConfig(
+                interval=args.interval,
+                recipes=kinds,
+                stragglers=stragglers,
+                optimizer_slice_numel=args.optimizer_slice_numel,
+                optimizer_slices_per_cycle=per_cycle,
+            )
+            if args.scout
+            else None
+        )
         t_attach = time.time()
-        session = gemscout.enable_resiliency(engine, ds_opt, interval=args.interval, checkpoint=cfg, scout=scout,
-                                             extra_state_fn=extra, load_extra_state_fn=load_extra,
-                                             on_fault_report=lambda r: reports.append(r.to_dict()),
-                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        session = gemscout.enable_resiliency(
+            engine,
+            ds_opt,
+            interval=args.interval,
+            checkpoint=cfg,
+            scout=scout,
+            extra_state_fn=extra,
+            load_extra_state_fn=load_extra,
+            on_fault_report=lambda r: reports.append(r.to_dict()),
+            on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+        )
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(engine)
         resume_full = full_state(engine) if args.full_state and session.resume_step > 0 else None
         resume_module = module_digest(engine)
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
-        if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
+        if (
+            killer
+            and args.kill_phase in ("persist", "replicate", "persist_replica")
+            and session.checkpointer
+        ):
+
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
                     sigkill_self(args.out, rank=rank, step=step, phase=phase)
+
             session.checkpointer.phase_hook = hook
     if session is not None and session.scout is not None and args.replay_fault_steps:
         from qualification.faults import Injector, fail_at
@@ -294,8 +407,12 @@ def main() -> None:
         zero_due = getattr(session.scout, "zero_due", None)
         assert zero_due is not None, "--replay-fault-* needs --scout-recipes with 'optimizer'"
         steps = [int(s) for s in args.replay_fault_steps.split(",")]
-        Injector(session.scout).set(*(fail_at("bitflip", rank=args.replay_fault_rank, step=s,
-                                              recipe=zero_due(s)[0].name) for s in steps))
+        Injector(session.scout).set(
+            *(
+                fail_at("bitflip", rank=args.replay_fault_rank, step=s, recipe=zero_due(s)[0].name)
+                for s in steps
+            )
+        )
     if session is not None and session.scout is not None and args.replay_delay_rank >= 0:
         from qualification.faults import Injector, ReplayDelay
 
@@ -306,7 +423,10 @@ def main() -> None:
         def flip(optimizer: Any, *_: Any) -> None:
             # A real update fault: the owner's own fp32 master partition goes wrong after the optimizer ran.
             master = optimizer.param_groups[0]["params"][0]  # DeepSpeed steps one group at a time
-            if live.step + 1 == args.update_fault_step and master is engine.optimizer.single_partition_of_fp32_groups[0]:
+            if (
+                live.step + 1 == args.update_fault_step
+                and master is engine.optimizer.single_partition_of_fp32_groups[0]
+            ):
                 with torch.no_grad():
                     bits = master[1:2].view(torch.int32)
                     bits ^= 1 << 20
@@ -327,23 +447,34 @@ def main() -> None:
         if fault is not None and step == args.heal_step:
             fault.remove()
             fault = None
-        for micro in range(args.accumulation):  # engine.step() updates the weights after the last one
+        for micro in range(
+            args.accumulation
+        ):  # engine.step() updates the weights after the last one
             x, y = synthetic_batch(seed=args.seed, step=step * args.accumulation + micro, rank=rank)
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
             if killer and step == args.kill_step and args.kill_phase == "in-step":
                 sigkill_self(args.out, rank=rank, step=step, phase="in-step")
-            losses[step] = loss.item()  # before engine.step(): GEMINI takes caller state at the end of the step
+            losses[step] = (
+                loss.item()
+            )  # before engine.step(): GEMINI takes caller state at the end of the step
             engine.step()
         if session is not None:  # the first step trained after the restore (recovery wall time)
             times.setdefault("first_step_wall", time.time())
         if session is not None and args.certify:
             session.certify(session.step)
-        cycle = session.scout.last_result if session is not None and session.scout is not None else None
+        cycle = (
+            session.scout.last_result if session is not None and session.scout is not None else None
+        )
         if cycle is not None and cycle.step == step:
-            cycles[str(step)] = {"source": cycle.source_rank, "certified": cycle.certified_step,
-                                 "results": {n: [r.verdict.value, list(r.ranks)] for n, r in cycle.results.items()},
-                                 "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in cycle.replay_s.items()}}
+            cycles[str(step)] = {
+                "source": cycle.source_rank,
+                "certified": cycle.certified_step,
+                "results": {n: [r.verdict.value, list(r.ranks)] for n, r in cycle.results.items()},
+                "replay_s": {
+                    n: {str(k): v for k, v in t.items()} for n, t in cycle.replay_s.items()
+                },
+            }
         if killer and step == args.kill_step and args.kill_phase == "after-step":
             if session is not None and session.checkpointer is not None:
                 session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
@@ -356,23 +487,38 @@ def main() -> None:
     if args.dump_full is not None:
         dump_full(engine, args.dump_full)
     modules = [None] * world
-    dist.all_gather_object(modules, module_digest(engine))  # test-side comparison only; gemscout never pickles
+    dist.all_gather_object(
+        modules, module_digest(engine)
+    )  # test-side comparison only; gemscout never pickles
     trust: dict[str, str] = {}
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
         trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
     result = {
-        "rank": rank, "world_size": world, "topology": args.topology,
-        "resume_step": session.resume_step if session else 0, "decision": decision, "resume_digest": resume_digest,
-        "resume_full": resume_full, "final_full": final_full, "resume_module": resume_module,
+        "rank": rank,
+        "world_size": world,
+        "topology": args.topology,
+        "resume_step": session.resume_step if session else 0,
+        "decision": decision,
+        "resume_digest": resume_digest,
+        "resume_full": resume_full,
+        "final_full": final_full,
+        "resume_module": resume_module,
         "module_digest": modules[rank],
-        "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
-        "replicas_equal": len(set(modules)) == 1, "final_step": args.steps,
-        "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+        "times": times,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": digest,
+        "replicas_equal": len(set(modules)) == 1,
+        "final_step": args.steps,
+        "global_steps": int(engine.global_steps),
+        "global_samples": int(engine.global_samples),
         "lr": float(engine.optimizer.optimizer.param_groups[0]["lr"]),
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
-        "reports": reports, "decisions": decisions, "trust": trust, "cycles": cycles,
+        "reports": reports,
+        "decisions": decisions,
+        "trust": trust,
+        "cycles": cycles,
     }
     if session:
         session.close()

@@ -30,10 +30,16 @@ from qualification.launch import launch
 from qualification.programs._contract import cell_main, measured
 
 
-def _launch(argv: list[str], world: int, celldir: Path, name: str, timeout_s: float) -> list[dict[str, Any]] | None:
+def _launch(
+    argv: list[str], world: int, celldir: Path, name: str, timeout_s: float
+) -> list[dict[str, Any]] | None:
     out = celldir / name
-    res = launch(["-m", "qualification.programs.ds_rank", "--out", str(out), "--full-state", *argv],
-                 world_size=world, timeout_s=timeout_s, log_dir=celldir / "logs" / name)
+    res = launch(
+        ["-m", "qualification.programs.ds_rank", "--out", str(out), "--full-state", *argv],
+        world_size=world,
+        timeout_s=timeout_s,
+        log_dir=celldir / "logs" / name,
+    )
     if not res.ok:
         return None
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -43,48 +49,110 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     world, fault = int(cell["world_size"]), cell.get("fault", {"kind": "none"})
     if fault["kind"] != "resize":
-        raise ValueError(f"ds_resize_cell: unknown fault kind {fault['kind']!r}; use resize (with from_world)")
+        raise ValueError(
+            f"ds_resize_cell: unknown fault kind {fault['kind']!r}; use resize (with from_world)"
+        )
     params = cell.get("params", {})
     steps, more = int(params.get("steps", 4)), int(params.get("more_steps", 2))
     every, old_world = int(params.get("durable_every", 2)), int(fault["from_world"])
-    common = ["--topology", str(cell["topology"]), "--workload", str(cell["workload"]), "--seed",
-              str(cell.get("seed", 0)), "--param-groups", str(params.get("param_groups", 1))]
+    common = [
+        "--topology",
+        str(cell["topology"]),
+        "--workload",
+        str(cell["workload"]),
+        "--seed",
+        str(cell.get("seed", 0)),
+        "--param-groups",
+        str(params.get("param_groups", 1)),
+    ]
     common += ["--bf16"] if params.get("bf16") else []
     durable, dump = celldir / "durable", celldir / f"full-step{steps}.pt"
 
     def tiers(name: str) -> list[str]:
         return ["--ckpt", str(celldir / f"local-{name}"), "--durable", str(durable)]
 
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{old_world} -> {world} ranks"}]
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{old_world} -> {world} ranks"}
+    ]
     limit = float(cell.get("timeout_s", 300))
-    first = _launch(common + tiers("first") + ["--steps", str(steps), "--durable-every", str(every), "--certify",
-                                               "--dump-full", str(dump)], old_world, celldir, "first", limit)
+    first = _launch(
+        common
+        + tiers("first")
+        + [
+            "--steps",
+            str(steps),
+            "--durable-every",
+            str(every),
+            "--certify",
+            "--dump-full",
+            str(dump),
+        ],
+        old_world,
+        celldir,
+        "first",
+        limit,
+    )
     resumed = reference = None
     if first is not None:
-        shutil.rmtree(celldir / "local-first", ignore_errors=True)  # every node's local folder is gone
-        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "fault",
-                         "detail": f"local storage deleted; relaunch on {world} ranks"})
-        resumed = _launch(common + tiers("resumed") + ["--steps", str(steps + more)], world, celldir, "resumed", limit)
-        reference = _launch(common + ["--steps", str(steps + more), "--load-full", str(dump)], world, celldir,
-                            "reference", limit)
+        shutil.rmtree(
+            celldir / "local-first", ignore_errors=True
+        )  # every node's local folder is gone
+        timeline.append(
+            {
+                "t": round(time.monotonic() - t0, 3),
+                "event": "fault",
+                "detail": f"local storage deleted; relaunch on {world} ranks",
+            }
+        )
+        resumed = _launch(
+            common + tiers("resumed") + ["--steps", str(steps + more)],
+            world,
+            celldir,
+            "resumed",
+            limit,
+        )
+        reference = _launch(
+            common + ["--steps", str(steps + more), "--load-full", str(dump)],
+            world,
+            celldir,
+            "reference",
+            limit,
+        )
     if first is None or resumed is None or reference is None:
-        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
-                "message": "ranks failed (see logs/)"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {},
+            "metrics": {},
+            "timeline": timeline,
+            "message": "ranks failed (see logs/)",
+        }
     promoted = first[0]
     after = [{s: v for s, v in r["losses"].items() if int(s) > steps} for r in resumed]
-    steps_seen = {r["decision"]["step"] if r["decision"] and r["decision"]["mode"] == "durable" else None
-                  for r in resumed}
+    steps_seen = {
+        r["decision"]["step"] if r["decision"] and r["decision"]["mode"] == "durable" else None
+        for r in resumed
+    }
     obs = {
         "resumed_step": steps_seen.pop() if len(steps_seen) == 1 else None,
-        "full_state_equal": all((r["resume_full"], r["resume_module"]) == (promoted["final_full"],
-                                                                           promoted["module_digest"]) for r in resumed),
-        "reference_equal": all((r["state_digest"], r["final_full"], r["lr"]) == (f["state_digest"], f["final_full"],
-                                                                                f["lr"])
-                               for r, f in zip(resumed, reference, strict=True)),
+        "full_state_equal": all(
+            (r["resume_full"], r["resume_module"])
+            == (promoted["final_full"], promoted["module_digest"])
+            for r in resumed
+        ),
+        "reference_equal": all(
+            (r["state_digest"], r["final_full"], r["lr"])
+            == (f["state_digest"], f["final_full"], f["lr"])
+            for r, f in zip(resumed, reference, strict=True)
+        ),
         "losses_equal": all(a == f["losses"] for a, f in zip(after, reference, strict=True)),
-        "losses_finite": all(len(a) == more and all(math.isfinite(v) for v in a.values()) for a in after),
+        "losses_finite": all(
+            len(a) == more and all(math.isfinite(v) for v in a.values()) for a in after
+        ),
     }
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": json.dumps(obs)})
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": json.dumps(obs)}
+    )
     return measured(cell, obs, timeline, t0)
 
 

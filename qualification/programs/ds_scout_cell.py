@@ -31,10 +31,16 @@ from qualification.launch import launch
 from qualification.programs._contract import cell_main, measured
 
 
-def _launch(argv: list[str], world: int, celldir: Path, name: str, timeout_s: float) -> list[dict[str, Any]] | None:
+def _launch(
+    argv: list[str], world: int, celldir: Path, name: str, timeout_s: float
+) -> list[dict[str, Any]] | None:
     out = celldir / name
-    res = launch(["-m", "qualification.programs.ds_rank", "--out", str(out), *argv], world_size=world,
-                 timeout_s=timeout_s, log_dir=celldir / "logs" / name)
+    res = launch(
+        ["-m", "qualification.programs.ds_rank", "--out", str(out), *argv],
+        world_size=world,
+        timeout_s=timeout_s,
+        log_dir=celldir / "logs" / name,
+    )
     if not res.ok:
         return None
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -45,56 +51,121 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     world, fault = int(cell["world_size"]), cell.get("fault", {"kind": "none"})
     params = cell.get("params", {})
     steps = int(params.get("steps", 13))
-    common = ["--topology", str(cell["topology"]), "--workload", str(cell["workload"]), "--seed",
-              str(cell.get("seed", 0)), "--steps", str(steps)]
-    scout = ["--ckpt", str(celldir / "ckpt"), "--keep-generations", str(steps + 2), "--scout", "--scout-recipes",
-             str(params.get("recipes", "hidden,optimizer")), "--optimizer-slice-numel",
-             str(params.get("slice_numel", 20000)), "--optimizer-slices-per-cycle", "0"]
+    common = [
+        "--topology",
+        str(cell["topology"]),
+        "--workload",
+        str(cell["workload"]),
+        "--seed",
+        str(cell.get("seed", 0)),
+        "--steps",
+        str(steps),
+    ]
+    scout = [
+        "--ckpt",
+        str(celldir / "ckpt"),
+        "--keep-generations",
+        str(steps + 2),
+        "--scout",
+        "--scout-recipes",
+        str(params.get("recipes", "hidden,optimizer")),
+        "--optimizer-slice-numel",
+        str(params.get("slice_numel", 20000)),
+        "--optimizer-slices-per-cycle",
+        "0",
+    ]
     kind = fault["kind"]
     faulted: list[int] = []
     if kind == "replay":
         faulted = [int(s) for s in fault["steps"]]
-        scout += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-steps", ",".join(map(str, faulted))]
+        scout += [
+            "--replay-fault-rank",
+            str(fault["rank"]),
+            "--replay-fault-steps",
+            ",".join(map(str, faulted)),
+        ]
     elif kind == "update":
         faulted = [int(fault["step"])]
         scout += ["--update-fault-rank", str(fault["rank"]), "--update-fault-step", str(faulted[0])]
     elif kind == "module":  # training itself is faulty: the baseline runs the same fault
         faulted = [int(fault["step"])]
-        common += ["--fault-rank", str(fault["rank"]), "--fault-step", str(faulted[0]), "--heal-step",
-                   str(fault["heal"]), "--fault-block", str(fault.get("block", 1))]
+        common += [
+            "--fault-rank",
+            str(fault["rank"]),
+            "--fault-step",
+            str(faulted[0]),
+            "--heal-step",
+            str(fault["heal"]),
+            "--fault-block",
+            str(fault.get("block", 1)),
+        ]
     elif kind != "none":
-        raise ValueError(f"ds_scout_cell: unknown fault kind {kind!r}; use none, replay, update or module")
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}]
+        raise ValueError(
+            f"ds_scout_cell: unknown fault kind {kind!r}; use none, replay, update or module"
+        )
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}
+    ]
     limit = float(cell.get("timeout_s", 240))
     baseline = _launch(common, world, celldir, "baseline", limit)
     ranks = _launch(common + scout, world, celldir, "run", limit) if baseline is not None else None
     if baseline is None or ranks is None:
-        return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
-                "message": "ranks failed (see logs/)"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {},
+            "metrics": {},
+            "timeline": timeline,
+            "message": "ranks failed (see logs/)",
+        }
     sdc = [rep for rep in ranks[0]["reports"] if rep["kind"] == "sdc"]
     flagged = {(rep["step"], rep["recipe"]) for rep in sdc}
-    slices_agree = all(verdict == ["agree", []] for r in ranks for s, cycle in r["cycles"].items()
-                       for name, verdict in cycle["results"].items()
-                       if name.startswith("optimizer.") and (int(s), name) not in flagged)
+    slices_agree = all(
+        verdict == ["agree", []]
+        for r in ranks
+        for s, cycle in r["cycles"].items()
+        for name, verdict in cycle["results"].items()
+        if name.startswith("optimizer.") and (int(s), name) not in flagged
+    )
     trust = {int(k): v for k, v in ranks[0]["trust"].items()}
     decisions = [d for d in ranks[0]["decisions"] if d["failure_kind"] == "sdc"]
     first, last = (min(faulted), max(faulted)) if faulted else (steps + 1, steps + 1)
     obs = {
-        "bitwise_equal": all((r["state_digest"], r["losses"]) == (b["state_digest"], b["losses"])
-                             for r, b in zip(ranks, baseline, strict=True)),
+        "bitwise_equal": all(
+            (r["state_digest"], r["losses"]) == (b["state_digest"], b["losses"])
+            for r, b in zip(ranks, baseline, strict=True)
+        ),
         "sdc_reports": len(sdc),
-        "localized_ranks": sorted({rank for rep in sdc if rep["scope"] == "rank" for rank in rep["ranks"]}),
+        "localized_ranks": sorted(
+            {rank for rep in sdc if rep["scope"] == "rank" for rank in rep["ranks"]}
+        ),
         "detected_steps": [rep["step"] for rep in sdc],
         "slices_agree": slices_agree,
-        "decision_before_fault": bool(decisions) and decisions[0]["step"] is not None and decisions[0]["step"] < first,
-        "fault_step_rejected": not any(st == "recovery_verified" for s, st in trust.items() if first <= s <= last),
+        "decision_before_fault": bool(decisions)
+        and decisions[0]["step"] is not None
+        and decisions[0]["step"] < first,
+        "fault_step_rejected": not any(
+            st == "recovery_verified" for s, st in trust.items() if first <= s <= last
+        ),
         "certified_after": any(st == "recovery_verified" for s, st in trust.items() if s > last),
-        "ranks_agree": len({json.dumps([[(x["kind"], x["step"], x["ranks"]) for x in r["reports"]], r["trust"]],
-                                       sort_keys=True) for r in ranks}) == 1,
+        "ranks_agree": len(
+            {
+                json.dumps(
+                    [[(x["kind"], x["step"], x["ranks"]) for x in r["reports"]], r["trust"]],
+                    sort_keys=True,
+                )
+                for r in ranks
+            }
+        )
+        == 1,
     }
     for rep in sdc:
-        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "detection", "detail": rep["reason"]})
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
+        timeline.append(
+            {"t": round(time.monotonic() - t0, 3), "event": "detection", "detail": rep["reason"]}
+        )
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"}
+    )
     return measured(cell, obs, timeline, t0)
 
 

@@ -96,9 +96,13 @@ def _full(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     all-gather of every rank's slice, independent of gemscout's layout code). Collective."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    return {name: {"master": safe_get_full_fp32_param(p),
-                   **{k: safe_get_full_optimizer_state(p, k) for k in _MOMENTS}}
-            for name, p in engine.module.named_parameters()}
+    return {
+        name: {
+            "master": safe_get_full_fp32_param(p),
+            **{k: safe_get_full_optimizer_state(p, k) for k in _MOMENTS},
+        }
+        for name, p in engine.module.named_parameters()
+    }
 
 
 def _steps(engine: Any) -> list[Any]:
@@ -109,10 +113,14 @@ def _steps(engine: Any) -> list[Any]:
 def full_state(engine: Any) -> dict[str, Any]:
     """The SHA-256 of every parameter's full master and moments, each sub-group's step count and every group's lr:
     a world-size-independent picture of the optimizer state. Collective."""
-    out: dict[str, Any] = {name: {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in per.items()}
-                           for name, per in _full(engine).items()}
-    out["/groups"] = [[float(s) for s in _steps(engine)],
-                      [repr(g["lr"]) for g in engine.optimizer.optimizer.param_groups]]
+    out: dict[str, Any] = {
+        name: {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in per.items()}
+        for name, per in _full(engine).items()
+    }
+    out["/groups"] = [
+        [float(s) for s in _steps(engine)],
+        [repr(g["lr"]) for g in engine.optimizer.optimizer.param_groups],
+    ]
     return out
 
 
@@ -125,16 +133,28 @@ def dump_full(engine: Any, path: Any) -> None:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         model = {k: v.clone() for k, v in engine.module.state_dict().items()}
     inner = engine.optimizer.optimizer
-    save_blob(engine, path, params=params, model=model, steps=[s.clone() for s in _steps(engine)],
-              groups=[{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups])
+    save_blob(
+        engine,
+        path,
+        params=params,
+        model=model,
+        steps=[s.clone() for s in _steps(engine)],
+        groups=[{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
+    )
 
 
 def save_blob(engine: Any, path: Any, **parts: Any) -> None:
     """Rank 0 saves ``parts`` with what every stage's full-state dump shares: the lr scheduler, the torch RNG and the
     engine counters (``torch.save``: test side only)."""
-    blob = {**parts, "scheduler": engine.lr_scheduler.state_dict(), "rng": torch.get_rng_state(),
-            "counters": {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "micro_steps",
-                                                              "skipped_steps")}}
+    blob = {
+        **parts,
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+        "counters": {
+            k: int(getattr(engine, k))
+            for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+        },
+    }
     if dist.get_rank() == 0:
         torch.save(blob, path)
 
@@ -153,7 +173,10 @@ def load_full(engine: Any, path: Any) -> int:
             for name, p in params.items():
                 p.data.copy_(blob["model"][name])
         for master, step in zip(zero.fp32_partitioned_groups_flat, blob["steps"], strict=True):
-            inner.state[master] = {"step": step.clone(), **{k: torch.zeros_like(master) for k in _MOMENTS}}
+            inner.state[master] = {
+                "step": step.clone(),
+                **{k: torch.zeros_like(master) for k in _MOMENTS},
+            }
         for group, saved in zip(inner.param_groups, blob["groups"], strict=True):
             group.update(saved)
     return set_full_state(engine, blob)

@@ -40,15 +40,25 @@ def main() -> None:
     model = build_model("three-block", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
-                                                lr_scheduler=sched, config=ds_config(3))
+    engine, ds_opt, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=ds_config(3),
+    )
     losses: dict[int, float] = {}
     session = decision = None
     if args.ckpt is not None:
         import gemscout
 
-        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="rollback", keep_generations=args.steps + 2,
-                                        timeout=timedelta(seconds=60), fsync=False)
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id="rollback",
+            keep_generations=args.steps + 2,
+            timeout=timedelta(seconds=60),
+            fsync=False,
+        )
         session = gemscout.enable_resiliency(engine, ds_opt, checkpoint=cfg)
     step, rolled = 1, False
     while step <= args.steps:
@@ -65,10 +75,14 @@ def main() -> None:
             step = session.step + 1
             continue
         step += 1
-    result: dict[str, Any] = {"rank": rank, "state_digest": ds_zero3.state_digest(engine),
-                              "module_digest": ds_zero3.module_digest(engine), "decision": decision,
-                              "losses": {str(k): v for k, v in sorted(losses.items())},
-                              "global_steps": int(engine.global_steps)}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "state_digest": ds_zero3.state_digest(engine),
+        "module_digest": ds_zero3.module_digest(engine),
+        "decision": decision,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "global_steps": int(engine.global_steps),
+    }
     if session is not None:
         session.close()
     finish(args.out, rank, result)

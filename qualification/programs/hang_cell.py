@@ -33,18 +33,45 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     out = celldir / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     port, secret = free_port(), generate_secret()
-    argv = ["-m", "qualification.programs.watch_rank", "--out", str(out), "--steps", str(cell.get("params", {}).get(
-        "steps", 12)), "--threshold-s", str(f.get("threshold_s", 2.0)),
-        "--data-delay-rank", str(f.get("data_rank", -1)), "--data-delay-s", str(f.get("data_delay_s", 0.15)),
-        "--io-delay-rank", str(f.get("io_rank", -1)), "--io-delay-s", str(f.get("io_delay_s", 0.5)),
-        "--hang-rank", str(f.get("hang_rank", -1)), "--hang-step", str(f.get("hang_step", -1))]
+    argv = [
+        "-m",
+        "qualification.programs.watch_rank",
+        "--out",
+        str(out),
+        "--steps",
+        str(cell.get("params", {}).get("steps", 12)),
+        "--threshold-s",
+        str(f.get("threshold_s", 2.0)),
+        "--data-delay-rank",
+        str(f.get("data_rank", -1)),
+        "--data-delay-s",
+        str(f.get("data_delay_s", 0.15)),
+        "--io-delay-rank",
+        str(f.get("io_rank", -1)),
+        "--io-delay-s",
+        str(f.get("io_delay_s", 0.5)),
+        "--hang-rank",
+        str(f.get("hang_rank", -1)),
+        "--hang-step",
+        str(f.get("hang_step", -1)),
+    ]
     procs = []
     for r in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-               "GEMSCOUT_OOB_SECRET": secret}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            "GEMSCOUT_OOB_SECRET": secret,
+        }
         log = open(celldir / f"rank{r}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
         log.close()
     deadline = t0 + float(cell.get("timeout_s", 120)) - 10
     want_hang = int(f.get("hang_rank", -1)) >= 0
@@ -52,7 +79,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     try:
         while time.monotonic() < deadline:
             evs = _events(out / "rank0.reports.jsonl")
-            done = any(e.get("kind") == "hang" for e in evs) if want_hang else any(e["type"] == "finished" for e in evs)
+            done = (
+                any(e.get("kind") == "hang" for e in evs)
+                if want_hang
+                else any(e["type"] == "finished" for e in evs)
+            )
             if done or any(p.poll() not in (None, 0) for p in procs):
                 break
             time.sleep(0.2)
@@ -64,20 +95,35 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     first = {}
     for rep in reports:
         first.setdefault(rep["kind"], rep)
-    obs: dict[str, Any] = {f"{k}_ranks": list(first[k]["ranks"]) if k in first else []
-                           for k in ("data_stall", "checkpoint_stall", "hang")}
-    obs["data_stall_confirmations"] = first["data_stall"]["confirmations"] if "data_stall" in first else 0
+    obs: dict[str, Any] = {
+        f"{k}_ranks": list(first[k]["ranks"]) if k in first else []
+        for k in ("data_stall", "checkpoint_stall", "hang")
+    }
+    obs["data_stall_confirmations"] = (
+        first["data_stall"]["confirmations"] if "data_stall" in first else 0
+    )
     decisions = [e for e in evs if e["type"] == "decision"]
     obs["decision_kind"] = decisions[0]["failure_kind"] if decisions else None
-    injected = [e for e in _events(out / f"rank{f.get('hang_rank', -1)}.reports.jsonl") if e["type"] == "injected"]
+    injected = [
+        e
+        for e in _events(out / f"rank{f.get('hang_rank', -1)}.reports.jsonl")
+        if e["type"] == "injected"
+    ]
     if injected and "hang" in first:
         obs["hang_detect_s"] = round(first["hang"]["timestamp"] - injected[0]["t"], 3)
     timeline = [{"t": 0.0, "event": "start", "detail": f"{world} ranks"}]
     if injected:
-        timeline.append({"t": round(injected[0]["t"] - wall0, 3), "event": "fault",
-                         "detail": f"rank {f['hang_rank']} stops before the backward of step {injected[0]['step']}"})
+        timeline.append(
+            {
+                "t": round(injected[0]["t"] - wall0, 3),
+                "event": "fault",
+                "detail": f"rank {f['hang_rank']} stops before the backward of step {injected[0]['step']}",
+            }
+        )
     for rep in reports:
-        timeline.append({"t": round(rep["timestamp"] - wall0, 3), "event": "detection", "detail": rep["reason"]})
+        timeline.append(
+            {"t": round(rep["timestamp"] - wall0, 3), "event": "detection", "detail": rep["reason"]}
+        )
     for d in decisions:
         timeline.append({"t": round(d["t"] - wall0, 3), "event": "decision", "detail": d["reason"]})
     timeline.sort(key=lambda e: e["t"])

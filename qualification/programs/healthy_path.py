@@ -51,12 +51,18 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _split(lat: list[float], cpu: dict[str, list[float]], due: list[bool]) -> dict[str, float | None]:
+def _split(
+    lat: list[float], cpu: dict[str, list[float]], due: list[bool]
+) -> dict[str, float | None]:
     """CPU per step (mean; worse rank per step) and what a due step (capture / replay) costs over the others."""
-    out: dict[str, float | None] = {f"{k}_cpu_ms": round(statistics.fmean(v) * 1e3, 3) for k, v in cpu.items()}
+    out: dict[str, float | None] = {
+        f"{k}_cpu_ms": round(statistics.fmean(v) * 1e3, 3) for k, v in cpu.items()
+    }
     on = [x for x, d in zip(lat, due, strict=True) if d]
     off = [x for x, d in zip(lat, due, strict=True) if not d]
-    out["due_step_extra_ms"] = round((statistics.median(on) - statistics.median(off)) * 1e3, 3) if on and off else None
+    out["due_step_extra_ms"] = (
+        round((statistics.median(on) - statistics.median(off)) * 1e3, 3) if on and off else None
+    )
     return out
 
 
@@ -73,7 +79,13 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     due: dict[str, list[bool]] = {m: [] for m in modes}
     replay: dict[str, list[float]] = {}
     rss: dict[str, float] = {}
-    timeline = [{"t": 0.0, "event": "start", "detail": f"{rounds} rounds of {', '.join(modes)} on {world} ranks"}]
+    timeline = [
+        {
+            "t": 0.0,
+            "event": "start",
+            "detail": f"{rounds} rounds of {', '.join(modes)} on {world} ranks",
+        }
+    ]
     # ``params.interleave``: each round is one launch in which the modes alternate in segments (ABBA order) instead
     # of one launch per mode.
     interleave = int(p.get("interleave", 0))
@@ -83,25 +95,64 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         for li, run_modes in enumerate(launches):
             name = run_modes[0] if not interleave else "interleaved"
             out = celldir / "modes" / f"{name}-{r}"
-            which = ["--mode", name, "--steps", str(p.get("steps", 40))] if not interleave else \
-                ["--segments", ",".join(run_modes), "--segment-steps", str(segment_steps)]
-            argv = ["-m", "qualification.programs.perf_rank", "--out", str(out), *which,
-                    "--workload", cell["workload"], "--seed", str(cell.get("seed", 0)),
-                    "--warmup", str(p.get("warmup", 5)),
-                    "--interval", str(p.get("interval", 1)), "--ckpt", str(celldir / "ckpt" / f"{name}-{r}"),
-                    "--device", str(p.get("device", "cpu"))] + (["--rotate-kinds"] if p.get("rotate_kinds") else []) \
-                + (["--scout-interval", str(p["scout_interval"])] if p.get("scout_interval") else [])
-            res = launch(argv, world_size=world, timeout_s=float(cell.get("timeout_s", 300)), log_dir=celldir / "logs",
-                         attempt=r * len(launches) + li)
+            which = (
+                ["--mode", name, "--steps", str(p.get("steps", 40))]
+                if not interleave
+                else ["--segments", ",".join(run_modes), "--segment-steps", str(segment_steps)]
+            )
+            argv = (
+                [
+                    "-m",
+                    "qualification.programs.perf_rank",
+                    "--out",
+                    str(out),
+                    *which,
+                    "--workload",
+                    cell["workload"],
+                    "--seed",
+                    str(cell.get("seed", 0)),
+                    "--warmup",
+                    str(p.get("warmup", 5)),
+                    "--interval",
+                    str(p.get("interval", 1)),
+                    "--ckpt",
+                    str(celldir / "ckpt" / f"{name}-{r}"),
+                    "--device",
+                    str(p.get("device", "cpu")),
+                ]
+                + (["--rotate-kinds"] if p.get("rotate_kinds") else [])
+                + (
+                    ["--scout-interval", str(p["scout_interval"])]
+                    if p.get("scout_interval")
+                    else []
+                )
+            )
+            res = launch(
+                argv,
+                world_size=world,
+                timeout_s=float(cell.get("timeout_s", 300)),
+                log_dir=celldir / "logs",
+                attempt=r * len(launches) + li,
+            )
             if not res.ok:
-                return {"cell_id": cell["id"], "status": "error", "observed": {}, "metrics": {}, "timeline": timeline,
-                        "message": f"{name} round {r} failed: exit codes {res.returncodes}"}
+                return {
+                    "cell_id": cell["id"],
+                    "status": "error",
+                    "observed": {},
+                    "metrics": {},
+                    "timeline": timeline,
+                    "message": f"{name} round {r} failed: exit codes {res.returncodes}",
+                }
             ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(world)]
             labels = ranks[0]["modes"]
             # A step is as slow as its slowest rank: take the max over ranks per step.
-            per_step = [max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)]
-            per_cpu = {kind: [max(v) for v in zip(*(rk[f"{kind}_cpu_s"] for rk in ranks), strict=True)]
-                       for kind in ("thread", "process")}
+            per_step = [
+                max(vals) for vals in zip(*(rk["latencies_s"] for rk in ranks), strict=True)
+            ]
+            per_cpu = {
+                kind: [max(v) for v in zip(*(rk[f"{kind}_cpu_s"] for rk in ranks), strict=True)]
+                for kind in ("thread", "process")
+            }
             for i, mode in enumerate(labels):
                 pooled[mode].append(per_step[i])
                 due[mode].append(bool(ranks[0]["due"][i]))
@@ -112,14 +163,25 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             for rk in ranks:
                 for recipe, times in rk.get("replay_s", {}).items():
                     replay.setdefault(recipe.split(".")[0], []).extend(times)
-            timeline.append({"t": round(time.monotonic() - t0, 3), "event": "measured", "detail": f"{name} round {r}"})
+            timeline.append(
+                {
+                    "t": round(time.monotonic() - t0, 3),
+                    "event": "measured",
+                    "detail": f"{name} round {r}",
+                }
+            )
     shutil.rmtree(celldir / "ckpt", ignore_errors=True)
     stats = {}
     for mode, lat in pooled.items():
         p50 = statistics.median(lat)
-        stats[mode] = {"throughput_steps_s": round(len(lat) / sum(lat), 3), "p50_ms": round(p50 * 1e3, 3),
-                       "p95_ms": round(_percentile(lat, 0.95) * 1e3, 3), "peak_rss_mib": round(rss[mode], 1),
-                       "samples": len(lat), **_split(lat, cpu[mode], due[mode])}
+        stats[mode] = {
+            "throughput_steps_s": round(len(lat) / sum(lat), 3),
+            "p50_ms": round(p50 * 1e3, 3),
+            "p95_ms": round(_percentile(lat, 0.95) * 1e3, 3),
+            "peak_rss_mib": round(rss[mode], 1),
+            "samples": len(lat),
+            **_split(lat, cpu[mode], due[mode]),
+        }
     base = stats.get("baseline")
     overhead: dict[str, dict[str, float]] = {}
     targets: list[dict[str, Any]] = []
@@ -131,24 +193,47 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         p95 = (stats[mode]["p95_ms"] / base["p95_ms"] - 1.0) * 100
         lim = thresholds[mode]
         ok = tp >= lim["throughput_pct"] and p95 <= lim["p95_pct"]
-        overhead[mode] = {"throughput_pct": round(tp, 2), "p95_pct": round(p95, 2), "within": ok,
-                          **{f"{k}_cpu_pct": round((stats[mode][f"{k}_cpu_ms"] / base[f"{k}_cpu_ms"] - 1.0) * 100, 2)
-                             for k in ("thread", "process")}}
+        overhead[mode] = {
+            "throughput_pct": round(tp, 2),
+            "p95_pct": round(p95, 2),
+            "within": ok,
+            **{
+                f"{k}_cpu_pct": round(
+                    (stats[mode][f"{k}_cpu_ms"] / base[f"{k}_cpu_ms"] - 1.0) * 100, 2
+                )
+                for k in ("thread", "process")
+            },
+        }
         within &= ok
         targets += [
-            {"name": f"{mode} throughput", "met": tp >= lim["throughput_pct"],
-             "detail": f"{tp:+.1f} % against a floor of {lim['throughput_pct']:+g} %"},
-            {"name": f"{mode} p95", "met": p95 <= lim["p95_pct"],
-             "detail": f"{p95:+.1f} % against a ceiling of {lim['p95_pct']:+g} %"},
+            {
+                "name": f"{mode} throughput",
+                "met": tp >= lim["throughput_pct"],
+                "detail": f"{tp:+.1f} % against a floor of {lim['throughput_pct']:+g} %",
+            },
+            {
+                "name": f"{mode} p95",
+                "met": p95 <= lim["p95_pct"],
+                "detail": f"{p95:+.1f} % against a ceiling of {lim['p95_pct']:+g} %",
+            },
         ]
     # A measurement: the program ran its protocol to the end, so its status is passed; each threshold is a target the
     # engine reports met or missed (verdict MEASURED), never a bare PASSED on a missed one.
-    result: dict[str, Any] = {"cell_id": cell["id"], "status": "passed",
-            "observed": {"within_thresholds": within, "overhead": overhead},
-            "metrics": {"modes": stats, "thresholds": {m: thresholds[m] for m in overhead},
-                        "replay_ms_p50": {k: round(statistics.median(v) * 1e3, 3) for k, v in sorted(replay.items())},
-                        "interval": interval},
-            "timeline": timeline, "message": "" if within else "an overhead exceeds its threshold"}
+    result: dict[str, Any] = {
+        "cell_id": cell["id"],
+        "status": "passed",
+        "observed": {"within_thresholds": within, "overhead": overhead},
+        "metrics": {
+            "modes": stats,
+            "thresholds": {m: thresholds[m] for m in overhead},
+            "replay_ms_p50": {
+                k: round(statistics.median(v) * 1e3, 3) for k, v in sorted(replay.items())
+            },
+            "interval": interval,
+        },
+        "timeline": timeline,
+        "message": "" if within else "an overhead exceeds its threshold",
+    }
     if targets:
         result["targets"] = targets
     return result

@@ -37,7 +37,9 @@ def _rejected(case: dict[str, Any], detected: int | None) -> tuple[bool, bool]:
         return False, False
     verified = sdc[0]["step"]
     between = [s for s in trust if verified < s < detected]
-    rejected = bool(between) and all(trust[s] == "rejected" for s in between) and detected not in trust
+    rejected = (
+        bool(between) and all(trust[s] == "rejected" for s in between) and detected not in trust
+    )
     return rejected, verified < detected and trust.get(verified) == "recovery_verified"
 
 
@@ -100,15 +102,21 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     r_rejected, r_verified = _rejected(replay, r_step)
     obs: dict[str, Any] = {
         "healthy_not_agree": sum(
-            v["verdict"] != "agree" for h in healthy for c in h["cycles"].values() for v in c["verdicts"].values()
+            v["verdict"] != "agree"
+            for h in healthy
+            for c in h["cycles"].values()
+            for v in c["verdicts"].values()
         ),
-        "healthy_certified_every_cycle": all(c["certified"] == int(s) for h in healthy for s, c in h["cycles"].items())
+        "healthy_certified_every_cycle": all(
+            c["certified"] == int(s) for h in healthy for s, c in h["cycles"].items()
+        )
         and all(len(h["cycles"]) == steps // interval for h in healthy),
         "healthy_reports": sum(len(h["reports"]) for h in healthy),
         "unreplayable_recipes": max(h["metrics"]["scout.unreplayable_recipes"] for h in healthy),
         "persistent_localized_ranks": list(p_sdc[0]["ranks"]) if p_sdc else [],
         "persistent_recipe": p_sdc[0]["recipe"] if p_sdc else None,
-        "persistent_within_rotation": p_step is not None and step <= p_step <= step + interval * blocks,
+        "persistent_within_rotation": p_step is not None
+        and step <= p_step <= step + interval * blocks,
         "replay_localized_ranks": list(r_sdc[0]["ranks"]) if r_sdc else [],
         "replay_detected_on_time": r_step is not None and r_step == replay["replay_fault_step"],
         "candidates_rejected": p_rejected and r_rejected,
@@ -122,9 +130,15 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     for name, found in (("persistent", p_sdc), ("replay", r_sdc)):
         if found:
             timeline.append(
-                {"t": round(time.monotonic() - t0, 3), "event": "detection", "detail": f"{name}: {found[0]['reason']}"}
+                {
+                    "t": round(time.monotonic() - t0, 3),
+                    "event": "detection",
+                    "detail": f"{name}: {found[0]['reason']}",
+                }
             )
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": "three runs"})
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": "three runs"}
+    )
     return measured(cell, obs, timeline, t0)
 
 

@@ -118,7 +118,9 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
     return model
 
 
-def run_case(family: str, case: str, args: argparse.Namespace, rank: int, how: str = "ddp") -> dict[str, Any]:
+def run_case(
+    family: str, case: str, args: argparse.Namespace, rank: int, how: str = "ddp"
+) -> dict[str, Any]:
     model = build_model(family)
     ddp = wrap(model, how)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -131,7 +133,11 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int, how: s
         opt,
         interval=1,
         checkpoint=gemscout.CheckpointConfig(
-            directory=ckpt, run_id=f"hf-{family}-{how}-{case}", fsync=False, keep_generations=8, handle_signals=False
+            directory=ckpt,
+            run_id=f"hf-{family}-{how}-{case}",
+            fsync=False,
+            keep_generations=8,
+            handle_signals=False,
         ),
         # healthy: the whole catalog at every cycle, so every clean cycle certifies its own step; fault cases: the
         # default rotation (one block per cycle), so "within one rotation" is what is asserted.
@@ -151,7 +157,9 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int, how: s
     injector = Injector(scout)
     # The replay fault acts at the first step >= --fault-step where hidden.0 is due (the rotation picks the block).
     replay_step = next(
-        s for s in range(args.fault_step, args.fault_step + 64) if "hidden.0" in [r.name for r in scout.catalog.due(s)]
+        s
+        for s in range(args.fault_step, args.fault_step + 64)
+        if "hidden.0" in [r.name for r in scout.catalog.due(s)]
     )
     if case == "replay" and rank == args.fault_rank:
         injector.set(ReplayFault("bitflip", rank, replay_step, "hidden.0"))
@@ -201,7 +209,8 @@ def run_case(family: str, case: str, args: argparse.Namespace, rank: int, how: s
         "metrics": session.metrics(),
         "catalog": list(scout.catalog.names),
         "modules": {r.name: list(r.modules) for r in scout.catalog.recipes if r.has_module},
-        "tied": unwrap(ddp).get_output_embeddings().weight is unwrap(ddp).get_input_embeddings().weight,
+        "tied": unwrap(ddp).get_output_embeddings().weight
+        is unwrap(ddp).get_input_embeddings().weight,
     }
     session.close()
     dist.barrier()
@@ -215,8 +224,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--family", action="append", choices=FAMILIES, help="repeat; default: all")
     ap.add_argument("--case", action="append", choices=CASES, help="repeat; default: all")
-    ap.add_argument("--unreplayable", choices=FAMILIES, help="also run the unreplayable case for this family")
-    ap.add_argument("--fsdp2", action="append", choices=FAMILIES, default=[], help="repeat: also run the cases under FSDP2")
+    ap.add_argument(
+        "--unreplayable", choices=FAMILIES, help="also run the unreplayable case for this family"
+    )
+    ap.add_argument(
+        "--fsdp2",
+        action="append",
+        choices=FAMILIES,
+        default=[],
+        help="repeat: also run the cases under FSDP2",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--interval", type=int, default=2, help="ScoutConfig.interval")
     ap.add_argument("--fault-rank", type=int, default=2)

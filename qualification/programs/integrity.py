@@ -39,7 +39,14 @@ from typing import Any
 
 from gemscout.errors import RecoveryError
 from gemscout.inventory import inventory
-from qualification.corruption import INJECTORS, durable_slot, lose_every_node, lose_node, own_slot, replica_slot
+from qualification.corruption import (
+    INJECTORS,
+    durable_slot,
+    lose_every_node,
+    lose_node,
+    own_slot,
+    replica_slot,
+)
 from qualification.launch import LaunchResult, launch
 from qualification.programs._contract import cell_main
 
@@ -50,19 +57,42 @@ class _Timeline:
         self.events: list[dict[str, Any]] = []
 
     def __call__(self, kind: str, detail: str) -> None:
-        self.events.append({"t": round(time.monotonic() - self.start, 3), "event": kind, "detail": detail})
+        self.events.append(
+            {"t": round(time.monotonic() - self.start, 3), "event": kind, "detail": detail}
+        )
 
 
 def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, steps: int) -> list[str]:
     p = cell.get("params", {})
-    argv = ["-m", "qualification.programs.train_rank", "--out", str(out), "--workload", cell["workload"],
-            "--steps", str(steps), "--seed", str(cell.get("seed", 0)), "--interval", str(p.get("interval", 1)),
-            "--ranks-per-node", str(p.get("ranks_per_node", 1))]
+    argv = [
+        "-m",
+        "qualification.programs.train_rank",
+        "--out",
+        str(out),
+        "--workload",
+        cell["workload"],
+        "--steps",
+        str(steps),
+        "--seed",
+        str(cell.get("seed", 0)),
+        "--interval",
+        str(p.get("interval", 1)),
+        "--ranks-per-node",
+        str(p.get("ranks_per_node", 1)),
+    ]
     if ckpt is None:
         return argv
     argv += ["--ckpt", str(ckpt)]
-    if int(p.get("durable_every", 0)) > 0:  # promotions need verified steps: every capture is certified
-        argv += ["--durable", str(_durable_dir(ckpt)), "--durable-every", str(p["durable_every"]), "--certify"]
+    if (
+        int(p.get("durable_every", 0)) > 0
+    ):  # promotions need verified steps: every capture is certified
+        argv += [
+            "--durable",
+            str(_durable_dir(ckpt)),
+            "--durable-every",
+            str(p["durable_every"]),
+            "--certify",
+        ]
     return argv
 
 
@@ -76,12 +106,19 @@ def _targets(ckpt: Path, fault: dict[str, Any], world: int, ranks_per_node: int)
     steps = [int(s) for s in fault["steps"]] if "steps" in fault else [int(fault["step"])]
     target = fault.get("target", "own")
     if target in ("durable", "durable-sidecar"):
-        return [durable_slot(_durable_dir(ckpt), s, sidecar=target == "durable-sidecar") for s in steps]
+        return [
+            durable_slot(_durable_dir(ckpt), s, sidecar=target == "durable-sidecar") for s in steps
+        ]
     if target == "own":
         return [own_slot(ckpt, rank, s, ranks_per_node=ranks_per_node) for s in steps]
     if target == "replica":
-        return [replica_slot(ckpt, rank, s, world_size=world, ranks_per_node=ranks_per_node) for s in steps]
-    raise ValueError(f"fault.target must be 'own', 'replica', 'durable' or 'durable-sidecar', got {target!r}")
+        return [
+            replica_slot(ckpt, rank, s, world_size=world, ranks_per_node=ranks_per_node)
+            for s in steps
+        ]
+    raise ValueError(
+        f"fault.target must be 'own', 'replica', 'durable' or 'durable-sidecar', got {target!r}"
+    )
 
 
 def _inject(ckpt: Path, cell: dict[str, Any], event: _Timeline) -> str | None:
@@ -112,7 +149,9 @@ def _inject(ckpt: Path, cell: dict[str, Any], event: _Timeline) -> str | None:
 
 
 def _logs_have_traceback(log_dir: Path) -> bool:
-    return any("Traceback" in log.read_text(errors="replace") for log in sorted(log_dir.glob("*.log")))
+    return any(
+        "Traceback" in log.read_text(errors="replace") for log in sorted(log_dir.glob("*.log"))
+    )
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -124,41 +163,87 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     steps, steps_before = int(params.get("steps", 8)), int(params.get("steps_before", 6))
     logs, ckpt = celldir / "logs", celldir / "ckpt"
     try:
-        return _protocol(cell, celldir, event, world=world, timeout=timeout, steps=steps, steps_before=steps_before,
-                         logs=logs, ckpt=ckpt)
+        return _protocol(
+            cell,
+            celldir,
+            event,
+            world=world,
+            timeout=timeout,
+            steps=steps,
+            steps_before=steps_before,
+            logs=logs,
+            ckpt=ckpt,
+        )
     finally:
-        if not params.get("keep_checkpoints", False):  # binary state has no place in an evidence bundle
+        if not params.get(
+            "keep_checkpoints", False
+        ):  # binary state has no place in an evidence bundle
             shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(_durable_dir(ckpt), ignore_errors=True)
 
 
-def _protocol(cell: dict[str, Any], celldir: Path, event: _Timeline, *, world: int, timeout: float, steps: int,
-              steps_before: int, logs: Path, ckpt: Path) -> dict[str, Any]:
+def _protocol(
+    cell: dict[str, Any],
+    celldir: Path,
+    event: _Timeline,
+    *,
+    world: int,
+    timeout: float,
+    steps: int,
+    steps_before: int,
+    logs: Path,
+    ckpt: Path,
+) -> dict[str, Any]:
     event("start", f"baseline run, {world} ranks, {steps} steps")
-    base = launch(_rank_argv(celldir / "baseline", cell, None, steps), world_size=world, timeout_s=timeout,
-                  log_dir=logs / "baseline")
+    base = launch(
+        _rank_argv(celldir / "baseline", cell, None, steps),
+        world_size=world,
+        timeout_s=timeout,
+        log_dir=logs / "baseline",
+    )
     if not base.ok:
-        return _result(cell, "error", {}, event, f"baseline run failed: exit codes {base.returncodes}")
-    reference = [json.loads((celldir / "baseline" / f"rank{r}.json").read_text()) for r in range(world)]
+        return _result(
+            cell, "error", {}, event, f"baseline run failed: exit codes {base.returncodes}"
+        )
+    reference = [
+        json.loads((celldir / "baseline" / f"rank{r}.json").read_text()) for r in range(world)
+    ]
 
     event("start", f"GEMINI run to step {steps_before}")
-    first = launch(_rank_argv(celldir / "first", cell, ckpt, steps_before), world_size=world, timeout_s=timeout,
-                   log_dir=logs / "first")
+    first = launch(
+        _rank_argv(celldir / "first", cell, ckpt, steps_before),
+        world_size=world,
+        timeout_s=timeout,
+        log_dir=logs / "first",
+    )
     if not first.ok:
-        return _result(cell, "error", {}, event, f"first GEMINI run failed: exit codes {first.returncodes}")
+        return _result(
+            cell, "error", {}, event, f"first GEMINI run failed: exit codes {first.returncodes}"
+        )
 
     problem = _inject(ckpt, cell, event)
     if problem is not None:
         return _result(cell, "error", {}, event, problem)
     # What the operator's `gemscout inspect --verify` says a restart will do, read before the restart.
-    durable = _durable_dir(ckpt) if int(cell.get("params", {}).get("durable_every", 0)) > 0 else None
-    predicted = inventory(ckpt, durable_directory=durable, verify=True, world_size=world).decision.to_dict()
-    event("detection", f"gemscout inspect predicts {predicted['mode']} step {predicted['step']} from "
-                       f"{predicted['sources']}")
+    durable = (
+        _durable_dir(ckpt) if int(cell.get("params", {}).get("durable_every", 0)) > 0 else None
+    )
+    predicted = inventory(
+        ckpt, durable_directory=durable, verify=True, world_size=world
+    ).decision.to_dict()
+    event(
+        "detection",
+        f"gemscout inspect predicts {predicted['mode']} step {predicted['step']} from "
+        f"{predicted['sources']}",
+    )
 
     event("start", f"relaunch to step {steps}")
-    relaunch = launch(_rank_argv(celldir / "run", cell, ckpt, steps), world_size=world, timeout_s=timeout,
-                      log_dir=logs / "relaunch")
+    relaunch = launch(
+        _rank_argv(celldir / "run", cell, ckpt, steps),
+        world_size=world,
+        timeout_s=timeout,
+        log_dir=logs / "relaunch",
+    )
     observed = _relaunch_facts(relaunch, logs / "relaunch")
     observed["inspect_predicted"] = {k: predicted[k] for k in ("mode", "step", "sources")}
     if relaunch.ok:
@@ -175,11 +260,14 @@ def _relaunch_facts(relaunch: LaunchResult, log_dir: Path) -> dict[str, Any]:
     }
 
 
-def _observe_decision(observed: dict[str, Any], decision: dict[str, Any], cell: dict[str, Any]) -> None:
+def _observe_decision(
+    observed: dict[str, Any], decision: dict[str, Any], cell: dict[str, Any]
+) -> None:
     predicted = observed.get("inspect_predicted", {})
     observed["inspect_agrees"] = bool(predicted) and all(
-        predicted.get(k) == decision.get(k) for k in (("mode",) if decision.get("mode") == "stop"
-                                                      else ("mode", "step", "sources")))
+        predicted.get(k) == decision.get(k)
+        for k in (("mode",) if decision.get("mode") == "stop" else ("mode", "step", "sources"))
+    )
     observed["decision_mode"] = decision.get("mode")
     observed["decision_reason"] = decision.get("reason", "")
     observed["recovered_step"] = decision.get("step")
@@ -190,27 +278,46 @@ def _observe_decision(observed: dict[str, Any], decision: dict[str, Any], cell: 
         observed["reason_names_fault"] = wanted in observed["decision_reason"]
 
 
-def _recovered(cell: dict[str, Any], celldir: Path, event: _Timeline, observed: dict[str, Any],
-               reference: list[dict[str, Any]]) -> dict[str, Any]:
+def _recovered(
+    cell: dict[str, Any],
+    celldir: Path,
+    event: _Timeline,
+    observed: dict[str, Any],
+    reference: list[dict[str, Any]],
+) -> dict[str, Any]:
     world = int(cell["world_size"])
     ranks = [json.loads((celldir / "run" / f"rank{r}.json").read_text()) for r in range(world)]
     decision = ranks[0].get("decision") or {}
     _observe_decision(observed, decision, cell)
     event("detection", f"damaged files refused at load: {observed['decision_reason']}")
-    event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}")
+    event(
+        "decision",
+        f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}",
+    )
     event("recovery", f"resumed at step {ranks[0]['resume_step']} on {world} ranks")
-    observed["bitwise_equal"] = all(r["state_digest"] == reference[0]["state_digest"] for r in ranks)
-    observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))
+    observed["bitwise_equal"] = all(
+        r["state_digest"] == reference[0]["state_digest"] for r in ranks
+    )
+    observed["losses_equal"] = all(
+        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
+    )
     observed["final_step"] = max((int(s) for s in ranks[0]["losses"]), default=0)
-    event("finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}")
+    event(
+        "finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}"
+    )
     # A recovered run that differs from the baseline loaded something it should not have: the worst outcome.
     diverged = not (observed["bitwise_equal"] and observed["losses_equal"])
     message = "the recovered run diverged from the uninterrupted one" if diverged else ""
     return _result(cell, "failed" if diverged else "passed", observed, event, message)
 
 
-def _stopped(cell: dict[str, Any], ckpt: Path, event: _Timeline, observed: dict[str, Any],
-             relaunch: LaunchResult) -> dict[str, Any]:
+def _stopped(
+    cell: dict[str, Any],
+    ckpt: Path,
+    event: _Timeline,
+    observed: dict[str, Any],
+    relaunch: LaunchResult,
+) -> dict[str, Any]:
     status_file = ckpt / "node-0" / "rank-0" / "status.json"
     decision: dict[str, Any] = {}
     if status_file.is_file():
@@ -220,20 +327,32 @@ def _stopped(cell: dict[str, Any], ckpt: Path, event: _Timeline, observed: dict[
     event("decision", f"{decision.get('mode')}: {decision.get('reason')}")
     # Stopping is correct only as RecoveryError's documented exit, with the decision on disk and no traceback;
     # anything else (a crash, a hang, a silent exit) is a failure of the runtime, whatever the campaign expects.
-    clean_stop = (observed["relaunch_exit_code"] == RecoveryError.exit_code and not relaunch.timed_out
-                  and decision.get("mode") == "stop" and observed["traceback_free"])
+    clean_stop = (
+        observed["relaunch_exit_code"] == RecoveryError.exit_code
+        and not relaunch.timed_out
+        and decision.get("mode") == "stop"
+        and observed["traceback_free"]
+    )
     if not clean_stop:
         why = "timed out" if relaunch.timed_out else f"exit codes {relaunch.returncodes}"
-        return _result(cell, "failed", observed, event, f"relaunch failed without a clean stop: {why}")
+        return _result(
+            cell, "failed", observed, event, f"relaunch failed without a clean stop: {why}"
+        )
     event("finish", "every rank stopped with the decision recorded")
     return _result(cell, "passed", observed, event, "recovery stopped: no intact source left")
 
 
-def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], event: _Timeline, message: str) -> dict[
-        str, Any]:
-    return {"cell_id": cell["id"], "status": status, "observed": observed,
-            "metrics": {"duration_s": round(time.monotonic() - event.start, 3)}, "timeline": event.events,
-            "message": message}
+def _result(
+    cell: dict[str, Any], status: str, observed: dict[str, Any], event: _Timeline, message: str
+) -> dict[str, Any]:
+    return {
+        "cell_id": cell["id"],
+        "status": status,
+        "observed": observed,
+        "metrics": {"duration_s": round(time.monotonic() - event.start, 3)},
+        "timeline": event.events,
+        "message": message,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,30 +55,60 @@ def _rank_program(cell: dict[str, Any]) -> str:
     step. Both programs take the same arguments and write the same rank<r>.json."""
     if str(cell.get("topology", "")).startswith("deepspeed-"):
         return "qualification.programs.ds_rank"
-    if str(cell.get("topology", "")) in ("megatron-ddp", "megatron-distopt", "megatron-pp2",
-                                         "megatron-pp2-vpp2"):  # Megatron's own loop
+    if str(cell.get("topology", "")) in (
+        "megatron-ddp",
+        "megatron-distopt",
+        "megatron-pp2",
+        "megatron-pp2-vpp2",
+    ):  # Megatron's own loop
         return "qualification.programs.megatron_loop_rank"
-    if str(cell.get("topology", "")).startswith("megatron-"):  # megatron-tp1, megatron-tp2: Megatron Core GPTModel
+    if str(cell.get("topology", "")).startswith(
+        "megatron-"
+    ):  # megatron-tp1, megatron-tp2: Megatron Core GPTModel
         return "qualification.programs.megatron_rank"
     return "qualification.programs.train_rank"
 
 
 def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[str]) -> list[str]:
     p = cell.get("params", {})
-    argv = ["-m", _rank_program(cell), "--out", str(out), "--workload", cell["workload"],
-            "--topology", str(cell.get("topology", "ddp")),
-            "--steps", str(p.get("steps", 6)), "--seed", str(cell.get("seed", 0)),
-            "--interval", str(p.get("interval", 1)), "--persist-every", str(p.get("persist_every", 1)),
-            "--ranks-per-node", str(p.get("ranks_per_node", 1))]
-    if "replication" in p:  # GEMINI replica placement: ring (default) or natural (HSDP replicate-group peers)
+    argv = [
+        "-m",
+        _rank_program(cell),
+        "--out",
+        str(out),
+        "--workload",
+        cell["workload"],
+        "--topology",
+        str(cell.get("topology", "ddp")),
+        "--steps",
+        str(p.get("steps", 6)),
+        "--seed",
+        str(cell.get("seed", 0)),
+        "--interval",
+        str(p.get("interval", 1)),
+        "--persist-every",
+        str(p.get("persist_every", 1)),
+        "--ranks-per-node",
+        str(p.get("ranks_per_node", 1)),
+    ]
+    if (
+        "replication" in p
+    ):  # GEMINI replica placement: ring (default) or natural (HSDP replicate-group peers)
         argv += ["--replication", str(p["replication"])]
     if "schedule" in p:  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
         argv += ["--schedule", str(p["schedule"])]
     if ckpt is not None:
         argv += ["--ckpt", str(ckpt)]
-        if int(p.get("durable_every", 0)) > 0:  # promotions need verified steps: every capture is certified
-            argv += ["--durable", str(ckpt.parent / "durable"), "--durable-every", str(p["durable_every"]),
-                     "--certify"]
+        if (
+            int(p.get("durable_every", 0)) > 0
+        ):  # promotions need verified steps: every capture is certified
+            argv += [
+                "--durable",
+                str(ckpt.parent / "durable"),
+                "--durable-every",
+                str(p["durable_every"]),
+                "--certify",
+            ]
     return argv + extra
 
 
@@ -88,7 +118,11 @@ def _read(out: Path, world: int) -> list[dict[str, Any]]:
 
 def _detected(timeline_event: Any, result: LaunchResult, what: str) -> None:
     """The launcher's detection at the moment it saw the exit (its teardown of the others comes after)."""
-    teardown = f"; teardown done {result.duration_s:.2f} s after the launch" if result.detected_wall else ""
+    teardown = (
+        f"; teardown done {result.duration_s:.2f} s after the launch"
+        if result.detected_wall
+        else ""
+    )
     timeline_event("detection", f"launcher saw {what}{teardown}", result.detected_wall)
 
 
@@ -114,24 +148,45 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     logs = celldir / "logs"
     ckpt = celldir / "ckpt"
     event("start", f"baseline run, {world} ranks")
-    base = launch(_rank_argv(celldir / "baseline", cell, None, []), world_size=world, timeout_s=timeout,
-                  log_dir=logs / "baseline")
+    base = launch(
+        _rank_argv(celldir / "baseline", cell, None, []),
+        world_size=world,
+        timeout_s=timeout,
+        log_dir=logs / "baseline",
+    )
     if not base.ok:
-        return _result(cell, "error", {}, timeline, f"baseline run failed: exit codes {base.returncodes}")
+        return _result(
+            cell, "error", {}, timeline, f"baseline run failed: exit codes {base.returncodes}"
+        )
     reference = _read(celldir / "baseline", world)
     observed: dict[str, Any] = {}
     kind = fault.get("kind", "none")
     if kind == "none":
         event("start", "GEMINI run")
-        run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs)
+        run = launch(
+            _rank_argv(celldir / "run", cell, ckpt, []),
+            world_size=world,
+            timeout_s=timeout,
+            log_dir=logs,
+        )
         if not run.ok:
-            return _result(cell, "error", {}, timeline, f"GEMINI run failed: exit codes {run.returncodes}")
+            return _result(
+                cell, "error", {}, timeline, f"GEMINI run failed: exit codes {run.returncodes}"
+            )
         observed["recovered_step"] = None
     else:
         extra = []
         if kind == "sigkill":
-            extra = ["--kill-rank", str(fault["rank"]), "--kill-step", str(fault["step"]),
-                     "--kill-phase", str(fault.get("phase", "after-step")), "--kill-seed", str(cell.get("seed", 0))]
+            extra = [
+                "--kill-rank",
+                str(fault["rank"]),
+                "--kill-step",
+                str(fault["step"]),
+                "--kill-phase",
+                str(fault.get("phase", "after-step")),
+                "--kill-seed",
+                str(cell.get("seed", 0)),
+            ]
         elif kind == "sigterm":
             extra = ["--sigterm-step", str(fault["step"])]
         else:
@@ -139,27 +194,50 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         # Not "fault": the fault fires inside this launch, at a moment only the killed rank knows; it records that
         # moment itself, and the fault event is read from its record (a timeline measured from here would charge
         # the training before the kill to detection).
-        event("launch", f"faulted run launched; {kind} {json.dumps(fault, sort_keys=True)} fires inside it")
-        first = launch(_rank_argv(celldir / "run", cell, ckpt, extra), world_size=world, timeout_s=timeout,
-                       log_dir=logs)
+        event(
+            "launch",
+            f"faulted run launched; {kind} {json.dumps(fault, sort_keys=True)} fires inside it",
+        )
+        first = launch(
+            _rank_argv(celldir / "run", cell, ckpt, extra),
+            world_size=world,
+            timeout_s=timeout,
+            log_dir=logs,
+        )
         observed["rank_exit_codes"] = first.returncodes
         if first.ok:
             return _result(cell, "failed", observed, timeline, "the fault did not end the run")
-        _detected(event, first, f"rank {first.first_failed} exit with {first.returncodes[first.first_failed or 0]}")
+        _detected(
+            event,
+            first,
+            f"rank {first.first_failed} exit with {first.returncodes[first.first_failed or 0]}",
+        )
         if kind == "sigkill":
             kill = _own_kill(celldir / "run", int(fault["rank"]))
-            if kill is None:  # some other death ended the run: what follows would not be this cell's recovery
-                return _result(cell, "error", observed, _with_kills(timeline, celldir, wall0),
-                               f"rank {fault['rank']} left no record of its SIGKILL (exit codes {first.returncodes}): "
-                               f"the run ended for another reason; see logs/")
+            if (
+                kill is None
+            ):  # some other death ended the run: what follows would not be this cell's recovery
+                return _result(
+                    cell,
+                    "error",
+                    observed,
+                    _with_kills(timeline, celldir, wall0),
+                    f"rank {fault['rank']} left no record of its SIGKILL (exit codes {first.returncodes}): "
+                    f"the run ended for another reason; see logs/",
+                )
             observed["kill"] = {k: kill.get(k) for k in ("rank", "step", "phase", "wall")}
             if first.detected_wall is not None:
                 observed["fault_to_detection_s"] = round(first.detected_wall - kill["wall"], 3)
-        if fault.get("node_loss") == "all":  # a fail-stop of the whole job's local storage: the durable tier is left
+        if (
+            fault.get("node_loss") == "all"
+        ):  # a fail-stop of the whole job's local storage: the durable tier is left
             lost = sorted(p.name for p in ckpt.glob("node-*"))
             for name in lost:
                 shutil.rmtree(ckpt / name, ignore_errors=True)
-            event("node-loss", f"every node lost ({', '.join(lost)}): all local checkpoint folders deleted")
+            event(
+                "node-loss",
+                f"every node lost ({', '.join(lost)}): all local checkpoint folders deleted",
+            )
         elif fault.get("node_loss"):
             node = int(fault["rank"]) // int(cell.get("params", {}).get("ranks_per_node", 1))
             shutil.rmtree(ckpt / f"node-{node}", ignore_errors=True)
@@ -167,25 +245,60 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         attempt = 1
         second = fault.get("recovery_kill")
         if second:  # a second failure, in the middle of the recovery from the first
-            again = launch(_rank_argv(celldir / "run", cell, ckpt, [
-                "--kill-rank", str(second["rank"]), "--recovery-kill-phase", str(second["phase"])]),
-                world_size=world, timeout_s=timeout, log_dir=logs, attempt=attempt)
+            again = launch(
+                _rank_argv(
+                    celldir / "run",
+                    cell,
+                    ckpt,
+                    [
+                        "--kill-rank",
+                        str(second["rank"]),
+                        "--recovery-kill-phase",
+                        str(second["phase"]),
+                    ],
+                ),
+                world_size=world,
+                timeout_s=timeout,
+                log_dir=logs,
+                attempt=attempt,
+            )
             observed["recovery_kill_exit_codes"] = again.returncodes
             if again.ok:
-                return _result(cell, "failed", observed, timeline, "the recovery-time kill did not end the run")
-            _detected(event, again, f"rank {again.first_failed} exit during the recovery ({second['phase']}); exit "
-                                    f"codes {again.returncodes}")
+                return _result(
+                    cell, "failed", observed, timeline, "the recovery-time kill did not end the run"
+                )
+            _detected(
+                event,
+                again,
+                f"rank {again.first_failed} exit during the recovery ({second['phase']}); exit "
+                f"codes {again.returncodes}",
+            )
             attempt += 1
         if cell.get("params", {}).get("relaunch_ignores_checkpoints"):
-            shutil.rmtree(ckpt, ignore_errors=True)  # the negative control: a relaunch that starts from scratch
+            shutil.rmtree(
+                ckpt, ignore_errors=True
+            )  # the negative control: a relaunch that starts from scratch
             shutil.rmtree(celldir / "durable", ignore_errors=True)
-            event("node-loss", "relaunch_ignores_checkpoints: every checkpoint deleted before the relaunch")
+            event(
+                "node-loss",
+                "relaunch_ignores_checkpoints: every checkpoint deleted before the relaunch",
+            )
         event("relaunch", f"{world} ranks relaunched (attempt {attempt})")
-        run = launch(_rank_argv(celldir / "run", cell, ckpt, []), world_size=world, timeout_s=timeout, log_dir=logs,
-                     attempt=attempt)
+        run = launch(
+            _rank_argv(celldir / "run", cell, ckpt, []),
+            world_size=world,
+            timeout_s=timeout,
+            log_dir=logs,
+            attempt=attempt,
+        )
         if not run.ok:
-            return _result(cell, "failed", observed, _with_kills(timeline, celldir, wall0),
-                           f"relaunch failed: exit codes {run.returncodes}")
+            return _result(
+                cell,
+                "failed",
+                observed,
+                _with_kills(timeline, celldir, wall0),
+                f"relaunch failed: exit codes {run.returncodes}",
+            )
     ranks = _read(celldir / "run", world)
     decision = ranks[0].get("decision") or {}
     if kind != "none":
@@ -197,20 +310,33 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         killed = int(fault.get("rank", 0))
         observed["killed_rank_source"] = str(sources.get(str(killed), "none")).split(":")[0]
         observed["ranks_restored"] = sum(1 for r in range(world) if sources.get(str(r)))
-        observed["survivor_sources"] = sorted({str(sources.get(str(r), "none")).split(":")[0]
-                                               for r in range(world) if r != killed})
+        observed["survivor_sources"] = sorted(
+            {str(sources.get(str(r), "none")).split(":")[0] for r in range(world) if r != killed}
+        )
         resumed = sorted({int(r.get("resume_step", 0)) for r in ranks})
         observed["resume_step"] = resumed[0] if len(resumed) == 1 else resumed
         times = ranks[0].get("times", {})
-        event("decision", f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
-                          f"{decision.get('reason')}", times.get("attach_wall"))
+        event(
+            "decision",
+            f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}: "
+            f"{decision.get('reason')}",
+            times.get("attach_wall"),
+        )
         restored = max(r.get("times", {}).get("restored_wall", 0.0) for r in ranks) or None
-        event("recovery", f"state restored at step {ranks[0]['resume_step']} on {world} ranks", restored)
+        event(
+            "recovery",
+            f"state restored at step {ranks[0]['resume_step']} on {world} ranks",
+            restored,
+        )
         firsts = [r.get("times", {}).get("first_step_wall") for r in ranks]
         first_step = max(firsts) if all(isinstance(f, int | float) for f in firsts) else None
         if first_step is not None:
-            event("first-step", f"every rank trained step {int(ranks[0]['resume_step']) + 1}, the first after the "
-                                f"restore", first_step)
+            event(
+                "first-step",
+                f"every rank trained step {int(ranks[0]['resume_step']) + 1}, the first after the "
+                f"restore",
+                first_step,
+            )
         kill_wall = (observed.get("kill") or {}).get("wall")
         if kill_wall is not None and restored is not None:
             observed["fault_to_recovery_s"] = round(restored - kill_wall, 3)
@@ -219,29 +345,54 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         timeline = _with_kills(timeline, celldir, wall0)
     observed["decision"] = decision
     # Rank by rank: with sharded topologies each rank holds its own shard of the uninterrupted run's state.
-    observed["bitwise_equal"] = all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks))
-    observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))
+    observed["bitwise_equal"] = all(
+        r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
+    )
+    observed["losses_equal"] = all(
+        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
+    )
     observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
     observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
     observed["errors"] = sorted({e for r in ranks for e in r.get("errors", [])})
-    event("finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}")
+    event(
+        "finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}"
+    )
     if not cell.get("params", {}).get("keep_checkpoints", False):
         shutil.rmtree(ckpt, ignore_errors=True)  # binary state has no place in an evidence bundle
         shutil.rmtree(celldir / "durable", ignore_errors=True)
-    metrics = {"duration_s": round(time.monotonic() - t0, 3), "stats_rank0": ranks[0].get("stats", {})}
+    metrics = {
+        "duration_s": round(time.monotonic() - t0, 3),
+        "stats_rank0": ranks[0].get("stats", {}),
+    }
     status = "passed" if observed["bitwise_equal"] and observed["losses_equal"] else "failed"
     return _result(cell, status, observed, timeline, "", metrics)
 
 
-def _with_kills(timeline: list[dict[str, Any]], celldir: Path, wall0: float) -> list[dict[str, Any]]:
+def _with_kills(
+    timeline: list[dict[str, Any]], celldir: Path, wall0: float
+) -> list[dict[str, Any]]:
     """The timeline with every recorded SIGKILL as a ``fault`` event, in time order."""
-    return sorted(timeline + _kills.timeline_events(_kills.read(celldir / "run"), wall0), key=lambda e: e["t"])
+    return sorted(
+        timeline + _kills.timeline_events(_kills.read(celldir / "run"), wall0), key=lambda e: e["t"]
+    )
 
 
-def _result(cell: dict[str, Any], status: str, observed: dict[str, Any], timeline: list[dict[str, Any]],
-            message: str, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"cell_id": cell["id"], "status": status, "observed": observed, "metrics": metrics or {},
-            "timeline": timeline, "message": message}
+def _result(
+    cell: dict[str, Any],
+    status: str,
+    observed: dict[str, Any],
+    timeline: list[dict[str, Any]],
+    message: str,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "cell_id": cell["id"],
+        "status": status,
+        "observed": observed,
+        "metrics": metrics or {},
+        "timeline": timeline,
+        "message": message,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,11 @@ def main() -> None:
     dist.init_process_group("nccl", timeout=timedelta(seconds=120))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -72,18 +76,36 @@ def main() -> None:
     ps.initialize_model_parallel()
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.1,
-                               attention_dropout=0.1, deterministic_mode=True)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=False).cuda()
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                        overlap_grad_reduce=False), model)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        deterministic_mode=True,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+    ).cuda()
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False),
+        model,
+    )
     # Megatron-LM's wiring: without finalize_model_grads the schedule never syncs DDP's grad buffers (found on CPU,
     # qualification/programs/megatron_loop_rank.py: every rank stepped on its own gradients).
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01,
-                                                       use_distributed_optimizer=True), [ddp])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=3e-3, weight_decay=0.01, use_distributed_optimizer=True
+        ),
+        [ddp],
+    )
     rank, dp_rank = dist.get_rank(), ps.get_data_parallel_rank()
     losses: dict[int, float] = {}
     session = None
@@ -91,9 +113,14 @@ def main() -> None:
         import gemscout
 
         session = gemscout.enable_resiliency(
-            [ddp], optimizer, checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="mc-gpu", fsync=False),
+            [ddp],
+            optimizer,
+            checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="mc-gpu", fsync=False),
             extra_state_fn=lambda: {"losses": {str(k): v for k, v in losses.items()}},
-            load_extra_state_fn=lambda s: losses.update({int(k): float(v) for k, v in s["losses"].items()}))
+            load_extra_state_fn=lambda s: losses.update(
+                {int(k): float(v) for k, v in s["losses"].items()}
+            ),
+        )
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device="cuda"), diagonal=1)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -111,17 +138,27 @@ def main() -> None:
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).cuda()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter([(tokens[:, :-1],
-                               tokens[:, 1:].contiguous())]), model=[ddp], num_microbatches=1, seq_length=SEQ,
-                               micro_batch_size=BATCH, forward_only=False)
+        out = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter([(tokens[:, :-1], tokens[:, 1:].contiguous())]),
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=False,
+        )
         losses[step] = float(out[0]["lm loss"])
         optimizer.step()  # the session's hooks run around this call
         fail_stop(session, rank, step, args)
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
-    result = {"rank": rank, "resume_step": session.resume_step if session else 0,
-              "decision": session.last_decision.to_dict() if session and session.last_decision else None,
-              "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": state_digest(model, optimizer)}
+    result = {
+        "rank": rank,
+        "resume_step": session.resume_step if session else 0,
+        "decision": session.last_decision.to_dict() if session and session.last_decision else None,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": state_digest(model, optimizer),
+    }
     if session is not None:
         session.close()
     finish(args.out, rank, result)

@@ -32,14 +32,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import fail_stop, finish, megatron_run_arguments, run, trust_states
+from qualification.programs._rank import (
+    fail_stop,
+    finish,
+    megatron_run_arguments,
+    run,
+    trust_states,
+)
 from qualification.programs.megatron_gpu_rank import state_digest
 
 VOCAB, SEQ, BATCH, MICRO = 128, 32, 4, 2
 # The lifecycle driver's names for the layouts (campaign cells): flags each one sets.
-TOPOLOGIES = {"megatron-ddp": ["--overlap"], "megatron-distopt": ["--distopt", "--overlap"],
-              "megatron-pp2": ["--pp", "2", "--distopt"],
-              "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]}
+TOPOLOGIES = {
+    "megatron-ddp": ["--overlap"],
+    "megatron-distopt": ["--distopt", "--overlap"],
+    "megatron-pp2": ["--pp", "2", "--distopt"],
+    "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"],
+}
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
 
 
@@ -57,20 +66,37 @@ def _model_hash(h: Any, model: torch.nn.Module) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
-                    help="the lifecycle driver's name for the layout (sets --pp / --distopt / --overlap)")
+    ap.add_argument(
+        "--topology",
+        default=None,
+        choices=sorted(TOPOLOGIES),
+        help="the lifecycle driver's name for the layout (sets --pp / --distopt / --overlap)",
+    )
     megatron_run_arguments(ap)
     ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
-    ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
+    ap.add_argument(
+        "--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused"
+    )
     ap.add_argument("--sigterm-step", type=int, default=-1)
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule when > 1)")
-    ap.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B when > 1)")
-    ap.add_argument("--layers", type=int, default=0, help="transformer layers (0: max(2, pp * vpp))")
+    ap.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual stages per pipeline rank (interleaved 1F1B when > 1)",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=0, help="transformer layers (0: max(2, pp * vpp))"
+    )
     ap.add_argument("--distopt", action="store_true", help="use_distributed_optimizer=True")
     ap.add_argument("--overlap", action="store_true", help="overlap_grad_reduce=True")
-    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
+    )
     ap.add_argument("--keep-generations", type=int, default=2)
-    ap.add_argument("--scout", action="store_true", help="SCOUT's forward recipes on the data-parallel peers")
+    ap.add_argument(
+        "--scout", action="store_true", help="SCOUT's forward recipes on the data-parallel peers"
+    )
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--fault-rank", type=int, default=-1)
@@ -78,7 +104,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fault-recipe", default="hidden.1")
     args = ap.parse_args(argv)
     if args.topology is not None:
-        args = ap.parse_args([*(argv if argv is not None else sys.argv[1:]), *TOPOLOGIES[args.topology]])
+        args = ap.parse_args(
+            [*(argv if argv is not None else sys.argv[1:]), *TOPOLOGIES[args.topology]]
+        )
     return args
 
 
@@ -87,38 +115,74 @@ def build(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], Any]:
     optimizer over all of them."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     vpp = args.vpp if args.vpp > 1 else None
-    ps.initialize_model_parallel(pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp)
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp
+    )
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(num_layers=args.layers or max(2, args.pp * args.vpp), hidden_size=64, num_attention_heads=4,
-                               hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
-                               deterministic_mode=True, pipeline_model_parallel_size=args.pp,
-                               virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+    config = TransformerConfig(
+        num_layers=args.layers or max(2, args.pp * args.vpp),
+        hidden_size=64,
+        num_attention_heads=4,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        use_cpu_initialization=True,
+        deterministic_mode=True,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+    )
     chunks, ddps = [], []
-    for i in range(args.vpp):  # Megatron-LM's get_model: one chunk per virtual stage, each in its own DDP
+    for i in range(
+        args.vpp
+    ):  # Megatron-LM's get_model: one chunk per virtual stage, each in its own DDP
         stage = {"ignore_virtual": False, "vp_stage": i} if vpp else {}
-        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                         share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(**stage),
-                         post_process=ps.is_pipeline_last_stage(**stage), vp_stage=i if vpp else None)
+        chunk = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            share_embeddings_and_output_weights=False,
+            pre_process=ps.is_pipeline_first_stage(**stage),
+            post_process=ps.is_pipeline_last_stage(**stage),
+            vp_stage=i if vpp else None,
+        )
         chunks.append(chunk)
-        ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(
-            use_distributed_optimizer=args.distopt, overlap_grad_reduce=args.overlap), chunk,
-            disable_bucketing=i > 0))
+        ddps.append(
+            DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(
+                    use_distributed_optimizer=args.distopt, overlap_grad_reduce=args.overlap
+                ),
+                chunk,
+                disable_bucketing=i > 0,
+            )
+        )
     # Megatron-LM's wiring (training.py): without finalize_model_grads the schedule never syncs the DDP grad
     # buffers, and every rank would step on its own gradients.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [d.no_sync for d in ddps] if vpp else ddps[0].no_sync
     if args.overlap:
-        config.grad_sync_func = [d.start_grad_sync for d in ddps] if vpp else ddps[0].start_grad_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01,
-                                                       use_distributed_optimizer=args.distopt), ddps)
+        config.grad_sync_func = (
+            [d.start_grad_sync for d in ddps] if vpp else ddps[0].start_grad_sync
+        )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=3e-3, weight_decay=0.01, use_distributed_optimizer=args.distopt
+        ),
+        ddps,
+    )
     return ps, chunks, ddps, optimizer
 
 
@@ -145,29 +209,52 @@ def main() -> None:
         import gemscout
 
         t_attach = time.time()
-        scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output"), stragglers=None,
-                                      timeout=timedelta(seconds=60)) if args.scout else None)
+        scout = (
+            gemscout.ScoutConfig(
+                interval=args.interval,
+                recipes=("embedding", "hidden", "output"),
+                stragglers=None,
+                timeout=timedelta(seconds=60),
+            )
+            if args.scout
+            else None
+        )
         session = gemscout.enable_resiliency(
-            ddps, optimizer, scout=scout, interval=args.interval,
-            checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id="mc-loop", fsync=False,
-                                                 ranks_per_node=args.ranks_per_node, persist_every=args.persist_every,
-                                                 keep_generations=args.keep_generations,
-                                                 timeout=timedelta(seconds=60)),
+            ddps,
+            optimizer,
+            scout=scout,
+            interval=args.interval,
+            checkpoint=gemscout.CheckpointConfig(
+                directory=args.ckpt,
+                run_id="mc-loop",
+                fsync=False,
+                ranks_per_node=args.ranks_per_node,
+                persist_every=args.persist_every,
+                keep_generations=args.keep_generations,
+                timeout=timedelta(seconds=60),
+            ),
             extra_state_fn=lambda: {"losses": {str(k): v for k, v in losses.items()}},
-            load_extra_state_fn=lambda s: losses.update({int(k): float(v) for k, v in s["losses"].items()}),
+            load_extra_state_fn=lambda s: losses.update(
+                {int(k): float(v) for k, v in s["losses"].items()}
+            ),
             on_fault_report=lambda r: reports.append(r.to_dict()),
-            on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+            on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+        )
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
         if session.scout is not None:
             from qualification.faults import Injector, fail_at
 
             injector = Injector(session.scout)
             if rank == args.fault_rank:
-                injector.set(fail_at("bitflip", rank=rank, step=args.fault_step, recipe=args.fault_recipe))
+                injector.set(
+                    fail_at("bitflip", rank=rank, step=args.fault_step, recipe=args.fault_recipe)
+                )
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = output.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides ``loss`` in place by the micro-batches
+        return loss, {
+            "lm loss": loss.detach().clone()
+        }  # the schedule divides ``loss`` in place by the micro-batches
 
     def forward_step(data: Any, chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         tokens, labels = next(data)
@@ -189,24 +276,39 @@ def main() -> None:
     for step in range((session.resume_step if session else 0) + 1, args.steps + 1):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + dp_rank)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-        micro = [(tokens[i:i + BATCH // MICRO, :-1], tokens[i:i + BATCH // MICRO, 1:].contiguous())
-                 for i in range(0, BATCH, BATCH // MICRO)]
+        micro = [
+            (tokens[i : i + BATCH // MICRO, :-1], tokens[i : i + BATCH // MICRO, 1:].contiguous())
+            for i in range(0, BATCH, BATCH // MICRO)
+        ]
         for d in ddps:
             d.zero_grad_buffer()
         optimizer.zero_grad()
         # Interleaved: one iterator per chunk (each chunk's forward reads every micro-batch once).
         data: Any = [iter(micro) for _ in ddps] if len(ddps) > 1 else iter(micro)
-        out = forward_backward(forward_step_func=forward_step, data_iterator=data, model=ddps,
-                               num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=BATCH // MICRO,
-                               forward_only=False)
+        out = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=ddps,
+            num_microbatches=MICRO,
+            seq_length=SEQ,
+            micro_batch_size=BATCH // MICRO,
+            forward_only=False,
+        )
         # The last pipeline stage holds the loss of each micro-batch; every stage records it (the lifecycle reads rank 0).
-        loss = torch.tensor([sum(float(o["lm loss"]) for o in out) / len(out) if out else 0.0], dtype=torch.float64)
+        loss = torch.tensor(
+            [sum(float(o["lm loss"]) for o in out) / len(out) if out else 0.0], dtype=torch.float64
+        )
         if args.pp > 1:
-            dist.broadcast(loss, ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                loss,
+                ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
         losses[step] = float(loss)
         optimizer.step()  # the session's hooks run around this call
-        cycle = session.scout.last_result if session is not None and session.scout is not None else None
+        cycle = (
+            session.scout.last_result if session is not None and session.scout is not None else None
+        )
         if cycle is not None and cycle.step == step:
             verdicts[str(step)] = {name: r.verdict.value for name, r in cycle.results.items()}
             due[str(step)] = [r.name for r in session.scout.catalog.due(step)]
@@ -220,18 +322,33 @@ def main() -> None:
     dist.all_gather_object(replicas, (ps.get_pipeline_model_parallel_rank(), h.hexdigest()))
     stage = ps.get_pipeline_model_parallel_rank()
     result = {
-        "rank": rank, "dp_rank": dp_rank, "pp_rank": stage, "optimizer": [type(p).__name__ for p in getattr(optimizer, "chained_optimizers", None) or [optimizer]],
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "pp_rank": stage,
+        "optimizer": [
+            type(p).__name__ for p in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        ],
         "resume_step": session.resume_step if session else 0,
         "decision": session.last_decision.to_dict() if session and session.last_decision else None,
-        "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": state_digest(model, optimizer),
-        "replicas_equal": len({d for s, d in replicas if s == stage}) == 1, "grad_syncs": grad_syncs[0],
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": state_digest(model, optimizer),
+        "replicas_equal": len({d for s, d in replicas if s == stage}) == 1,
+        "grad_syncs": grad_syncs[0],
         "peers": list(session.scout.peers) if session and session.scout else None,
-        "topology": session.scout.topology.to_dict() if session and session.scout and session.scout.topology else None,
-        "catalog": list(session.scout.catalog.names) if session and session.scout else [], "due": due,
+        "topology": session.scout.topology.to_dict()
+        if session and session.scout and session.scout.topology
+        else None,
+        "catalog": list(session.scout.catalog.names) if session and session.scout else [],
+        "due": due,
         "schedule": forward_backward.__name__,
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
-        "verdicts": verdicts, "trust": trust, "reports": reports, "decisions": decisions,
-        "fired": injector.fired if injector is not None else [], "times": times, "final_step": args.steps,
+        "verdicts": verdicts,
+        "trust": trust,
+        "reports": reports,
+        "decisions": decisions,
+        "fired": injector.fired if injector is not None else [],
+        "times": times,
+        "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
     }
     if session is not None:

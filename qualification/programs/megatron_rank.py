@@ -47,7 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import fail_stop, finish, megatron_run_arguments, run, trust_states
+from qualification.programs._rank import (
+    fail_stop,
+    finish,
+    megatron_run_arguments,
+    run,
+    trust_states,
+)
 
 VOCAB, SEQ, BATCH = 128, 32, 4
 # topology name → (tensor_model_parallel_size, expert_model_parallel_size, num_moe_experts)
@@ -86,7 +92,9 @@ def module_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def build(tp: int, seed: int, ep: int = 1, experts: int = 0, etp: int | None = None) -> tuple[Any, torch.nn.Module]:
+def build(
+    tp: int, seed: int, ep: int = 1, experts: int = 0, etp: int | None = None
+) -> tuple[Any, torch.nn.Module]:
     """Model parallel state, the RNG tracker and a small GPTModel (seeded: every run builds the same weights), with
     ``experts`` MoE experts per layer (0: dense MLPs); ``etp``: expert_tensor_parallel_size (None: the TP size)."""
     from megatron.core import parallel_state as ps
@@ -95,24 +103,48 @@ def build(tp: int, seed: int, ep: int = 1, experts: int = 0, etp: int | None = N
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     moe: dict[str, Any] = {}
     if experts:
-        moe = {"num_moe_experts": experts, "moe_token_dispatcher_type": "alltoall", "moe_router_topk": 2,
-               "moe_grouped_gemm": False, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-2,
-               "expert_model_parallel_size": ep}
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=tp, **moe)
+        moe = {
+            "num_moe_experts": experts,
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_router_topk": 2,
+            "moe_grouped_gemm": False,
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": 1e-2,
+            "expert_model_parallel_size": ep,
+        }
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        tensor_model_parallel_size=tp,
+        **moe,
+    )
     spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=False)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+    )
     return ps, model
 
 
-def _corrupt(case: str, step: int, buffer: torch.Tensor, args: argparse.Namespace) -> torch.Tensor | None:
+def _corrupt(
+    case: str, step: int, buffer: torch.Tensor, args: argparse.Namespace
+) -> torch.Tensor | None:
     """One byte of the ``balanced`` replay's send buffer flipped at ``--a2a-corrupt-step`` (after it was digested)."""
     if case != "balanced" or step != args.a2a_corrupt_step:
         return None
@@ -125,7 +157,11 @@ def batch(seed: int, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tenso
     """Tokens, labels and positions of one step for one data-parallel rank (TP partners read the same batch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + dp_rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:].contiguous(), torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    return (
+        tokens[:, :-1],
+        tokens[:, 1:].contiguous(),
+        torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
+    )
 
 
 def parse() -> argparse.Namespace:
@@ -134,20 +170,36 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size")
     ap.add_argument("--experts", type=int, default=0, help="MoE experts per layer (0: dense MLPs)")
-    ap.add_argument("--etp", type=int, default=None, help="expert_tensor_parallel_size (default: the TP size)")
-    ap.add_argument("--topology", default=None, choices=sorted(TOPOLOGIES),
-                    help="the lifecycle driver's name for the layout (sets --tp)")
+    ap.add_argument(
+        "--etp", type=int, default=None, help="expert_tensor_parallel_size (default: the TP size)"
+    )
+    ap.add_argument(
+        "--topology",
+        default=None,
+        choices=sorted(TOPOLOGIES),
+        help="the lifecycle driver's name for the layout (sets --tp)",
+    )
     megatron_run_arguments(ap)
-    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
+    )
     ap.add_argument("--run-id", default="qualify")
     ap.add_argument("--keep-generations", type=int, default=2)
     ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
-    ap.add_argument("--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused")
+    ap.add_argument(
+        "--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused"
+    )
     ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument("--scout", action="store_true", help="SCOUT forward recipes on the data-parallel peers")
-    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument(
+        "--scout", action="store_true", help="SCOUT forward recipes on the data-parallel peers"
+    )
+    ap.add_argument(
+        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
+    )
     ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
+    ap.add_argument(
+        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
+    )
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--fault-rank", type=int, default=-1)
@@ -172,7 +224,11 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     ps, model = build(args.tp, args.seed, args.ep, args.experts, args.etp)
-    dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_group, dp_rank, dp_size = (
+        ps.get_data_parallel_group(),
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+    )
     edp_group = ps.get_expert_data_parallel_group() if args.experts else None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses: dict[int, float] = {}
@@ -196,33 +252,63 @@ def main() -> None:
             losses.clear()
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
-        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
-                                        persist_every=args.persist_every, keep_generations=args.keep_generations,
-                                        timeout=timedelta(seconds=60), fsync=False, durable_directory=args.durable,
-                                        durable_every=args.durable_every)
-        scout = (gemscout.ScoutConfig(interval=args.interval, recipes=("embedding", "hidden", "output", "optimizer"), stragglers=None,
-                                      timeout=timedelta(seconds=60)) if args.scout else None)
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id=args.run_id,
+            ranks_per_node=args.ranks_per_node,
+            persist_every=args.persist_every,
+            keep_generations=args.keep_generations,
+            timeout=timedelta(seconds=60),
+            fsync=False,
+            durable_directory=args.durable,
+            durable_every=args.durable_every,
+        )
+        scout = (
+            gemscout.ScoutConfig(
+                interval=args.interval,
+                recipes=("embedding", "hidden", "output", "optimizer"),
+                stragglers=None,
+                timeout=timedelta(seconds=60),
+            )
+            if args.scout
+            else None
+        )
         t_attach = time.time()
-        session = gemscout.enable_resiliency([model], opt, interval=args.interval, checkpoint=cfg, scout=scout,
-                                             extra_state_fn=extra, load_extra_state_fn=load_extra,
-                                             on_fault_report=lambda r: reports.append(r.to_dict()),
-                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        session = gemscout.enable_resiliency(
+            [model],
+            opt,
+            interval=args.interval,
+            checkpoint=cfg,
+            scout=scout,
+            extra_state_fn=extra,
+            load_extra_state_fn=load_extra,
+            on_fault_report=lambda r: reports.append(r.to_dict()),
+            on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+        )
         decision = session.last_decision.to_dict() if session.last_decision else None
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
         if session.scout is not None:
             from qualification.faults import Injector, fail_at
 
-            topology = session.scout.topology.to_dict() if session.scout.topology is not None else None
+            topology = (
+                session.scout.topology.to_dict() if session.scout.topology is not None else None
+            )
             injector = Injector(session.scout)
             if rank == args.fault_rank:
-                injector.set(fail_at(args.fault_kind, rank=rank, step=args.fault_step, recipe=args.fault_recipe))
+                injector.set(
+                    fail_at(
+                        args.fault_kind, rank=rank, step=args.fault_step, recipe=args.fault_recipe
+                    )
+                )
             if args.experts and args.ep > 1:
                 from gemscout.adapters.megatron import moe_layers
                 from gemscout.scout.alltoall import AllToAllConfig
 
                 check = session.check_alltoall(*moe_layers(model), config=AllToAllConfig())
                 if rank == args.a2a_corrupt_rank:
-                    check.register_send_hook(lambda case, step, buffer: _corrupt(case, step, buffer, args))
+                    check.register_send_hook(
+                        lambda case, step, buffer: _corrupt(case, step, buffer, args)
+                    )
     start = session.resume_step + 1 if session else 1
     model.train()
     for step in range(start, args.steps + 1):
@@ -231,7 +317,9 @@ def main() -> None:
         # An explicit causal mask (True = masked): Megatron's default one is built on "cuda".
         loss = model(tokens, positions, CAUSAL, labels=labels).mean()
         loss.backward()
-        for p in model.parameters():  # Megatron's DDP is CUDA-only: average over the data-parallel group by hand
+        for p in (
+            model.parameters()
+        ):  # Megatron's DDP is CUDA-only: average over the data-parallel group by hand
             if p.grad is not None and dp_size > 1:
                 # Expert weights (flagged allreduce=False) have their replicas on the expert-data-parallel group;
                 # the loss is averaged over the whole data-parallel group, as Megatron's DDP scales them.
@@ -239,19 +327,35 @@ def main() -> None:
                 dist.all_reduce(p.grad, group=edp_group if expert else dp_group)
                 p.grad.div_(dp_size)
         losses[step] = loss.item()
-        if session is not None and session.scout is not None and rank == args.drop_capture_rank \
-                and step == args.drop_capture_step:
-            session.scout.set_next_step(step)  # this rank's captures of the step are gone; training is untouched
+        if (
+            session is not None
+            and session.scout is not None
+            and rank == args.drop_capture_rank
+            and step == args.drop_capture_step
+        ):
+            session.scout.set_next_step(
+                step
+            )  # this rank's captures of the step are gone; training is untouched
         opt.step()
         if session is not None and args.certify:
             session.certify(session.step)
-        if check is not None:  # the session checked this step's recorded AllToAlls before its update
+        if (
+            check is not None
+        ):  # the session checked this step's recorded AllToAlls before its update
             a2a[str(step)] = [r.to_dict() for r in check.last_results]
-        result = session.scout.last_result if session is not None and session.scout is not None else None
+        result = (
+            session.scout.last_result if session is not None and session.scout is not None else None
+        )
         if result is not None and result.step == step:
             cycles[str(step)] = {
-                "verdicts": {n: {"verdict": r.verdict.value, "reason": r.reason} for n, r in result.results.items()},
-                "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
+                "verdicts": {
+                    n: {"verdict": r.verdict.value, "reason": r.reason}
+                    for n, r in result.results.items()
+                },
+                "collective_s": {
+                    n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()
+                },
+            }
         if session is not None:  # the first step trained after the restore (recovery wall time)
             times.setdefault("first_step_wall", time.time())
         fail_stop(session, rank, step, args)
@@ -262,20 +366,35 @@ def main() -> None:
     coord = (ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     dist.all_gather_object(shards, (coord, module_digest(model)))
     result = {
-        "rank": rank, "world_size": world, "tp": args.tp, "dp_rank": dp_rank,
-        "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_group": dist.get_process_group_ranks(dp_group),
-        "resume_step": session.resume_step if session else 0, "decision": decision,
-        "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": state_digest(model, opt),
-        "peers": list(session.scout.peers) if session and session.scout else None, "topology": topology,
+        "rank": rank,
+        "world_size": world,
+        "tp": args.tp,
+        "dp_rank": dp_rank,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "dp_group": dist.get_process_group_ranks(dp_group),
+        "resume_step": session.resume_step if session else 0,
+        "decision": decision,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": state_digest(model, opt),
+        "peers": list(session.scout.peers) if session and session.scout else None,
+        "topology": topology,
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
-        "reports": reports, "decisions": decisions, "trust": trust,
+        "reports": reports,
+        "decisions": decisions,
+        "trust": trust,
         "fired": injector.fired if injector is not None else [],
         "replicas_equal": len({d for t, d in shards if tuple(t) == coord}) == 1,
-        "ep": args.ep, "ep_rank": coord[1], "a2a": a2a,
+        "ep": args.ep,
+        "ep_rank": coord[1],
+        "a2a": a2a,
         "edp_group": dist.get_process_group_ranks(edp_group) if edp_group is not None else None,
-        "times": times, "final_step": args.steps, "cycles": cycles,
+        "times": times,
+        "final_step": args.steps,
+        "cycles": cycles,
         # What megatron_scout_cell reads (as megatron_loop_rank writes it): each step's verdict per recipe.
-        "verdicts": {s: {n: v["verdict"] for n, v in c["verdicts"].items()} for s, c in cycles.items()},
+        "verdicts": {
+            s: {n: v["verdict"] for n, v in c["verdicts"].items()} for s, c in cycles.items()
+        },
         "schedule": "hand-written",
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
     }

@@ -31,22 +31,42 @@ from qualification.launch import launch
 from qualification.programs._contract import cell_main, measured, trust_gating
 
 _LOOP, _GPT = "qualification.programs.megatron_loop_rank", "qualification.programs.megatron_rank"
-LAYOUTS = {"megatron-pp2": (_LOOP, ["--pp", "2", "--layers", "4", "--distopt", "--overlap"]),
-           "megatron-pp2-vpp2": (_LOOP, ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]),
-           "megatron-ep2": (_GPT, ["--topology", "megatron-ep2"])}
+LAYOUTS = {
+    "megatron-pp2": (_LOOP, ["--pp", "2", "--layers", "4", "--distopt", "--overlap"]),
+    "megatron-pp2-vpp2": (_LOOP, ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]),
+    "megatron-ep2": (_GPT, ["--topology", "megatron-ep2"]),
+}
 
 
-def _launch(cell: dict[str, Any], celldir: Path, name: str, extra: list[str]) -> tuple[list[dict[str, Any]], list[int]]:
+def _launch(
+    cell: dict[str, Any], celldir: Path, name: str, extra: list[str]
+) -> tuple[list[dict[str, Any]], list[int]]:
     """Every rank's result, or ``([], exit codes)`` when a rank failed."""
     steps = int(cell.get("params", {}).get("steps", 8))
     topology = str(cell["topology"])
     if topology not in LAYOUTS:
-        raise ValueError(f"megatron_scout_cell: unknown topology {topology!r}; use one of {sorted(LAYOUTS)}")
+        raise ValueError(
+            f"megatron_scout_cell: unknown topology {topology!r}; use one of {sorted(LAYOUTS)}"
+        )
     world = int(cell["world_size"])
     program, layout = LAYOUTS[topology]
-    res = launch(["-m", program, "--out", str(celldir / name), "--steps",
-                  str(steps), "--seed", str(cell.get("seed", 0)), *layout, *extra], world_size=world,
-                 timeout_s=float(cell.get("timeout_s", 240)), log_dir=celldir / "logs" / name)
+    res = launch(
+        [
+            "-m",
+            program,
+            "--out",
+            str(celldir / name),
+            "--steps",
+            str(steps),
+            "--seed",
+            str(cell.get("seed", 0)),
+            *layout,
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=float(cell.get("timeout_s", 240)),
+        log_dir=celldir / "logs" / name,
+    )
     if not res.ok:
         return [], list(res.returncodes)
     return [json.loads((celldir / name / f"rank{r}.json").read_text()) for r in range(world)], []
@@ -55,40 +75,82 @@ def _launch(cell: dict[str, Any], celldir: Path, name: str, extra: list[str]) ->
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     fault = cell.get("fault", {"kind": "none"})
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{cell['world_size']} ranks, {fault}"}]
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{cell['world_size']} ranks, {fault}"}
+    ]
     extra = ["--ckpt", str(celldir / "ckpt"), "--scout", "--keep-generations", "16"]
     if fault["kind"] == "replay":
-        extra += ["--fault-rank", str(fault["rank"]), "--fault-step", str(fault["step"]),
-                  "--fault-recipe", str(fault["recipe"])]
+        extra += [
+            "--fault-rank",
+            str(fault["rank"]),
+            "--fault-step",
+            str(fault["step"]),
+            "--fault-recipe",
+            str(fault["recipe"]),
+        ]
     elif fault["kind"] != "none":
-        raise ValueError(f"megatron_scout_cell: unknown fault kind {fault['kind']!r}; use 'none' or 'replay'")
+        raise ValueError(
+            f"megatron_scout_cell: unknown fault kind {fault['kind']!r}; use 'none' or 'replay'"
+        )
     base, codes = _launch(cell, celldir, "baseline", [])
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "baseline", "detail": "without gemscout"})
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "baseline", "detail": "without gemscout"}
+    )
     runs, codes = _launch(cell, celldir, "run", extra) if base else ([], codes)
     if not runs:
-        return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": codes}, "metrics": {},
-                "timeline": timeline, "message": f"ranks failed: {codes}"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {"rank_exit_codes": codes},
+            "metrics": {},
+            "timeline": timeline,
+            "message": f"ranks failed: {codes}",
+        }
     r0 = runs[0]
     sdc = [rep for rep in r0["reports"] if rep["kind"] == "sdc"]
     trust = {int(k): v for k, v in r0["trust"].items()}
     obs: dict[str, Any] = {
-        "bitwise_equal": all(r["state_digest"] == b["state_digest"] for r, b in zip(runs, base, strict=True)),
+        "bitwise_equal": all(
+            r["state_digest"] == b["state_digest"] for r, b in zip(runs, base, strict=True)
+        ),
         "losses_equal": all(r["losses"] == b["losses"] for r, b in zip(runs, base, strict=True)),
         "peer_groups": (r0["topology"] or {}).get("peer_groups"),
         "stage_labels": [(r["topology"] or {}).get("stage_label") for r in runs],
-        "schedule": r0["schedule"], "sdc_reports": len(sdc),
-        "scope": sdc[0]["scope"] if sdc else None, "detected_step": sdc[0]["step"] if sdc else None,
+        "schedule": r0["schedule"],
+        "sdc_reports": len(sdc),
+        "scope": sdc[0]["scope"] if sdc else None,
+        "detected_step": sdc[0]["step"] if sdc else None,
         "recipe": sdc[0]["recipe"] if sdc else None,
-        "localized_ranks": list(sdc[0]["ranks"]) if sdc and sdc[0]["scope"] in ("rank", "node") else [],
-        "unclean": [f"{s}:{n}:{v}" for s, c in sorted(r0["verdicts"].items(), key=lambda kv: int(kv[0]))
-                    for n, v in c.items() if v != "agree"],
+        "localized_ranks": list(sdc[0]["ranks"])
+        if sdc and sdc[0]["scope"] in ("rank", "node")
+        else [],
+        "unclean": [
+            f"{s}:{n}:{v}"
+            for s, c in sorted(r0["verdicts"].items(), key=lambda kv: int(kv[0]))
+            for n, v in c.items()
+            if v != "agree"
+        ],
         "certified": "recovery_verified" in trust.values(),
-        "ranks_agree": len({json.dumps([[(x["kind"], x["step"], x["ranks"]) for x in r["reports"]], r["verdicts"],
-                                        r["trust"]], sort_keys=True) for r in runs}) == 1,
+        "ranks_agree": len(
+            {
+                json.dumps(
+                    [
+                        [(x["kind"], x["step"], x["ranks"]) for x in r["reports"]],
+                        r["verdicts"],
+                        r["trust"],
+                    ],
+                    sort_keys=True,
+                )
+                for r in runs
+            }
+        )
+        == 1,
     }
     if fault["kind"] == "replay":
         obs.update(trust_gating(trust, r0["decisions"], int(fault["step"])))
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"}
+    )
     return measured(cell, obs, timeline, t0)
 
 

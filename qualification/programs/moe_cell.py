@@ -36,10 +36,27 @@ def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dic
     steps = int(cell.get("params", {}).get("steps", 8))
     world = int(cell.get("world_size", 4))  # a (world/2) x 2 mesh: 4 ranks for dp=2, 6 for dp=3
     etp = int(cell.get("params", {}).get("etp", 1))  # expert TP: a (world/4) x 2 x 2 mesh
-    res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", str(cell["workload"]),
-                  "--steps", str(steps), "--etp", str(etp), *extra], world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
-                 log_dir=out / "logs")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.moe_rank",
+            "--out",
+            str(out),
+            "--workload",
+            str(cell["workload"]),
+            "--steps",
+            str(steps),
+            "--etp",
+            str(etp),
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=float(cell.get("timeout_s", 200)),
+        log_dir=out / "logs",
+    )
+    ranks = (
+        [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
+    )
     return res, ranks
 
 
@@ -47,38 +64,66 @@ def _observe(ranks: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, An
     r0 = ranks[0]
     sdc = [rep for rep in r0["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
     a2a = [res for r in ranks for results in r["a2a"].values() for res in results]
-    pairs = sorted({tuple(rep["ranks"]) for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
-    a2a_steps = sorted({rep["step"] for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"})
-    fstep, frecipe = (int(fault["step"]), str(fault.get("recipe", "hidden.1"))) if fault["kind"] == "replay" else (0, "")
-    unexpected = [f"{step}:{name}" for r in ranks for step, cycle in r["cycles"].items()
-                  for name, v in cycle["verdicts"].items()
-                  if v["verdict"] != "agree" and (int(step), name) != (fstep, frecipe)]
+    pairs = sorted(
+        {tuple(rep["ranks"]) for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"}
+    )
+    a2a_steps = sorted(
+        {rep["step"] for r in ranks for rep in r["reports"] if rep["recipe"] == "alltoall"}
+    )
+    fstep, frecipe = (
+        (int(fault["step"]), str(fault.get("recipe", "hidden.1")))
+        if fault["kind"] == "replay"
+        else (0, "")
+    )
+    unexpected = [
+        f"{step}:{name}"
+        for r in ranks
+        for step, cycle in r["cycles"].items()
+        for name, v in cycle["verdicts"].items()
+        if v["verdict"] != "agree" and (int(step), name) != (fstep, frecipe)
+    ]
     obs: dict[str, Any] = {
         "unexpected_verdicts": len(unexpected),
         "bitwise_equal": all(r["state_digest"] == r["baseline_digest"] for r in ranks),
         "losses_equal": all(r["losses"] == r["baseline_losses"] for r in ranks),
-        "peer_groups": r0["topology"]["peer_groups"], "model_dims": r0["topology"]["model_dims"],
-        "sdc_reports": len(sdc), "scope": sdc[0]["scope"] if sdc else None,
-        "group_ranks": sdc[0]["ranks"] if sdc else [], "detected_step": sdc[0]["step"] if sdc else None,
-        "a2a_checks": len(a2a), "a2a_clean": sum(res["verdict"] == "clean" for res in a2a),
-        "a2a_pairs": [list(p) for p in pairs], "a2a_step": a2a_steps[0] if a2a_steps else None,
+        "peer_groups": r0["topology"]["peer_groups"],
+        "model_dims": r0["topology"]["model_dims"],
+        "sdc_reports": len(sdc),
+        "scope": sdc[0]["scope"] if sdc else None,
+        "group_ranks": sdc[0]["ranks"] if sdc else [],
+        "detected_step": sdc[0]["step"] if sdc else None,
+        "a2a_checks": len(a2a),
+        "a2a_clean": sum(res["verdict"] == "clean" for res in a2a),
+        "a2a_pairs": [list(p) for p in pairs],
+        "a2a_step": a2a_steps[0] if a2a_steps else None,
         "resume_step": r0["resume_step"],
         "ranks_agree": len({json.dumps(r["trust"], sort_keys=True) for r in ranks}) == 1,
     }
     trust = {int(k): v for k, v in r0["trust"].items()}
-    if fault["kind"] == "alltoall":  # the job-wide flag gated that step's capture on every rank, like SDC
+    if (
+        fault["kind"] == "alltoall"
+    ):  # the job-wide flag gated that step's capture on every rank, like SDC
         astep = int(fault["step"])
         gate = [d for d in r0["decisions"] if d["failure_kind"] == "alltoall"]
-        obs["a2a_step_gated"] = trust.get(astep) is None and bool(gate) and gate[0]["step"] is not None \
+        obs["a2a_step_gated"] = (
+            trust.get(astep) is None
+            and bool(gate)
+            and gate[0]["step"] is not None
             and gate[0]["step"] < astep
-        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > int(fault["step"]))
+        )
+        obs["certified_after"] = any(
+            st == "recovery_verified" for s, st in trust.items() if s > int(fault["step"])
+        )
     if fault["kind"] == "replay":
         fstep = int(fault["step"])
         decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
-        obs["decision_before_fault"] = bool(decisions) and decisions[0]["step"] is not None \
-            and decisions[0]["step"] < fstep
+        obs["decision_before_fault"] = (
+            bool(decisions) and decisions[0]["step"] is not None and decisions[0]["step"] < fstep
+        )
         obs["fault_step_rejected"] = trust.get(fstep) != "recovery_verified"
-        obs["certified_after"] = any(st == "recovery_verified" for s, st in trust.items() if s > fstep)
+        obs["certified_after"] = any(
+            st == "recovery_verified" for s, st in trust.items() if s > fstep
+        )
     return obs
 
 
@@ -86,53 +131,112 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0, wall0 = time.monotonic(), time.time()
     fault = cell.get("fault", {"kind": "none"})
     kind = fault["kind"]
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{cell['workload']}, fault {fault}"}]
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{cell['workload']}, fault {fault}"}
+    ]
     ckpt = celldir / "ckpt"
     extra = ["--ckpt", str(ckpt), "--baseline"]
     killed_code = None
     kill_record: dict[str, Any] = {}
     res_killed_detected: float | None = None
     if kind == "replay":
-        extra += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
-                  "--replay-fault-recipe", str(fault.get("recipe", "hidden.1"))]
+        extra += [
+            "--replay-fault-rank",
+            str(fault["rank"]),
+            "--replay-fault-step",
+            str(fault["step"]),
+            "--replay-fault-recipe",
+            str(fault.get("recipe", "hidden.1")),
+        ]
     elif kind == "alltoall":
-        extra += ["--a2a-corrupt-rank", str(fault["rank"]), "--a2a-corrupt-step", str(fault["step"])]
+        extra += [
+            "--a2a-corrupt-rank",
+            str(fault["rank"]),
+            "--a2a-corrupt-step",
+            str(fault["step"]),
+        ]
     elif kind == "sigkill":
-        res, _ = _launch(cell, celldir / "killed", "--ckpt", str(ckpt), "--kill-rank", str(fault["rank"]),
-                         "--kill-step", str(fault["step"]))
+        res, _ = _launch(
+            cell,
+            celldir / "killed",
+            "--ckpt",
+            str(ckpt),
+            "--kill-rank",
+            str(fault["rank"]),
+            "--kill-step",
+            str(fault["step"]),
+        )
         killed_code = res.returncodes[int(fault["rank"])]
         res_killed_detected = res.detected_wall
         kills = [k for k in _kills.read(celldir / "killed") if k.get("rank") == int(fault["rank"])]
         timeline += _kills.timeline_events(kills, wall0)
         if res.detected_wall is not None:
-            timeline.append({"t": round(res.detected_wall - wall0, 3), "event": "detection",
-                             "detail": f"launcher saw rank {res.first_failed} exit with {killed_code}"})
-        if not kills:  # some other death ended the run: what follows would not be this cell's recovery
-            return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
-                    "metrics": {}, "timeline": timeline,
-                    "message": f"rank {fault['rank']} left no record of its SIGKILL (exit codes {res.returncodes})"}
+            timeline.append(
+                {
+                    "t": round(res.detected_wall - wall0, 3),
+                    "event": "detection",
+                    "detail": f"launcher saw rank {res.first_failed} exit with {killed_code}",
+                }
+            )
+        if (
+            not kills
+        ):  # some other death ended the run: what follows would not be this cell's recovery
+            return {
+                "cell_id": cell["id"],
+                "status": "error",
+                "observed": {"rank_exit_codes": res.returncodes},
+                "metrics": {},
+                "timeline": timeline,
+                "message": f"rank {fault['rank']} left no record of its SIGKILL (exit codes {res.returncodes})",
+            }
         kill_record = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
-        timeline.append({"t": round(time.monotonic() - t0, 3), "event": "relaunch", "detail": "every rank relaunched"})
+        timeline.append(
+            {
+                "t": round(time.monotonic() - t0, 3),
+                "event": "relaunch",
+                "detail": "every rank relaunched",
+            }
+        )
     elif kind != "none":
         raise ValueError(f"moe_cell: unknown fault kind {kind!r}")
     res, ranks = _launch(cell, celldir / "ranks", *extra)
     if not res.ok:
-        return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
-                "metrics": {}, "timeline": timeline, "message": f"ranks failed: {res.returncodes}"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {"rank_exit_codes": res.returncodes},
+            "metrics": {},
+            "timeline": timeline,
+            "message": f"ranks failed: {res.returncodes}",
+        }
     obs = _observe(ranks, fault)
     if killed_code is not None:
         obs["killed_exit_code"] = killed_code
         obs["kill"] = kill_record
         if res_killed_detected is not None:
             obs["fault_to_detection_s"] = round(res_killed_detected - kill_record["wall"], 3)
-    a2a_s = sorted(res_["seconds"] for r in ranks for results in r["a2a"].values() for res_ in results)
+    a2a_s = sorted(
+        res_["seconds"] for r in ranks for results in r["a2a"].values() for res_ in results
+    )
     metrics: dict[str, Any] = {"duration_s": round(time.monotonic() - t0, 3)}
     if a2a_s:
         metrics["a2a_check_median_s"] = round(a2a_s[len(a2a_s) // 2], 4)
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {ranks[0]['trust']}"})
+    timeline.append(
+        {
+            "t": round(time.monotonic() - t0, 3),
+            "event": "finish",
+            "detail": f"trust {ranks[0]['trust']}",
+        }
+    )
     timeline.sort(key=lambda e: e["t"])
-    return {"cell_id": cell["id"], "status": "passed", "observed": obs, "metrics": metrics, "timeline": timeline,
-            "message": ""}
+    return {
+        "cell_id": cell["id"],
+        "status": "passed",
+        "observed": obs,
+        "metrics": metrics,
+        "timeline": timeline,
+        "message": "",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,37 +46,71 @@ class Job:
         if etp > 1 and workload != "moe":
             raise SystemExit(f"--etp {etp}: expert tensor parallelism needs --workload moe")
         if self.world % (2 * etp):
-            raise SystemExit(f"--etp {etp}: the world size {self.world} must be a multiple of 2 x {etp}")
+            raise SystemExit(
+                f"--etp {etp}: the world size {self.world} must be a multiple of 2 x {etp}"
+            )
         self.model_dim = "ep" if workload == "moe" else "cp"
         inner = ((self.model_dim, 2),) + ((("etp", etp),) if etp > 1 else ())
-        self.mesh = init_device_mesh("cpu", (self.world // (2 * etp), *(n for _, n in inner)),
-                                     mesh_dim_names=("dp", *(d for d, _ in inner)))
+        self.mesh = init_device_mesh(
+            "cpu",
+            (self.world // (2 * etp), *(n for _, n in inner)),
+            mesh_dim_names=("dp", *(d for d, _ in inner)),
+        )
         self.data_rank = self.rank // etp  # etp partners read the same batch
-        self.dp_rank, self.mp_rank, self.etp_rank = self.data_rank // 2, self.data_rank % 2, self.rank % etp
-        self.dp_group, self.mp_group = self.mesh.get_group("dp"), self.mesh.get_group(self.model_dim)
+        self.dp_rank, self.mp_rank, self.etp_rank = (
+            self.data_rank // 2,
+            self.data_rank % 2,
+            self.rank % etp,
+        )
+        self.dp_group, self.mp_group = (
+            self.mesh.get_group("dp"),
+            self.mesh.get_group(self.model_dim),
+        )
         self.etp_group = self.mesh.get_group("etp") if etp > 1 else None
 
     def build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         if self.workload == "moe":
-            model: torch.nn.Module = build_moe(seed=self.seed, ep_size=2, ep_rank=self.mp_rank, group=self.mp_group,
-                                               etp_size=self.etp, etp_rank=self.etp_rank, etp_group=self.etp_group)
+            model: torch.nn.Module = build_moe(
+                seed=self.seed,
+                ep_size=2,
+                ep_rank=self.mp_rank,
+                group=self.mp_group,
+                etp_size=self.etp,
+                etp_rank=self.etp_rank,
+                etp_group=self.etp_group,
+            )
             place_on_mesh(model, self.mesh, shard_dim="ep", tp_dim="etp" if self.etp > 1 else None)
         else:
             model = build_cp(seed=self.seed, cp_rank=self.mp_rank, cp_size=2, group=self.mp_group)
             place_on_mesh(model, self.mesh, shard_dim=None)
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
-    def step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, losses: dict[int, float]) -> None:
+    def step(
+        self,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        step: int,
+        losses: dict[int, float],
+    ) -> None:
         if self.workload == "moe":
             x, y = synthetic_batch(seed=self.seed, step=step, rank=self.data_rank)
         else:
-            x, y = (seq_chunk(t, self.mp_rank, 2) for t in synthetic_batch(seed=self.seed, step=step,
-                                                                             rank=self.dp_rank))
+            x, y = (
+                seq_chunk(t, self.mp_rank, 2)
+                for t in synthetic_batch(seed=self.seed, step=step, rank=self.dp_rank)
+            )
         loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        sync_grads(model, dp_group=self.dp_group, world_size=self.world, dp_size=self.world // (2 * self.etp))
-        losses[step] = loss.item()  # before the update: GEMINI takes the caller state inside opt.step()
+        sync_grads(
+            model,
+            dp_group=self.dp_group,
+            world_size=self.world,
+            dp_size=self.world // (2 * self.etp),
+        )
+        losses[step] = (
+            loss.item()
+        )  # before the update: GEMINI takes the caller state inside opt.step()
         opt.step()
 
 
@@ -86,7 +120,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--workload", choices=("moe", "cp"), default="moe")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--etp", type=int, default=1, choices=(1, 2), help="expert tensor parallelism (MoE only)")
+    ap.add_argument(
+        "--etp", type=int, default=1, choices=(1, 2), help="expert tensor parallelism (MoE only)"
+    )
     ap.add_argument("--ckpt", type=Path, default=None)
     ap.add_argument("--baseline", action="store_true")
     ap.add_argument("--kill-rank", type=int, default=-1)
@@ -117,30 +153,48 @@ def main() -> None:
     decisions: list[dict[str, Any]] = []
     losses: dict[int, float] = {}
     session = gemscout.enable_resiliency(
-        model, opt, interval=1,
-        checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, run_id=f"{args.workload}-job", fsync=False,
-                                             keep_generations=8, timeout=timedelta(seconds=60)),
+        model,
+        opt,
+        interval=1,
+        checkpoint=gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id=f"{args.workload}-job",
+            fsync=False,
+            keep_generations=8,
+            timeout=timedelta(seconds=60),
+        ),
         extra_state_fn=lambda: {"losses": {str(k): v for k, v in losses.items()}},
-        load_extra_state_fn=lambda st: losses.update({int(k): float(v) for k, v in st["losses"].items()}),
+        load_extra_state_fn=lambda st: losses.update(
+            {int(k): float(v) for k, v in st["losses"].items()}
+        ),
         # 4 ranks on 2 shared cores: scheduling noise alone is tens of ms, above the default straggler margin.
-        scout=gemscout.ScoutConfig(interval=1, data_parallel_dims=("dp",), stragglers=StragglerConfig(absolute_margin_s=0.25)),
+        scout=gemscout.ScoutConfig(
+            interval=1,
+            data_parallel_dims=("dp",),
+            stragglers=StragglerConfig(absolute_margin_s=0.25),
+        ),
         on_fault_report=lambda r: reports.append(r.to_dict()),
-        on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+    )
     assert session.scout is not None and session.checkpointer is not None
     start = session.resume_step + 1
     a2a: dict[int, list[dict[str, Any]]] = {}
     check = None
     if args.workload == "moe":
         # The session runs the check in its optimizer pre-hook and gates the step's capture on it (job-wide).
-        check = session.check_alltoall(*[block.moe for block in model.blocks],  # type: ignore[union-attr]
-                                       config=AllToAllConfig())
+        check = session.check_alltoall(
+            *[block.moe for block in model.blocks],  # type: ignore[union-attr]
+            config=AllToAllConfig(),
+        )
         if rank == args.a2a_corrupt_rank:
+
             def corrupt(case: str, step: int, buffer: torch.Tensor) -> torch.Tensor | None:
                 if case != "balanced" or step != args.a2a_corrupt_step:
                     return None
                 bad = buffer.clone()
                 bad.view(-1).view(torch.uint8)[0] ^= 0x10
                 return bad
+
             check.register_send_hook(corrupt)
     injector = Injector(session.scout)
     if rank == args.replay_fault_rank:
@@ -148,7 +202,9 @@ def main() -> None:
     cycles: dict[int, dict[str, Any]] = {}
     for step in range(start, args.steps + 1):
         job.step(model, opt, step, losses)
-        if check is not None:  # the session checked this step's recorded AllToAlls before its update
+        if (
+            check is not None
+        ):  # the session checked this step's recorded AllToAlls before its update
             a2a[step] = [r.to_dict() for r in check.last_results]
         result = session.scout.last_result
         if result is not None and result.step == step:
@@ -158,11 +214,21 @@ def main() -> None:
             sigkill_self(args.out, rank=rank, step=step, phase="after-step")
     session.checkpointer.drain()
     doc: dict[str, Any] = {
-        "rank": rank, "resume_step": session.resume_step, "losses": {str(k): v for k, v in sorted(losses.items())},
-        "reports": reports, "decisions": decisions, "cycles": cycles, "a2a": a2a, "fired": injector.fired,
+        "rank": rank,
+        "resume_step": session.resume_step,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "reports": reports,
+        "decisions": decisions,
+        "cycles": cycles,
+        "a2a": a2a,
+        "fired": injector.fired,
         "trust": {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())},
-        "topology": session.scout.topology.to_dict() if session.scout.topology is not None else None,
-        "disabled_reason": session.scout.disabled_reason, "state_digest": state_digest(model, opt)}
+        "topology": session.scout.topology.to_dict()
+        if session.scout.topology is not None
+        else None,
+        "disabled_reason": session.scout.disabled_reason,
+        "state_digest": state_digest(model, opt),
+    }
     session.close()
     if args.baseline:
         torch.manual_seed(17)

@@ -34,8 +34,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mode", choices=MODES, default=None)
-    ap.add_argument("--segments", default="", help="comma-separated modes run in turn in this one process "
-                    "(after --warmup steps without gemscout), --segment-steps each; replaces --mode/--steps")
+    ap.add_argument(
+        "--segments",
+        default="",
+        help="comma-separated modes run in turn in this one process "
+        "(after --warmup steps without gemscout), --segment-steps each; replaces --mode/--steps",
+    )
     ap.add_argument("--segment-steps", type=int, default=20)
     ap.add_argument("--workload", default="three-block")
     ap.add_argument("--seed", type=int, default=0)
@@ -43,11 +47,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)")
-    ap.add_argument("--rotate-kinds", action="store_true", help="ScoutConfig(rotate_kinds=True): one kind per due step")
-    ap.add_argument("--scout-interval", type=int, default=None,
-                    help="ScoutConfig.interval (a multiple of --interval); default: SCOUT's own default cadence")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)",
+    )
+    ap.add_argument(
+        "--rotate-kinds",
+        action="store_true",
+        help="ScoutConfig(rotate_kinds=True): one kind per due step",
+    )
+    ap.add_argument(
+        "--scout-interval",
+        type=int,
+        default=None,
+        help="ScoutConfig.interval (a multiple of --interval); default: SCOUT's own default cadence",
+    )
     args = ap.parse_args()
     if not args.segments and args.mode is None:
         ap.error("give --mode or --segments")
@@ -66,8 +82,18 @@ def main() -> None:
         schedule += [(m, args.segment_steps, True) for m in args.segments.split(",")]
     else:
         schedule = [(args.mode, args.warmup, False), (args.mode, args.steps, True)]
-    rec: dict[str, list] = {k: [] for k in ("modes", "steps", "due", "latencies_s", "thread_cpu_s", "process_cpu_s",
-                                            "minor_faults")}
+    rec: dict[str, list] = {
+        k: []
+        for k in (
+            "modes",
+            "steps",
+            "due",
+            "latencies_s",
+            "thread_cpu_s",
+            "process_cpu_s",
+            "minor_faults",
+        )
+    }
     replay: dict[str, list[float]] = {}
     batch, seq = BATCH_SHAPES[args.workload]
     step, session, attached, due_every = 0, None, None, args.interval
@@ -80,7 +106,10 @@ def main() -> None:
             due_every = _due_every(mode, session, args.interval)
         for _ in range(steps):
             step += 1
-            x, y = (t.to(device) for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq))
+            x, y = (
+                t.to(device)
+                for t in synthetic_batch(seed=args.seed, step=step, rank=rank, batch=batch, seq=seq)
+            )
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             loss = lm_loss(ddp(x), y)
@@ -100,19 +129,33 @@ def main() -> None:
             # The session counts its own steps from attach: a step is due when it captures or replays.
             own = session.step if session is not None else step
             rec["due"].append(mode != "baseline" and own % due_every == 0)
-            cycle = session.scout.last_result if session is not None and session.scout is not None else None
+            cycle = (
+                session.scout.last_result
+                if session is not None and session.scout is not None
+                else None
+            )
             if cycle is not None and cycle.step == own:
                 for recipe, by_rank in cycle.replay_s.items():
                     if rank in by_rank or str(rank) in by_rank:
-                        replay.setdefault(recipe, []).append(float(by_rank.get(rank, by_rank.get(str(rank)))))
+                        replay.setdefault(recipe, []).append(
+                            float(by_rank.get(rank, by_rank.get(str(rank))))
+                        )
     dist.barrier()
     if session is not None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "mode": args.mode or "interleaved", **rec, "due_every": due_every, "replay_s": replay,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }))
+    (args.out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "mode": args.mode or "interleaved",
+                **rec,
+                "due_every": due_every,
+                "replay_s": replay,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
     dist.barrier()
     # Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
     # destructor holds it): every rank has written its result and passed the barrier, so leave without it.
@@ -120,7 +163,9 @@ def main() -> None:
     os._exit(0)
 
 
-def _attach(mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: argparse.Namespace, *, segment: int) -> Any:
+def _attach(
+    mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: argparse.Namespace, *, segment: int
+) -> Any:
     """gemscout in ``mode`` on the live model and optimizer (None for the baseline)."""
     if mode == "baseline":
         return None
@@ -128,10 +173,13 @@ def _attach(mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: argparse.Name
 
     kwargs: dict[str, Any] = {}
     if mode in ("gemini", "combined"):
-        kwargs["checkpoint"] = gemscout.CheckpointConfig(directory=args.ckpt / f"segment{segment}",
-                                                         run_id=f"perf-{mode}-{segment}", fsync=False)
+        kwargs["checkpoint"] = gemscout.CheckpointConfig(
+            directory=args.ckpt / f"segment{segment}", run_id=f"perf-{mode}-{segment}", fsync=False
+        )
     if mode in ("scout", "combined"):
-        kwargs["scout"] = gemscout.ScoutConfig(interval=args.scout_interval, rotate_kinds=args.rotate_kinds)
+        kwargs["scout"] = gemscout.ScoutConfig(
+            interval=args.scout_interval, rotate_kinds=args.rotate_kinds
+        )
     return gemscout.enable_resiliency(ddp, opt, interval=args.interval, **kwargs)
 
 

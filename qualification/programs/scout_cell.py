@@ -36,26 +36,73 @@ from qualification.programs._contract import cell_main, measured, trust_gating
 def _argv(cell: dict[str, Any], out: Path) -> list[str]:
     f = cell["fault"]
     steps = int(cell.get("params", {}).get("steps", 16))
-    argv = ["-m", "qualification.programs.scout_rank", "--out", str(out), "--steps", str(steps), "--fault-rank", "-1"]
+    argv = [
+        "-m",
+        "qualification.programs.scout_rank",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--fault-rank",
+        "-1",
+    ]
     kind = f["kind"]
     if kind == "persistent":
-        argv = argv[:-2] + ["--fault-rank", str(f["rank"]), "--fault-step", str(f["step"]),
-                            "--heal-step", str(f.get("heal_step", steps + 1)), "--fault-block", str(f.get("block", 1)),
-                            "--fault", str(f.get("corruption", "bitflip"))]
+        argv = argv[:-2] + [
+            "--fault-rank",
+            str(f["rank"]),
+            "--fault-step",
+            str(f["step"]),
+            "--heal-step",
+            str(f.get("heal_step", steps + 1)),
+            "--fault-block",
+            str(f.get("block", 1)),
+            "--fault",
+            str(f.get("corruption", "bitflip")),
+        ]
     elif kind == "replay":
-        argv += ["--replay-fault-rank", str(f["rank"]), "--replay-fault-step", str(f["step"]),
-                 "--replay-fault-recipe", str(f.get("recipe", "embedding"))]
+        argv += [
+            "--replay-fault-rank",
+            str(f["rank"]),
+            "--replay-fault-step",
+            str(f["step"]),
+            "--replay-fault-recipe",
+            str(f.get("recipe", "embedding")),
+        ]
     elif kind == "replay-delay":
-        argv += ["--replay-delay-rank", str(f["rank"]), "--replay-delay-s", str(f.get("seconds", 0.6))]
+        argv += [
+            "--replay-delay-rank",
+            str(f["rank"]),
+            "--replay-delay-s",
+            str(f.get("seconds", 0.6)),
+        ]
     elif kind == "comm-delay":
-        argv += ["--comm-delay-rank", str(f["rank"]), "--comm-delay-s", str(f.get("seconds", 0.4)),
-                 "--comm-probe-interval", str(f.get("interval", 2))]
+        argv += [
+            "--comm-delay-rank",
+            str(f["rank"]),
+            "--comm-delay-s",
+            str(f.get("seconds", 0.4)),
+            "--comm-probe-interval",
+            str(f.get("interval", 2)),
+        ]
     elif kind == "collective-delay":
-        argv += ["--collective-delay-rank", str(f["rank"]), "--collective-delay-s", str(f.get("seconds", 0.3)),
-                 "--collective-delay-step", str(f.get("step", 1))]
+        argv += [
+            "--collective-delay-rank",
+            str(f["rank"]),
+            "--collective-delay-s",
+            str(f.get("seconds", 0.3)),
+            "--collective-delay-step",
+            str(f.get("step", 1)),
+        ]
     elif kind == "job-delay":
-        argv += ["--job-delay-rank", str(f["rank"]), "--job-delay-s", str(f.get("seconds", 0.4)),
-                 "--job-delay-step", str(f.get("step", 1))]
+        argv += [
+            "--job-delay-rank",
+            str(f["rank"]),
+            "--job-delay-s",
+            str(f.get("seconds", 0.4)),
+            "--job-delay-step",
+            str(f.get("step", 1)),
+        ]
     elif kind != "none":
         raise ValueError(f"scout_cell: unknown fault kind {kind!r}")
     topology = str(cell.get("topology", "ddp"))
@@ -71,57 +118,105 @@ def _argv(cell: dict[str, Any], out: Path) -> list[str]:
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0, wall0 = time.monotonic(), time.time()
     world, fault = int(cell["world_size"]), cell.get("fault", {"kind": "none"})
-    timeline: list[dict[str, Any]] = [{"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}]
-    res = launch(_argv(cell, celldir / "ranks"), world_size=world, timeout_s=float(cell.get("timeout_s", 200)),
-                 log_dir=celldir / "logs")
+    timeline: list[dict[str, Any]] = [
+        {"t": 0.0, "event": "start", "detail": f"{world} ranks, fault {fault}"}
+    ]
+    res = launch(
+        _argv(cell, celldir / "ranks"),
+        world_size=world,
+        timeout_s=float(cell.get("timeout_s", 200)),
+        log_dir=celldir / "logs",
+    )
     if not res.ok:
-        return {"cell_id": cell["id"], "status": "error", "observed": {"rank_exit_codes": res.returncodes},
-                "metrics": {}, "timeline": timeline, "message": f"ranks failed: {res.returncodes}"}
+        return {
+            "cell_id": cell["id"],
+            "status": "error",
+            "observed": {"rank_exit_codes": res.returncodes},
+            "metrics": {},
+            "timeline": timeline,
+            "message": f"ranks failed: {res.returncodes}",
+        }
     ranks = [json.loads((celldir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
     r0 = ranks[0]
     kind = fault["kind"]
-    report_kind = "straggler" if kind in ("replay-delay", "comm-delay", "collective-delay", "job-delay") else "sdc"
+    report_kind = (
+        "straggler"
+        if kind in ("replay-delay", "comm-delay", "collective-delay", "job-delay")
+        else "sdc"
+    )
     found = [rep for rep in r0["reports"] if rep["kind"] == report_kind]
     obs: dict[str, Any] = {
         "sdc_reports": sum(rep["kind"] == "sdc" for rep in r0["reports"]),
         "straggler_reports": sum(rep["kind"] == "straggler" for rep in r0["reports"]),
-        "ranks_agree": len({json.dumps(r["reports"], sort_keys=True, default=str) for r in ranks}) == 1
-        or len({json.dumps([(x["kind"], x["step"], x["ranks"]) for x in r["reports"]]) for r in ranks}) == 1,
+        "ranks_agree": len({json.dumps(r["reports"], sort_keys=True, default=str) for r in ranks})
+        == 1
+        or len(
+            {json.dumps([(x["kind"], x["step"], x["ranks"]) for x in r["reports"]]) for r in ranks}
+        )
+        == 1,
         # Only a report scoped to ranks names culprits; a peer-group report (two peers) detects without one.
-        "localized_ranks": list(found[0]["ranks"]) if found and found[0]["scope"] in ("rank", "node") else [],
+        "localized_ranks": list(found[0]["ranks"])
+        if found and found[0]["scope"] in ("rank", "node")
+        else [],
         "scope": found[0]["scope"] if found else None,
         "detected_step": found[0]["step"] if found else None,
     }
-    if "topology" in r0:  # a mesh run (scout_rank --topology): what the mesh gave SCOUT, and what it left alone
+    if (
+        "topology" in r0
+    ):  # a mesh run (scout_rank --topology): what the mesh gave SCOUT, and what it left alone
         signals = [rep for rep in r0["reports"] if rep["kind"] == "straggler"]
         comm = [rep for rep in signals if rep["evidence"].get("signal") == "communication"]
         obs.update(
             bitwise_equal=all(r["state_digest"] == r.get("baseline_digest") for r in ranks),
-            peer_groups=(r0["topology"] or {}).get("peer_groups"), disabled=r0["disabled_reason"] is not None,
+            peer_groups=(r0["topology"] or {}).get("peer_groups"),
+            disabled=r0["disabled_reason"] is not None,
             comm_straggler_ranks=list(comm[0]["ranks"]) if comm else [],
-            compute_straggler_reports=sum(rep["evidence"].get("signal") == "compute" for rep in signals))
+            compute_straggler_reports=sum(
+                rep["evidence"].get("signal") == "compute" for rep in signals
+            ),
+        )
     trust = {int(k): v for k, v in r0["trust"].items()}
     if found:
-        timeline.append({"t": round(found[0]["timestamp"] - wall0, 3), "event": "detection",
-                         "detail": found[0]["reason"]})
+        timeline.append(
+            {
+                "t": round(found[0]["timestamp"] - wall0, 3),
+                "event": "detection",
+                "detail": found[0]["reason"],
+            }
+        )
     if report_kind == "straggler":
         obs["host"] = found[0].get("host") if found else None
     elif kind != "none":
         fstep = int(fault["step"])
-        recipe = f"hidden.{fault.get('block', 1)}" if kind == "persistent" else str(fault.get("recipe", "embedding"))
+        recipe = (
+            f"hidden.{fault.get('block', 1)}"
+            if kind == "persistent"
+            else str(fault.get("recipe", "embedding"))
+        )
         due: dict[int, set[str]] = {}  # every rank's: pipeline stages have recipes of their own
         for r in ranks:
             for k, names in r["due"].items():
                 due.setdefault(int(k), set()).update(names)
         obs["recipe"] = found[0]["recipe"] if found else None
-        obs["expected_step"] = min((s for s, names in due.items() if s >= fstep and recipe in names), default=None)
-        obs.update(trust_gating(trust, r0["decisions"], fstep, int(fault.get("heal_step", fstep + 1))))
+        obs["expected_step"] = min(
+            (s for s, names in due.items() if s >= fstep and recipe in names), default=None
+        )
+        obs.update(
+            trust_gating(trust, r0["decisions"], fstep, int(fault.get("heal_step", fstep + 1)))
+        )
         sdc_decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
         if sdc_decisions:
             d = sdc_decisions[0]
-            timeline.append({"t": round(found[0]["timestamp"] - wall0 + 0.001, 3) if found else 0.0,
-                             "event": "decision", "detail": f"{d['mode']} step {d['step']}: {d['reason']}"})
-    timeline.append({"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"})
+            timeline.append(
+                {
+                    "t": round(found[0]["timestamp"] - wall0 + 0.001, 3) if found else 0.0,
+                    "event": "decision",
+                    "detail": f"{d['mode']} step {d['step']}: {d['reason']}",
+                }
+            )
+    timeline.append(
+        {"t": round(time.monotonic() - t0, 3), "event": "finish", "detail": f"trust {trust}"}
+    )
     return measured(cell, obs, timeline, t0)
 
 

@@ -37,26 +37,59 @@ from gemscout.nodes import HOST_ENV
 from gemscout.scout.comm_probe import CommProbeConfig
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.stragglers import StragglerConfig
-from qualification.faults import CollectiveDelay, Injector, ReplayDelay, ReplayFault, corrupt_module_output
-from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline
+from qualification.faults import (
+    CollectiveDelay,
+    Injector,
+    ReplayDelay,
+    ReplayFault,
+    corrupt_module_output,
+)
+from qualification.programs._pipeline import (
+    PIPELINE_TOPOLOGIES,
+    SCHEDULES,
+    Pipeline,
+    build_pipeline,
+)
 from qualification.programs.train_rank import TOPOLOGIES, data_rank, state_digest, wrap
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
 def summary(result: CycleResult) -> dict[str, Any]:
     """What a test needs from one cycle: verdicts (with reasons), reports, certification, communication times."""
-    return {"certified": result.certified_step, "peers": list(result.peers),
-            "peer_groups": [list(g) for g in result.peer_groups],
-            "verdicts": {n: {"verdict": r.verdict.value, "ranks": list(r.ranks), "pre_ok": r.preconditions_ok,
-                             "reason": r.reason} for n, r in result.results.items()},
-            "reports": [{"kind": p.kind.value, "scope": p.scope.value, "ranks": list(p.ranks), "recipe": p.recipe,
-                         "signal": p.evidence.get("signal")} for p in result.reports],
-            "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in result.replay_s.items()},
-            "gather_s": {n: {str(k): v for k, v in t.items()} for n, t in result.gather_s.items()},
-            "collective_s": {n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()}}
+    return {
+        "certified": result.certified_step,
+        "peers": list(result.peers),
+        "peer_groups": [list(g) for g in result.peer_groups],
+        "verdicts": {
+            n: {
+                "verdict": r.verdict.value,
+                "ranks": list(r.ranks),
+                "pre_ok": r.preconditions_ok,
+                "reason": r.reason,
+            }
+            for n, r in result.results.items()
+        },
+        "reports": [
+            {
+                "kind": p.kind.value,
+                "scope": p.scope.value,
+                "ranks": list(p.ranks),
+                "recipe": p.recipe,
+                "signal": p.evidence.get("signal"),
+            }
+            for p in result.reports
+        ],
+        "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in result.replay_s.items()},
+        "gather_s": {n: {str(k): v for k, v in t.items()} for n, t in result.gather_s.items()},
+        "collective_s": {
+            n: {str(k): v for k, v in t.items()} for n, t in result.collective_s.items()
+        },
+    }
 
 
-def build(topology: str, world: int, schedule: str) -> tuple[torch.nn.Module, torch.nn.Module, Pipeline | None]:
+def build(
+    topology: str, world: int, schedule: str
+) -> tuple[torch.nn.Module, torch.nn.Module, Pipeline | None]:
     """(the module that holds ``blocks``, what the optimizer and gemscout get, the pipeline or None)."""
     if topology in PIPELINE_TOPOLOGIES:
         pipe = build_pipeline(topology, "three-block", seed=0, schedule=schedule)
@@ -65,8 +98,14 @@ def build(topology: str, world: int, schedule: str) -> tuple[torch.nn.Module, to
     return model, wrap(model, topology, world), None
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, topology: str, rank: int,
-          pipe: Pipeline | None = None) -> None:
+def train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    topology: str,
+    rank: int,
+    pipe: Pipeline | None = None,
+) -> None:
     x, y = synthetic_batch(seed=0, step=step, rank=data_rank(topology, rank))
     if pipe is not None:
         opt.zero_grad(set_to_none=True)
@@ -87,39 +126,78 @@ def main() -> None:
     ap.add_argument("--heal-step", type=int, default=10)
     ap.add_argument("--fault-block", type=int, default=1)
     ap.add_argument("--fault", default="bitflip")
-    ap.add_argument("--replay-delay-rank", type=int, default=-1, help="compute straggler: sleep in every replay")
+    ap.add_argument(
+        "--replay-delay-rank", type=int, default=-1, help="compute straggler: sleep in every replay"
+    )
     ap.add_argument("--replay-delay-s", type=float, default=0.5)
-    ap.add_argument("--comm-delay-rank", type=int, default=-1, help="slow link: sleep before every probe collective")
+    ap.add_argument(
+        "--comm-delay-rank",
+        type=int,
+        default=-1,
+        help="slow link: sleep before every probe collective",
+    )
     ap.add_argument("--comm-delay-s", type=float, default=0.4)
     ap.add_argument("--comm-probe-interval", type=int, default=0)
-    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="transient fault in one replay only")
+    ap.add_argument(
+        "--replay-fault-rank", type=int, default=-1, help="transient fault in one replay only"
+    )
     ap.add_argument("--replay-fault-step", type=int, default=-1)
     ap.add_argument("--replay-fault-recipe", default="hidden.0")
     ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
-    ap.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)")
-    ap.add_argument("--keep-ckpt", action="store_true", help="leave <out>/ckpt (checkpoints, trust, fault log) behind")
-    ap.add_argument("--baseline", action="store_true", help="train again without gemscout; record both digests")
-    ap.add_argument("--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective")
+    ap.add_argument(
+        "--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)"
+    )
+    ap.add_argument(
+        "--keep-ckpt",
+        action="store_true",
+        help="leave <out>/ckpt (checkpoints, trust, fault log) behind",
+    )
+    ap.add_argument(
+        "--baseline", action="store_true", help="train again without gemscout; record both digests"
+    )
+    ap.add_argument(
+        "--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective"
+    )
     ap.add_argument("--collective-delay-s", type=float, default=0.4)
     ap.add_argument("--collective-delay-step", type=int, default=0)
-    ap.add_argument("--job-delay-rank", type=int, default=-1,
-                    help="time the job's own collectives (ScoutConfig.job_collectives) and enter the first one of "
-                         "each step late on this rank: DDP's first gradient bucket, FSDP2's first all-gather")
+    ap.add_argument(
+        "--job-delay-rank",
+        type=int,
+        default=-1,
+        help="time the job's own collectives (ScoutConfig.job_collectives) and enter the first one of "
+        "each step late on this rank: DDP's first gradient bucket, FSDP2's first all-gather",
+    )
     ap.add_argument("--job-delay-s", type=float, default=0.4)
     ap.add_argument("--job-delay-step", type=int, default=1)
     ap.add_argument("--straggler-margin-s", type=float, default=0.25)
-    ap.add_argument("--diverge-rank", type=int, default=-1, help="corrupt this rank's own copy (its shard) of a weight")
-    ap.add_argument("--diverge-step", type=int, default=0, help="... right before this step's forward")
-    ap.add_argument("--recover-on-sdc", action="store_true",
-                    help="after a step whose SDC decision says restore, session.recover() to the newest verified "
-                         "step and train on from there (the fault is injected once)")
-    ap.add_argument("--optimizer-slice-numel", type=int, default=1 << 16,
-                    help="ScoutConfig.optimizer_slice_numel (smaller: more slices, a longer certification rotation)")
+    ap.add_argument(
+        "--diverge-rank",
+        type=int,
+        default=-1,
+        help="corrupt this rank's own copy (its shard) of a weight",
+    )
+    ap.add_argument(
+        "--diverge-step", type=int, default=0, help="... right before this step's forward"
+    )
+    ap.add_argument(
+        "--recover-on-sdc",
+        action="store_true",
+        help="after a step whose SDC decision says restore, session.recover() to the newest verified "
+        "step and train on from there (the fault is injected once)",
+    )
+    ap.add_argument(
+        "--optimizer-slice-numel",
+        type=int,
+        default=1 << 16,
+        help="ScoutConfig.optimizer_slice_numel (smaller: more slices, a longer certification rotation)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ[HOST_ENV] = f"host-{rank}"  # one simulated host per rank, so a straggler maps to its node
+    os.environ[HOST_ENV] = (
+        f"host-{rank}"  # one simulated host per rank, so a straggler maps to its node
+    )
     torch.manual_seed(17)
     model, ddp, pipe = build(args.topology, world, args.schedule)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
@@ -127,31 +205,49 @@ def main() -> None:
     decisions: list[dict] = []
     ckpt = args.out / "ckpt"
     session = gemscout.enable_resiliency(
-        ddp, opt, interval=1,
-        checkpoint=gemscout.CheckpointConfig(directory=ckpt, run_id="scout", fsync=False, keep_generations=8,
-                                             min_trust=gemscout.TrustState.RECOVERY_VERIFIED),
+        ddp,
+        opt,
+        interval=1,
+        checkpoint=gemscout.CheckpointConfig(
+            directory=ckpt,
+            run_id="scout",
+            fsync=False,
+            keep_generations=8,
+            min_trust=gemscout.TrustState.RECOVERY_VERIFIED,
+        ),
         # 4 ranks on 2 cores: scheduling alone moves replay times by tens of ms, so the compute-straggler margin is
         # raised above that noise here (the default 2 ms suits one rank per core).
         scout=gemscout.ScoutConfig(
             interval=1,  # a cycle at every step (the default would be every 10th)
             stragglers=StragglerConfig(absolute_margin_s=args.straggler_margin_s),
             optimizer_slice_numel=args.optimizer_slice_numel,
-            comm_probe=CommProbeConfig(interval=args.comm_probe_interval,
-                                       stragglers=StragglerConfig(absolute_margin_s=0.15))
-            if args.comm_probe_interval else None,
-            mesh=pipe.mesh if pipe is not None else None, data_parallel_dims=pipe.data_dims if pipe else None,
-            stage_order=pipe.order if pipe is not None else "loop", job_collectives=args.job_delay_rank >= 0),
+            comm_probe=CommProbeConfig(
+                interval=args.comm_probe_interval,
+                stragglers=StragglerConfig(absolute_margin_s=0.15),
+            )
+            if args.comm_probe_interval
+            else None,
+            mesh=pipe.mesh if pipe is not None else None,
+            data_parallel_dims=pipe.data_dims if pipe else None,
+            stage_order=pipe.order if pipe is not None else "loop",
+            job_collectives=args.job_delay_rank >= 0,
+        ),
         on_fault_report=lambda r: reports.append(r.to_dict()),
-        on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+    )
     assert session.scout is not None
     injector = Injector(session.scout)
     if rank == args.replay_delay_rank:
         injector.set(ReplayDelay(args.replay_delay_s, rank))
     faults: list[ReplayFault | ReplayDelay | CollectiveDelay] = list(injector.faults)
     if rank == args.replay_fault_rank:
-        faults.append(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+        faults.append(
+            ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe)
+        )
     if rank == args.collective_delay_rank:
-        faults.append(CollectiveDelay(args.collective_delay_s, rank, from_step=args.collective_delay_step))
+        faults.append(
+            CollectiveDelay(args.collective_delay_s, rank, from_step=args.collective_delay_step)
+        )
     injector.set(*faults)
     if rank == args.comm_delay_rank and session.comm_probe is not None:
         session.comm_probe.register_before_collective(lambda group: time.sleep(args.comm_delay_s))
@@ -170,7 +266,9 @@ def main() -> None:
     cycles: dict[int, dict[str, Any]] = {}
     # A diverged replica changes training from then on: the baseline comparison stops the step before (unless the
     # job rolls back to a verified step, which must take it back onto the fault-free trajectory).
-    compared_steps = args.diverge_step - 1 if args.diverge_step > 0 and not args.recover_on_sdc else args.steps
+    compared_steps = (
+        args.diverge_step - 1 if args.diverge_step > 0 and not args.recover_on_sdc else args.steps
+    )
     digest = None
     hook = None
     diverged = False
@@ -188,7 +286,9 @@ def main() -> None:
         if rank == args.diverge_rank and step == args.diverge_step and not diverged:
             diverged = True
             weight = model.blocks[args.fault_block].fc1.weight
-            with torch.no_grad():  # this rank's stored copy (its local shard, under FSDP) silently changes
+            with (
+                torch.no_grad()
+            ):  # this rank's stored copy (its local shard, under FSDP) silently changes
                 (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] += 1.0
         late["armed"] = step >= args.job_delay_step
         train(ddp, opt, step, args.topology, rank, pipe)
@@ -198,9 +298,13 @@ def main() -> None:
         if step == compared_steps:
             digest = state_digest(model, opt)
         fresh, seen_decisions = decisions[seen_decisions:], len(decisions)
-        if args.recover_on_sdc and any(d["failure_kind"] == "sdc" and d["mode"] == "restore" for d in fresh):
+        if args.recover_on_sdc and any(
+            d["failure_kind"] == "sdc" and d["mode"] == "restore" for d in fresh
+        ):
             decision = session.recover("sdc", min_trust=gemscout.TrustState.RECOVERY_VERIFIED)
-            recoveries.append({"at": step, "to": session.step, "sources": decision.to_dict().get("sources")})
+            recoveries.append(
+                {"at": step, "to": session.step, "sources": decision.to_dict().get("sources")}
+            )
             seen_decisions = len(decisions)
             step = session.step  # train on from the restored step
     assert session.checkpointer is not None
@@ -210,11 +314,24 @@ def main() -> None:
     disabled = session.scout.disabled_reason
     metrics = session.metrics()
     session.close()
-    doc: dict[str, Any] = {"rank": rank, "due": due, "reports": reports, "decisions": decisions, "trust": trust,
-                           "recoveries": recoveries, "metrics": metrics}
+    doc: dict[str, Any] = {
+        "rank": rank,
+        "due": due,
+        "reports": reports,
+        "decisions": decisions,
+        "trust": trust,
+        "recoveries": recoveries,
+        "metrics": metrics,
+    }
     if args.topology != "ddp" or args.baseline:
-        doc.update(topology=topology, disabled_reason=disabled, cycles=cycles, fired=injector.fired,
-                   state_digest=digest, compared_steps=compared_steps)
+        doc.update(
+            topology=topology,
+            disabled_reason=disabled,
+            cycles=cycles,
+            fired=injector.fired,
+            state_digest=digest,
+            compared_steps=compared_steps,
+        )
     if args.baseline:
         torch.manual_seed(17)  # the same training RNG stream, with no gemscout at all
         plain, plain_wrapped, plain_pipe = build(args.topology, world, args.schedule)

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "pass":
         observed: dict[str, Any] = {"answer": 42, "mode": mode}
     elif mode == "leak":
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True
+        )
         _write_json(args.out / "leak.pid", {"pid": child.pid})
         observed = {"answer": 42, "mode": mode}
     elif mode == "fail-expectation":
@@ -66,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     elif mode == "dist-pass":
         sums = _run_ranks(cell, args.out, _all_reduce_rank)
         _event(timeline, "all_reduce", f"{len(sums)} ranks reported {sorted(set(sums))}")
-        observed = {"all_reduce_sum": sums[0] if len(set(sums)) == 1 else sums, "ranks_reporting": len(sums)}
+        observed = {
+            "all_reduce_sum": sums[0] if len(set(sums)) == 1 else sums,
+            "ranks_reporting": len(sums),
+        }
     else:
         print(f"selftest: unknown mode {mode!r}", file=sys.stderr)
         return 2
@@ -93,7 +98,10 @@ def _run_ranks(cell: dict[str, Any], out: Path, target: Any) -> list[float]:
     store = out / "pg.store"
     store.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, world_size, str(out), escape)) for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=target, args=(rank, world_size, str(out), escape))
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -107,7 +115,9 @@ def _run_ranks(cell: dict[str, Any], out: Path, target: Any) -> list[float]:
 def _init_group(rank: int, world_size: int, out: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/pg.store", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/pg.store", rank=rank, world_size=world_size
+    )
 
 
 def _all_reduce_rank(rank: int, world_size: int, out: str, escape: bool) -> None:
@@ -128,8 +138,12 @@ def _hang_rank(rank: int, world_size: int, out: str, escape: bool) -> None:
     if escape:
         os.setsid()
     _init_group(rank, world_size, out)
-    _write_json(Path(out) / f"rank{rank}.pid", {"rank": rank, "pid": os.getpid(), "sid": os.getsid(0)})
-    print(f"selftest: rank {rank} (pid {os.getpid()}) in the group, now blocking in recv", flush=True)
+    _write_json(
+        Path(out) / f"rank{rank}.pid", {"rank": rank, "pid": os.getpid(), "sid": os.getsid(0)}
+    )
+    print(
+        f"selftest: rank {rank} (pid {os.getpid()}) in the group, now blocking in recv", flush=True
+    )
     # Every rank receives from its neighbour and nobody sends: a hung collective, as a real deadlock looks.
     dist.recv(torch.zeros(1), src=(rank + 1) % world_size)
     _block_forever()

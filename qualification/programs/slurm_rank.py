@@ -46,7 +46,9 @@ def main() -> None:
         model,
         optimizer,
         interval=1,
-        checkpoint=gemscout.CheckpointConfig(directory=args.ckpt, fsync=False, handle_signals=False),
+        checkpoint=gemscout.CheckpointConfig(
+            directory=args.ckpt, fsync=False, handle_signals=False
+        ),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()),
     )
     assert session.checkpointer is not None

@@ -57,9 +57,13 @@ from qualification.programs import _kills
 from qualification.programs._contract import cell_main
 
 REPO = Path(__file__).resolve().parents[2]
-TOPOLOGIES = {"fsdp2": ("--dp-replicate", "1"), "hsdp": ("--dp-replicate", "2"), "pp": ("--pp", "2"),
-              "pp-fsdp": ("--pp", "2"),  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
-              "pp-ddp": ("--pp", "2", "--dp-replicate", "2")}  # 4 ranks: each stage replicated, one shard
+TOPOLOGIES = {
+    "fsdp2": ("--dp-replicate", "1"),
+    "hsdp": ("--dp-replicate", "2"),
+    "pp": ("--pp", "2"),
+    "pp-fsdp": ("--pp", "2"),  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
+    "pp-ddp": ("--pp", "2", "--dp-replicate", "2"),
+}  # 4 ranks: each stage replicated, one shard
 
 
 class _Job:
@@ -69,41 +73,92 @@ class _Job:
         params = cell.get("params", {})
         topology = str(cell["topology"])
         if topology not in TOPOLOGIES:
-            raise ValueError(f"titan_cell: unknown topology {topology!r}; use one of {sorted(TOPOLOGIES)}")
+            raise ValueError(
+                f"titan_cell: unknown topology {topology!r}; use one of {sorted(TOPOLOGIES)}"
+            )
         self.world, self.celldir, self.python = int(cell["world_size"]), celldir, python
         self.steps = int(params.get("steps", 6))
         self.timeout = float(cell.get("timeout_s", 900))
         self.t0, self.wall0 = time.monotonic(), time.time()
         self.timeline: list[dict[str, Any]] = []
-        self.common = ["--assets", str(celldir / "assets"), "--steps", str(self.steps),
-                       "--seq-len", str(params.get("seq_len", 128)), "--batch", str(params.get("batch", 2)),
-                       *TOPOLOGIES[topology], "--pp-schedule", str(params.get("schedule", "1F1B"))]
+        self.common = [
+            "--assets",
+            str(celldir / "assets"),
+            "--steps",
+            str(self.steps),
+            "--seq-len",
+            str(params.get("seq_len", 128)),
+            "--batch",
+            str(params.get("batch", 2)),
+            *TOPOLOGIES[topology],
+            "--pp-schedule",
+            str(params.get("schedule", "1F1B")),
+        ]
 
-    def event(self, event: str, detail: str, rank: int | None = None, at_wall: float | None = None) -> None:
+    def event(
+        self, event: str, detail: str, rank: int | None = None, at_wall: float | None = None
+    ) -> None:
         t = at_wall - self.wall0 if at_wall is not None else time.monotonic() - self.t0
-        self.timeline.append({"t": round(t, 3), "event": event, "detail": detail,
-                              **({"rank": rank} if rank is not None else {})})
+        self.timeline.append(
+            {
+                "t": round(t, 3),
+                "event": event,
+                "detail": detail,
+                **({"rank": rank} if rank is not None else {}),
+            }
+        )
         self.timeline.sort(key=lambda e: e["t"])
 
     def assets(self) -> None:
-        subprocess.run([self.python, "-m", "qualification.frameworks.torchtitan_cpu", str(self.celldir / "assets")],
-                       check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        subprocess.run(
+            [
+                self.python,
+                "-m",
+                "qualification.frameworks.torchtitan_cpu",
+                str(self.celldir / "assets"),
+            ],
+            check=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
 
     def launch(self, name: str, *extra: str, attempt: int = 0) -> LaunchResult:
         left = max(30.0, self.timeout - (time.monotonic() - self.t0) - 20.0)
-        return launch(["-m", "qualification.programs.titan_rank", "--out", str(self.celldir / name), *self.common,
-                       *extra], world_size=self.world, timeout_s=left, log_dir=self.celldir / "logs" / name,
-                      attempt=attempt, python=self.python, env={"PYTHONPATH": str(REPO)})
+        return launch(
+            [
+                "-m",
+                "qualification.programs.titan_rank",
+                "--out",
+                str(self.celldir / name),
+                *self.common,
+                *extra,
+            ],
+            world_size=self.world,
+            timeout_s=left,
+            log_dir=self.celldir / "logs" / name,
+            attempt=attempt,
+            python=self.python,
+            env={"PYTHONPATH": str(REPO)},
+        )
 
     def ranks(self, name: str) -> list[dict[str, Any]]:
-        return [json.loads((self.celldir / name / f"rank{r}.json").read_text()) for r in range(self.world)]
+        return [
+            json.loads((self.celldir / name / f"rank{r}.json").read_text())
+            for r in range(self.world)
+        ]
 
 
-def _compare(run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: int) -> dict[str, Any]:
+def _compare(
+    run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: int
+) -> dict[str, Any]:
     return {
-        "bitwise_equal": all(mine["state"] == theirs["state"] for mine, theirs in zip(run, base, strict=True)),
-        "losses_equal": all(mine["losses"] == {s: v for s, v in theirs["losses"].items() if int(s) >= first_step}
-                            for mine, theirs in zip(run, base, strict=True)),
+        "bitwise_equal": all(
+            mine["state"] == theirs["state"] for mine, theirs in zip(run, base, strict=True)
+        ),
+        "losses_equal": all(
+            mine["losses"] == {s: v for s, v in theirs["losses"].items() if int(s) >= first_step}
+            for mine, theirs in zip(run, base, strict=True)
+        ),
         "final_step": min(r["state"]["step"] for r in run),
         "model_parts": [r["model_parts"] for r in run],
         "errors": sorted({str(e) for r in run for e in r["errors"]}),
@@ -115,7 +170,10 @@ def _scout_seen(run: list[dict[str, Any]]) -> dict[str, Any]:
     trust = {int(s): st for s, st in run[0]["trust"].items()}
     names = {name for r in run for c in r["scout_cycles"].values() for name in c["verdicts"]}
     return {
-        "peer_groups": [list(g) for g in sorted({tuple(c["peers"]) for r in run for c in r["scout_cycles"].values()})],
+        "peer_groups": [
+            list(g)
+            for g in sorted({tuple(c["peers"]) for r in run for c in r["scout_cycles"].values()})
+        ],
         "stages": sorted({n.split(".")[0] for n in names if n.startswith("pp")}),
         "certified_steps": sorted(s for s, st in trust.items() if st == "recovery_verified"),
         "rejected_steps": sorted(s for s, st in trust.items() if st == "rejected"),
@@ -125,10 +183,26 @@ def _scout_seen(run: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _scout_healthy(run: list[dict[str, Any]]) -> dict[str, Any]:
     seen = _scout_seen(run)
-    return {"sdc_reports": sum(1 for r in run for rep in r["reports"] if rep["kind"] == "sdc"),
-            "unexpected_verdicts": sum(1 for r in run for c in r["scout_cycles"].values()
-                                       for v in c["verdicts"].values() if v != "agree"),
-            **{k: seen[k] for k in ("peer_groups", "stages", "certified_steps", "rejected_steps", "scout_disabled")}}
+    return {
+        "sdc_reports": sum(1 for r in run for rep in r["reports"] if rep["kind"] == "sdc"),
+        "unexpected_verdicts": sum(
+            1
+            for r in run
+            for c in r["scout_cycles"].values()
+            for v in c["verdicts"].values()
+            if v != "agree"
+        ),
+        **{
+            k: seen[k]
+            for k in (
+                "peer_groups",
+                "stages",
+                "certified_steps",
+                "rejected_steps",
+                "scout_disabled",
+            )
+        },
+    }
 
 
 def _scout(run: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
@@ -136,38 +210,72 @@ def _scout(run: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
     r0 = run[0]
     sdc = [rep for rep in r0["reports"] if rep["kind"] == "sdc"]
     first = sdc[0] if sdc else None
-    unexpected = [(r["rank"], step, name) for r in run for step, cycle in r["scout_cycles"].items()
-                  for name, verdict in cycle["verdicts"].items()
-                  if verdict != "agree" and (int(step), name) != (fstep, frecipe)]
+    unexpected = [
+        (r["rank"], step, name)
+        for r in run
+        for step, cycle in r["scout_cycles"].items()
+        for name, verdict in cycle["verdicts"].items()
+        if verdict != "agree" and (int(step), name) != (fstep, frecipe)
+    ]
     decisions = [d for d in r0["decisions"] if d["failure_kind"] == "sdc"]
     trust = {int(s): st for s, st in r0["trust"].items()}
     return {
-        "sdc_reports": len(sdc), "scope": first["scope"] if first else None,
+        "sdc_reports": len(sdc),
+        "scope": first["scope"] if first else None,
         "group_ranks": list(first["ranks"]) if first else [],
-        "localized_ranks": list(first["ranks"]) if first and first["scope"] in ("rank", "node") else [],
-        "detected_step": first["step"] if first else None, "recipe": first["recipe"] if first else None,
+        "localized_ranks": list(first["ranks"])
+        if first and first["scope"] in ("rank", "node")
+        else [],
+        "detected_step": first["step"] if first else None,
+        "recipe": first["recipe"] if first else None,
         "unexpected_verdicts": len(unexpected),
-        "decision_before_fault": bool(decisions) and (decisions[0]["step"] is None or decisions[0]["step"] < fstep),
+        "decision_before_fault": bool(decisions)
+        and (decisions[0]["step"] is None or decisions[0]["step"] < fstep),
         "decision_mode": decisions[0]["mode"] if decisions else None,
         "fault_step_rejected": trust.get(fstep) != "recovery_verified",
         "certified_after": any(st == "recovery_verified" for s, st in trust.items() if s > fstep),
-        "ranks_agree": len({json.dumps([(x["step"], x["ranks"], x["recipe"]) for x in r["reports"]
-                                        if x["kind"] == "sdc"]) for r in run}) == 1,
+        "ranks_agree": len(
+            {
+                json.dumps(
+                    [
+                        (x["step"], x["ranks"], x["recipe"])
+                        for x in r["reports"]
+                        if x["kind"] == "sdc"
+                    ]
+                )
+                for r in run
+            }
+        )
+        == 1,
         **_scout_seen(run),
     }
 
 
-def _error(cell: dict[str, Any], timeline: list[dict[str, Any]], message: str,
-           observed: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"cell_id": cell["id"], "status": "error", "observed": observed or {}, "metrics": {},
-            "timeline": timeline, "message": message}
+def _error(
+    cell: dict[str, Any],
+    timeline: list[dict[str, Any]],
+    message: str,
+    observed: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "cell_id": cell["id"],
+        "status": "error",
+        "observed": observed or {},
+        "metrics": {},
+        "timeline": timeline,
+        "message": message,
+    }
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     python = titan_env.python()
     why = titan_env.unavailable(python)
     if why:
-        return _error(cell, [], f"cannot run TorchTitan: {why} (declare requires = [\"torchtitan_cpu\"] to skip)")
+        return _error(
+            cell,
+            [],
+            f'cannot run TorchTitan: {why} (declare requires = ["torchtitan_cpu"] to skip)',
+        )
     fault = cell.get("fault", {"kind": "none"})
     kind = fault["kind"]
     if kind not in ("none", "sigkill", "replay"):
@@ -178,7 +286,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ckpt = celldir / "ckpt"
     base = job.launch("reference")
     if not base.ok:
-        return _error(cell, job.timeline, f"the reference run (no gemscout) failed: {base.returncodes}")
+        return _error(
+            cell, job.timeline, f"the reference run (no gemscout) failed: {base.returncodes}"
+        )
     job.event("reference", f"{job.steps} steps without gemscout in {base.duration_s:.1f} s")
     extra: list[str] = []
     observed: dict[str, Any] = {}
@@ -188,24 +298,48 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     if scout:
         extra = ["--scout", "--scout-per-cycle", str(int(params.get("scout_per_cycle", -1)))]
     if kind == "replay":
-        extra += ["--replay-fault-rank", str(fault["rank"]), "--replay-fault-step", str(fault["step"]),
-                  "--replay-fault-recipe", str(fault.get("recipe", "embedding"))]
+        extra += [
+            "--replay-fault-rank",
+            str(fault["rank"]),
+            "--replay-fault-step",
+            str(fault["step"]),
+            "--replay-fault-recipe",
+            str(fault.get("recipe", "embedding")),
+        ]
     elif kind == "sigkill":
         rank = int(fault["rank"])
-        killed = job.launch("run", "--ckpt", str(ckpt), "--kill-rank", str(rank), "--kill-step", str(fault["step"]))
+        killed = job.launch(
+            "run", "--ckpt", str(ckpt), "--kill-rank", str(rank), "--kill-step", str(fault["step"])
+        )
         observed["killed_exit_code"] = killed.returncodes[rank]
         if killed.ok or killed.first_failed != rank:
-            return _error(cell, job.timeline, f"the SIGKILL did not end the run as planned: {killed.returncodes}",
-                          observed)
+            return _error(
+                cell,
+                job.timeline,
+                f"the SIGKILL did not end the run as planned: {killed.returncodes}",
+                observed,
+            )
         kills = [k for k in _kills.read(celldir / "run") if k.get("rank") == rank]
-        if not kills:  # some other death ended the run: what follows would not be this cell's recovery
-            return _error(cell, job.timeline, f"rank {rank} left no record of its SIGKILL ({killed.returncodes})",
-                          observed)
-        job.timeline = sorted(job.timeline + _kills.timeline_events(kills, job.wall0), key=lambda e: e["t"])
+        if (
+            not kills
+        ):  # some other death ended the run: what follows would not be this cell's recovery
+            return _error(
+                cell,
+                job.timeline,
+                f"rank {rank} left no record of its SIGKILL ({killed.returncodes})",
+                observed,
+            )
+        job.timeline = sorted(
+            job.timeline + _kills.timeline_events(kills, job.wall0), key=lambda e: e["t"]
+        )
         observed["kill"] = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
         if killed.detected_wall is not None:
-            job.event("detection", f"launcher saw rank {rank} exit with {killed.returncodes[rank]}", rank,
-                      killed.detected_wall)
+            job.event(
+                "detection",
+                f"launcher saw rank {rank} exit with {killed.returncodes[rank]}",
+                rank,
+                killed.detected_wall,
+            )
             observed["fault_to_detection_s"] = round(killed.detected_wall - kills[-1]["wall"], 3)
         if fault.get("node_loss"):
             shutil.rmtree(ckpt / f"node-{rank}")  # ranks_per_node=1: node r is rank r
@@ -220,26 +354,52 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     if kind == "sigkill":
         decisions = [r["decision"] or {} for r in run]
         steps = {d.get("step") for d in decisions}
-        observed.update(recovered_step=steps.pop() if len(steps) == 1 else None, source=decisions[0].get("source"),
-                        killed_rank_source=decisions[0].get("sources", {}).get(str(fault["rank"])))
-        job.event("decision", f"{decisions[0].get('mode')} step {decisions[0].get('step')} from "
-                              f"{decisions[0].get('sources')}: {decisions[0].get('reason')}")
+        observed.update(
+            recovered_step=steps.pop() if len(steps) == 1 else None,
+            source=decisions[0].get("source"),
+            killed_rank_source=decisions[0].get("sources", {}).get(str(fault["rank"])),
+        )
+        job.event(
+            "decision",
+            f"{decisions[0].get('mode')} step {decisions[0].get('step')} from "
+            f"{decisions[0].get('sources')}: {decisions[0].get('reason')}",
+        )
     if kind == "none" and scout:
         observed.update(_scout_healthy(run))
-        job.event("scout", f"{observed['sdc_reports']} SDC reports; peers {observed['peer_groups']}; certified steps "
-                           f"{observed['certified_steps']}")
+        job.event(
+            "scout",
+            f"{observed['sdc_reports']} SDC reports; peers {observed['peer_groups']}; certified steps "
+            f"{observed['certified_steps']}",
+        )
     if kind == "replay":
         observed.update(_scout(run, fault))
         if observed["detected_step"] is not None:
-            job.event("detection", f"SDC in {observed['recipe']} at step {observed['detected_step']} among "
-                                   f"{observed['group_ranks']} ({observed['scope']})")
-    job.event("finish", json.dumps({k: observed[k] for k in ("bitwise_equal", "losses_equal", "final_step")}))
-    metrics = {"duration_s": round(time.monotonic() - job.t0, 3), "reference_launch_s": round(base.duration_s, 3),
-               "run_launch_s": round(res.duration_s, 3),
-               "train_wall_s": {"reference": max(r["train_wall_s"] for r in ref),
-                                "gemscout": max(r["train_wall_s"] for r in run)}}
-    return {"cell_id": cell["id"], "status": "passed", "observed": observed, "metrics": metrics,
-            "timeline": job.timeline, "message": ""}
+            job.event(
+                "detection",
+                f"SDC in {observed['recipe']} at step {observed['detected_step']} among "
+                f"{observed['group_ranks']} ({observed['scope']})",
+            )
+    job.event(
+        "finish",
+        json.dumps({k: observed[k] for k in ("bitwise_equal", "losses_equal", "final_step")}),
+    )
+    metrics = {
+        "duration_s": round(time.monotonic() - job.t0, 3),
+        "reference_launch_s": round(base.duration_s, 3),
+        "run_launch_s": round(res.duration_s, 3),
+        "train_wall_s": {
+            "reference": max(r["train_wall_s"] for r in ref),
+            "gemscout": max(r["train_wall_s"] for r in run),
+        },
+    }
+    return {
+        "cell_id": cell["id"],
+        "status": "passed",
+        "observed": observed,
+        "metrics": metrics,
+        "timeline": job.timeline,
+        "message": "",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,8 +48,11 @@ def _bytes(t: torch.Tensor) -> bytes:
 def _plain(value: Any) -> Any:
     """A JSON-able view of a state (tensors as dtype, shape and SHA-256 of their bytes)."""
     if torch.is_tensor(value):
-        return {"dtype": str(value.dtype), "shape": list(value.shape),
-                "sha256": hashlib.sha256(_bytes(value)).hexdigest()}
+        return {
+            "dtype": str(value.dtype),
+            "shape": list(value.shape),
+            "sha256": hashlib.sha256(_bytes(value)).hexdigest(),
+        }
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, list | tuple):
@@ -71,7 +74,9 @@ def state(trainer: Any) -> dict[str, Any]:
             params.update(f"{i}.{name}".encode())
             params.update(_bytes(t))
     loader = trainer.dataloader.state_dict()
-    unpickled = {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in loader.items()}  # our own bytes
+    unpickled = {
+        k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in loader.items()
+    }  # our own bytes
     return {
         "params": params.hexdigest(),
         "optimizer": _sha([opt.state_dict() for opt in trainer.optimizers.optimizers]),
@@ -89,30 +94,53 @@ def scout_topology(session: Any) -> dict[str, Any] | None:
     topology = getattr(scout, "topology", None)
     if topology is None:
         return None
-    return {**topology.to_dict(), "stage_order": scout.config.stage_order, "catalog": list(scout.catalog.names)}
+    return {
+        **topology.to_dict(),
+        "stage_order": scout.config.stage_order,
+        "catalog": list(scout.catalog.names),
+    }
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--assets", type=Path, required=True, help="folder written by torchtitan_cpu.make_assets")
+    ap.add_argument(
+        "--assets", type=Path, required=True, help="folder written by torchtitan_cpu.make_assets"
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="local batch size")
-    ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicate degree (1: FSDP over all ranks)")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (TorchTitan's own split)")
+    ap.add_argument(
+        "--dp-replicate", type=int, default=1, help="HSDP replicate degree (1: FSDP over all ranks)"
+    )
+    ap.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel degree (TorchTitan's own split)"
+    )
     ap.add_argument("--pp-schedule", default="1F1B", help="TorchTitan's pipeline_parallel_schedule")
-    ap.add_argument("--ckpt", type=Path, default=None, help="gemscout checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        default=None,
+        help="gemscout checkpoint directory; omit for the baseline",
+    )
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--scout", action="store_true", help="attach SCOUT (replay on data-parallel peers)")
-    ap.add_argument("--replay-fault-rank", type=int, default=-1, help="with --scout: corrupt this rank's replay")
+    ap.add_argument(
+        "--scout", action="store_true", help="attach SCOUT (replay on data-parallel peers)"
+    )
+    ap.add_argument(
+        "--replay-fault-rank", type=int, default=-1, help="with --scout: corrupt this rank's replay"
+    )
     ap.add_argument("--replay-fault-step", type=int, default=-1)
     ap.add_argument("--replay-fault-recipe", default="embedding")
-    ap.add_argument("--scout-per-cycle", type=int, default=-1,
-                    help="with --scout: blocks and optimizer slices replayed per due step (0: all, so each clean "
-                         "cycle certifies its step at once; -1: ScoutConfig's defaults)")
+    ap.add_argument(
+        "--scout-per-cycle",
+        type=int,
+        default=-1,
+        help="with --scout: blocks and optimizer slices replayed per due step (0: all, so each clean "
+        "cycle certifies its step at once; -1: ScoutConfig's defaults)",
+    )
     return ap.parse_args()
 
 
@@ -128,10 +156,16 @@ def main() -> None:
 
     import gemscout
 
-    config = torchtitan_cpu.trainer_config(assets=args.assets, dump=args.out / "dump", steps=args.steps,
-                                           seq_len=args.seq_len, local_batch=args.batch,
-                                           dp_replicate=args.dp_replicate, pp=args.pp,
-                                           pp_schedule=args.pp_schedule)
+    config = torchtitan_cpu.trainer_config(
+        assets=args.assets,
+        dump=args.out / "dump",
+        steps=args.steps,
+        seq_len=args.seq_len,
+        local_batch=args.batch,
+        dp_replicate=args.dp_replicate,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+    )
     trainer = Trainer(config)
     losses: dict[int, float] = {}
     log = trainer.metrics_processor.log
@@ -146,29 +180,56 @@ def main() -> None:
     decisions: list[dict[str, Any]] = []
     cycles: dict[str, Any] = {}
     if args.ckpt is not None:
-        cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan-cpu", ranks_per_node=1, fsync=False,
-                                        timeout=timedelta(seconds=120))
+        cfg = gemscout.CheckpointConfig(
+            directory=args.ckpt,
+            run_id="titan-cpu",
+            ranks_per_node=1,
+            fsync=False,
+            timeout=timedelta(seconds=120),
+        )
         per = args.scout_per_cycle
-        rotation = {} if per < 0 else {"hidden_per_cycle": per or None, "optimizer_slices_per_cycle": per or None}
+        rotation = (
+            {}
+            if per < 0
+            else {"hidden_per_cycle": per or None, "optimizer_slices_per_cycle": per or None}
+        )
         scout = gemscout.ScoutConfig(interval=args.interval, **rotation) if args.scout else None
-        session = gemscout.enable_resiliency(trainer, None, interval=args.interval, checkpoint=cfg, scout=scout,
-                                             on_fault_report=lambda r: reports.append(r.to_dict()),
-                                             on_recovery_decision=lambda d: decisions.append(d.to_dict()))
+        session = gemscout.enable_resiliency(
+            trainer,
+            None,
+            interval=args.interval,
+            checkpoint=cfg,
+            scout=scout,
+            on_fault_report=lambda r: reports.append(r.to_dict()),
+            on_recovery_decision=lambda d: decisions.append(d.to_dict()),
+        )
         if session.scout is not None and args.replay_fault_rank == rank:
             from qualification.faults import Injector, ReplayFault
 
-            Injector(session.scout).set(ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe))
+            Injector(session.scout).set(
+                ReplayFault("bitflip", rank, args.replay_fault_step, args.replay_fault_recipe)
+            )
         if session.scout is not None:
+
             def record_cycle(opt: Any, a: Any, k: Any) -> None:
-                result = session.scout.last_result if session is not None and session.scout is not None else None
+                result = (
+                    session.scout.last_result
+                    if session is not None and session.scout is not None
+                    else None
+                )
                 if result is not None and result.step == session.step:
                     cycles[str(result.step)] = {
-                        "certified": result.certified_step, "peers": list(result.peers),
+                        "certified": result.certified_step,
+                        "peers": list(result.peers),
                         "verdicts": {n: r.verdict.value for n, r in result.results.items()},
-                        "reasons": {n: r.reason for n, r in result.results.items() if r.reason}}
+                        "reasons": {n: r.reason for n, r in result.results.items() if r.reason},
+                    }
 
-            trainer.optimizers.register_step_post_hook(record_cycle)  # after the session's post-hook
+            trainer.optimizers.register_step_post_hook(
+                record_cycle
+            )  # after the session's post-hook
         if args.kill_rank == rank:
+
             def kill(opt: Any, a: Any, k: Any) -> None:
                 if session is not None and session.step == args.kill_step:
                     if session.checkpointer is not None:
@@ -176,22 +237,37 @@ def main() -> None:
                     sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
 
             trainer.optimizers.register_step_post_hook(kill)  # after the session's post-hook
-    resume = {"resume_step": session.resume_step if session else 0,
-              "resume_state": state(trainer) if session and session.resume_step else None,
-              "decision": session.last_decision.to_dict() if session and session.last_decision else None}
+    resume = {
+        "resume_step": session.resume_step if session else 0,
+        "resume_state": state(trainer) if session and session.resume_step else None,
+        "decision": session.last_decision.to_dict() if session and session.last_decision else None,
+    }
     t0, cpu0 = time.monotonic(), time.process_time()
     trainer.train()
-    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0  # CPU: every thread of this rank's process
+    wall, cpu = (
+        time.monotonic() - t0,
+        time.process_time() - cpu0,
+    )  # CPU: every thread of this rank's process
     trust: dict[str, str] = {}
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
         trust = {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
-    result = {"rank": rank, **resume, "train_wall_s": wall, "train_cpu_s": cpu, "model_parts": len(trainer.model_parts),
-              "losses": {str(k): v for k, v in sorted(losses.items())},
-              "state": state(trainer), "reports": reports, "decisions": decisions, "trust": trust,
-              "scout_cycles": cycles, "scout_disabled": getattr(session.scout, "disabled_reason", None) if session else None,
-              "scout_topology": scout_topology(session),
-              "errors": session.checkpointer.errors if session and session.checkpointer else []}
+    result = {
+        "rank": rank,
+        **resume,
+        "train_wall_s": wall,
+        "train_cpu_s": cpu,
+        "model_parts": len(trainer.model_parts),
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state": state(trainer),
+        "reports": reports,
+        "decisions": decisions,
+        "trust": trust,
+        "scout_cycles": cycles,
+        "scout_disabled": getattr(session.scout, "disabled_reason", None) if session else None,
+        "scout_topology": scout_topology(session),
+        "errors": session.checkpointer.errors if session and session.checkpointer else [],
+    }
     if session is not None:
         session.close()
     finish(args.out, rank, result)

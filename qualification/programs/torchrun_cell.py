@@ -42,7 +42,15 @@ from qualification.programs import _torchrun as tr
 from qualification.programs._contract import cell_main
 from qualification.programs._torchrun import Agent
 
-PHASES = ("after-step", "in-step", "capture", "persist", "replicate", "persist_replica", "random:40")
+PHASES = (
+    "after-step",
+    "in-step",
+    "capture",
+    "persist",
+    "replicate",
+    "persist_replica",
+    "random:40",
+)
 
 
 def _draw(fault: dict[str, Any], steps: int, seed: int) -> tuple[int, str]:
@@ -62,20 +70,30 @@ def _expected_steps(step: int, phase: str) -> list[int]:
     to S; ``random:<ms>`` fires up to that long after step S, so possibly inside S+1: S-2 to S+1."""
     if phase == "after-step":
         return [step]
-    newest = {"in-step": step - 1, "capture": step - 1}.get(phase, step + 1 if phase.startswith("random:") else step)
+    newest = {"in-step": step - 1, "capture": step - 1}.get(
+        phase, step + 1 if phase.startswith("random:") else step
+    )
     return list(range(max(0, step - 2), newest + 1))
 
 
-def _compare(observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]] | None) -> None:
+def _compare(
+    observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]] | None
+) -> None:
     if reference is None:
         reference = [r["baseline"] for r in ranks]
     decision = ranks[0].get("decision") or {}
     observed["mode"] = decision.get("mode")
     observed["recovered_step"] = decision.get("step")
     by_rank = decision.get("sources", {})
-    observed["sources"] = [by_rank.get(str(r)) for r in range(len(ranks))]  # a list: expect tables are operators
-    observed["bitwise_equal"] = all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks))
-    observed["losses_equal"] = all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks))
+    observed["sources"] = [
+        by_rank.get(str(r)) for r in range(len(ranks))
+    ]  # a list: expect tables are operators
+    observed["bitwise_equal"] = all(
+        r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
+    )
+    observed["losses_equal"] = all(
+        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
+    )
     observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
     observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
     observed["local_world_size"] = sorted({r.get("local_world_size", 0) for r in ranks})
@@ -90,13 +108,20 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
 
     world = int(cell["world_size"])
     fault = cell.get("fault", {"kind": "none"})
-    deadline = t0 + float(cell.get("timeout_s", 240)) - 10  # leave the engine time to read our result
+    deadline = (
+        t0 + float(cell.get("timeout_s", 240)) - 10
+    )  # leave the engine time to read our result
     agents: list[Agent] = []
     observed: dict[str, Any] = {}
     try:
-        reference: list[dict[str, Any]] | None = None  # None: each rank's inline uninterrupted run (params.baseline)
+        reference: list[dict[str, Any]] | None = (
+            None  # None: each rank's inline uninterrupted run (params.baseline)
+        )
         # A STOP cell compares nothing: no baseline.
-        if cell.get("params", {}).get("baseline", "process") == "process" and fault.get("kind") != "stop":
+        if (
+            cell.get("params", {}).get("baseline", "process") == "process"
+            and fault.get("kind") != "stop"
+        ):
             event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
             base = Agent(
                 tr.torchrun(tr.single_node(world, 0), celldir / "baseline", cell, []),
@@ -106,17 +131,27 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             agents.append(base)
             if base.wait(deadline) != 0:
                 return _result(
-                    cell, "error", observed, timeline, f"baseline torchrun failed (exit {base.proc.returncode})"
+                    cell,
+                    "error",
+                    observed,
+                    timeline,
+                    f"baseline torchrun failed (exit {base.proc.returncode})",
                 )
             reference = tr.read_results(celldir / "baseline", world)
             if reference is None:
                 return _result(cell, "error", observed, timeline, "baseline wrote no results")
         kind = fault.get("kind")
         if kind in ("worker-kill", "stop"):
-            return _single_node(cell, celldir, fault, reference, deadline, agents, event, timeline, t0)
+            return _single_node(
+                cell, celldir, fault, reference, deadline, agents, event, timeline, t0
+            )
         if kind == "node-loss":
-            return _two_nodes(cell, celldir, fault, reference, deadline, agents, event, timeline, t0)
-        return _result(cell, "error", observed, timeline, f"torchrun_cell: unknown fault kind {kind!r}")
+            return _two_nodes(
+                cell, celldir, fault, reference, deadline, agents, event, timeline, t0
+            )
+        return _result(
+            cell, "error", observed, timeline, f"torchrun_cell: unknown fault kind {kind!r}"
+        )
     finally:
         for a in agents:  # every tree ends with the cell, whatever happened
             if a.proc.poll() is None or a.tree():
@@ -176,29 +211,49 @@ def _single_node(
     wall0 = time.time() - (time.monotonic() - t0)  # the wall time of the driver's t0
     kills = [k for k in _kills.read(celldir / "run") if k.get("rank") == rank]
     timeline[:] = sorted(timeline + _kills.timeline_events(kills, wall0), key=lambda e: e["t"])
-    if not kills:  # some other death ended attempt 0: what follows would not be this cell's recovery
-        return _result(cell, "error", observed, timeline, f"rank {rank} left no record of its SIGKILL; see logs/")
+    if (
+        not kills
+    ):  # some other death ended attempt 0: what follows would not be this cell's recovery
+        return _result(
+            cell,
+            "error",
+            observed,
+            timeline,
+            f"rank {rank} left no record of its SIGKILL; see logs/",
+        )
     observed["kill"] = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
     if fault["kind"] == "stop":
         later = {a: recs for a, recs in by_attempt.items() if a >= 1}
         lines = sorted({r.get("error", "") for recs in later.values() for r in recs.values()})
-        observed["stop_exit_codes"] = sorted({r.get("exit_code", -1) for recs in later.values() for r in recs.values()})
+        observed["stop_exit_codes"] = sorted(
+            {r.get("exit_code", -1) for recs in later.values() for r in recs.values()}
+        )
         observed["stop_ranks_per_attempt"] = [len(later[a]) for a in sorted(later)]
         observed["stop_lines"] = len(lines)
         observed["stop_line"] = lines[0] if lines else ""
-        observed["stop_line_prefix"] = (lines[0] if lines else "").split(": every source exhausted")[0]
+        observed["stop_line_prefix"] = (lines[0] if lines else "").split(
+            ": every source exhausted"
+        )[0]
         observed["stop_record"] = (celldir / "ckpt" / "STOP.json").is_file()
-        observed["console_stop_lines"] = run.log.read_text(errors="replace").count("gemscout: RecoveryError: ")
+        observed["console_stop_lines"] = run.log.read_text(errors="replace").count(
+            "gemscout: RecoveryError: "
+        )
         observed["stop_attempt_s"] = _attempt_spans(celldir / "run", later)
-        return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+        return _result(
+            cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
+        )
     ranks = tr.read_results(celldir / "run", world)
     if code != 0 or ranks is None:
-        return _result(cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log")
+        return _result(
+            cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log"
+        )
     _compare(observed, ranks, reference)
     observed["recovered_step_expected"] = observed["recovered_step"] in _expected_steps(step, phase)
     observed["killed_source"] = observed["sources"][rank]
     observed["other_sources"] = sorted({v for r, v in enumerate(observed["sources"]) if r != rank})
-    return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+    return _result(
+        cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
+    )
 
 
 def _attempt_spans(out: Path, later: dict[int, dict[int, dict[str, Any]]]) -> list[float]:
@@ -245,9 +300,15 @@ def _two_nodes(
     def agent(node: int, tag: str) -> Agent:
         # The replacement may wait less long than node 0 (params.replacement_read_timeout): which agent's store wait
         # ends first is otherwise a race, and the first to exit closes the store under the other.
-        timeout = int(p.get("replacement_read_timeout", read_timeout)) if tag == "b" and node == 1 else read_timeout
+        timeout = (
+            int(p.get("replacement_read_timeout", read_timeout))
+            if tag == "b" and node == 1
+            else read_timeout
+        )
         conf = [f"--rdzv-conf=read_timeout={timeout}"]
-        argv = tr.torchrun(launch + conf, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")])
+        argv = tr.torchrun(
+            launch + conf, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")]
+        )
         a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", agent_env)
         agents.append(a)
         return a
@@ -266,7 +327,9 @@ def _two_nodes(
         if time.monotonic() > deadline or node1.proc.poll() is not None:
             return _result(cell, "error", observed, timeline, f"node 1 never reached step {step}")
         time.sleep(0.05)
-    killed = node1.kill_tree(record=celldir / "run", detail=f"node 1's agent and workers, at step >= {step}")
+    killed = node1.kill_tree(
+        record=celldir / "run", detail=f"node 1's agent and workers, at step >= {step}"
+    )
     shutil.rmtree(celldir / "disk1", ignore_errors=True)
     (kill,) = _kills.read(celldir / "run")
     wall0 = time.time() - (time.monotonic() - t0)  # the wall time of the driver's t0
@@ -293,13 +356,23 @@ def _two_nodes(
     if ranks is None or codes != [0, 0]:
         waits = _store_waits(celldir / "logs")
         observed["store_waits"] = waits
-        observed["replacement_wait"] = next((w.split(": ", 1)[1] for w in waits if w.startswith("node1-b")), "")
-        observed["node0_wait"] = next((w.split(": ", 1)[1] for w in waits if w.startswith("node0-a")), "")
-        if fault.get("expect_failure"):  # the torch limitation itself, shown: judged by its expectations
-            return _result(cell, "passed", observed, timeline, f"agents exited {codes}, as torch 2.13 does")
+        observed["replacement_wait"] = next(
+            (w.split(": ", 1)[1] for w in waits if w.startswith("node1-b")), ""
+        )
+        observed["node0_wait"] = next(
+            (w.split(": ", 1)[1] for w in waits if w.startswith("node0-a")), ""
+        )
+        if fault.get(
+            "expect_failure"
+        ):  # the torch limitation itself, shown: judged by its expectations
+            return _result(
+                cell, "passed", observed, timeline, f"agents exited {codes}, as torch 2.13 does"
+            )
         return _result(cell, "failed", observed, timeline, f"agents exited {codes}; see logs/")
     _compare(observed, ranks, reference)
-    return _result(cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)})
+    return _result(
+        cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
+    )
 
 
 def _store_waits(logs: Path) -> list[str]:

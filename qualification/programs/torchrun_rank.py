@@ -45,19 +45,29 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--workload", default="tiny-causal-lm")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
+    )
     ap.add_argument("--run-id", default="torchrun-cell")
-    ap.add_argument("--ranks-per-node", type=int, default=0, help="0: gemscout reads LOCAL_WORLD_SIZE")
+    ap.add_argument(
+        "--ranks-per-node", type=int, default=0, help="0: gemscout reads LOCAL_WORLD_SIZE"
+    )
     ap.add_argument("--find-unused-parameters", action="store_true")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--kill-phase", default="after-step")
     ap.add_argument("--kill-attempt", type=int, default=0)
-    ap.add_argument("--lose-nodes", default="", help="comma-separated node indices whose folders are deleted")
+    ap.add_argument(
+        "--lose-nodes", default="", help="comma-separated node indices whose folders are deleted"
+    )
     ap.add_argument("--lose-attempt", type=int, default=1)
-    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a kill window)")
+    ap.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a kill window)"
+    )
     ap.add_argument("--timeout-s", type=float, default=60.0)
-    ap.add_argument("--inline-baseline", action="store_true", help="also train uninterrupted after the run")
+    ap.add_argument(
+        "--inline-baseline", action="store_true", help="also train uninterrupted after the run"
+    )
     return ap.parse_args()
 
 
@@ -120,8 +130,15 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     if args.ckpt is not None:
 
         def extra() -> dict[str, Any]:
-            if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
-                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture", attempt=attempt)
+            if (
+                killer
+                and args.kill_phase == "capture"
+                and session is not None
+                and session.step == args.kill_step
+            ):
+                sigkill_self(
+                    args.out, rank=rank, step=args.kill_step, phase="capture", attempt=attempt
+                )
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict[str, Any]) -> None:
@@ -136,11 +153,20 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
             fsync=False,
         )
         session = gemscout.enable_resiliency(
-            ddp, opt, checkpoint=cfg, schedulers=[sched], extra_state_fn=extra, load_extra_state_fn=load_extra
+            ddp,
+            opt,
+            checkpoint=cfg,
+            schedulers=[sched],
+            extra_state_fn=extra,
+            load_extra_state_fn=load_extra,
         )
         decision = session.last_decision.to_dict() if session.last_decision else None
         _record(args, rank, attempt, {"decision": decision, "resume_step": session.resume_step})
-        if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
+        if (
+            killer
+            and args.kill_phase in ("persist", "replicate", "persist_replica")
+            and session.checkpointer
+        ):
 
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
@@ -164,10 +190,16 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
                     session.checkpointer.drain()
                 sigkill_self(args.out, rank=rank, step=step, phase="after-step", attempt=attempt)
             elif args.kill_phase.startswith("random:"):
-                delay = random.Random(args.seed).uniform(0, float(args.kill_phase.split(":")[1]) / 1000)
-                sigkill_self_later(args.out, delay, rank=rank, step=step, phase=args.kill_phase, attempt=attempt)
+                delay = random.Random(args.seed).uniform(
+                    0, float(args.kill_phase.split(":")[1]) / 1000
+                )
+                sigkill_self_later(
+                    args.out, delay, rank=rank, step=step, phase=args.kill_phase, attempt=attempt
+                )
         (args.out / "progress").mkdir(parents=True, exist_ok=True)
-        (args.out / "progress" / f"rank{rank}").write_text(str(step))  # where a driver's external kill lands
+        (args.out / "progress" / f"rank{rank}").write_text(
+            str(step)
+        )  # where a driver's external kill lands
         if args.step_sleep:
             time.sleep(args.step_sleep)
     digest = state_digest(model, opt)
@@ -203,7 +235,11 @@ def entry() -> None:
         args,
         rank,
         attempt,
-        {"pid": os.getpid(), "started": time.time(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0"))},
+        {
+            "pid": os.getpid(),
+            "started": time.time(),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0")),
+        },
     )
     _lose_nodes(args, rank, attempt)
     try:
@@ -211,7 +247,9 @@ def entry() -> None:
     except GemscoutError as exc:
         line = f"gemscout: {type(exc).__name__}: {exc}"
         print(line, flush=True)
-        _record(args, rank, attempt, {"error": line, "exit_code": exc.exit_code, "ended": time.time()})
+        _record(
+            args, rank, attempt, {"error": line, "exit_code": exc.exit_code, "ended": time.time()}
+        )
         sys.stderr.flush()
         os._exit(exc.exit_code)
 

@@ -70,15 +70,25 @@ def main() -> None:
 
         session = None
         if args.ckpt is not None:
-            cfg = gemscout.CheckpointConfig(directory=args.ckpt, run_id="titan", timeout=timedelta(seconds=120))
+            cfg = gemscout.CheckpointConfig(
+                directory=args.ckpt, run_id="titan", timeout=timedelta(seconds=120)
+            )
             session = gemscout.enable_resiliency(self, None, checkpoint=cfg)
             rank = dist.get_rank()
             if rank == args.kill_rank:
+
                 def kill(opt: Any, a: Any, k: Any) -> None:
-                    if session is not None and session.step == args.kill_step and session.checkpointer:
+                    if (
+                        session is not None
+                        and session.step == args.kill_step
+                        and session.checkpointer
+                    ):
                         session.checkpointer.drain()
                         sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
-                self.optimizers.register_step_post_hook(kill)  # after the session's post-hook: the step is captured
+
+                self.optimizers.register_step_post_hook(
+                    kill
+                )  # after the session's post-hook: the step is captured
         resume = session.resume_step if session else 0
         original(self)
         if session is not None and session.checkpointer is not None:
@@ -86,9 +96,18 @@ def main() -> None:
         import json
 
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps({
-            "resume_step": resume, "step": int(self.step), "state_digest": digest(self),
-            "decision": session.last_decision.to_dict() if session and session.last_decision else None}))
+        (args.out / f"rank{dist.get_rank()}.json").write_text(
+            json.dumps(
+                {
+                    "resume_step": resume,
+                    "step": int(self.step),
+                    "state_digest": digest(self),
+                    "decision": session.last_decision.to_dict()
+                    if session and session.last_decision
+                    else None,
+                }
+            )
+        )
         if session is not None:
             session.close()
 

@@ -36,7 +36,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qualification.programs._kills import sigkill_self, sigkill_self_later
-from qualification.programs._pipeline import PIPELINE_TOPOLOGIES, SCHEDULES, Pipeline, build_pipeline, replica_of
+from qualification.programs._pipeline import (
+    PIPELINE_TOPOLOGIES,
+    SCHEDULES,
+    Pipeline,
+    build_pipeline,
+    replica_of,
+)
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_faults import armed
 from qualification.workloads import build_model, lm_loss, synthetic_batch
@@ -64,8 +70,10 @@ def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
 def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     """SHA-256 over the whole (unsharded) parameters and optimizer state: equal across meshes of any size.
     Collective under sharding (DTensor.full_tensor): every rank calls it at the same point."""
+
     def full(t: torch.Tensor) -> bytes:
         return _bytes(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
         h.update(name.encode())
@@ -90,7 +98,11 @@ def data_rank(topology: str, rank: int) -> int:
 
 def _tensor_parallel(model: torch.nn.Module, tp_mesh: object) -> None:
     """Megatron-style MLP sharding: fc1 column-wise, fc2 row-wise (attention stays replicated)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     for block in model.blocks:
         parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -133,7 +145,10 @@ def _buckets(model: torch.nn.Module) -> dict | None:
         return None
     from gemscout.adapters.ddp_buckets import logged_layout
 
-    return {"params": len(list(p for p in model.parameters() if p.requires_grad)), "rebuilt": logged_layout(model)}
+    return {
+        "params": len(list(p for p in model.parameters() if p.requires_grad)),
+        "rebuilt": logged_layout(model),
+    }
 
 
 def parse() -> argparse.Namespace:
@@ -144,7 +159,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline")
+    ap.add_argument(
+        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
+    )
     ap.add_argument("--run-id", default="qualify")
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--persist-every", type=int, default=1)
@@ -154,21 +171,46 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--kill-phase", default="after-step")
     ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument("--recovery-kill-phase", default="",
-                    help="SIGKILL --kill-rank during the recovery at attach: recover-send | recover-receive | "
-                         "recover-restore (qualification/programs/_recovery_faults.py)")
+    ap.add_argument(
+        "--recovery-kill-phase",
+        default="",
+        help="SIGKILL --kill-rank during the recovery at attach: recover-send | recover-receive | "
+        "recover-restore (qualification/programs/_recovery_faults.py)",
+    )
     ap.add_argument("--kill-seed", type=int, default=0)
-    ap.add_argument("--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks")
+    ap.add_argument(
+        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
+    )
     ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument("--certify", action="store_true", help="certify every capture (stands in for SCOUT)")
-    ap.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)")
-    ap.add_argument("--replication", default="ring", choices=("ring", "natural"),
-                    help="GEMINI replica placement (natural: HSDP replicate-group peers)")
-    ap.add_argument("--when-busy", default="wait", choices=("wait", "skip"), help="GEMINI when every slot is busy")
-    ap.add_argument("--io-delay-ms", type=int, default=0,
-                    help="sleep this long on GEMINI's io thread before each replication (a slow network)")
-    ap.add_argument("--full-digest", action="store_true",
-                    help="also record mesh-independent digests of the whole state at resume and at the end")
+    ap.add_argument(
+        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
+    )
+    ap.add_argument(
+        "--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)"
+    )
+    ap.add_argument(
+        "--replication",
+        default="ring",
+        choices=("ring", "natural"),
+        help="GEMINI replica placement (natural: HSDP replicate-group peers)",
+    )
+    ap.add_argument(
+        "--when-busy",
+        default="wait",
+        choices=("wait", "skip"),
+        help="GEMINI when every slot is busy",
+    )
+    ap.add_argument(
+        "--io-delay-ms",
+        type=int,
+        default=0,
+        help="sleep this long on GEMINI's io thread before each replication (a slow network)",
+    )
+    ap.add_argument(
+        "--full-digest",
+        action="store_true",
+        help="also record mesh-independent digests of the whole state at resume and at the end",
+    )
     return ap.parse_args()
 
 
@@ -198,7 +240,12 @@ def main() -> None:
         import gemscout
 
         def extra() -> dict:
-            if killer and args.kill_phase == "capture" and session is not None and session.step == args.kill_step:
+            if (
+                killer
+                and args.kill_phase == "capture"
+                and session is not None
+                and session.step == args.kill_step
+            ):
                 sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
             return {"losses": {str(k): v for k, v in losses.items()}}
 
@@ -208,40 +255,66 @@ def main() -> None:
             losses.update({int(k): float(v) for k, v in state["losses"].items()})
 
         cfg = gemscout.CheckpointConfig(
-            directory=args.ckpt, run_id=args.run_id, ranks_per_node=args.ranks_per_node,
-            persist_every=args.persist_every, async_copy=not args.no_async, chunk_bytes=args.chunk_bytes,
-            timeout=timedelta(seconds=60), fsync=False,
-            durable_directory=args.durable, durable_every=args.durable_every, replication=args.replication,
+            directory=args.ckpt,
+            run_id=args.run_id,
+            ranks_per_node=args.ranks_per_node,
+            persist_every=args.persist_every,
+            async_copy=not args.no_async,
+            chunk_bytes=args.chunk_bytes,
+            timeout=timedelta(seconds=60),
+            fsync=False,
+            durable_directory=args.durable,
+            durable_every=args.durable_every,
+            replication=args.replication,
             when_busy=args.when_busy,
         )
         t_attach = time.time()
-        injector = armed(args.recovery_kill_phase, args.chunk_bytes, args.out, rank) \
-            if killer and args.recovery_kill_phase \
+        injector = (
+            armed(args.recovery_kill_phase, args.chunk_bytes, args.out, rank)
+            if killer and args.recovery_kill_phase
             else nullcontext(lambda: None)
+        )
         with injector as in_restore:
-            session = gemscout.enable_resiliency(ddp, opt, interval=args.interval, checkpoint=cfg,
-                                                 schedulers=[sched], extra_state_fn=extra, load_extra_state_fn=load_extra)
+            session = gemscout.enable_resiliency(
+                ddp,
+                opt,
+                interval=args.interval,
+                checkpoint=cfg,
+                schedulers=[sched],
+                extra_state_fn=extra,
+                load_extra_state_fn=load_extra,
+            )
         decision = session.last_decision.to_dict() if session.last_decision else None
         resume_digest = state_digest(model, opt)
         if args.full_digest:
             resume_full_digest = full_state_digest(model, opt)
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
         if args.io_delay_ms and session.checkpointer:
+
             def slow(phase: str, step: int) -> None:
                 if phase == "replicate":
                     time.sleep(args.io_delay_ms / 1000)
+
             session.checkpointer.phase_hook = slow
-        if killer and args.kill_phase in ("persist", "replicate", "persist_replica") and session.checkpointer:
+        if (
+            killer
+            and args.kill_phase in ("persist", "replicate", "persist_replica")
+            and session.checkpointer
+        ):
+
             def hook(phase: str, step: int) -> None:
                 if phase == args.kill_phase and step == args.kill_step:
                     sigkill_self(args.out, rank=rank, step=step, phase=phase)
+
             session.checkpointer.phase_hook = hook
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
         x, y = synthetic_batch(seed=args.seed, step=step, rank=data_rank(args.topology, rank))
         if pipe is not None:
             opt.zero_grad(set_to_none=True)
-            loss = pipe.step(x, y)  # every micro-batch's forward and backward, then the dp gradient average
+            loss = pipe.step(
+                x, y
+            )  # every micro-batch's forward and backward, then the dp gradient average
         else:
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
@@ -251,7 +324,9 @@ def main() -> None:
         losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
         opt.step()
         sched.step()
-        if step == start and session is not None:  # the first step trained after the restore (recovery wall time)
+        if (
+            step == start and session is not None
+        ):  # the first step trained after the restore (recovery wall time)
             times["first_step_wall"] = time.time()
         if session is not None and args.certify and session.step % args.interval == 0:
             session.certify(session.step)
@@ -261,7 +336,9 @@ def main() -> None:
                     session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
                 sigkill_self(args.out, rank=rank, step=step, phase="after-step")
             elif args.kill_phase.startswith("random:"):
-                delay = random.Random(args.kill_seed).uniform(0, float(args.kill_phase.split(":")[1]) / 1000)
+                delay = random.Random(args.kill_seed).uniform(
+                    0, float(args.kill_phase.split(":")[1]) / 1000
+                )
                 sigkill_self_later(args.out, delay, rank=rank, step=step, phase=args.kill_phase)
         if rank == 0 and step == args.sigterm_step:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -269,16 +346,28 @@ def main() -> None:
     digest = state_digest(model, opt)
     full_digest = full_state_digest(model, opt) if args.full_digest else None
     digests = [None] * world
-    dist.all_gather_object(digests, digest)  # test-side comparison only; gemscout itself never pickles
+    dist.all_gather_object(
+        digests, digest
+    )  # test-side comparison only; gemscout itself never pickles
     result = {
-        "rank": rank, "world_size": world, "resume_step": session.resume_step if session else 0,
-        "decision": decision, "resume_digest": resume_digest, "times": times, "losses": {str(k): v for k, v in sorted(losses.items())}, "state_digest": digest,
+        "rank": rank,
+        "world_size": world,
+        "resume_step": session.resume_step if session else 0,
+        "decision": decision,
+        "resume_digest": resume_digest,
+        "times": times,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "state_digest": digest,
         "replicas_equal": len(set(digests)) == 1 if args.topology.startswith("ddp") else True,
-        "ddp_buckets": _buckets(ddp), "final_step": args.steps,
+        "ddp_buckets": _buckets(ddp),
+        "final_step": args.steps,
         "stats": session.checkpointer.stats if session and session.checkpointer else {},
         "errors": session.checkpointer.errors if session and session.checkpointer else [],
-        "skipped_steps": session.checkpointer.skipped_steps if session and session.checkpointer else [],
-        "full_digest": full_digest, "resume_full_digest": resume_full_digest,
+        "skipped_steps": session.checkpointer.skipped_steps
+        if session and session.checkpointer
+        else [],
+        "full_digest": full_digest,
+        "resume_full_digest": resume_full_digest,
     }
     if session:
         session.close()

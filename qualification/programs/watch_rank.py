@@ -51,8 +51,12 @@ def main() -> None:
     ap.add_argument("--delay-from", type=int, default=3)
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-step", type=int, default=-1)
-    ap.add_argument("--ckpt", type=Path, default=None,
-                    help="also run GEMINI with this checkpoint directory (the session then keeps faults.jsonl there)")
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        default=None,
+        help="also run GEMINI with this checkpoint directory (the session then keeps faults.jsonl there)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -66,15 +70,25 @@ def main() -> None:
 
     model = DDP(build_model("tiny-causal-lm", seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = gemscout.WatchConfig(stall_threshold=timedelta(seconds=args.threshold_s),
-                                 poll_interval=timedelta(seconds=0.1), section_absolute_s=0.2, section_relative=3.0)
+    watch = gemscout.WatchConfig(
+        stall_threshold=timedelta(seconds=args.threshold_s),
+        poll_interval=timedelta(seconds=0.1),
+        section_absolute_s=0.2,
+        section_relative=3.0,
+    )
     checkpoint = gemscout.CheckpointConfig(directory=args.ckpt, fsync=False) if args.ckpt else None
-    session = gemscout.enable_resiliency(model, opt, watch=watch, checkpoint=checkpoint,
-                                         on_fault_report=lambda r: record("report", r.to_dict()),
-                                         on_recovery_decision=lambda d: record("decision", d.to_dict()))
+    session = gemscout.enable_resiliency(
+        model,
+        opt,
+        watch=watch,
+        checkpoint=checkpoint,
+        on_fault_report=lambda r: record("report", r.to_dict()),
+        on_recovery_decision=lambda d: record("decision", d.to_dict()),
+    )
     delay = args.data_delay_s if rank == args.data_delay_rank else 0.0
-    loader = session.instrument_dataloader(DataLoader(Tokens(rank, args.steps * 4, delay, args.delay_from * 4),
-                                                      batch_size=4))
+    loader = session.instrument_dataloader(
+        DataLoader(Tokens(rank, args.steps * 4, delay, args.delay_from * 4), batch_size=4)
+    )
     for step, (x, y) in enumerate(loader, start=1):
         if step > args.steps:
             break

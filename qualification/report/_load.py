@@ -81,10 +81,14 @@ def _inside(root: Path, relative: Any) -> Path | None:
 def load_run(source: Path) -> RunRecord:
     """Read ``source``; raises :class:`UsageError` when it is not a directory with a summary or a manifest."""
     if not source.is_dir():
-        raise UsageError(f"{source} is not a directory; give a run directory or a sealed bundle directory")
+        raise UsageError(
+            f"{source} is not a directory; give a run directory or a sealed bundle directory"
+        )
     summary_path, manifest_path = source / SUMMARY_NAME, source / MANIFEST_NAME
     if not summary_path.is_file() and not manifest_path.is_file():
-        raise UsageError(f"{source} has neither {SUMMARY_NAME} nor {MANIFEST_NAME}; is it a `qualify run` directory?")
+        raise UsageError(
+            f"{source} has neither {SUMMARY_NAME} nor {MANIFEST_NAME}; is it a `qualify run` directory?"
+        )
     summary = _json_file(summary_path) if summary_path.is_file() else None
     manifest = _json_file(manifest_path) if manifest_path.is_file() else None
     predicate = _dict(manifest.get("predicate")) if manifest else {}
@@ -92,21 +96,32 @@ def load_run(source: Path) -> RunRecord:
 
     notes = []
     if summary is not None:
-        cells = [_summary_cell(source, raw) for raw in summary.get("cells") or [] if isinstance(raw, dict)]
+        cells = [
+            _summary_cell(source, raw)
+            for raw in summary.get("cells") or []
+            if isinstance(raw, dict)
+        ]
         counts = _counts(_dict(summary.get("counts")))
         summary_result = str(summary.get("verdict", "")).upper() or "FAILED"
     else:
-        cells = [_command_cell(raw) for raw in predicate.get("commands") or [] if isinstance(raw, dict)]
+        cells = [
+            _command_cell(raw) for raw in predicate.get("commands") or [] if isinstance(raw, dict)
+        ]
         counts = _counts(_dict(predicate.get("summary")))
         summary_result = ""
     result = str(predicate.get("result") or summary_result or "FAILED")
     if summary_result and predicate.get("result") and summary_result != result:
-        notes.append(f"summary.json says {summary_result} but the manifest records {result}; the manifest is shown")
+        notes.append(
+            f"summary.json says {summary_result} but the manifest records {result}; the manifest is shown"
+        )
 
     source_facts, run = _dict(predicate.get("source")), _dict(predicate.get("run"))
     summary = summary or {}
-    boundaries = _dict(predicate.get("boundaries")) or _dict(summary.get("boundaries")) or _dict(
-        campaign_file.get("boundaries"))
+    boundaries = (
+        _dict(predicate.get("boundaries"))
+        or _dict(summary.get("boundaries"))
+        or _dict(campaign_file.get("boundaries"))
+    )
     duration = summary.get("duration_s")
     return RunRecord(
         source=source,
@@ -121,9 +136,13 @@ def load_run(source: Path) -> RunRecord:
         finished_at=run.get("finishedOn") or summary.get("finished_at"),
         duration_s=float(duration) if isinstance(duration, int | float) else None,
         validated=_validated(boundaries.get("validated")),
-        not_validated=_not_validated(boundaries.get("notValidated", boundaries.get("not_validated"))),
+        not_validated=_not_validated(
+            boundaries.get("notValidated", boundaries.get("not_validated"))
+        ),
         scope=_scope(predicate.get("scope") if manifest else summary.get("scope")),
-        environment=_environment(predicate) if manifest else _invocation(_dict(summary.get("invocation"))),
+        environment=_environment(predicate)
+        if manifest
+        else _invocation(_dict(summary.get("invocation"))),
         cells=cells,
         notes=notes,
     )
@@ -148,7 +167,9 @@ def _not_validated(raw: Any) -> list[dict[str, Any]]:
         if isinstance(item, str):
             claims.append({"claim": item, "reason": ""})
         elif isinstance(item, dict):
-            claims.append({"claim": str(item.get("claim", "")), "reason": str(item.get("reason", ""))})
+            claims.append(
+                {"claim": str(item.get("claim", "")), "reason": str(item.get("reason", ""))}
+            )
     return claims
 
 
@@ -156,8 +177,12 @@ def _scope(raw: Any) -> dict[str, Any] | None:
     """The scope in the manifest's camelCase, from either record (summary.json writes snake_case)."""
     if not isinstance(raw, dict):
         return None
-    names = {"cells_in_campaign": "cellsInCampaign", "campaign_cells_run": "campaignCellsRun",
-             "cells_run": "cellsRun", "seed_override": "seedOverride"}
+    names = {
+        "cells_in_campaign": "cellsInCampaign",
+        "campaign_cells_run": "campaignCellsRun",
+        "cells_run": "cellsRun",
+        "seed_override": "seedOverride",
+    }
     return {names.get(key, key): value for key, value in raw.items()}
 
 
@@ -168,24 +193,33 @@ def _campaign_file(path: Path) -> dict[str, Any]:
         return {}  # the summary and manifest carry what the report needs; a broken copy only loses a fallback
 
 
-def _campaign(summary: dict[str, Any], predicate: dict[str, Any], campaign_file: dict[str, Any]) -> dict[str, Any]:
+def _campaign(
+    summary: dict[str, Any], predicate: dict[str, Any], campaign_file: dict[str, Any]
+) -> dict[str, Any]:
     from_summary, from_manifest = _dict(summary.get("campaign")), _dict(predicate.get("campaign"))
     merged = {**campaign_file, **from_summary, **from_manifest}
-    return {"name": str(merged.get("name") or "unnamed campaign"), "tier": str(merged.get("tier") or "?"),
-            "description": str(merged.get("description") or ""),
-            "path": str(from_manifest.get("path") or from_summary.get("source_path") or "")}
+    return {
+        "name": str(merged.get("name") or "unnamed campaign"),
+        "tier": str(merged.get("tier") or "?"),
+        "description": str(merged.get("description") or ""),
+        "path": str(from_manifest.get("path") or from_summary.get("source_path") or ""),
+    }
 
 
 def _counts(raw: dict[str, Any]) -> dict[str, int]:
-    return {key: int(raw[key]) if isinstance(raw.get(key), int) else 0
-            for key in ("total", "passed", "failed", "skipped", "measured")}
+    return {
+        key: int(raw[key]) if isinstance(raw.get(key), int) else 0
+        for key in ("total", "passed", "failed", "skipped", "measured")
+    }
 
 
 def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """One summary record, with the program's own ``result.json`` filling any result field the summary lacks."""
     cell_id = str(raw.get("id", "?"))
     result_path = _inside(root, raw.get("result"))
-    if result_path is not None and any(key not in raw for key in ("observed", "metrics", "timeline", "message")):
+    if result_path is not None and any(
+        key not in raw for key in ("observed", "metrics", "timeline", "message")
+    ):
         try:
             raw = {**json.loads(result_path.read_text(encoding="utf-8")), **raw}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -197,7 +231,9 @@ def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "name": cell_id.split("/", 1)[-1],
         "verdict": str(raw.get("verdict", "failed")),
         "reason": str(raw.get("reason") or ""),
-        "duration_s": raw.get("duration_s") if isinstance(raw.get("duration_s"), int | float) else None,
+        "duration_s": raw.get("duration_s")
+        if isinstance(raw.get("duration_s"), int | float)
+        else None,
         "exit_code": raw.get("exit_code") if isinstance(raw.get("exit_code"), int) else None,
         "timed_out": raw.get("timed_out") is True,
         "swept": len(raw.get("swept_pids") or []),
@@ -206,8 +242,11 @@ def _summary_cell(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "fault": _fault_label(_dict(spec.get("fault"))),
         "seed": spec.get("seed"),
         "expect": _dict(spec.get("expect")),
-        "scope": {"params": _dict(spec.get("params")), "fault": _dict(spec.get("fault")),
-                  "cell": {"world_size": spec.get("world_size"), "seed": spec.get("seed")}},
+        "scope": {
+            "params": _dict(spec.get("params")),
+            "fault": _dict(spec.get("fault")),
+            "cell": {"world_size": spec.get("world_size"), "seed": spec.get("seed")},
+        },
         "observed": _dict(raw.get("observed")),
         "metrics": _dict(raw.get("metrics")),
         "timeline": _timeline(raw.get("timeline")),
@@ -229,34 +268,63 @@ def _command_cell(raw: dict[str, Any]) -> dict[str, Any]:
     code = raw.get("exitCode")
     argv = raw.get("argv")
     return {
-        "id": str(raw.get("id", "?")), "campaign": "", "name": str(raw.get("id", "?")),
+        "id": str(raw.get("id", "?")),
+        "campaign": "",
+        "name": str(raw.get("id", "?")),
         "verdict": "passed" if code == 0 else "failed",
         "reason": f"exit code {code}: {shlex.join(str(a) for a in argv) if isinstance(argv, list) else ''}",
-        "duration_s": None, "exit_code": code if isinstance(code, int) else None, "timed_out": False, "swept": 0,
-        "topology": "", "world_size": None, "fault": "", "seed": None, "expect": {}, "scope": {}, "observed": {},
+        "duration_s": None,
+        "exit_code": code if isinstance(code, int) else None,
+        "timed_out": False,
+        "swept": 0,
+        "topology": "",
+        "world_size": None,
+        "fault": "",
+        "seed": None,
+        "expect": {},
+        "scope": {},
+        "observed": {},
         "metrics": {},
-        "timeline": [], "message": "", "log": str(raw.get("log") or ""), "targets": [],
+        "timeline": [],
+        "message": "",
+        "log": str(raw.get("log") or ""),
+        "targets": [],
     }
 
 
 def _timeline(raw: Any) -> list[dict[str, Any]]:
     events = []
     for item in raw if isinstance(raw, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("t"), int | float) and not isinstance(item.get("t"), bool):
+        if (
+            isinstance(item, dict)
+            and isinstance(item.get("t"), int | float)
+            and not isinstance(item.get("t"), bool)
+        ):
             rank = item.get("rank")
-            events.append({"t": float(item["t"]), "event": str(item.get("event", "")),
-                           "detail": str(item.get("detail", "")),
-                           "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None})
+            events.append(
+                {
+                    "t": float(item["t"]),
+                    "event": str(item.get("event", "")),
+                    "detail": str(item.get("detail", "")),
+                    "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+                }
+            )
     return sorted(events, key=lambda e: e["t"])
 
 
 def _environment(predicate: dict[str, Any]) -> list[tuple[str, str]]:
     env, topo = _dict(predicate.get("environment")), _dict(predicate.get("topology"))
-    package, run, artifact = _dict(predicate.get("package")), _dict(predicate.get("run")), _dict(
-        predicate.get("artifact"))
+    package, run, artifact = (
+        _dict(predicate.get("package")),
+        _dict(predicate.get("run")),
+        _dict(predicate.get("artifact")),
+    )
     cpu = _dict(env.get("cpu"))
-    gpus = [f"{g.get('index')}: {g.get('name')} ({g.get('memoryMiB')} MiB)" for g in env.get("gpus") or []
-            if isinstance(g, dict)]
+    gpus = [
+        f"{g.get('index')}: {g.get('name')} ({g.get('memoryMiB')} MiB)"
+        for g in env.get("gpus") or []
+        if isinstance(g, dict)
+    ]
     variables = _dict(env.get("variables"))
     return [
         ("python", f"{env.get('python')} ({env.get('implementation')})"),
@@ -264,21 +332,44 @@ def _environment(predicate: dict[str, Any]) -> list[tuple[str, str]]:
         ("torch", str(env.get("torch") or "not installed")),
         ("cpu", f"{cpu.get('count')} × {cpu.get('model')}"),
         ("gpus", "; ".join(gpus) or "none"),
-        ("topology", f"{topo.get('hosts')} host(s), world size {topo.get('worldSize')}, backends "
-                     f"{', '.join(_strings(topo.get('backends'))) or '-'}, devices "
-                     f"{', '.join(_strings(topo.get('devices'))) or '-'}"),
-        ("variables", " ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none recorded"),
+        (
+            "topology",
+            f"{topo.get('hosts')} host(s), world size {topo.get('worldSize')}, backends "
+            f"{', '.join(_strings(topo.get('backends'))) or '-'}, devices "
+            f"{', '.join(_strings(topo.get('devices'))) or '-'}",
+        ),
+        (
+            "variables",
+            " ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none recorded",
+        ),
         ("package", f"{package.get('name')} {package.get('version')}"),
-        ("run", f"trigger {run.get('trigger')}, runner {run.get('runner')}, invocation {run.get('invocationId')}"),
-        ("artifact", f"{artifact.get('name')}" + (f" ({artifact['runUrl']})" if artifact.get("runUrl") else "")),
+        (
+            "run",
+            f"trigger {run.get('trigger')}, runner {run.get('runner')}, invocation {run.get('invocationId')}",
+        ),
+        (
+            "artifact",
+            f"{artifact.get('name')}"
+            + (f" ({artifact['runUrl']})" if artifact.get("runUrl") else ""),
+        ),
     ]
 
 
 def _invocation(invocation: dict[str, Any]) -> list[tuple[str, str]]:
     argv = invocation.get("argv")
-    rows = [("command", shlex.join(str(a) for a in argv) if isinstance(argv, list) else "?"),
-            ("cwd", str(invocation.get("cwd", "?")))]
-    rows += [(key, str(invocation[key])) for key in ("jobs", "filter", "seed_override", "grace_s")
-             if invocation.get(key) is not None]
-    return rows + [("inventory", "not recorded: python, platform, torch and hardware are recorded when the run is "
-                                 "sealed (`qualify seal DIR`)")]
+    rows = [
+        ("command", shlex.join(str(a) for a in argv) if isinstance(argv, list) else "?"),
+        ("cwd", str(invocation.get("cwd", "?"))),
+    ]
+    rows += [
+        (key, str(invocation[key]))
+        for key in ("jobs", "filter", "seed_override", "grace_s")
+        if invocation.get(key) is not None
+    ]
+    return rows + [
+        (
+            "inventory",
+            "not recorded: python, platform, torch and hardware are recorded when the run is "
+            "sealed (`qualify seal DIR`)",
+        )
+    ]

@@ -17,7 +17,14 @@ import pandas as pd
 
 from qualification.report.svg import LatencyRow, OverheadBar, overhead_chart, percentile_chart
 
-METRICS = ("throughput_steps_s", "p50_ms", "p95_ms", "peak_rss_mib", "process_cpu_ms", "due_step_extra_ms")
+METRICS = (
+    "throughput_steps_s",
+    "p50_ms",
+    "p95_ms",
+    "peak_rss_mib",
+    "process_cpu_ms",
+    "due_step_extra_ms",
+)
 # threshold key -> (metric it bounds, label, higher is better)
 THRESHOLDS = {
     "throughput_pct": ("throughput_steps_s", "throughput", True),
@@ -48,12 +55,20 @@ def is_performance_cell(cell: dict[str, Any]) -> bool:
 
 def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
     """Table rows, an overhead chart and a percentile chart for one performance cell."""
-    given = {str(name): values for name, values in cell["metrics"]["modes"].items() if isinstance(values, dict)}
+    given = {
+        str(name): values
+        for name, values in cell["metrics"]["modes"].items()
+        if isinstance(values, dict)
+    }
     order = [m for m in MODE_ORDER if m in given] + sorted(m for m in given if m not in MODE_ORDER)
     modes = {name: given[name] for name in order}
     frame = pd.DataFrame.from_dict(
-        {name: {metric: _float(values.get(metric)) for metric in METRICS} for name, values in modes.items()},
-        orient="index", columns=list(METRICS),
+        {
+            name: {metric: _float(values.get(metric)) for metric in METRICS}
+            for name, values in modes.items()
+        },
+        orient="index",
+        columns=list(METRICS),
     )
     has_baseline = "baseline" in frame.index
     if has_baseline:
@@ -72,9 +87,15 @@ def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
         findings, judged = [], False
         for key, (metric, label, higher_is_better) in THRESHOLDS.items():
             delta, limit = float(change.at[mode, metric]), _float(limits.get(key))
-            if mode == "baseline" or (key not in CHARTED and math.isnan(limit)) or math.isnan(delta):
+            if (
+                mode == "baseline"
+                or (key not in CHARTED and math.isnan(limit))
+                or math.isnan(delta)
+            ):
                 continue
-            bar = OverheadBar(mode, label, delta, None if math.isnan(limit) else limit, higher_is_better)
+            bar = OverheadBar(
+                mode, label, delta, None if math.isnan(limit) else limit, higher_is_better
+            )
             bars.append(bar)
             if bar.within is not None:
                 judged = True
@@ -87,23 +108,32 @@ def performance_view(cell: dict[str, Any]) -> dict[str, Any]:
         elif findings:
             verdict, status = "over: " + "; ".join(findings), "failed"
         else:
-            verdict, status = ("within thresholds", "passed") if judged else ("no thresholds", "neutral")
-        rows.append({
-            "mode": mode,
-            "throughput": _shown(frame.at[mode, "throughput_steps_s"], ".2f"),
-            "p50": _shown(frame.at[mode, "p50_ms"], ".2f"),
-            "p95": _shown(frame.at[mode, "p95_ms"], ".2f"),
-            "rss": _shown(frame.at[mode, "peak_rss_mib"], ".0f"),
-            "throughput_change": _shown(change.at[mode, "throughput_steps_s"], "+.1f"),
-            "p95_change": _shown(change.at[mode, "p95_ms"], "+.1f"),
-            "cpu_change": _shown(change.at[mode, "process_cpu_ms"], "+.1f"),
-            "due_extra": _shown(frame.at[mode, "due_step_extra_ms"], "+.1f"),
-            "thresholds": ", ".join(f"{k} {v:+g}" for k, v in limits.items() if not math.isnan(_float(v))) or "–",
-            "verdict": verdict,
-            "status": status,
-        })
-    latency = [LatencyRow(mode, None if math.isnan(p50) else p50, None if math.isnan(p95) else p95)
-               for mode, p50, p95 in zip(frame.index, frame["p50_ms"], frame["p95_ms"], strict=True)]
+            verdict, status = (
+                ("within thresholds", "passed") if judged else ("no thresholds", "neutral")
+            )
+        rows.append(
+            {
+                "mode": mode,
+                "throughput": _shown(frame.at[mode, "throughput_steps_s"], ".2f"),
+                "p50": _shown(frame.at[mode, "p50_ms"], ".2f"),
+                "p95": _shown(frame.at[mode, "p95_ms"], ".2f"),
+                "rss": _shown(frame.at[mode, "peak_rss_mib"], ".0f"),
+                "throughput_change": _shown(change.at[mode, "throughput_steps_s"], "+.1f"),
+                "p95_change": _shown(change.at[mode, "p95_ms"], "+.1f"),
+                "cpu_change": _shown(change.at[mode, "process_cpu_ms"], "+.1f"),
+                "due_extra": _shown(frame.at[mode, "due_step_extra_ms"], "+.1f"),
+                "thresholds": ", ".join(
+                    f"{k} {v:+g}" for k, v in limits.items() if not math.isnan(_float(v))
+                )
+                or "–",
+                "verdict": verdict,
+                "status": status,
+            }
+        )
+    latency = [
+        LatencyRow(mode, None if math.isnan(p50) else p50, None if math.isnan(p95) else p95)
+        for mode, p50, p95 in zip(frame.index, frame["p50_ms"], frame["p95_ms"], strict=True)
+    ]
     return {
         "id": cell["id"],
         "rows": rows,

@@ -29,7 +29,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-BEGIN = re.compile(r"^<!-- BEGIN GENERATED figures bundle=(?P<bundle>\S+) sha256=(?P<sha>[0-9a-f]{64}) -->$")
+BEGIN = re.compile(
+    r"^<!-- BEGIN GENERATED figures bundle=(?P<bundle>\S+) sha256=(?P<sha>[0-9a-f]{64}) -->$"
+)
 END = "<!-- END GENERATED figures -->"
 UNBACKED_BEGIN = re.compile(r"^<!-- BEGIN UNBACKED (?P<reason>.+) -->$")
 UNBACKED_END = "<!-- END UNBACKED -->"
@@ -71,7 +73,15 @@ def blocks(path: Path) -> list[Block]:
         match = BEGIN.match(lines[index])
         if match:
             end = _closing(lines, index, END, path)
-            found.append(Block(path, index + 1, match["bundle"], match["sha"], "\n".join(lines[index + 1 : end])))
+            found.append(
+                Block(
+                    path,
+                    index + 1,
+                    match["bundle"],
+                    match["sha"],
+                    "\n".join(lines[index + 1 : end]),
+                )
+            )
             index = end
         index += 1
     return found
@@ -112,7 +122,8 @@ def unbacked_without_label(path: Path) -> list[int]:
     return [
         number
         for number, line in enumerate(lines, start=1)
-        if UNBACKED_BEGIN.match(line) and not (number < len(lines) and lines[number].startswith(UNBACKED_LABEL))
+        if UNBACKED_BEGIN.match(line)
+        and not (number < len(lines) and lines[number].startswith(UNBACKED_LABEL))
     ]
 
 

@@ -27,8 +27,16 @@ from qualification.report.svg import EVENT_COLOURS, TimelineMark, timeline_strip
 
 TEMPLATE = "report.html.j2"
 VERDICTS = ("passed", "failed", "skipped", "measured")
-_PHASES = (("fault", "detection"), ("detection", "relaunch"), ("relaunch", "decision"), ("detection", "decision"),
-           ("decision", "recovery"), ("fault", "recovery"), ("detection", "recovery"), ("fault", "first-step"))
+_PHASES = (
+    ("fault", "detection"),
+    ("detection", "relaunch"),
+    ("relaunch", "decision"),
+    ("detection", "decision"),
+    ("decision", "recovery"),
+    ("fault", "recovery"),
+    ("detection", "recovery"),
+    ("fault", "first-step"),
+)
 """Latencies between the first occurrences of two events, shown only when the cell recorded both, in that order: a
 phase is measured from the event it names, never from a stand-in."""
 
@@ -40,8 +48,13 @@ def default_output(source: Path) -> Path:
     return resolved.with_name(resolved.name + ".html")
 
 
-def render(source: Path, out_file: Path | None = None, *, verification: VerificationResult | None = None,
-           verification_error: str | None = None) -> Path:
+def render(
+    source: Path,
+    out_file: Path | None = None,
+    *,
+    verification: VerificationResult | None = None,
+    verification_error: str | None = None,
+) -> Path:
     """Write the HTML report of ``source`` (a run directory or sealed bundle) to ``out_file`` and return its path.
 
     ``out_file`` defaults to :func:`default_output`. ``verification`` is the result of
@@ -53,8 +66,10 @@ def render(source: Path, out_file: Path | None = None, *, verification: Verifica
     run = load_run(source)
     target = out_file if out_file is not None else default_output(source)
     if run.sealed and target.resolve().is_relative_to(source.resolve()):
-        raise UsageError(f"{target} is inside the sealed bundle {source}; an extra file there would fail its "
-                         "verification. Write the report beside the bundle.")
+        raise UsageError(
+            f"{target} is inside the sealed bundle {source}; an extra file there would fail its "
+            "verification. Write the report beside the bundle."
+        )
     html = render_html(run, verification=verification, verification_error=verification_error)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -63,8 +78,12 @@ def render(source: Path, out_file: Path | None = None, *, verification: Verifica
     return target
 
 
-def render_html(run: RunRecord, *, verification: VerificationResult | None = None,
-                verification_error: str | None = None) -> str:
+def render_html(
+    run: RunRecord,
+    *,
+    verification: VerificationResult | None = None,
+    verification_error: str | None = None,
+) -> str:
     """The report of ``run`` as an HTML string (see :func:`render`)."""
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
@@ -80,9 +99,12 @@ def render_html(run: RunRecord, *, verification: VerificationResult | None = Non
         commit_short=run.commit[:12] if run.commit else None,
         verification=view,
         # One verdict for the banner: INVALID, STALE or NOT VERIFIED dominate PASSED, in words and colour.
-        headline=headline(validity=view["status"], result=run.result,
-                          scope=_headline_scope(run, verification if view["status"] == "VALID" else None),
-                          freshness=view.get("freshness")),
+        headline=headline(
+            validity=view["status"],
+            result=run.result,
+            scope=_headline_scope(run, verification if view["status"] == "VALID" else None),
+            freshness=view.get("freshness"),
+        ),
         scope=scope_text(run.scope) if run.scope is not None else None,
         campaigns=_cell_tables(cells),
         performance=[performance_view(cell) for cell in cells if is_performance_cell(cell)],
@@ -92,7 +114,9 @@ def render_html(run: RunRecord, *, verification: VerificationResult | None = Non
     )
 
 
-def _headline_scope(run: RunRecord, verification: VerificationResult | None) -> dict[str, Any] | None:
+def _headline_scope(
+    run: RunRecord, verification: VerificationResult | None
+) -> dict[str, Any] | None:
     # The verified manifest's scope when there is one; else what the files record (an unsealed run's summary); a
     # record with none (schema 1.0.0) says so.
     if verification is not None and verification.schema_version != "1.0.0":
@@ -110,12 +134,14 @@ def _cell_tables(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for name, group in frame.groupby("campaign", sort=False):
         counts = group["verdict"].value_counts().reindex(VERDICTS, fill_value=0)
         durations = pd.to_numeric(group["duration_s"], errors="coerce")
-        tables.append({
-            "name": str(name),
-            "counts": {verdict: int(counts[verdict]) for verdict in VERDICTS},
-            "total_s": float(durations.sum()) if durations.notna().any() else None,
-            "rows": group.to_dict("records"),
-        })
+        tables.append(
+            {
+                "name": str(name),
+                "counts": {verdict: int(counts[verdict]) for verdict in VERDICTS},
+                "total_s": float(durations.sum()) if durations.notna().any() else None,
+                "rows": group.to_dict("records"),
+            }
+        )
     return tables
 
 
@@ -128,17 +154,28 @@ def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
             resolved = expect.resolve(want, scope)
         except expect.Unresolved:
             resolved = None
-        expectations.append({
-            "key": key, "expected": expect.describe(want, resolved),
-            "observed": _compact(cell["observed"][key]) if key in cell["observed"] else "not reported",
-            "met": resolved is not None and key in cell["observed"] and _holds(resolved, cell["observed"][key])})
+        expectations.append(
+            {
+                "key": key,
+                "expected": expect.describe(want, resolved),
+                "observed": _compact(cell["observed"][key])
+                if key in cell["observed"]
+                else "not reported",
+                "met": resolved is not None
+                and key in cell["observed"]
+                and _holds(resolved, cell["observed"][key]),
+            }
+        )
     reported = {k: v for k, v in cell["observed"].items() if k not in cell["expect"]}
     events = cell["timeline"]
     first: dict[str, float] = {}
     for event in events:
         first.setdefault(event["event"], event["t"])
-    phases = [{"name": f"{a} → {b}", "seconds": first[b] - first[a]} for a, b in _PHASES
-              if a in first and b in first and first[b] >= first[a]]
+    phases = [
+        {"name": f"{a} → {b}", "seconds": first[b] - first[a]}
+        for a, b in _PHASES
+        if a in first and b in first and first[b] >= first[a]
+    ]
     marks = [TimelineMark(e["t"], e["event"], e["detail"], e["rank"]) for e in events]
     key_events = any(e["event"] in EVENT_COLOURS for e in events)
     return {
@@ -146,7 +183,9 @@ def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
         "cell": cell,
         "expectations": expectations,
         "reported": [(key, _compact(value)) for key, value in reported.items()],
-        "metrics": json.dumps(cell["metrics"], indent=1, sort_keys=True, default=str) if cell["metrics"] else "",
+        "metrics": json.dumps(cell["metrics"], indent=1, sort_keys=True, default=str)
+        if cell["metrics"]
+        else "",
         "events": events,
         "phases": phases,
         # A strip of empty lanes says nothing; cells without recovery events get their event table only.
@@ -159,7 +198,10 @@ def _cell_details(index: int, cell: dict[str, Any]) -> dict[str, Any]:
 def _holds(want: Any, got: Any) -> bool:
     try:
         return expect.holds(want, got)
-    except (AssertionError, TypeError):  # an expectation the schema would have refused; the engine's reason stands
+    except (
+        AssertionError,
+        TypeError,
+    ):  # an expectation the schema would have refused; the engine's reason stands
         return False
 
 
@@ -168,25 +210,45 @@ def _compact(value: Any) -> str:
     return text if len(text) <= 400 else text[:400] + " …"
 
 
-def _verification_view(run: RunRecord, result: VerificationResult | None, error: str | None) -> dict[str, Any]:
+def _verification_view(
+    run: RunRecord, result: VerificationResult | None, error: str | None
+) -> dict[str, Any]:
     """What the summary says about verification: VALID + freshness, INVALID + why, or not verified / not sealed."""
     if error is not None:
         return {"status": "INVALID", "tone": "failed", "lines": [error]}
     if result is None:
         if not run.sealed:
-            return {"status": "NOT SEALED", "tone": "neutral",
-                    "lines": ["no manifest.json: seal the run with `qualify seal DIR` to make it evidence"]}
-        return {"status": "NOT VERIFIED", "tone": "neutral",
-                "lines": ["sealed, but this report was rendered without verifying the bundle; run "
-                          "`qualify verify DIR --expected-commit SHA`"]}
+            return {
+                "status": "NOT SEALED",
+                "tone": "neutral",
+                "lines": [
+                    "no manifest.json: seal the run with `qualify seal DIR` to make it evidence"
+                ],
+            }
+        return {
+            "status": "NOT VERIFIED",
+            "tone": "neutral",
+            "lines": [
+                "sealed, but this report was rendered without verifying the bundle; run "
+                "`qualify verify DIR --expected-commit SHA`"
+            ],
+        }
     freshness = result.freshness
-    behind = f" ({freshness.commits_behind} commits behind {freshness.main_ref})" if freshness.commits_behind else ""
-    lines = [f"freshness {freshness.state}{behind}: {freshness.reason}",
-             f"signature {result.signature}; checks {', '.join(result.checks_passed)}",
-             f"manifest sha256 {result.manifest_sha256}"]
+    behind = (
+        f" ({freshness.commits_behind} commits behind {freshness.main_ref})"
+        if freshness.commits_behind
+        else ""
+    )
+    lines = [
+        f"freshness {freshness.state}{behind}: {freshness.reason}",
+        f"signature {result.signature}; checks {', '.join(result.checks_passed)}",
+        f"manifest sha256 {result.manifest_sha256}",
+    ]
     manifest = run.source / MANIFEST_NAME
     if manifest.is_file() and sha256_file(manifest) != result.manifest_sha256:
-        lines.insert(0, "this verification result is for another manifest than the one in this directory")
+        lines.insert(
+            0, "this verification result is for another manifest than the one in this directory"
+        )
         return {"status": "INVALID", "tone": "failed", "lines": lines}
     tone = "passed" if str(freshness.state) == "CURRENT" else "warning"
     return {"status": "VALID", "tone": tone, "freshness": str(freshness.state), "lines": lines}

@@ -21,7 +21,12 @@ NEUTRAL_COLOUR = "#57606a"
 P50_COLOUR = "#6e9fd8"
 P95_COLOUR = "#1f4f8f"
 
-EVENT_COLOURS = {"fault": "#cf222e", "detection": "#bf8700", "decision": "#0969da", "recovery": "#1a7f37"}
+EVENT_COLOURS = {
+    "fault": "#cf222e",
+    "detection": "#bf8700",
+    "decision": "#0969da",
+    "recovery": "#1a7f37",
+}
 """The four lanes of a timeline strip, in the order a recovery goes through them; other events share a fifth."""
 
 _WIDTH = 760
@@ -46,7 +51,11 @@ class OverheadBar:
     def within(self) -> bool | None:
         if self.limit_pct is None:
             return None
-        return self.change_pct >= self.limit_pct if self.higher_is_better else self.change_pct <= self.limit_pct
+        return (
+            self.change_pct >= self.limit_pct
+            if self.higher_is_better
+            else self.change_pct <= self.limit_pct
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +82,8 @@ def _svg(height: float, label: str, body: list[str]) -> Markup:
     return Markup(
         f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(label)}" '
         f'viewBox="0 0 {_WIDTH} {_num(height)}" width="{_WIDTH}" height="{_num(height)}" class="chart">'
-        + "".join(body) + "</svg>"
+        + "".join(body)
+        + "</svg>"
     )
 
 
@@ -83,7 +93,9 @@ def overhead_chart(bars: Sequence[OverheadBar]) -> Markup:
     A bar is green inside its threshold, red outside it, grey without one; the value and the limit are written in a
     column of their own on the right, so a tick never sits on top of a label.
     """
-    values = [abs(b.change_pct) for b in bars] + [abs(b.limit_pct) for b in bars if b.limit_pct is not None]
+    values = [abs(b.change_pct) for b in bars] + [
+        abs(b.limit_pct) for b in bars if b.limit_pct is not None
+    ]
     span = 5.0 * math.ceil(max([5.0, *values]) * 1.1 / 5.0)  # a round axis: ±5, ±10, ±15 ...
     row_h, top, value_w = 22.0, 24.0, 150
     plot_w = _WIDTH - _LABEL_W - value_w - 10
@@ -115,13 +127,19 @@ def overhead_chart(bars: Sequence[OverheadBar]) -> Markup:
         )
         if bar.limit_pct is not None:
             lx = x(bar.limit_pct)
-            body.append(f'<line x1="{_num(lx)}" x2="{_num(lx)}" y1="{_num(y + 1)}" y2="{_num(y + row_h - 1)}" '
-                        f'class="limit"><title>{limit}</title></line>')
+            body.append(
+                f'<line x1="{_num(lx)}" x2="{_num(lx)}" y1="{_num(y + 1)}" y2="{_num(y + row_h - 1)}" '
+                f'class="limit"><title>{limit}</title></line>'
+            )
     bottom = top + row_h * len(bars)
-    body.append(f'<line x1="{_num(zero_x)}" x2="{_num(zero_x)}" y1="{_num(top - 4)}" y2="{_num(bottom)}" '
-                'class="zero"/>')
-    body.append(f'<text x="{_LABEL_W}" y="{_num(bottom + 18)}" class="axis">change vs baseline; dashed tick = '
-                "threshold (throughput: floor, latency and memory: ceiling)</text>")
+    body.append(
+        f'<line x1="{_num(zero_x)}" x2="{_num(zero_x)}" y1="{_num(top - 4)}" y2="{_num(bottom)}" '
+        'class="zero"/>'
+    )
+    body.append(
+        f'<text x="{_LABEL_W}" y="{_num(bottom + 18)}" class="axis">change vs baseline; dashed tick = '
+        "threshold (throughput: floor, latency and memory: ceiling)</text>"
+    )
     return _svg(height, "overhead against the baseline per mode", body)
 
 
@@ -134,11 +152,17 @@ def percentile_chart(rows: Sequence[LatencyRow]) -> Markup:
     body = []
     for i, row in enumerate(rows):
         y = top + i * row_h
-        body.append(f'<text x="{_LABEL_W - 8}" y="{_num(y + 15)}" text-anchor="end">{escape(row.mode)}</text>')
-        for j, (name, value, colour) in enumerate((("p50", row.p50_ms, P50_COLOUR), ("p95", row.p95_ms, P95_COLOUR))):
+        body.append(
+            f'<text x="{_LABEL_W - 8}" y="{_num(y + 15)}" text-anchor="end">{escape(row.mode)}</text>'
+        )
+        for j, (name, value, colour) in enumerate(
+            (("p50", row.p50_ms, P50_COLOUR), ("p95", row.p95_ms, P95_COLOUR))
+        ):
             by = y + j * (bar_h + 1)
             if value is None or not math.isfinite(value):
-                body.append(f'<text x="{_LABEL_W}" y="{_num(by + 9)}" class="value">{name}: not measured</text>')
+                body.append(
+                    f'<text x="{_LABEL_W}" y="{_num(by + 9)}" class="value">{name}: not measured</text>'
+                )
                 continue
             w = max(value, 0.0) / scale_max * plot_w
             body.append(
@@ -147,8 +171,10 @@ def percentile_chart(rows: Sequence[LatencyRow]) -> Markup:
                 f'<text x="{_num(_LABEL_W + w + 4)}" y="{_num(by + 9)}" class="value">{name} {value:.2f} ms</text>'
             )
     height = top + row_h * len(rows) + 20
-    body.append(f'<text x="{_LABEL_W}" y="{_num(height - 6)}" class="axis">step latency, ms '
-                f'(light: p50, dark: p95; scale 0–{scale_max:.3g} ms)</text>')
+    body.append(
+        f'<text x="{_LABEL_W}" y="{_num(height - 6)}" class="axis">step latency, ms '
+        f"(light: p50, dark: p95; scale 0–{scale_max:.3g} ms)</text>"
+    )
     return _svg(height, "step latency percentiles per mode", body)
 
 
@@ -166,19 +192,28 @@ def timeline_strip(marks: Sequence[TimelineMark], end_s: float | None = None) ->
     body = []
     for i, lane in enumerate(lanes):
         y = top + i * lane_h
-        body.append(f'<text x="{_LABEL_W - 8}" y="{_num(y + 12)}" text-anchor="end" class="lane">{lane}</text>'
-                    f'<line x1="{_LABEL_W}" x2="{_LABEL_W + plot_w}" y1="{_num(y + 8)}" y2="{_num(y + 8)}" '
-                    'class="track"/>')
+        body.append(
+            f'<text x="{_LABEL_W - 8}" y="{_num(y + 12)}" text-anchor="end" class="lane">{lane}</text>'
+            f'<line x1="{_LABEL_W}" x2="{_LABEL_W + plot_w}" y1="{_num(y + 8)}" y2="{_num(y + 8)}" '
+            'class="track"/>'
+        )
     for mark in marks:
         lane = mark.event if mark.event in EVENT_COLOURS else "other"
         cy = top + lanes.index(lane) * lane_h + 8
         colour = EVENT_COLOURS.get(mark.event, NEUTRAL_COLOUR)
         who = "" if mark.rank is None else f" rank {mark.rank}"
         tip = f"{mark.t:.3f} s {escape(mark.event)}{who}: {escape(mark.detail)}"
-        shape = (f'<circle cx="{_num(x(mark.t))}" cy="{_num(cy)}" r="6" fill="{colour}">' if lane != "other" else
-                 f'<rect x="{_num(x(mark.t) - 2)}" y="{_num(cy - 6)}" width="4" height="12" fill="{colour}">')
-        body.append(shape + f"<title>{tip}</title>" + ("</circle>" if lane != "other" else "</rect>"))
+        shape = (
+            f'<circle cx="{_num(x(mark.t))}" cy="{_num(cy)}" r="6" fill="{colour}">'
+            if lane != "other"
+            else f'<rect x="{_num(x(mark.t) - 2)}" y="{_num(cy - 6)}" width="4" height="12" fill="{colour}">'
+        )
+        body.append(
+            shape + f"<title>{tip}</title>" + ("</circle>" if lane != "other" else "</rect>")
+        )
     axis_y = top + len(lanes) * lane_h + 8
-    body.append(f'<text x="{_LABEL_W}" y="{_num(axis_y)}" class="axis">0 s</text>'
-                f'<text x="{_LABEL_W + plot_w}" y="{_num(axis_y)}" text-anchor="end" class="axis">{last:.2f} s</text>')
+    body.append(
+        f'<text x="{_LABEL_W}" y="{_num(axis_y)}" class="axis">0 s</text>'
+        f'<text x="{_LABEL_W + plot_w}" y="{_num(axis_y)}" text-anchor="end" class="axis">{last:.2f} s</text>'
+    )
     return _svg(axis_y + 6, "timeline of fault, detection, decision and recovery", body)

@@ -10,4 +10,12 @@ from qualification.workloads.models import (
     lm_loss,
 )
 
-__all__ = ["BATCH_SHAPES", "ThreeBlockTransformer", "TwelveBlockTransformer", "TinyCausalLM", "build_model", "lm_loss", "synthetic_batch"]
+__all__ = [
+    "BATCH_SHAPES",
+    "ThreeBlockTransformer",
+    "TwelveBlockTransformer",
+    "TinyCausalLM",
+    "build_model",
+    "lm_loss",
+    "synthetic_batch",
+]

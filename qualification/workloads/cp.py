@@ -37,7 +37,9 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)  # every rank's queries saw this rank's keys and values
+        dist.all_reduce(
+            total, group=ctx.group
+        )  # every rank's queries saw this rank's keys and values
         return total.narrow(2, ctx.rank * ctx.chunk, ctx.chunk).contiguous(), None, None, None
 
 
@@ -70,20 +72,32 @@ class CPBlock(nn.Module):
 class CPLM(nn.Module):
     """``embed`` + learned positions (this rank's chunk of them), ``blocks``, ``norm``, ``head``."""
 
-    def __init__(self, *, cp_rank: int, cp_size: int, group: Any, vocab: int = 128, dim: int = 32, heads: int = 4,
-                 n_blocks: int = 2, max_seq: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        cp_rank: int,
+        cp_size: int,
+        group: Any,
+        vocab: int = 128,
+        dim: int = 32,
+        heads: int = 4,
+        n_blocks: int = 2,
+        max_seq: int = 64,
+    ) -> None:
         super().__init__()
         self.cp_rank = cp_rank
         self.embed = LocalEmbedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(max_seq, dim) * 0.02)
-        self.blocks = nn.ModuleList(CPBlock(dim, heads, cp_rank, cp_size, group) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(
+            CPBlock(dim, heads, cp_rank, cp_size, group) for _ in range(n_blocks)
+        )
         self.norm = LocalLayerNorm(dim)
         self.head = LocalLinear(dim, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids``: this rank's chunk of the sequence (batch, T/cp)."""
         t = ids.shape[1]
-        x = self.embed(ids) + local(self.pos)[self.cp_rank * t:(self.cp_rank + 1) * t]
+        x = self.embed(ids) + local(self.pos)[self.cp_rank * t : (self.cp_rank + 1) * t]
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -92,7 +106,7 @@ class CPLM(nn.Module):
 def seq_chunk(tokens: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
     """This CP rank's contiguous chunk of the sequence dim (dim 1)."""
     t = tokens.shape[1] // cp_size
-    return tokens[:, cp_rank * t:(cp_rank + 1) * t].contiguous()
+    return tokens[:, cp_rank * t : (cp_rank + 1) * t].contiguous()
 
 
 def build_cp(*, seed: int, cp_rank: int, cp_size: int, group: Any, **kw: Any) -> CPLM:

@@ -12,6 +12,8 @@ def synthetic_batch(
 
     The generator is private, so drawing a batch never disturbs the global RNG that GEMINI captures.
     """
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1))
+    gen = torch.Generator().manual_seed(
+        (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
+    )
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -43,7 +43,15 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM: ``forward(ids) -> logits`` of shape (batch, seq, vocab)."""
 
-    def __init__(self, *, vocab: int = 128, dim: int = 64, heads: int = 4, n_blocks: int = 3, max_seq: int = 64):
+    def __init__(
+        self,
+        *,
+        vocab: int = 128,
+        dim: int = 64,
+        heads: int = 4,
+        n_blocks: int = 3,
+        max_seq: int = 64,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(max_seq, dim))
@@ -89,8 +97,11 @@ BATCH_SHAPES = {"tiny-causal-lm": (4, 32), "three-block": (4, 32), "twelve-block
 
 def build_model(name: str, *, seed: int, **kw: int) -> CausalLM:
     """Build a workload model with parameters drawn from ``seed`` (identical on every rank)."""
-    models = {"tiny-causal-lm": TinyCausalLM, "three-block": ThreeBlockTransformer,
-              "twelve-block": TwelveBlockTransformer}
+    models = {
+        "tiny-causal-lm": TinyCausalLM,
+        "three-block": ThreeBlockTransformer,
+        "twelve-block": TwelveBlockTransformer,
+    }
     if name not in models:
         raise ValueError(f"unknown workload {name!r}; choose one of {sorted(models)}")
     gen_state = torch.get_rng_state()

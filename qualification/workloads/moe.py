@@ -48,14 +48,18 @@ class LocalLinear(nn.Linear):
 
 class LocalLayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, local(self.weight), local(self.bias), self.eps)
+        return F.layer_norm(
+            x, self.normalized_shape, local(self.weight), local(self.bias), self.eps
+        )
 
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back the way the rows came."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -105,14 +109,29 @@ TP_AXIS = {"expert_w1": 2, "expert_w2": 1}
 class ExpertDispatch(nn.Module):
     """Top-1 routing, token dispatch to the expert's EP rank, the local experts (their etp shard), the combine back."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, ep_size: int, ep_rank: int, group: Any,
-                 etp_size: int = 1, etp_rank: int = 0, etp_group: Any = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        ep_size: int,
+        ep_rank: int,
+        group: Any,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+        etp_group: Any = None,
+    ) -> None:
         super().__init__()
         if n_experts % ep_size:
             raise ValueError(f"n_experts={n_experts} must be a multiple of the EP size {ep_size}")
         if hidden % etp_size:
             raise ValueError(f"hidden={hidden} must be a multiple of the expert TP size {etp_size}")
-        self.n_experts, self.ep_size, self.n_local, self.group = n_experts, ep_size, n_experts // ep_size, group
+        self.n_experts, self.ep_size, self.n_local, self.group = (
+            n_experts,
+            ep_size,
+            n_experts // ep_size,
+            group,
+        )
         self.etp_size, self.etp_group = etp_size, etp_group
         self.router = LocalLinear(dim, n_experts)
         w1 = torch.randn(n_experts, dim, hidden) / dim**0.5  # every expert drawn, this rank's kept
@@ -129,19 +148,25 @@ class ExpertDispatch(nn.Module):
         order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=self.n_experts)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # per source: rows for each local expert
+        dist.all_to_all_single(
+            recv_counts, counts, group=self.group
+        )  # per source: rows for each local expert
         in_splits = counts.view(self.ep_size, self.n_local).sum(1).tolist()
         out_splits = recv_counts.view(self.ep_size, self.n_local).sum(1).tolist()
         rows = _AllToAll.apply(x[order], out_splits, in_splits, self.group)
         if self.etp_size > 1:
             rows = _CopyToTP.apply(rows, self.etp_group)
-        which = torch.repeat_interleave(torch.arange(self.n_local).repeat(self.ep_size), recv_counts)
+        which = torch.repeat_interleave(
+            torch.arange(self.n_local).repeat(self.ep_size), recv_counts
+        )
         w1, w2 = local(self.expert_w1), local(self.expert_w2)
         out = torch.zeros_like(rows)
         for e in range(self.n_local):
             idx = (which == e).nonzero().squeeze(1)
             out = out.index_copy(0, idx, F.gelu(rows[idx] @ w1[e]) @ w2[e])
-        if self.etp_size > 1:  # each etp rank holds part of every local expert's hidden units: sum the parts
+        if (
+            self.etp_size > 1
+        ):  # each etp rank holds part of every local expert's hidden units: sum the parts
             out = _ReduceFromTP.apply(out, self.etp_group)
         back = _AllToAll.apply(out, in_splits, out_splits, self.group)
         y = torch.zeros_like(x).index_copy(0, order, back)
@@ -149,8 +174,16 @@ class ExpertDispatch(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int, n_experts: int, ep_size: int, ep_rank: int, group: Any,
-                 **etp: Any) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        ep_size: int,
+        ep_rank: int,
+        group: Any,
+        **etp: Any,
+    ) -> None:
         super().__init__()
         self.norm = LocalLayerNorm(dim)
         self.moe = ExpertDispatch(dim, hidden, n_experts, ep_size, ep_rank, group, **etp)
@@ -162,15 +195,30 @@ class MoEBlock(nn.Module):
 class MoELM(nn.Module):
     """``embed`` + learned positions, ``blocks`` of MoE, ``norm``, ``head`` (the names SCOUT finds)."""
 
-    def __init__(self, *, ep_size: int, ep_rank: int, group: Any, vocab: int = 128, dim: int = 32, hidden: int = 64,
-                 n_experts: int = 4, n_blocks: int = 2, max_seq: int = 64, etp_size: int = 1, etp_rank: int = 0,
-                 etp_group: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        ep_size: int,
+        ep_rank: int,
+        group: Any,
+        vocab: int = 128,
+        dim: int = 32,
+        hidden: int = 64,
+        n_experts: int = 4,
+        n_blocks: int = 2,
+        max_seq: int = 64,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+        etp_group: Any = None,
+    ) -> None:
         super().__init__()
         self.embed = LocalEmbedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(max_seq, dim) * 0.02)
         etp = {"etp_size": etp_size, "etp_rank": etp_rank, "etp_group": etp_group}
-        self.blocks = nn.ModuleList(MoEBlock(dim, hidden, n_experts, ep_size, ep_rank, group, **etp)
-                                    for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(
+            MoEBlock(dim, hidden, n_experts, ep_size, ep_rank, group, **etp)
+            for _ in range(n_blocks)
+        )
         self.norm = LocalLayerNorm(dim)
         self.head = LocalLinear(dim, vocab, bias=False)
 
@@ -185,7 +233,9 @@ def is_expert(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("expert_")
 
 
-def place_on_mesh(model: nn.Module, mesh: Any, *, shard_dim: str | None, tp_dim: str | None = None) -> None:
+def place_on_mesh(
+    model: nn.Module, mesh: Any, *, shard_dim: str | None, tp_dim: str | None = None
+) -> None:
     """Turn every parameter into a DTensor on ``mesh``: ``Replicate`` everywhere, except expert weights, which are
     ``Shard(0)`` along ``shard_dim`` (they already hold this rank's experts) and, with ``tp_dim``, sharded along it
     on their hidden axis (:data:`TP_AXIS`: they already hold this rank's etp part)."""
@@ -195,7 +245,11 @@ def place_on_mesh(model: nn.Module, mesh: Any, *, shard_dim: str | None, tp_dim:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             expert = shard_dim is not None and is_expert(name)
-            axes = {shard_dim: 0} | ({tp_dim: TP_AXIS[name]} if tp_dim is not None else {}) if expert else {}
+            axes = (
+                {shard_dim: 0} | ({tp_dim: TP_AXIS[name]} if tp_dim is not None else {})
+                if expert
+                else {}
+            )
             placements = [Shard(axes[dim]) if dim in axes else Replicate() for dim in names]
             shape = None
             if expert:
@@ -203,8 +257,14 @@ def place_on_mesh(model: nn.Module, mesh: Any, *, shard_dim: str | None, tp_dim:
                 for dim, axis in axes.items():
                     sizes[axis] *= mesh.size(names.index(dim))
                 shape = torch.Size(sizes)
-            dt = DTensor.from_local(param.detach(), mesh, placements, run_check=False, shape=shape,
-                                    stride=None if shape is None else torch.empty(shape, device="meta").stride())
+            dt = DTensor.from_local(
+                param.detach(),
+                mesh,
+                placements,
+                run_check=False,
+                shape=shape,
+                stride=None if shape is None else torch.empty(shape, device="meta").stride(),
+            )
             setattr(module, name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 

@@ -23,7 +23,9 @@ __all__ = ["StageModule", "block_split", "build_stage"]
 def block_split(n_blocks: int, n_stages: int) -> list[range]:
     """The blocks each stage runs: contiguous, the first stages take one more when they do not divide evenly."""
     if not 1 <= n_stages <= n_blocks:
-        raise ValueError(f"cannot cut {n_blocks} blocks into {n_stages} stages (need 1 <= stages <= blocks)")
+        raise ValueError(
+            f"cannot cut {n_blocks} blocks into {n_stages} stages (need 1 <= stages <= blocks)"
+        )
     base, extra = divmod(n_blocks, n_stages)
     out, start = [], 0
     for stage in range(n_stages):

@@ -31,7 +31,13 @@ from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
-from gemscout.oob import ClassifiedHealthEvent, HealthMonitor, HealthMonitorConfig, HealthSource, NvmlHealthSource
+from gemscout.oob import (
+    ClassifiedHealthEvent,
+    HealthMonitor,
+    HealthMonitorConfig,
+    HealthSource,
+    NvmlHealthSource,
+)
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import DEFAULT_MIN_CADENCE, ScoutConfig
 from gemscout.scout.engine import Scout
@@ -70,16 +76,22 @@ def _scout_cadence(asked: int | None, interval: int) -> int:
     return asked
 
 
-def _resolve_run_id(config: CheckpointConfig, group: dist.ProcessGroup, timeout: timedelta) -> tuple[str, bool]:
+def _resolve_run_id(
+    config: CheckpointConfig, group: dist.ProcessGroup, timeout: timedelta
+) -> tuple[str, bool]:
     """The run identity and whether it was given explicitly (explicit ids are checked strictly)."""
     explicit = config.run_id or os.environ.get("GEMSCOUT_RUN_ID")
     if explicit:
         return explicit, True
     from gemscout.gemini import comm
 
-    recorded = recorded_run_id(config.directory)  # never hangs or raises: a bad run.json reads as none
+    recorded = recorded_run_id(
+        config.directory
+    )  # never hangs or raises: a bad run.json reads as none
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    launcher = (elastic if elastic not in ("", "none") else "") or os.environ.get("SLURM_JOB_ID", "")
+    launcher = (elastic if elastic not in ("", "none") else "") or os.environ.get(
+        "SLURM_JOB_ID", ""
+    )
     mine = recorded or launcher or uuid.uuid4().hex
     chosen = comm.gather_json(mine, group=group, timeout=timeout)
     run_id = next((c for c in chosen if recorded and c == recorded), chosen[0])
@@ -100,7 +112,11 @@ def _record_run(directory: Path, run_id: str, *, fsync: bool) -> None:
 
 
 def _topology_digest(
-    model: nn.Module, world_size: int, placement: Placement, group: dist.ProcessGroup, timeout: timedelta
+    model: nn.Module,
+    world_size: int,
+    placement: Placement,
+    group: dist.ProcessGroup,
+    timeout: timedelta,
 ) -> str:
     """A digest of the job's shape: world, nodes and every rank's state names and shapes. Collective over ``group``.
 
@@ -110,7 +126,9 @@ def _topology_digest(
 
     # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
     shapes = [
-        [n, list(p.shape), str(p.dtype)] if isinstance(p, torch.Tensor) else [n, None, type(p).__name__]
+        [n, list(p.shape), str(p.dtype)]
+        if isinstance(p, torch.Tensor)
+        else [n, None, type(p).__name__]
         for n, p in unwrap(model).state_dict().items()
     ]
     every = comm.gather_json(shapes, group=group, timeout=timeout)
@@ -178,19 +196,27 @@ def enable_resiliency(
     :mod:`gemscout.elastic`), RunMismatchError for a checkpoint of another run or topology.
     """
     if unknown:
-        raise ConfigError(f"enable_resiliency: unknown argument {sorted(unknown)[0]!r}; see help(enable_resiliency)")
+        raise ConfigError(
+            f"enable_resiliency: unknown argument {sorted(unknown)[0]!r}; see help(enable_resiliency)"
+        )
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
         raise ConfigError(f"enable_resiliency.interval: must be an int >= 1, got {interval!r}")
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
-        raise ConfigError("enable_resiliency.checkpoint: pass a gemscout.CheckpointConfig(directory=...)")
+        raise ConfigError(
+            "enable_resiliency.checkpoint: pass a gemscout.CheckpointConfig(directory=...)"
+        )
     if (extra_state_fn is None) != (load_extra_state_fn is None):
-        raise ConfigError("enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither")
+        raise ConfigError(
+            "enable_resiliency: give both extra_state_fn and load_extra_state_fn, or neither"
+        )
     stateful = _check_stateful(stateful)
     if scout is not None and not isinstance(scout, ScoutConfig):
         raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
     if scout is not None:
         scout = dataclasses.replace(scout, interval=_scout_cadence(scout.interval, interval))
-    from gemscout.adapters.detect import resolve  # here, not at the top: importing gemscout loads no adapter
+    from gemscout.adapters.detect import (
+        resolve,
+    )  # here, not at the top: importing gemscout loads no adapter
 
     # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
     # counters as extra state; plain PyTorch passes through; the type checks of model and optimizer live there.
@@ -218,7 +244,9 @@ def enable_resiliency(
     # capture and is put back on a restart, so the resumed step reduces as the uninterrupted run did.
     buckets = ddp_buckets.attach(model) if checkpoint is not None else None
     if buckets is not None:
-        extra_state_fn, load_extra_state_fn = buckets.wrap_state(extra_state_fn, load_extra_state_fn)
+        extra_state_fn, load_extra_state_fn = buckets.wrap_state(
+            extra_state_fn, load_extra_state_fn
+        )
     # DeepSpeed ZeRO: each rank's partition is its own, so the durable tier promotes collectively (every rank's).
     sources = StateSources(
         model,
@@ -233,7 +261,9 @@ def enable_resiliency(
     if checkpoint is not None:
         timeout = checkpoint.timeout
         # An earlier attempt's STOP stands (torchrun would otherwise relaunch into it): before any collective.
-        elastic.check_stop(checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID"))
+        elastic.check_stop(
+            checkpoint.directory, checkpoint.run_id or os.environ.get("GEMSCOUT_RUN_ID")
+        )
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
         rpn = checkpoint.ranks_per_node or nodes.ranks_per_node(rep_group, timeout)
         placement = Placement(world, rpn, checkpoint.replication_jump)
@@ -252,7 +282,9 @@ def enable_resiliency(
         )
     if watch is not None and not isinstance(watch, WatchConfig):
         raise ConfigError("enable_resiliency.watch: pass a gemscout.WatchConfig(...)")
-    session = Session(sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world)
+    session = Session(
+        sources=sources, interval=interval, checkpointer=checkpointer, rank=rank, world_size=world
+    )
     session.on_fault_report, session.on_recovery_decision = on_fault_report, on_recovery_decision
     session.capture_on_inconclusive = capture_on_inconclusive
     if checkpointer is not None:
@@ -260,7 +292,10 @@ def enable_resiliency(
             decision = checkpointer.recover(failure_kind="restart", fallback=load_fallback)
         except RecoveryError as exc:
             raise elastic.record_stop(
-                checkpointer.config.directory, exc, checkpointer.run_id, fsync=checkpointer.config.fsync
+                checkpointer.config.directory,
+                exc,
+                checkpointer.run_id,
+                fsync=checkpointer.config.fsync,
             ) from None
         session.last_decision = decision
         if decision.mode != RecoveryMode.FRESH and decision.step is not None:
@@ -283,7 +318,11 @@ def enable_resiliency(
     if scout is not None:
         scout_cls = target.scout_factory or Scout
         session.scout = scout_cls(scout).attach(
-            model, optimizer, group=group, topology=target.scout_topology, first_step=session.step + 1
+            model,
+            optimizer,
+            group=group,
+            topology=target.scout_topology,
+            first_step=session.step + 1,
         )
         if scout.comm_probe is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -299,7 +338,9 @@ def enable_resiliency(
     ):
         try:
             job_timer = session.scout.time_job_collectives(model)
-        except ConfigError as exc:  # a caller's own DDP comm hook wins (DDP takes one); FSDP2 per-param meshes
+        except (
+            ConfigError
+        ) as exc:  # a caller's own DDP comm hook wins (DDP takes one); FSDP2 per-param meshes
             log.info("gemscout: job-collective timing not installed: %s", exc)
     if watch is not None:
         session.watch = Watch(watch, rank=rank, world_size=world, on_report=session._on_stall)
@@ -310,11 +351,15 @@ def enable_resiliency(
                 session.watch.ddp_comm_hook(model)
     if health is not None or health_sources:
         session.health = _start_health(session, rank, health, health_sources)
-    adapter_handles = target.install_hooks() if target.install_hooks is not None else []  # before the session's
+    adapter_handles = (
+        target.install_hooks() if target.install_hooks is not None else []
+    )  # before the session's
     session._attach()
     session._handles += adapter_handles + ([buckets] if buckets is not None else [])
     LIVE.add(session)
-    _teardown.hold(_close_all)  # while a session is live, destroy_process_group closes it first (gemscout._teardown)
+    _teardown.hold(
+        _close_all
+    )  # while a session is live, destroy_process_group closes it first (gemscout._teardown)
     return session
 
 
@@ -329,8 +374,12 @@ def _check_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
         )
     for name, obj in stateful.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"enable_resiliency.stateful: names must be non-empty strings, got {name!r}")
-        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise ConfigError(
+                f"enable_resiliency.stateful: names must be non-empty strings, got {name!r}"
+            )
+        if not callable(getattr(obj, "state_dict", None)) or not callable(
+            getattr(obj, "load_state_dict", None)
+        ):
             raise ConfigError(
                 f"enable_resiliency.stateful[{name!r}]: a {type(obj).__name__} has no state_dict() and "
                 "load_state_dict(); pass an object that has both (torchdata's StatefulDataLoader, "
@@ -340,7 +389,10 @@ def _check_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _start_health(
-    session: Session, rank: int, config: HealthMonitorConfig | None, sources: Sequence[HealthSource] | None
+    session: Session,
+    rank: int,
+    config: HealthMonitorConfig | None,
+    sources: Sequence[HealthSource] | None,
 ) -> HealthMonitor:
     if not sources:
         import torch
@@ -370,7 +422,9 @@ def _start_health(
             )
         )
 
-    return HealthMonitor(sources, config=config or HealthMonitorConfig(), callbacks=[deliver]).start()
+    return HealthMonitor(
+        sources, config=config or HealthMonitorConfig(), callbacks=[deliver]
+    ).start()
 
 
 def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:

@@ -42,17 +42,30 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="gemscout", description="Inspect gemscout checkpoints (the qualification harness is `qualify`)."
+        prog="gemscout",
+        description="Inspect gemscout checkpoints (the qualification harness is `qualify`).",
     )
     parser.add_argument("--version", action="version", version=f"gemscout {version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    inspect = commands.add_parser("inspect", help="what DIR holds and what a restarted job would restore from it")
+    inspect = commands.add_parser(
+        "inspect", help="what DIR holds and what a restarted job would restore from it"
+    )
     inspect.add_argument("directory", type=Path, help="the job's CheckpointConfig.directory")
-    inspect.add_argument("--durable", type=Path, default=None, help="the job's CheckpointConfig.durable_directory")
-    inspect.add_argument("--verify", action="store_true", help="read every file whole and check every tensor digest")
-    inspect.add_argument("--json", dest="as_json", action="store_true", help="print the inventory as JSON")
-    inspect.add_argument("--world-size", type=int, default=None, help="the job's ranks, if a rank's folder is gone")
-    inspect.add_argument("--min-trust", default="candidate", help="the job's CheckpointConfig.min_trust")
+    inspect.add_argument(
+        "--durable", type=Path, default=None, help="the job's CheckpointConfig.durable_directory"
+    )
+    inspect.add_argument(
+        "--verify", action="store_true", help="read every file whole and check every tensor digest"
+    )
+    inspect.add_argument(
+        "--json", dest="as_json", action="store_true", help="print the inventory as JSON"
+    )
+    inspect.add_argument(
+        "--world-size", type=int, default=None, help="the job's ranks, if a rank's folder is gone"
+    )
+    inspect.add_argument(
+        "--min-trust", default="candidate", help="the job's CheckpointConfig.min_trust"
+    )
     return parser
 
 
@@ -68,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return ConfigError.exit_code
     if args.world_size is not None and args.world_size < 1:
-        print(f"gemscout inspect: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        print(
+            f"gemscout inspect: --world-size must be >= 1, got {args.world_size}", file=sys.stderr
+        )
         return ConfigError.exit_code
     try:
         inv = inventory(
@@ -87,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ConfigError.exit_code
     except Exception as exc:  # a bug, never a traceback: one line, exit 1
         print(
-            _one_line(f"gemscout inspect: internal error ({type(exc).__name__}: {exc}); please report it"),
+            _one_line(
+                f"gemscout inspect: internal error ({type(exc).__name__}: {exc}); please report it"
+            ),
             file=sys.stderr,
         )
         return 1
@@ -107,7 +124,8 @@ def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(
-            cell.rjust(w) if i == 0 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            cell.rjust(w) if i == 0 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
     ]
@@ -119,13 +137,27 @@ def render(inv: Inventory) -> str:
         f"{inv.directory}  run {inv.run_id or '?'}  {inv.world_size} ranks  "
         f"topology {inv.topology_digest[:12] or '?'}  files {'verified' if inv.verified else 'by header'}"
     ]
-    steps = sorted({f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust}, reverse=True)
+    steps = sorted(
+        {f.step for r in inv.ranks for f in r.files} | {s for r in inv.ranks for s in r.trust},
+        reverse=True,
+    )
     rows = [
-        ["step", "trust", *(f"rank {r.rank}" + ("" if r.node is not None else " (folder gone)") for r in inv.ranks)]
+        [
+            "step",
+            "trust",
+            *(
+                f"rank {r.rank}" + ("" if r.node is not None else " (folder gone)")
+                for r in inv.ranks
+            ),
+        ]
     ]
     for step in steps:
         states = {r.trust[step] for r in inv.ranks if step in r.trust}
-        trust = "rejected" if "rejected" in states else max(states, key=lambda s: TrustState(s).rank, default="-")
+        trust = (
+            "rejected"
+            if "rejected" in states
+            else max(states, key=lambda s: TrustState(s).rank, default="-")
+        )
         cells = []
         for r in inv.ranks:
             own = [f for f in r.files if f.step == step and f.kind == "own"]
@@ -136,7 +168,8 @@ def render(inv: Inventory) -> str:
             ]
             mine = (["own"] if own[0].status != "unusable" else ["own ✗"]) if own else []
             mem = [
-                ("mem" if f.kind == "memory" else f"mem holds {f.owner}") + ("" if f.status != "unusable" else " ✗")
+                ("mem" if f.kind == "memory" else f"mem holds {f.owner}")
+                + ("" if f.status != "unusable" else " ✗")
                 for f in r.files
                 if f.step == step and f.kind in ("memory", "memory_replica")
             ]
@@ -144,7 +177,10 @@ def render(inv: Inventory) -> str:
         rows.append([str(step), trust, *cells])
     lines += _table(rows)
     for d in inv.durable:
-        lines.append(f"durable step {d['step']}: {d['status']}" + (f" ({d['reason']})" if d["reason"] else ""))
+        lines.append(
+            f"durable step {d['step']}: {d['status']}"
+            + (f" ({d['reason']})" if d["reason"] else "")
+        )
     if inv.faults:
         lines.append(f"fault reports ({len(inv.faults)}, oldest first):")
         for f in inv.faults[-20:]:
@@ -157,7 +193,9 @@ def render(inv: Inventory) -> str:
     dec = inv.decision
     sources = ", ".join(f"rank {k}: {v}" for k, v in sorted(dec.sources.items()))
     what = f"{dec.mode.value.upper()}" + (f" step {dec.step}" if dec.step is not None else "")
-    lines.append(f"a restart would {what}" + (f" ({sources})" if sources else "") + f" — {dec.reason}")
+    lines.append(
+        f"a restart would {what}" + (f" ({sources})" if sources else "") + f" — {dec.reason}"
+    )
     lines.append(
         "(from disk and the memory tier its anchors name: a job run with memory_directory=None whose processes still "
         "live may hold a newer step in their slots)"

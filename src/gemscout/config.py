@@ -35,7 +35,11 @@ def strict_fields(cls: type[T]) -> type[T]:
         if unknown:
             name = unknown[0]
             close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else f"; known fields: {', '.join(sorted(known))}"
+            )
             raise ConfigError(f"{cls.__name__}: unknown field {name!r}{hint}")
         original(self, *args, **kwargs)
 

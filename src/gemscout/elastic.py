@@ -43,11 +43,17 @@ from gemscout.errors import CollectiveTimeout, ConfigError, RecoveryError
 log = logging.getLogger("gemscout")
 
 STOP_FILE = "STOP.json"
-_ADVERT = "gemscout/pg-store/"  # + TORCHELASTIC_RUN_ID: where rank 0 advertises its per-attempt store
+_ADVERT = (
+    "gemscout/pg-store/"  # + TORCHELASTIC_RUN_ID: where rank 0 advertises its per-attempt store
+)
 _NONCE = "gemscout/nonce"
-_PROBE = timedelta(seconds=1)  # one connection attempt to an advertised port (a dead one is refused at once)
+_PROBE = timedelta(
+    seconds=1
+)  # one connection attempt to an advertised port (a dead one is refused at once)
 _OWNED = ("store", "rank", "world_size", "init_method")
-_KEEP: list[Any] = []  # rank 0's server lives as long as the process (the group holds a reference too)
+_KEEP: list[
+    Any
+] = []  # rank 0's server lives as long as the process (the group holds a reference too)
 
 
 def under_agent_store() -> bool:
@@ -66,7 +72,9 @@ def init_process_group(
     this attempt's rank 0 does not advertise its store within ``timeout``.
     """
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ConfigError(f"gemscout.init_process_group.timeout: a positive datetime.timedelta, got {timeout!r}")
+        raise ConfigError(
+            f"gemscout.init_process_group.timeout: a positive datetime.timedelta, got {timeout!r}"
+        )
     if not under_agent_store():
         dist.init_process_group(backend, timeout=timeout, **{**_slurm_rank(kwargs), **kwargs})
         return
@@ -91,7 +99,9 @@ def init_process_group(
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's environment (docs/torchrun.md)"
         )
     store = attempt_store(addr, port, rank, os.environ.get("TORCHELASTIC_RUN_ID", "none"), timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
+    )
 
 
 def _slurm_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +133,9 @@ def attempt_store(addr: str, port: int, rank: int, run_id: str, timeout: timedel
     if rank == 0:
         fresh = dist.TCPStore(addr, 0, is_master=True, timeout=timeout, wait_for_workers=False)
         nonce = uuid.uuid4().hex
-        fresh.set(_NONCE, nonce)  # before the advertisement: whoever reads it finds the nonce in place
+        fresh.set(
+            _NONCE, nonce
+        )  # before the advertisement: whoever reads it finds the nonce in place
         agent.set(key, f"{fresh.port} {nonce}")
         _KEEP.append(fresh)
         return fresh
@@ -147,7 +159,9 @@ def attempt_store(addr: str, port: int, rank: int, run_id: str, timeout: timedel
             if store is not None:
                 store.set_timeout(timeout)
                 return store
-            refused.add(advert)  # an earlier attempt's: wait for this attempt's rank 0 to overwrite it
+            refused.add(
+                advert
+            )  # an earlier attempt's: wait for this attempt's rank 0 to overwrite it
         time.sleep(0.05)
 
 
@@ -200,9 +214,15 @@ def record_stop(directory: Path, exc: RecoveryError, run_id: str, *, fsync: bool
     )
     try:
         write_json_atomic(
-            path, {"run_id": run_id, "message": message, "pid": os.getpid(), "time": time.time()}, fsync=fsync
+            path,
+            {"run_id": run_id, "message": message, "pid": os.getpid(), "time": time.time()},
+            fsync=fsync,
         )
     except OSError as err:
-        log.warning("gemscout: cannot record the STOP in %s (%s); a relaunch will try to recover again", path, err)
+        log.warning(
+            "gemscout: cannot record the STOP in %s (%s); a relaunch will try to recover again",
+            path,
+            err,
+        )
         return exc
     return RecoveryError(message)

@@ -37,7 +37,9 @@ def open_regular(path: Path) -> Iterator[tuple[int, os.stat_result]]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise IntegrityError(f"{path} is a symbolic link; gemscout reads only regular files") from None
+            raise IntegrityError(
+                f"{path} is a symbolic link; gemscout reads only regular files"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
@@ -56,7 +58,9 @@ def read_exactly(fd: int, offset: int, n: int, path: Path) -> bytes:
     while got < n:
         chunk = os.pread(fd, min(n - got, 1 << 24), offset + got)
         if not chunk:
-            raise IntegrityError(f"{path.name} is truncated: it ended at {offset + got} bytes, {offset + n} expected")
+            raise IntegrityError(
+                f"{path.name} is truncated: it ended at {offset + got} bytes, {offset + n} expected"
+            )
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
@@ -66,7 +70,9 @@ def read_bounded(path: Path, max_bytes: int) -> bytes:
     """The whole of a regular file no larger than ``max_bytes`` (checked before reading)."""
     with open_regular(path) as (fd, st):
         if st.st_size > max_bytes:
-            raise IntegrityError(f"{path} is {st.st_size} bytes, over the {max_bytes}-byte cap for this file")
+            raise IntegrityError(
+                f"{path} is {st.st_size} bytes, over the {max_bytes}-byte cap for this file"
+            )
         return read_exactly(fd, 0, st.st_size, path)
 
 
@@ -83,7 +89,9 @@ def check_depth(doc: Any, max_depth: int, what: str) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
-def parse_json(text: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH, allow_nan: bool = False) -> Any:
+def parse_json(
+    text: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH, allow_nan: bool = False
+) -> Any:
     """Parse a JSON document, refusing bad UTF-8, bad JSON, NaN / infinities (unless ``allow_nan``) and nesting past
     ``max_depth``, all as IntegrityError naming ``what``."""
 
@@ -100,7 +108,9 @@ def parse_json(text: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH,
     return doc
 
 
-def load_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def load_json(
+    path: Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH
+) -> Any:
     """A JSON file read with :func:`read_bounded` and parsed with :func:`parse_json`."""
     return parse_json(read_bounded(path, max_bytes), str(path), max_depth=max_depth)
 

@@ -79,9 +79,13 @@ class Inventory:
     @property
     def unusable(self) -> list[str]:
         """Every file or promotion that recovery would refuse, with why."""
-        bad = [f"{f.path}: {f.reason}" for r in self.ranks for f in r.files if f.status == "unusable"]
+        bad = [
+            f"{f.path}: {f.reason}" for r in self.ranks for f in r.files if f.status == "unusable"
+        ]
         bad += [p for r in self.ranks for p in r.problems]
-        return bad + [d["reason"] for d in self.durable if d["status"] == "unusable"]  # "durable step N: why"
+        return bad + [
+            d["reason"] for d in self.durable if d["status"] == "unusable"
+        ]  # "durable step N: why"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,7 +122,9 @@ def _rank_dirs(directory: Path) -> dict[int, tuple[int, Path]]:
     return found
 
 
-def _check(path: Path, *, kind: str, owner: int, step: int, verify: bool, run_id: str) -> tuple[FileEntry, str]:
+def _check(
+    path: Path, *, kind: str, owner: int, step: int, verify: bool, run_id: str
+) -> tuple[FileEntry, str]:
     """The file's entry and the topology digest its header names ("" when unreadable)."""
     try:
         parsed = store.read_verified(path)[0] if verify else store.read_header(path)
@@ -130,8 +136,14 @@ def _check(path: Path, *, kind: str, owner: int, step: int, verify: bool, run_id
         ]
         if problems:
             raise IntegrityError("; ".join(problems))
-        status, reason, topology = ("verified" if verify else "header-ok"), "", str(ident.get("topology", ""))
-    except Exception as exc:  # anything: the file is unusable, and the inventory goes on (as recovery does)
+        status, reason, topology = (
+            ("verified" if verify else "header-ok"),
+            "",
+            str(ident.get("topology", "")),
+        )
+    except (
+        Exception
+    ) as exc:  # anything: the file is unusable, and the inventory goes on (as recovery does)
         status, reason, topology = "unusable", str(exc) or type(exc).__name__, ""
     try:
         size = path.lstat().st_size
@@ -188,7 +200,9 @@ def inventory(
         folders = [("own", rank, paths.own)] + [
             ("replica", o, paths.replicas(o)) for o in _owners(paths, entry.problems)
         ]
-        memory = shm.describe(directory, rank_dir)  # the memory tier its anchor names (a killed process's slots)
+        memory = shm.describe(
+            directory, rank_dir
+        )  # the memory tier its anchor names (a killed process's slots)
         if memory is not None:
             mem = store.RankPaths(Path(memory["path"]))
             folders += [("memory", rank, mem.own)] + [
@@ -202,13 +216,22 @@ def inventory(
                 continue
             for step in steps:
                 f, topology = _check(
-                    store.step_file(folder, step), kind=kind, owner=owner, step=step, verify=verify, run_id=run_id
+                    store.step_file(folder, step),
+                    kind=kind,
+                    owner=owner,
+                    step=step,
+                    verify=verify,
+                    run_id=run_id,
                 )
                 checked.append((entry, f, topology))
                 if topology:
                     topologies[topology] += 1
     topology = topologies.most_common(1)[0][0] if topologies else ""
-    for entry, f, theirs in checked:  # a file of another topology is refused at recovery like a corrupt one
+    for (
+        entry,
+        f,
+        theirs,
+    ) in checked:  # a file of another topology is refused at recovery like a corrupt one
         if theirs not in ("", topology):
             f = FileEntry(
                 f.kind,
@@ -238,7 +261,9 @@ def inventory(
         durable_refused=refused,
     )
     faults = _faults([d for _, d in ranks_found.values()])
-    return Inventory(str(directory), run_id, topology, world, entries, durable, decision, verify, faults)
+    return Inventory(
+        str(directory), run_id, topology, world, entries, durable, decision, verify, faults
+    )
 
 
 def _owners(paths: store.RankPaths, problems: list[str]) -> list[int]:
@@ -254,9 +279,13 @@ def _faults(folders: list[Path]) -> list[dict[str, Any]]:
     for folder in folders:
         for doc in faultlog.read_reports(folder):
             by = doc.pop("reported_by", None)
-            key = json.dumps({k: v for k, v in doc.items() if k not in ("timestamp", "evidence")}, sort_keys=True)
+            key = json.dumps(
+                {k: v for k, v in doc.items() if k not in ("timestamp", "evidence")}, sort_keys=True
+            )
             entry = merged.setdefault(key, {**doc, "reported_by": []})
-            entry["timestamp"] = min(entry.get("timestamp", doc.get("timestamp", 0)), doc.get("timestamp", 0))
+            entry["timestamp"] = min(
+                entry.get("timestamp", doc.get("timestamp", 0)), doc.get("timestamp", 0)
+            )
             if by is not None and by not in entry["reported_by"]:
                 entry["reported_by"].append(by)
     return sorted(merged.values(), key=lambda d: (d.get("timestamp", 0), d.get("step", 0)))
@@ -282,7 +311,11 @@ def _proposal(entry: RankEntry) -> dict[str, Any]:
         "memory_held": memory_held,
         "held": held,
         "own": [f.step for f in usable if f.kind == "own" and f.step not in memory],
-        "unusable": [f"rank {entry.rank} {_describe(f)}: {f.reason}" for f in entry.files if f.status == "unusable"]
+        "unusable": [
+            f"rank {entry.rank} {_describe(f)}: {f.reason}"
+            for f in entry.files
+            if f.status == "unusable"
+        ]
         + [f"rank {entry.rank} {p}" for p in entry.problems],
         "rejected": sorted(s for s, st in states.items() if st == TrustState.REJECTED),
         "trust": {str(s): st.value for s, st in states.items()},
@@ -316,7 +349,14 @@ def _durable(directory: Path, run_id: str) -> list[dict[str, Any]]:
                     }
                 )
                 continue
-            out.append({"step": step, "status": "verified", "reason": "", "sharded": bool(sidecar.get("sharded"))})
+            out.append(
+                {
+                    "step": step,
+                    "status": "verified",
+                    "reason": "",
+                    "sharded": bool(sidecar.get("sharded")),
+                }
+            )
         except (IntegrityError, OSError) as exc:
             out.append({"step": step, "status": "unusable", "reason": str(exc), "sharded": False})
     return out

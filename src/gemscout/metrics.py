@@ -28,35 +28,43 @@ def snapshot(session: Session) -> dict[str, Value]:
         def newest_at(*wanted: TrustState) -> int | None:
             return max((s for s, st in states.items() if st in wanted), default=None)
 
-        out.update({
-            "gemini.captures": ck.captures,
-            "gemini.skipped_captures": int(ck.stats["skipped_captures"]),
-            "gemini.capture_stall_s": float(ck.stats["capture_stall_s"]),
-            "gemini.persist_s": float(ck.stats["persist_s"]),
-            "gemini.replicate_s": float(ck.stats["replicate_s"]),
-            "gemini.replicated_bytes": int(ck.stats["replicate_sent_bytes"]),
-            "gemini.io_errors": len(ck.errors),
-            "gemini.newest_in_memory_step": newest.step if newest is not None else None,
-            "gemini.newest_persisted_step": ck.persisted_step if ck.persisted_step >= 0 else None,
-            "gemini.newest_verified_step": newest_at(TrustState.RECOVERY_VERIFIED, TrustState.DURABLE),
-            "gemini.newest_durable_step": newest_at(TrustState.DURABLE),
-            "gemini.candidates": sum(st == TrustState.CANDIDATE for st in states.values()),
-            "gemini.rejected": sum(st == TrustState.REJECTED for st in states.values()),
-            "gemini.buffer_bytes": ck.pool.nbytes + sum(int(e[2].numel()) for b in ck.replicas.values()
-                                                        for e in b.entries),
-        })
+        out.update(
+            {
+                "gemini.captures": ck.captures,
+                "gemini.skipped_captures": int(ck.stats["skipped_captures"]),
+                "gemini.capture_stall_s": float(ck.stats["capture_stall_s"]),
+                "gemini.persist_s": float(ck.stats["persist_s"]),
+                "gemini.replicate_s": float(ck.stats["replicate_s"]),
+                "gemini.replicated_bytes": int(ck.stats["replicate_sent_bytes"]),
+                "gemini.io_errors": len(ck.errors),
+                "gemini.newest_in_memory_step": newest.step if newest is not None else None,
+                "gemini.newest_persisted_step": ck.persisted_step
+                if ck.persisted_step >= 0
+                else None,
+                "gemini.newest_verified_step": newest_at(
+                    TrustState.RECOVERY_VERIFIED, TrustState.DURABLE
+                ),
+                "gemini.newest_durable_step": newest_at(TrustState.DURABLE),
+                "gemini.candidates": sum(st == TrustState.CANDIDATE for st in states.values()),
+                "gemini.rejected": sum(st == TrustState.REJECTED for st in states.values()),
+                "gemini.buffer_bytes": ck.pool.nbytes
+                + sum(int(e[2].numel()) for b in ck.replicas.values() for e in b.entries),
+            }
+        )
     if session.scout is not None:
         last = session.scout.last_result
-        out.update({
-            "scout.cycles": session.cycles,
-            "scout.cycle_s_total": session.cycle_s_total,
-            "scout.last_cycle_s": session.last_cycle_s,
-            "scout.last_cycle_step": last.step if last is not None else None,
-            "scout.last_cycle_clean": int(last.clean) if last is not None else None,
-            "scout.certified_step": _certified(last),
-            "scout.quarantined_recipes": len(session.quarantine),
-            "scout.unreplayable_recipes": len(getattr(session.scout, "unreplayable", {})),
-        })
+        out.update(
+            {
+                "scout.cycles": session.cycles,
+                "scout.cycle_s_total": session.cycle_s_total,
+                "scout.last_cycle_s": session.last_cycle_s,
+                "scout.last_cycle_step": last.step if last is not None else None,
+                "scout.last_cycle_clean": int(last.clean) if last is not None else None,
+                "scout.certified_step": _certified(last),
+                "scout.quarantined_recipes": len(session.quarantine),
+                "scout.unreplayable_recipes": len(getattr(session.scout, "unreplayable", {})),
+            }
+        )
     counts: dict[str, Any] = {f"reports.{k.value}": 0 for k in FaultKind}
     for report in session.reports:
         counts[f"reports.{report.kind.value}"] += 1

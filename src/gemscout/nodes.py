@@ -41,8 +41,10 @@ def ranks_per_node_from_env() -> int | None:
         except ValueError:
             value = 0
         if value < 1:
-            raise ConfigError(f"{name}={raw!r} is not a positive rank count; fix the launcher's environment or set "
-                              "CheckpointConfig(ranks_per_node=...)")
+            raise ConfigError(
+                f"{name}={raw!r} is not a positive rank count; fix the launcher's environment or set "
+                "CheckpointConfig(ranks_per_node=...)"
+            )
         return value
     return None
 
@@ -62,10 +64,14 @@ def ranks_per_node_from_hosts(hosts: Sequence[str]) -> int:
     names = [host for host, _ in blocks]
     sizes = {size for _, size in blocks}
     if len(set(names)) != len(names) or len(sizes) != 1:
-        layout = ", ".join(f"{host}: {size}" for host, size in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
-        raise ConfigError(f"GEMINI needs each node's ranks to be one contiguous block of equal size, found ({layout}); "
-                          "launch with block distribution (torchrun, srun --distribution=block) or set "
-                          "CheckpointConfig(ranks_per_node=...)")
+        layout = ", ".join(f"{host}: {size}" for host, size in blocks[:8]) + (
+            ", ..." if len(blocks) > 8 else ""
+        )
+        raise ConfigError(
+            f"GEMINI needs each node's ranks to be one contiguous block of equal size, found ({layout}); "
+            "launch with block distribution (torchrun, srun --distribution=block) or set "
+            "CheckpointConfig(ranks_per_node=...)"
+        )
     return sizes.pop()
 
 

@@ -49,8 +49,15 @@ LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 class Session:
     """The handle returned by :func:`enable_resiliency`. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, *, sources: StateSources, interval: int, checkpointer: Checkpointer | None,
-                 rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        *,
+        sources: StateSources,
+        interval: int,
+        checkpointer: Checkpointer | None,
+        rank: int,
+        world_size: int,
+    ) -> None:
         self.sources, self.interval, self.checkpointer = sources, interval, checkpointer
         self.rank, self.world_size = rank, world_size
         self.watch: Watch | None = None
@@ -65,10 +72,15 @@ class Session:
         self.quarantine: set[str] = set()
         """Recipes that disagreed and have not passed clean since: no capture while any is listed."""
         self.reports: list[FaultReport] = []
-        self.fault_log = FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync) \
-            if checkpointer is not None else None
+        self.fault_log = (
+            FaultLog(checkpointer.paths.root / FILE_NAME, fsync=checkpointer.config.fsync)
+            if checkpointer is not None
+            else None
+        )
         """Where every report is also kept on disk (the rank's checkpoint folder), for ``gemscout inspect``."""
-        if checkpointer is not None:  # a full or read-only disk under the trust ledger is reported, never raised
+        if (
+            checkpointer is not None
+        ):  # a full or read-only disk under the trust ledger is reported, never raised
             checkpointer.ledger.report_to(self._ledger_unwritable)
         self.on_fault_report: Callable[[FaultReport], None] | None = None
         self.on_recovery_decision: Callable[[RecoveryDecision], None] | None = None
@@ -110,10 +122,18 @@ class Session:
         if self.watch is not None:
             self.watch.step(self.step)
         settled = self.scout.last_result if self.scout is not None else None
-        if self.last_cycle is not None and settled is not None and settled.step == self.last_cycle.step:
+        if (
+            self.last_cycle is not None
+            and settled is not None
+            and settled.step == self.last_cycle.step
+        ):
             # A Scout may settle the verdict after the update (DeepSpeed ZeRO's optimizer slices): take its newest.
             self.last_cycle = settled
-        cycle = self.last_cycle if self.last_cycle is not None and self.last_cycle.step == self.step else None
+        cycle = (
+            self.last_cycle
+            if self.last_cycle is not None and self.last_cycle.step == self.step
+            else None
+        )
         self.last_cycle = None
         if cycle is not None:
             for report in cycle.reports:
@@ -122,13 +142,21 @@ class Session:
                 self.quarantine |= {name for name, r in cycle.results.items() if r.outputs_disagree}
                 self._on_sdc(cycle)
                 return  # a contaminated step is never captured
-            self.quarantine -= {name for name, r in cycle.results.items() if r.verdict == Verdict.AGREE}
+            self.quarantine -= {
+                name for name, r in cycle.results.items() if r.verdict == Verdict.AGREE
+            }
             if not cycle.clean and not self.capture_on_inconclusive:
                 return
         if self._a2a_mismatch_step == self.step:
-            self._reject_and_decide("alltoall", f"AllToAll replay mismatch at step {self.step}: "
-                                    + "; ".join(r.reason for r in self.alltoall.last_results  # type: ignore[union-attr]
-                                                if r.verdict == "mismatch"))
+            self._reject_and_decide(
+                "alltoall",
+                f"AllToAll replay mismatch at step {self.step}: "
+                + "; ".join(
+                    r.reason
+                    for r in self.alltoall.last_results  # type: ignore[union-attr]
+                    if r.verdict == "mismatch"
+                ),
+            )
             return  # what crossed a faulty AllToAll at this step is never captured
         if self.quarantine:
             # The faulty recipe has not passed clean since it disagreed: the fault may still be there, so what this
@@ -139,9 +167,16 @@ class Session:
         rotation = getattr(self.scout, "rotation", None)
         if cycle is not None and self.checkpointer is not None and rotation is not None:
             self.checkpointer.retain(rotation.open_steps())
-        if cycle is not None and cycle.clean and cycle.certified_step is not None and self.checkpointer is not None:
+        if (
+            cycle is not None
+            and cycle.clean
+            and cycle.certified_step is not None
+            and self.checkpointer is not None
+        ):
             certified = cycle.certified_step
-            if self.alltoall is not None:  # nothing is verified past the newest clean AllToAll check
+            if (
+                self.alltoall is not None
+            ):  # nothing is verified past the newest clean AllToAll check
                 certified = min(certified, self._a2a_clean_step)
             if certified >= 0:
                 self.checkpointer.certify(certified)
@@ -149,9 +184,11 @@ class Session:
     def _on_sdc(self, cycle: CycleResult) -> None:
         """Reject every uncertified candidate job-wide and name the newest recovery-verified step."""
         culprits = sorted(cycle.attributed_ranks)
-        reason = (f"silent data corruption at step {cycle.step}: "
-                  + (f"rank(s) {culprits} disagree with the peer majority" if culprits
-                     else "peers disagree and no majority names a culprit"))
+        reason = f"silent data corruption at step {cycle.step}: " + (
+            f"rank(s) {culprits} disagree with the peer majority"
+            if culprits
+            else "peers disagree and no majority names a culprit"
+        )
         self._reject_and_decide("sdc", reason)
 
     def _reject_and_decide(self, kind: str, reason: str) -> None:
@@ -161,14 +198,20 @@ class Session:
             return
         rejected = self.checkpointer.reject_candidates(reason)
         ledger = self.checkpointer.ledger
-        verified = [s for s, st in ledger.states.items() if st.rank >= TrustState.RECOVERY_VERIFIED.rank]
+        verified = [
+            s for s, st in ledger.states.items() if st.rank >= TrustState.RECOVERY_VERIFIED.rank
+        ]
         step = max(verified) if verified else None
         decision = RecoveryDecision(
-            kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
-            f"{self.checkpointer.run_id}:{step}" if step is not None else None, {},
+            kind,
+            RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP,
+            step,
+            f"{self.checkpointer.run_id}:{step}" if step is not None else None,
+            {},
             self.checkpointer.topology_digest,
             f"{reason}; rejected candidates {rejected}; restore the newest recovery-verified step"
-            + ("" if step is not None else " (none exists yet)"))
+            + ("" if step is not None else " (none exists yet)"),
+        )
         ledger.last_decision = decision.to_dict()
         ledger.save()
         self.last_decision = decision
@@ -180,7 +223,10 @@ class Session:
 
     def _attach(self) -> None:
         opt = self.sources.optimizer
-        self._handles = [opt.register_step_pre_hook(self._pre_step), opt.register_step_post_hook(self._post_step)]
+        self._handles = [
+            opt.register_step_pre_hook(self._pre_step),
+            opt.register_step_post_hook(self._post_step),
+        ]
 
     # -- public ---------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, int | float | None]:
@@ -201,11 +247,15 @@ class Session:
         """Collective: reject every uncertified candidate job-wide."""
         return self.checkpointer.reject_candidates(reason) if self.checkpointer else []
 
-    def recover(self, failure_kind: str = "restart", *, min_trust: TrustState | None = None) -> RecoveryDecision:
+    def recover(
+        self, failure_kind: str = "restart", *, min_trust: TrustState | None = None
+    ) -> RecoveryDecision:
         """Collective: choose and restore the newest restorable step now (e.g. after an SDC report, with
         ``min_trust=TrustState.RECOVERY_VERIFIED``). Returns the decision; ``session.step`` is the restored step."""
         if self.checkpointer is None:
-            raise ConfigError("recover() needs GEMINI: pass checkpoint=CheckpointConfig(directory=...)")
+            raise ConfigError(
+                "recover() needs GEMINI: pass checkpoint=CheckpointConfig(directory=...)"
+            )
         decision = self.checkpointer.recover(failure_kind=failure_kind, min_trust=min_trust)
         self.last_decision = decision
         if decision.step is not None and decision.mode != RecoveryMode.FRESH:
@@ -227,10 +277,14 @@ class Session:
         same config, after ``enable_resiliency`` and before its first step. Returns the check (its
         ``last_results`` hold the newest due step's verdicts)."""
         if not modules:
-            raise ConfigError("check_alltoall: pass the module(s) whose forward issues the AllToAlls (e.g. each MoE "
-                              "layer)")
+            raise ConfigError(
+                "check_alltoall: pass the module(s) whose forward issues the AllToAlls (e.g. each MoE "
+                "layer)"
+            )
         if self.alltoall is not None:
-            raise ConfigError("check_alltoall: already enabled on this session; pass every module in one call")
+            raise ConfigError(
+                "check_alltoall: already enabled on this session; pass every module in one call"
+            )
         check = AllToAllCheck(config, on_report=self._report)
         for module in modules:
             self._handles.append(check.install(module))
@@ -240,13 +294,17 @@ class Session:
     def instrument_dataloader(self, loader: Iterable[Any]) -> Iterable[Any]:
         """Wrap ``loader`` so each fetch is timed and compared across ranks (needs ``watch=WatchConfig(...)``)."""
         if self.watch is None:
-            raise ConfigError("instrument_dataloader needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+            raise ConfigError(
+                "instrument_dataloader needs watch=gemscout.WatchConfig(...) in enable_resiliency"
+            )
         return self.watch.instrument_dataloader(loader)
 
     def checkpoint_io(self, kind: str) -> Any:
         """Context manager timing your own checkpoint ``"read"`` or ``"write"`` (needs ``watch=``)."""
         if self.watch is None:
-            raise ConfigError("checkpoint_io needs watch=gemscout.WatchConfig(...) in enable_resiliency")
+            raise ConfigError(
+                "checkpoint_io needs watch=gemscout.WatchConfig(...) in enable_resiliency"
+            )
         if kind not in ("read", "write"):
             raise ConfigError(f"checkpoint_io: kind must be 'read' or 'write', got {kind!r}")
         return self.watch.checkpoint_io(kind)
@@ -262,21 +320,44 @@ class Session:
                 log.warning("gemscout: on_fault_report raised: %s", exc)
 
     def _ledger_unwritable(self, reason: str, evidence: dict[str, Any]) -> None:
-        self._report(FaultReport(kind=FaultKind.HEALTH, scope=Scope.RANK, ranks=(self.rank,), step=self.step,
-                                 reason=reason, evidence=evidence))
+        self._report(
+            FaultReport(
+                kind=FaultKind.HEALTH,
+                scope=Scope.RANK,
+                ranks=(self.rank,),
+                step=self.step,
+                reason=reason,
+                evidence=evidence,
+            )
+        )
 
     def _on_stall(self, report: FaultReport, finding: Any) -> None:
         self._report(report)
-        if finding.recommendation == "restart_from_verified" and self.on_recovery_decision is not None:
+        if (
+            finding.recommendation == "restart_from_verified"
+            and self.on_recovery_decision is not None
+        ):
             ledger = self.checkpointer.ledger if self.checkpointer else None
-            floor = self.checkpointer.config.min_trust if self.checkpointer else TrustState.RECOVERY_VERIFIED
-            steps = [s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank]
+            floor = (
+                self.checkpointer.config.min_trust
+                if self.checkpointer
+                else TrustState.RECOVERY_VERIFIED
+            )
+            steps = [
+                s for s, st in (ledger.states.items() if ledger else []) if st.rank >= floor.rank
+            ]
             step = max(steps) if steps else None
             decision = RecoveryDecision(
-                report.kind, RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP, step,
-                f"{self.checkpointer.run_id}:{step}" if (self.checkpointer and step is not None) else None, {},
+                report.kind,
+                RecoveryMode.RESTORE if step is not None else RecoveryMode.STOP,
+                step,
+                f"{self.checkpointer.run_id}:{step}"
+                if (self.checkpointer and step is not None)
+                else None,
+                {},
                 self.checkpointer.topology_digest if self.checkpointer else "",
-                f"{report.reason}; restart every rank from the newest {floor.value} step")
+                f"{report.reason}; restart every rank from the newest {floor.value} step",
+            )
             try:
                 self.on_recovery_decision(decision)
             except Exception as exc:

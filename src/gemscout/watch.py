@@ -106,7 +106,10 @@ class WatchConfig:
             f"must be 'rank0' or 'all', got {self.watchdog_on!r}",
         )
         require(
-            isinstance(self.confirmations, int) and self.confirmations >= 1, c, "confirmations", "must be an int >= 1"
+            isinstance(self.confirmations, int) and self.confirmations >= 1,
+            c,
+            "confirmations",
+            "must be an int >= 1",
         )
         require(self.section_absolute_s > 0, c, "section_absolute_s", "must be > 0")
         require(self.section_relative >= 1.0, c, "section_relative", "must be >= 1.0")
@@ -117,7 +120,8 @@ class WatchConfig:
             "must be > 0 and smaller than stall_threshold",
         )
         require(
-            self.endpoint is None or (":" in self.endpoint and self.endpoint.rsplit(":", 1)[1].isdigit()),
+            self.endpoint is None
+            or (":" in self.endpoint and self.endpoint.rsplit(":", 1)[1].isdigit()),
             c,
             "endpoint",
             f"must be 'host:port', got {self.endpoint!r}",
@@ -147,7 +151,12 @@ class Watch:
     """One rank's end of the out-of-band watch. Construct on every rank (collective when no endpoint is given)."""
 
     def __init__(
-        self, config: WatchConfig, *, rank: int, world_size: int, on_report: Callable[[FaultReport, StallFinding], None]
+        self,
+        config: WatchConfig,
+        *,
+        rank: int,
+        world_size: int,
+        on_report: Callable[[FaultReport, StallFinding], None],
     ) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self._server: StoreServer | None = None
@@ -160,18 +169,30 @@ class Watch:
             self.close()
             raise
 
-    def _attach(self, host: str, port: int, epoch: str, on_report: Callable[[FaultReport, StallFinding], None]) -> None:
+    def _attach(
+        self,
+        host: str,
+        port: int,
+        epoch: str,
+        on_report: Callable[[FaultReport, StallFinding], None],
+    ) -> None:
         config, rank, world_size = self.config, self.rank, self.world_size
-        oob = OobConfig(rank=rank, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch)
+        oob = OobConfig(
+            rank=rank, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch
+        )
         self.channel = OobChannel.connect(host=host, port=port, config=oob, is_master=False)
-        self.publisher = ProgressPublisher(self.channel, config=ProgressConfig(host=config.host)).start()
+        self.publisher = ProgressPublisher(
+            self.channel, config=ProgressConfig(host=config.host)
+        ).start()
         self.reports: list[FaultReport] = []
         self._on_report = on_report
         if config.watchdog_on == "all" or rank == 0:
             observer = OobChannel.connect(
                 host=host,
                 port=port,
-                config=OobConfig(rank=None, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch),
+                config=OobConfig(
+                    rank=None, secret=config.secret, insecure_dev=config.insecure_dev, epoch=epoch
+                ),
                 is_master=False,
             )
             self.watchdog = Watchdog(
@@ -214,7 +235,10 @@ class Watch:
                 )  # fmt: skip
                 shared[0] = self._server.port
             except (OSError, StoreServerError) as exc:
-                failure, shared[0] = exc, -1  # the others must learn it now, not wait on a store that never comes
+                failure, shared[0] = (
+                    exc,
+                    -1,
+                )  # the others must learn it now, not wait on a store that never comes
             shared[1], shared[2] = secrets.randbits(62), secrets.randbits(62)
         try:
             dist.broadcast(shared, src=0)
@@ -224,7 +248,9 @@ class Watch:
             raise
         if int(shared[0].item()) < 0:
             if failure is not None:
-                raise StoreServerError(f"gemscout watch: rank 0 could not serve the out-of-band store: {failure}")
+                raise StoreServerError(
+                    f"gemscout watch: rank 0 could not serve the out-of-band store: {failure}"
+                )
             raise StoreServerError(
                 "gemscout watch: rank 0 could not serve the out-of-band store (rank 0's error says why)"
             )
@@ -280,7 +306,8 @@ class Watch:
         hook) instead of a comm hook of the watch's own."""
         publisher = self.publisher
         timer.register_around_collective(
-            lambda shape: publisher.enter_collective("all_reduce", "world", [shape]), publisher.exit_collective
+            lambda shape: publisher.enter_collective("all_reduce", "world", [shape]),
+            publisher.exit_collective,
         )
 
     def _patch_collectives(self) -> None:
@@ -291,7 +318,9 @@ class Watch:
                 continue
 
             @functools.wraps(original)
-            def wrapper(*args: Any, __name: str = name, __orig: Any = original, **kwargs: Any) -> Any:
+            def wrapper(
+                *args: Any, __name: str = name, __orig: Any = original, **kwargs: Any
+            ) -> Any:
                 tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 shapes = [list(tensor.shape)] if tensor is not None else []
                 if kwargs.get("async_op"):

@@ -70,10 +70,21 @@ def _kill_and_lose_node(tmp: Path, world: int, rank: int, step: int) -> Path:
     """Train with gemscout, SIGKILL ``rank`` right after ``step`` (its capture drained), delete its node's folder."""
     ckpt = tmp / "ckpt"
     codes, _ = _run(
-        tmp, "killed", world, ckpt, "--kill-rank", str(rank), "--kill-step", str(step), "--kill-phase", "after-step"
+        tmp,
+        "killed",
+        world,
+        ckpt,
+        "--kill-rank",
+        str(rank),
+        "--kill-step",
+        str(step),
+        "--kill-phase",
+        "after-step",
     )
     assert codes[rank] == -9, codes
-    shutil.rmtree(ckpt / f"node-{rank}")  # one rank per node: the node and its local copies are gone
+    shutil.rmtree(
+        ckpt / f"node-{rank}"
+    )  # one rank per node: the node and its local copies are gone
     return ckpt
 
 
@@ -101,7 +112,9 @@ def test_plain_ddp_three_ranks_recovers_bitwise_and_not_without_the_layout(tmp_p
     _, baseline = _run(tmp_path, "baseline", world, None)
     assert baseline is not None
     ckpt = _kill_and_lose_node(tmp_path, world, killed, step)
-    shutil.copytree(ckpt, tmp_path / "ckpt-off")  # the same failure, relaunched a second time without the fix
+    shutil.copytree(
+        ckpt, tmp_path / "ckpt-off"
+    )  # the same failure, relaunched a second time without the fix
 
     _, resumed = _run(tmp_path, "resumed", world, ckpt, attempt=1)
     assert resumed is not None
@@ -111,13 +124,22 @@ def test_plain_ddp_three_ranks_recovers_bitwise_and_not_without_the_layout(tmp_p
     assert [r["losses"] for r in resumed] == [r["losses"] for r in baseline]
     assert [r["state_digest"] for r in resumed] == [r["state_digest"] for r in baseline]
 
-    _, off = _run(tmp_path, "off", world, tmp_path / "ckpt-off", env={"GEMSCOUT_DDP_BUCKET_REPLAY": "0"}, attempt=1)
+    _, off = _run(
+        tmp_path,
+        "off",
+        world,
+        tmp_path / "ckpt-off",
+        env={"GEMSCOUT_DDP_BUCKET_REPLAY": "0"},
+        attempt=1,
+    )
     assert off is not None
     # A copy of the folder is another directory: no memory tier of its own (the copied anchors name the first one's),
     # so the survivors restore from disk.
     _assert_restored(off, step, {"0": "local", "1": "peer:2", "2": "local"})
     assert off[0]["resume_digest"] == resumed[0]["resume_digest"]  # the same state restored ...
-    assert all(r["state_digest"] != b["state_digest"] for r, b in zip(off, baseline, strict=True))  # ... not bitwise
+    assert all(
+        r["state_digest"] != b["state_digest"] for r, b in zip(off, baseline, strict=True)
+    )  # ... not bitwise
 
 
 HEAVY = pytest.mark.skipif(

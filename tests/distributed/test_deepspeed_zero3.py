@@ -34,19 +34,31 @@ from ds_checks import check_sdc_attributed_and_gated
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
-heavy = pytest.mark.skipif(not os.environ.get("GEMSCOUT_HEAVY_TESTS"),
-                           reason="several DeepSpeed launches on 2 cores: kept out of CI's 30 minutes; the same "
-                                  "checks are the deepspeed-zero3 cells of campaigns/topologies.toml, or set "
-                                  "GEMSCOUT_HEAVY_TESTS=1")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install -e '.[deepspeed]')",
+)
+heavy = pytest.mark.skipif(
+    not os.environ.get("GEMSCOUT_HEAVY_TESTS"),
+    reason="several DeepSpeed launches on 2 cores: kept out of CI's 30 minutes; the same "
+    "checks are the deepspeed-zero3 cells of campaigns/topologies.toml, or set "
+    "GEMSCOUT_HEAVY_TESTS=1",
+)
 
 STEPS, MICRO_BATCH, TOPOLOGY = 6, 4, "deepspeed-zero3"
 
 
 def cell(world: int, fault: dict[str, Any]) -> dict[str, Any]:
-    return {"id": "t", "world_size": world, "workload": "three-block", "topology": TOPOLOGY, "seed": 0,
-            "timeout_s": 150, "fault": fault, "params": {"steps": STEPS}}
+    return {
+        "id": "t",
+        "world_size": world,
+        "workload": "three-block",
+        "topology": TOPOLOGY,
+        "seed": 0,
+        "timeout_s": 150,
+        "fault": fault,
+        "params": {"steps": STEPS},
+    }
 
 
 def ranks(folder: Path, world: int) -> list[dict[str, Any]]:
@@ -64,27 +76,56 @@ def test_zero3_recovers_a_lost_node_bitwise(tmp_path: Path) -> None:
     killed = run_cell(cell(world, fault), tmp_path)
     obs = killed["observed"]
     assert obs["rank_exit_codes"][1] == -9
-    assert obs["recovered_step"] == 3 and obs["decision"]["sources"]["1"].startswith("peer:"), obs["decision"]
+    assert obs["recovered_step"] == 3 and obs["decision"]["sources"]["1"].startswith("peer:"), obs[
+        "decision"
+    ]
     assert killed["status"] == "passed" and obs["bitwise_equal"] and obs["losses_equal"], killed
     baseline = ranks(tmp_path / "baseline", world)
-    assert len({r["state_digest"] for r in baseline}) == world, "each rank should hold different partitions"
+    assert len({r["state_digest"] for r in baseline}) == world, (
+        "each rank should hold different partitions"
+    )
     for r, base in zip(ranks(tmp_path / "run", world), baseline, strict=True):
         assert r["resume_step"] == 3 and r["errors"] == [] and r["replicas_equal"]
         assert r["module_digest"] == base["module_digest"]  # the gathered module, too
         # Counters restored at attach (3 steps) plus the 3 run since: a fresh engine would end at 3.
-        assert (r["global_steps"], r["global_samples"], r["lr"]) == (STEPS, base["global_samples"], base["lr"])
+        assert (r["global_steps"], r["global_samples"], r["lr"]) == (
+            STEPS,
+            base["global_samples"],
+            base["lr"],
+        )
         assert r["global_samples"] == STEPS * MICRO_BATCH * world
 
 
 @pytest.mark.timeout(120)
 def test_zero3_refuses_the_optimizer_recipe_naming_what_to_pass(tmp_path: Path) -> None:
-    res = launch(["-m", "qualification.programs.ds_rank", "--out", str(tmp_path), "--topology", TOPOLOGY,
-                  "--steps", "2", "--ckpt", str(tmp_path / "ckpt"), "--scout", "--scout-recipes", "hidden,optimizer"],
-                 world_size=1, timeout_s=100, log_dir=tmp_path / "logs")
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.ds_rank",
+            "--out",
+            str(tmp_path),
+            "--topology",
+            TOPOLOGY,
+            "--steps",
+            "2",
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--scout",
+            "--scout-recipes",
+            "hidden,optimizer",
+        ],
+        world_size=1,
+        timeout_s=100,
+        log_dir=tmp_path / "logs",
+    )
     assert res.returncodes == [2], res  # ConfigError
     text = logs_of(tmp_path / "logs")
-    assert "gemscout: ConfigError: ScoutConfig.recipes: the optimizer recipe is not supported under DeepSpeed ZeRO " \
-        "stage 3" in text and "pass recipes=('embedding', 'hidden', 'output')" in text, text[-2000:]
+    assert (
+        "gemscout: ConfigError: ScoutConfig.recipes: the optimizer recipe is not supported under DeepSpeed ZeRO "
+        "stage 3"
+        in text
+        and "pass recipes=('embedding', 'hidden', 'output')" in text
+    ), text[-2000:]
     assert "Traceback" not in text, text[-2000:]
 
 
@@ -101,7 +142,9 @@ def test_zero3_healthy_run_is_bitwise_the_run_without_gemscout(tmp_path: Path) -
 @heavy
 @pytest.mark.timeout(300)
 def test_zero3_three_ranks_recover_from_a_kill_inside_capture(tmp_path: Path) -> None:
-    killed = run_cell(cell(3, {"kind": "sigkill", "rank": 2, "step": 4, "phase": "capture"}), tmp_path)
+    killed = run_cell(
+        cell(3, {"kind": "sigkill", "rank": 2, "step": 4, "phase": "capture"}), tmp_path
+    )
     obs = killed["observed"]
     assert obs["rank_exit_codes"][2] == -9
     assert obs["recovered_step"] == 3, obs["decision"]  # step 4 never left the dying rank
@@ -112,18 +155,39 @@ def test_zero3_three_ranks_recover_from_a_kill_inside_capture(tmp_path: Path) ->
 @pytest.mark.timeout(300)
 def test_zero3_bf16_with_accumulation_recovers_bitwise(tmp_path: Path) -> None:
     world = 2
-    argv = ["-m", "qualification.programs.ds_rank", "--topology", TOPOLOGY, "--bf16", "--accumulation", "2",
-            "--steps", str(STEPS)]
+    argv = [
+        "-m",
+        "qualification.programs.ds_rank",
+        "--topology",
+        TOPOLOGY,
+        "--bf16",
+        "--accumulation",
+        "2",
+        "--steps",
+        str(STEPS),
+    ]
     ckpt = ["--ckpt", str(tmp_path / "ckpt")]
     kill = ["--kill-rank", "1", "--kill-step", "4", "--kill-phase", "after-step"]
-    for attempt, (out, extra, ok) in enumerate([("base", [], True), ("run", ckpt + kill, False), ("run", ckpt, True)]):
-        res = launch(argv + ["--out", str(tmp_path / out)] + extra, world_size=world, timeout_s=200,
-                     log_dir=tmp_path / "logs" / out, attempt=attempt)
+    for attempt, (out, extra, ok) in enumerate(
+        [("base", [], True), ("run", ckpt + kill, False), ("run", ckpt, True)]
+    ):
+        res = launch(
+            argv + ["--out", str(tmp_path / out)] + extra,
+            world_size=world,
+            timeout_s=200,
+            log_dir=tmp_path / "logs" / out,
+            attempt=attempt,
+        )
         assert res.ok == ok, res
-    for r, base in zip(ranks(tmp_path / "run", world), ranks(tmp_path / "base", world), strict=True):
+    for r, base in zip(
+        ranks(tmp_path / "run", world), ranks(tmp_path / "base", world), strict=True
+    ):
         assert r["resume_step"] == 4 and r["decision"]["mode"] == "restore"
-        assert (r["state_digest"], r["module_digest"], r["losses"]) == \
-            (base["state_digest"], base["module_digest"], base["losses"])
+        assert (r["state_digest"], r["module_digest"], r["losses"]) == (
+            base["state_digest"],
+            base["module_digest"],
+            base["losses"],
+        )
         assert r["global_samples"] == base["global_samples"] == STEPS * MICRO_BATCH * 2 * world
 
 
@@ -136,39 +200,76 @@ def test_zero3_durable_tier_resumes_on_another_world_size(tmp_path: Path) -> Non
     a 4-rank job without gemscout loaded from the 2-rank job's full state with DeepSpeed's own tools; its promotion
     of step 6 resumes on 2 ranks again (shrinking)."""
 
-    def go(case: Path, name: str, world: int, steps: int, *more: str, gemscout: bool = True) -> list[dict[str, Any]]:
-        tiers = ["--ckpt", str(case / f"local-{name}"), "--durable", str(case / "durable")] if gemscout else []
-        argv = ["-m", "qualification.programs.ds_rank", "--out", str(case / name), "--topology", TOPOLOGY,
-                "--steps", str(steps), "--full-state", *tiers, *more]
+    def go(
+        case: Path, name: str, world: int, steps: int, *more: str, gemscout: bool = True
+    ) -> list[dict[str, Any]]:
+        tiers = (
+            ["--ckpt", str(case / f"local-{name}"), "--durable", str(case / "durable")]
+            if gemscout
+            else []
+        )
+        argv = [
+            "-m",
+            "qualification.programs.ds_rank",
+            "--out",
+            str(case / name),
+            "--topology",
+            TOPOLOGY,
+            "--steps",
+            str(steps),
+            "--full-state",
+            *tiers,
+            *more,
+        ]
         res = launch(argv, world_size=world, timeout_s=300, log_dir=case / "logs" / name)
         assert res.ok, (name, res, logs_of(case / "logs" / name)[-3000:])
         return ranks(case / name, world)
 
     for grown, extra in ((3, []), (4, ["--bf16"])):
         case, dump = tmp_path / f"to{grown}", tmp_path / f"to{grown}" / "full-step4.pt"
-        a = go(case, "a", 2, 4, *extra, "--durable-every", "2", "--certify", "--dump-full", str(dump))
+        a = go(
+            case, "a", 2, 4, *extra, "--durable-every", "2", "--certify", "--dump-full", str(dump)
+        )
         assert len({json.dumps(r["final_full"]) for r in a}) == 1
         shutil.rmtree(case / "local-a")  # every node's local folder is gone
         b = go(case, "b", grown, 6, *extra, "--durable-every", "2", "--certify")
         for r in b:
             assert r["decision"]["mode"] == "durable" and r["decision"]["step"] == 4, r["decision"]
-            assert r["resume_full"] == a[0]["final_full"], f"rank {r['rank']}: resharded state differs from step 4's"
-            assert r["resume_module"] == a[0]["module_digest"] and r["errors"] == [] and r["trust"]["6"] == "durable"
+            assert r["resume_full"] == a[0]["final_full"], (
+                f"rank {r['rank']}: resharded state differs from step 4's"
+            )
+            assert (
+                r["resume_module"] == a[0]["module_digest"]
+                and r["errors"] == []
+                and r["trust"]["6"] == "durable"
+            )
         if grown != 4:
             continue  # DeepSpeed's own safe_set_full_* cannot set a padded last slice (0.19.8): no reference on 3
         reference = go(case, "ref", grown, 6, *extra, "--load-full", str(dump), gemscout=False)
         for r, ref in zip(b, reference, strict=True):
-            assert ref["resume_full"] == a[0]["final_full"] and ref["resume_module"] == a[0]["module_digest"]
-            assert (r["state_digest"], r["final_full"], r["module_digest"]) == \
-                (ref["state_digest"], ref["final_full"], ref["module_digest"]), f"rank {r['rank']}: steps 5-6 differ"
+            assert (
+                ref["resume_full"] == a[0]["final_full"]
+                and ref["resume_module"] == a[0]["module_digest"]
+            )
+            assert (r["state_digest"], r["final_full"], r["module_digest"]) == (
+                ref["state_digest"],
+                ref["final_full"],
+                ref["module_digest"],
+            ), f"rank {r['rank']}: steps 5-6 differ"
             after = {s: v for s, v in r["losses"].items() if int(s) > 4}
             assert after == ref["losses"] and len(after) == 2
-            assert (r["global_steps"], r["global_samples"], r["lr"]) == \
-                (ref["global_steps"], ref["global_samples"], ref["lr"])
+            assert (r["global_steps"], r["global_samples"], r["lr"]) == (
+                ref["global_steps"],
+                ref["global_samples"],
+                ref["lr"],
+            )
         shutil.rmtree(case / "local-b")
         for c in go(case, "c", 2, 7, *extra):
             assert c["decision"]["mode"] == "durable" and c["decision"]["step"] == 6, c["decision"]
-            assert c["resume_full"] == b[0]["final_full"] and c["resume_module"] == b[0]["module_digest"]
+            assert (
+                c["resume_full"] == b[0]["final_full"]
+                and c["resume_module"] == b[0]["module_digest"]
+            )
             assert c["global_steps"] == 7
 
 
@@ -176,26 +277,57 @@ def test_zero3_durable_tier_resumes_on_another_world_size(tmp_path: Path) -> Non
 @pytest.mark.timeout(400)
 def test_zero3_scout_attributes_a_faulty_rank_and_leaves_training_alone(tmp_path: Path) -> None:
     world, fault_rank, fault_step, heal_step, block = 3, 2, 4, 7, 1
-    fault = ["--fault-rank", str(fault_rank), "--fault-step", str(fault_step), "--heal-step", str(heal_step),
-             "--fault-block", str(block)]
+    fault = [
+        "--fault-rank",
+        str(fault_rank),
+        "--fault-step",
+        str(fault_step),
+        "--heal-step",
+        str(heal_step),
+        "--fault-block",
+        str(block),
+    ]
     base = ["-m", "qualification.programs.ds_rank", "--topology", TOPOLOGY, "--steps", "10", *fault]
-    res = launch(base + ["--out", str(tmp_path / "run"), "--ckpt", str(tmp_path / "ckpt"), "--keep-generations",
-                         "12", "--scout"], world_size=world, timeout_s=300, log_dir=tmp_path / "logs" / "run")
+    res = launch(
+        base
+        + [
+            "--out",
+            str(tmp_path / "run"),
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--keep-generations",
+            "12",
+            "--scout",
+        ],
+        world_size=world,
+        timeout_s=300,
+        log_dir=tmp_path / "logs" / "run",
+    )
     assert res.ok, (res, logs_of(tmp_path / "logs" / "run")[-3000:])
-    res = launch(base + ["--out", str(tmp_path / "base")], world_size=world, timeout_s=300,
-                 log_dir=tmp_path / "logs" / "base")  # the same faulty training, without gemscout
+    res = launch(
+        base + ["--out", str(tmp_path / "base")],
+        world_size=world,
+        timeout_s=300,
+        log_dir=tmp_path / "logs" / "base",
+    )  # the same faulty training, without gemscout
     assert res.ok, res
     results = ranks(tmp_path / "run", world)
     for r, b in zip(results, ranks(tmp_path / "base", world), strict=True):
         # The cycle's gathers and the replays leave training as it is, bit for bit.
-        assert (r["state_digest"], r["module_digest"], r["losses"]) == \
-            (b["state_digest"], b["module_digest"], b["losses"])
-        for step, cycle in r["cycles"].items():  # every other replay agreed: the gathered weights are the real ones
+        assert (r["state_digest"], r["module_digest"], r["losses"]) == (
+            b["state_digest"],
+            b["module_digest"],
+            b["losses"],
+        )
+        for step, cycle in r[
+            "cycles"
+        ].items():  # every other replay agreed: the gathered weights are the real ones
             verdicts = {name: v for name, (v, _) in cycle["results"].items()}
             if int(step) != fault_step:
                 assert set(verdicts.values()) == {"agree"}, (step, verdicts)
-    check_sdc_attributed_and_gated(results, fault_rank=fault_rank, fault_step=fault_step, heal_step=heal_step,
-                                   block=block)
+    check_sdc_attributed_and_gated(
+        results, fault_rank=fault_rank, fault_step=fault_step, heal_step=heal_step, block=block
+    )
 
 
 @heavy
@@ -205,10 +337,24 @@ def test_zero3_rolls_back_in_process_bitwise(tmp_path: Path) -> None:
     parameters are gathered with step 5's weights: they are released, so the replayed steps 4-6 gather the restored
     partitions and the run ends bitwise equal to the plain 6 steps (without the release it does not)."""
     for name, extra in (("base", []), ("run", ["--ckpt", str(tmp_path / "ckpt")])):
-        res = launch(["-m", "qualification.programs.ds_zero3_rollback", "--out", str(tmp_path / name), *extra],
-                     world_size=2, timeout_s=200, log_dir=tmp_path / "logs" / name)
+        res = launch(
+            [
+                "-m",
+                "qualification.programs.ds_zero3_rollback",
+                "--out",
+                str(tmp_path / name),
+                *extra,
+            ],
+            world_size=2,
+            timeout_s=200,
+            log_dir=tmp_path / "logs" / name,
+        )
         assert res.ok, (name, res, logs_of(tmp_path / "logs" / name)[-3000:])
     for r, base in zip(ranks(tmp_path / "run", 2), ranks(tmp_path / "base", 2), strict=True):
         assert r["decision"]["mode"] == "restore" and r["decision"]["step"] == 3, r["decision"]
-        assert (r["state_digest"], r["module_digest"], r["losses"], r["global_steps"]) == \
-            (base["state_digest"], base["module_digest"], base["losses"], base["global_steps"])
+        assert (r["state_digest"], r["module_digest"], r["losses"], r["global_steps"]) == (
+            base["state_digest"],
+            base["module_digest"],
+            base["losses"],
+            base["global_steps"],
+        )

@@ -18,7 +18,11 @@ STEPS, KILL = 14, 8
 
 def argv(out: Path, ckpt: Path | None, *extra: str) -> list[str]:
     base = ["-m", "qualification.programs.train_rank", "--out", str(out), "--steps", str(STEPS)]
-    return base + (["--ckpt", str(ckpt), "--when-busy", "skip", "--io-delay-ms", "300"] if ckpt else []) + list(extra)
+    return (
+        base
+        + (["--ckpt", str(ckpt), "--when-busy", "skip", "--io-delay-ms", "300"] if ckpt else [])
+        + list(extra)
+    )
 
 
 def ranks(out: Path) -> list[dict]:
@@ -28,11 +32,17 @@ def ranks(out: Path) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_skip_when_busy_coalesces_identically_and_recovers_bitwise(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    assert launch(argv(tmp_path / "base", None), world_size=2, timeout_s=120, log_dir=logs / "base").ok
+    assert launch(
+        argv(tmp_path / "base", None), world_size=2, timeout_s=120, log_dir=logs / "base"
+    ).ok
     reference = ranks(tmp_path / "base")
     ckpt = tmp_path / "ckpt"
-    first = launch(argv(tmp_path / "run", ckpt, "--kill-rank", "1", "--kill-step", str(KILL)), world_size=2,
-                   timeout_s=120, log_dir=logs)
+    first = launch(
+        argv(tmp_path / "run", ckpt, "--kill-rank", "1", "--kill-step", str(KILL)),
+        world_size=2,
+        timeout_s=120,
+        log_dir=logs,
+    )
     assert first.returncodes[1] == -9, first
     shutil.rmtree(ckpt / "node-1")  # ranks_per_node=1: rank 1's node
     res = launch(argv(tmp_path / "run", ckpt), world_size=2, timeout_s=120, log_dir=logs, attempt=1)
@@ -45,5 +55,7 @@ def test_skip_when_busy_coalesces_identically_and_recovers_bitwise(tmp_path: Pat
     # the same ones on both ranks.
     assert out[0]["skipped_steps"], "nothing was skipped: the test did not exercise coalescing"
     assert out[0]["skipped_steps"] == out[1]["skipped_steps"]
-    assert all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(out)), "not bitwise"
+    assert all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(out)), (
+        "not bitwise"
+    )
     assert all(r["losses"] == reference[i]["losses"] for i, r in enumerate(out))

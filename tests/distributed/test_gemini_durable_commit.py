@@ -85,7 +85,12 @@ PROGRAM = textwrap.dedent("""
 def test_sharded_promotion_commits_only_when_every_rank_succeeded(tmp_path: Path) -> None:
     script = tmp_path / "promote_rank.py"
     script.write_text(PROGRAM)
-    res = launch([str(script), str(REPO), str(tmp_path)], world_size=2, timeout_s=180, log_dir=tmp_path / "logs")
+    res = launch(
+        [str(script), str(REPO), str(tmp_path)],
+        world_size=2,
+        timeout_s=180,
+        log_dir=tmp_path / "logs",
+    )
     assert res.ok, (res, (tmp_path / "logs" / "rank0.attempt0.log").read_text()[-3000:])
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in out:

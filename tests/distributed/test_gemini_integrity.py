@@ -32,14 +32,23 @@ def replica(ckpt: Path, owner: int, step: int) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("integrity")
-    assert launch(argv(root / "base", None, 8), world_size=WORLD, timeout_s=120, log_dir=root / "logs").ok
-    assert launch(argv(root / "first", root / "ckpt", 6), world_size=WORLD, timeout_s=120,
-                  log_dir=root / "logs", attempt=1).ok
+    assert launch(
+        argv(root / "base", None, 8), world_size=WORLD, timeout_s=120, log_dir=root / "logs"
+    ).ok
+    assert launch(
+        argv(root / "first", root / "ckpt", 6),
+        world_size=WORLD,
+        timeout_s=120,
+        log_dir=root / "logs",
+        attempt=1,
+    ).ok
     reference = json.loads((root / "base" / "rank0.json").read_text())
     return root, reference
 
 
-def relaunch(trained: tuple[Path, dict], name: str, corrupt) -> tuple[object, list[dict] | None, Path, Inventory]:
+def relaunch(
+    trained: tuple[Path, dict], name: str, corrupt
+) -> tuple[object, list[dict] | None, Path, Inventory]:
     """Copy the checkpoints, damage them, read them offline as ``gemscout inspect --verify`` does (what a restart
     should restore), then restart the job on them."""
     root, _ = trained
@@ -47,10 +56,17 @@ def relaunch(trained: tuple[Path, dict], name: str, corrupt) -> tuple[object, li
     shutil.copytree(root / "ckpt", case / "ckpt")
     corrupt(case / "ckpt")
     predicted = inventory(case / "ckpt", verify=True, world_size=WORLD)
-    res = launch(argv(case / "out", case / "ckpt", 8), world_size=WORLD, timeout_s=120, log_dir=case / "logs")
+    res = launch(
+        argv(case / "out", case / "ckpt", 8), world_size=WORLD, timeout_s=120, log_dir=case / "logs"
+    )
     if not res.ok:
         return res, None, case, predicted
-    return res, [json.loads((case / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)], case, predicted
+    return (
+        res,
+        [json.loads((case / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)],
+        case,
+        predicted,
+    )
 
 
 CASES = {
@@ -58,9 +74,17 @@ CASES = {
     "truncated-local": (lambda c: truncate(own(c, 1, 6)), 6, "peer:2", "truncated"),
     "deleted-digest-local": (lambda c: drop_digest(own(c, 1, 6)), 6, "peer:2", "malformed"),
     "byte-flip-replica-after-node-loss": (
-        lambda c: (shutil.rmtree(c / "node-1"), flip_byte(replica(c, 1, 6))), 5, "peer:2", "replica of rank 1 step 6"),
+        lambda c: (shutil.rmtree(c / "node-1"), flip_byte(replica(c, 1, 6))),
+        5,
+        "peer:2",
+        "replica of rank 1 step 6",
+    ),
     "deleted-digest-replica-after-node-loss": (
-        lambda c: (shutil.rmtree(c / "node-1"), drop_digest(replica(c, 1, 6))), 5, "peer:2", "malformed"),
+        lambda c: (shutil.rmtree(c / "node-1"), drop_digest(replica(c, 1, 6))),
+        5,
+        "peer:2",
+        "malformed",
+    ),
 }
 
 
@@ -76,9 +100,14 @@ def test_corruption_is_refused_and_recovery_falls_back(trained, name: str) -> No
     assert why in decision["reason"]
     # The offline inventory found the damaged file and predicted exactly what the restart did.
     assert any(why in bad or "digest" in bad for bad in predicted.unusable), predicted.unusable
-    assert (predicted.decision.step, predicted.decision.to_dict()["sources"]) == (step, decision["sources"])
+    assert (predicted.decision.step, predicted.decision.to_dict()["sources"]) == (
+        step,
+        decision["sources"],
+    )
     _, reference = trained
-    assert all(r["state_digest"] == reference["state_digest"] for r in ranks), "recovered run diverged"
+    assert all(r["state_digest"] == reference["state_digest"] for r in ranks), (
+        "recovered run diverged"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -103,8 +132,16 @@ def test_checkpoints_of_another_run_are_refused_with_exit_code_2(trained) -> Non
     root, _ = trained
     case = root / "other-run"
     shutil.copytree(root / "ckpt", case / "ckpt")
-    res = launch(argv(case / "out", case / "ckpt", 8) + ["--run-id", "someone-else"], world_size=WORLD,
-                 timeout_s=120, log_dir=case / "logs")
+    res = launch(
+        argv(case / "out", case / "ckpt", 8) + ["--run-id", "someone-else"],
+        world_size=WORLD,
+        timeout_s=120,
+        log_dir=case / "logs",
+    )
     assert not res.ok and 2 in res.returncodes, res  # RunMismatchError.exit_code
     log = (case / "logs" / f"rank{res.first_failed}.attempt0.log").read_text()
-    assert "RunMismatchError" in log and "resume with run_id='qualify'" in log and "Traceback" not in log
+    assert (
+        "RunMismatchError" in log
+        and "resume with run_id='qualify'" in log
+        and "Traceback" not in log
+    )

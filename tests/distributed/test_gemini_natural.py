@@ -16,8 +16,16 @@ from qualification.programs.lifecycle import run_cell
 
 
 def cell(fault: dict) -> dict:
-    return {"id": "natural", "world_size": 4, "workload": "three-block", "topology": "hsdp", "seed": 0,
-            "timeout_s": 150, "fault": fault, "params": {"steps": 6, "replication": "natural"}}
+    return {
+        "id": "natural",
+        "world_size": 4,
+        "workload": "three-block",
+        "topology": "hsdp",
+        "seed": 0,
+        "timeout_s": 150,
+        "fault": fault,
+        "params": {"steps": 6, "replication": "natural"},
+    }
 
 
 @heavy("lifecycle-natural-*", "topologies", "three 4-rank HSDP launches, ~90 s on 2 cores")
@@ -27,11 +35,29 @@ def test_hsdp_natural_replicas_recover_bitwise_and_send_less(tmp_path: Path) -> 
     assert healthy["status"] == "passed", healthy
     assert not healthy["observed"]["errors"], healthy["observed"]["errors"]
     natural = healthy["metrics"]["stats_rank0"]
-    assert natural["natural_divergent_shards"] == 0, "HSDP replicate peers should hold identical shards"
+    assert natural["natural_divergent_shards"] == 0, (
+        "HSDP replicate peers should hold identical shards"
+    )
 
-    ring_run = launch(["-m", "qualification.programs.train_rank", "--out", str(tmp_path / "ring"), "--steps", "6",
-                       "--ckpt", str(tmp_path / "ring-ckpt"), "--topology", "hsdp", "--workload", "three-block"],
-                      world_size=4, timeout_s=150, log_dir=tmp_path / "logs")
+    ring_run = launch(
+        [
+            "-m",
+            "qualification.programs.train_rank",
+            "--out",
+            str(tmp_path / "ring"),
+            "--steps",
+            "6",
+            "--ckpt",
+            str(tmp_path / "ring-ckpt"),
+            "--topology",
+            "hsdp",
+            "--workload",
+            "three-block",
+        ],
+        world_size=4,
+        timeout_s=150,
+        log_dir=tmp_path / "logs",
+    )
     assert ring_run.ok, ring_run
     ring_rank0 = json.loads((tmp_path / "ring" / "rank0.json").read_text())
     assert not ring_rank0["errors"], ring_rank0["errors"]
@@ -47,5 +73,7 @@ def test_hsdp_natural_replicas_recover_bitwise_and_send_less(tmp_path: Path) -> 
     assert obs["rank_exit_codes"][1] == -9
     assert obs["decision"]["sources"]["1"] == "peer:3", obs["decision"]
     assert obs["bitwise_equal"] and obs["losses_equal"], killed
-    print(f"\nreplicated bytes over 7 captures, rank 0: natural {natural['replicate_sent_bytes']}, "
-          f"ring {ring['replicate_sent_bytes']}")
+    print(
+        f"\nreplicated bytes over 7 captures, rank 0: natural {natural['replicate_sent_bytes']}, "
+        f"ring {ring['replicate_sent_bytes']}"
+    )

@@ -76,8 +76,15 @@ import os; os._exit(0)
 
 
 @pytest.mark.timeout(180)
-def test_a_source_that_fails_its_digests_is_dropped_and_the_next_one_is_used(tmp_path: Path) -> None:
-    res = launch(["-c", PROGRAM, str(tmp_path / "ckpt")], world_size=2, timeout_s=150, log_dir=tmp_path / "logs")
+def test_a_source_that_fails_its_digests_is_dropped_and_the_next_one_is_used(
+    tmp_path: Path,
+) -> None:
+    res = launch(
+        ["-c", PROGRAM, str(tmp_path / "ckpt")],
+        world_size=2,
+        timeout_s=150,
+        log_dir=tmp_path / "logs",
+    )
     logs = "".join((tmp_path / "logs" / f"rank{r}.attempt0.log").read_text() for r in range(2))
     assert res.ok, logs
     assert logs.count("CASE1 OK") == 2 and logs.count("CASE2 OK") == 2, logs

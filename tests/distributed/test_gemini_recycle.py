@@ -34,24 +34,43 @@ def temps(root: Path) -> list[Path]:
 @pytest.mark.timeout(300)
 def test_spares_of_a_killed_rank_are_cleaned_and_recovery_is_bitwise(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    assert launch(argv(tmp_path / "base", None), world_size=2, timeout_s=120, log_dir=logs / "base").ok
+    assert launch(
+        argv(tmp_path / "base", None), world_size=2, timeout_s=120, log_dir=logs / "base"
+    ).ok
     reference = ranks(tmp_path / "base")
     ckpt = tmp_path / "ckpt"
-    first = launch(argv(tmp_path / "run", ckpt, "--kill-rank", "1", "--kill-step", str(KILL), "--kill-phase",
-                        "persist"), world_size=2, timeout_s=120, log_dir=logs)
+    first = launch(
+        argv(
+            tmp_path / "run",
+            ckpt,
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            str(KILL),
+            "--kill-phase",
+            "persist",
+        ),
+        world_size=2,
+        timeout_s=120,
+        log_dir=logs,
+    )
     assert first.returncodes[1] == -9, first
     # Killed before writing step KILL: the captures before it pruned into spares, one per folder of rank 1.
     own = ckpt / "node-1" / "rank-1" / "own"
     spares = [p for p in temps(ckpt / "node-1") if p.name.endswith("-spare")]
     assert any(p.parent == own for p in spares), sorted(p.name for p in own.iterdir())
-    assert all(p.parent.name in ("own",) or p.parent.name.startswith("owner-") for p in spares), spares
+    assert all(p.parent.name in ("own",) or p.parent.name.startswith("owner-") for p in spares), (
+        spares
+    )
     assert store.list_steps(own)[0] == KILL - 1
 
     res = launch(argv(tmp_path / "run", ckpt), world_size=2, timeout_s=120, log_dir=logs, attempt=1)
     assert res.ok, res
     out = ranks(tmp_path / "run")
     assert all(not r["errors"] for r in out), [r["errors"] for r in out]
-    assert all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(out)), "not bitwise"
+    assert all(r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(out)), (
+        "not bitwise"
+    )
     assert all(r["losses"] == reference[i]["losses"] for i, r in enumerate(out))
     # The relaunch removed the dead writer's spares; its own close discarded its own: only published files remain.
     assert temps(ckpt) == []

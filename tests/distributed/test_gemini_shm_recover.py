@@ -65,21 +65,47 @@ os._exit(0)
 # Two launches of two ranks (~20 s on an idle 2-core host): kept out of CI's 30 minutes. The default run covers a
 # mutated slot file in process (tests/distributed/test_recovery_total.py, case E) and the memory tier surviving a real
 # SIGKILL (tests/distributed/test_gemini_lifecycle.py: the survivors restore from memory).
-@pytest.mark.skipif(not os.environ.get("GEMSCOUT_HEAVY_TESTS"), reason="two relaunches: set GEMSCOUT_HEAVY_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("GEMSCOUT_HEAVY_TESTS"), reason="two relaunches: set GEMSCOUT_HEAVY_TESTS=1"
+)
 @pytest.mark.timeout(150)
-def test_a_mutated_slot_that_outlived_its_process_is_refused_and_its_peer_replica_restores(tmp_path: Path) -> None:
+def test_a_mutated_slot_that_outlived_its_process_is_refused_and_its_peer_replica_restores(
+    tmp_path: Path,
+) -> None:
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    first = launch(["-c", PROGRAM, str(ckpt), "first"], world_size=2, local_world_size=1, timeout_s=60, log_dir=logs)
+    first = launch(
+        ["-c", PROGRAM, str(ckpt), "first"],
+        world_size=2,
+        local_world_size=1,
+        timeout_s=60,
+        log_dir=logs,
+    )
     assert first.returncodes == [-9, -9], (logs / "rank0.attempt0.log").read_text()
     again = launch(
-        ["-c", PROGRAM, str(ckpt), "relaunch"], world_size=2, local_world_size=1, timeout_s=60, log_dir=logs, attempt=1
+        ["-c", PROGRAM, str(ckpt), "relaunch"],
+        world_size=2,
+        local_world_size=1,
+        timeout_s=60,
+        log_dir=logs,
+        attempt=1,
     )
     log = [(logs / f"rank{r}.attempt1.log").read_text() for r in (0, 1)]
     assert again.ok, log
-    results = [json.loads(next(line for line in text.splitlines() if line.startswith("RESULT"))[7:]) for text in log]
+    results = [
+        json.loads(next(line for line in text.splitlines() if line.startswith("RESULT"))[7:])
+        for text in log
+    ]
     for r, res in enumerate(results):
         # Rank 1's own slot was proposed as memory, refused when loaded, and the ranks decided again.
-        assert res["step"] == 3 and res["sources"] == {"0": "memory", "1": "peer:0"}, (r, res, log[r][-3000:])
+        assert res["step"] == 3 and res["sources"] == {"0": "memory", "1": "peer:0"}, (
+            r,
+            res,
+            log[r][-3000:],
+        )
         assert res["equal"], (r, "restored state is not the state before the kill")
-    assert "step 3 from memory failed verification on rank 1 (tensor 0 digest mismatch)" in log[1], log[1][-3000:]
-    assert not any(ckpt.glob("node-*/rank-*/memory.json")), "close() released the memory tier and its anchors"
+    assert (
+        "step 3 from memory failed verification on rank 1 (tensor 0 digest mismatch)" in log[1]
+    ), log[1][-3000:]
+    assert not any(ckpt.glob("node-*/rank-*/memory.json")), (
+        "close() released the memory tier and its anchors"
+    )

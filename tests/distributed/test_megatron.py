@@ -34,15 +34,32 @@ import pytest
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="megatron-core is not installed (pip install -e '.[megatron]')",
+)
 
 STEPS = 6
 
 
-def _run(tmp: Path, name: str, world: int, args: list[str], *, ok: bool = True, attempt: int = 0) -> None:
-    res = launch(["-m", "qualification.programs.megatron_rank", "--out", str(tmp / name), "--steps", str(STEPS)]
-                 + args, world_size=world, timeout_s=240, log_dir=tmp / "logs" / name, attempt=attempt)
+def _run(
+    tmp: Path, name: str, world: int, args: list[str], *, ok: bool = True, attempt: int = 0
+) -> None:
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.megatron_rank",
+            "--out",
+            str(tmp / name),
+            "--steps",
+            str(STEPS),
+        ]
+        + args,
+        world_size=world,
+        timeout_s=240,
+        log_dir=tmp / "logs" / name,
+        attempt=attempt,
+    )
     assert res.ok == ok, (res, sorted((tmp / "logs" / name).glob("*.log")))
 
 
@@ -51,7 +68,9 @@ def ranks(folder: Path, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(600)
-def test_tp2_dp2_peers_are_the_data_parallel_group_and_a_healthy_run_is_bitwise(tmp_path: Path) -> None:
+def test_tp2_dp2_peers_are_the_data_parallel_group_and_a_healthy_run_is_bitwise(
+    tmp_path: Path,
+) -> None:
     world = 4
     _run(tmp_path, "base", world, ["--tp", "2"])
     _run(tmp_path, "run", world, ["--tp", "2", "--ckpt", str(tmp_path / "ckpt"), "--scout"])
@@ -67,42 +86,81 @@ def test_tp2_dp2_peers_are_the_data_parallel_group_and_a_healthy_run_is_bitwise(
         assert [rep for rep in g["reports"] if rep["kind"] == "sdc"] == []
         assert "recovery_verified" in g["trust"].values(), g["trust"]  # SCOUT ran and certified
         assert g["closed_by_destroy"] is True
-    assert base[0]["state_digest"] == base[2]["state_digest"] != base[1]["state_digest"]  # TP shards differ
+    assert (
+        base[0]["state_digest"] == base[2]["state_digest"] != base[1]["state_digest"]
+    )  # TP shards differ
 
 
 @pytest.mark.timeout(600)
-def test_tp2_sigkill_and_node_loss_recover_bitwise_through_the_lifecycle_driver(tmp_path: Path) -> None:
+def test_tp2_sigkill_and_node_loss_recover_bitwise_through_the_lifecycle_driver(
+    tmp_path: Path,
+) -> None:
     # The campaign path: the lifecycle driver runs the baseline, the killed run, deletes the killed rank's node
     # folder, relaunches, and compares every rank's shard with the baseline's.
-    cell = {"id": "t", "world_size": 2, "workload": "gpt-megatron", "topology": "megatron-tp2", "seed": 0,
-            "timeout_s": 240, "params": {"steps": STEPS},
-            "fault": {"kind": "sigkill", "rank": 1, "step": 4, "phase": "after-step", "node_loss": True}}
+    cell = {
+        "id": "t",
+        "world_size": 2,
+        "workload": "gpt-megatron",
+        "topology": "megatron-tp2",
+        "seed": 0,
+        "timeout_s": 240,
+        "params": {"steps": STEPS},
+        "fault": {
+            "kind": "sigkill",
+            "rank": 1,
+            "step": 4,
+            "phase": "after-step",
+            "node_loss": True,
+        },
+    }
     result = run_cell(cell, tmp_path)
     obs = result["observed"]
     assert obs["rank_exit_codes"][1] == -9
-    assert obs["recovered_step"] == 4 and obs["decision"]["sources"]["1"].startswith("peer:"), obs["decision"]
+    assert obs["recovered_step"] == 4 and obs["decision"]["sources"]["1"].startswith("peer:"), obs[
+        "decision"
+    ]
     assert result["status"] == "passed" and obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["replicas_equal"] and obs["final_step"] == STEPS
     base, run = ranks(tmp_path / "baseline", 2), ranks(tmp_path / "run", 2)
-    assert base[0]["state_digest"] != base[1]["state_digest"]  # two TP shards, each recovered to its own
+    assert (
+        base[0]["state_digest"] != base[1]["state_digest"]
+    )  # two TP shards, each recovered to its own
     assert all(r["resume_step"] == 4 and r["tp"] == 2 for r in run)
 
 
 @pytest.mark.timeout(600)
 def test_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
     world, fault_rank, fault_step = 3, 2, 3
-    _run(tmp_path, "run", world, ["--ckpt", str(tmp_path / "ckpt"), "--scout", "--keep-generations", "8",
-                                  "--fault-rank", str(fault_rank), "--fault-step", str(fault_step),
-                                  "--fault-recipe", "hidden.1"])
+    _run(
+        tmp_path,
+        "run",
+        world,
+        [
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--scout",
+            "--keep-generations",
+            "8",
+            "--fault-rank",
+            str(fault_rank),
+            "--fault-step",
+            str(fault_step),
+            "--fault-recipe",
+            "hidden.1",
+        ],
+    )
     results = ranks(tmp_path / "run", world)
     for r in results:
         assert r["peers"] == [0, 1, 2]
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc"]
-        assert [(rep["step"], rep["recipe"], list(rep["ranks"])) for rep in sdc] == [(fault_step, "hidden.1",
-                                                                                      [fault_rank])], sdc
+        assert [(rep["step"], rep["recipe"], list(rep["ranks"])) for rep in sdc] == [
+            (fault_step, "hidden.1", [fault_rank])
+        ], sdc
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
         assert decision["mode"] == "restore" and decision["step"] < fault_step, decision
-    assert results[fault_rank]["fired"] and all(not r["fired"] for r in results if r["rank"] != fault_rank)
+    assert results[fault_rank]["fired"] and all(
+        not r["fired"] for r in results if r["rank"] != fault_rank
+    )
 
 
 @pytest.mark.timeout(600)
@@ -113,18 +171,36 @@ def test_tp2_dp2_a_missing_capture_stops_the_tp_replay_on_every_rank(tmp_path: P
     # timeout. The readiness all-gather must stop those replays on every rank instead.
     world, drop_rank, drop_step = 4, 0, 4
     _run(tmp_path, "base", world, ["--tp", "2"])
-    _run(tmp_path, "run", world, ["--tp", "2", "--ckpt", str(tmp_path / "ckpt"), "--scout",
-                                  "--drop-capture-rank", str(drop_rank), "--drop-capture-step", str(drop_step)])
+    _run(
+        tmp_path,
+        "run",
+        world,
+        [
+            "--tp",
+            "2",
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--scout",
+            "--drop-capture-rank",
+            str(drop_rank),
+            "--drop-capture-step",
+            str(drop_step),
+        ],
+    )
     base, run = ranks(tmp_path / "base", world), ranks(tmp_path / "run", world)
     for r, (b, g) in enumerate(zip(base, run, strict=True)):
-        assert g["state_digest"] == b["state_digest"] and g["losses"] == b["losses"], f"rank {r}: training changed"
+        assert g["state_digest"] == b["state_digest"] and g["losses"] == b["losses"], (
+            f"rank {r}: training changed"
+        )
         assert [rep for rep in g["reports"] if rep["kind"] == "sdc"] == [] and g["errors"] == []
         assert sorted(g["cycles"]) == [str(s) for s in range(1, STEPS + 1)], "a cycle is missing"
         for step, cycle in g["cycles"].items():
             verdicts = cycle["verdicts"]
             forward = {n: v for n, v in verdicts.items() if not n.startswith("optimizer")}
             assert "hidden.0" in forward or "hidden.1" in forward, verdicts
-            assert all(v["verdict"] == "agree" for n, v in verdicts.items() if n not in forward), verdicts
+            assert all(v["verdict"] == "agree" for n, v in verdicts.items() if n not in forward), (
+                verdicts
+            )
             if int(step) != drop_step:
                 assert all(v["verdict"] == "agree" for v in forward.values()), (step, verdicts)
                 # Megatron's TP blocks replay with their all-reduces, timed on every rank as communication.
@@ -132,13 +208,21 @@ def test_tp2_dp2_a_missing_capture_stops_the_tp_replay_on_every_rank(tmp_path: P
                 assert sorted(cycle["collective_s"][hidden]) == ["0", "1", "2", "3"], cycle
                 assert all(s > 0 for s in cycle["collective_s"][hidden].values()), cycle
                 continue
-            assert forward.keys() & cycle["collective_s"].keys() == set(), cycle  # no rank entered a replay
+            assert forward.keys() & cycle["collective_s"].keys() == set(), (
+                cycle
+            )  # no rank entered a replay
             assert "hidden.0" in forward, verdicts
             for name, v in forward.items():
                 assert v["verdict"] == "inconclusive", (name, v)
                 # Group [1, 3] had the inputs and was stopped by the readiness check; [0, 2] had none.
-                assert "not replayed on any rank: ranks [0, 2] have no inputs" in v["reason"], (name, v)
-                assert "['tp']" in v["reason"] and f"source rank {drop_rank} has no capture" in v["reason"], v
+                assert "not replayed on any rank: ranks [0, 2] have no inputs" in v["reason"], (
+                    name,
+                    v,
+                )
+                assert (
+                    "['tp']" in v["reason"]
+                    and f"source rank {drop_rank} has no capture" in v["reason"]
+                ), v
         assert g["cycles"] == run[0]["cycles"], f"rank {r} judged otherwise than rank 0"
 
 
@@ -148,13 +232,36 @@ def test_scout_refuses_an_expert_tp_size_of_its_own_with_exit_code_2(tmp_path: P
     # it, and the refusal must not depend on the model having experts): expert weights would be laid out otherwise
     # than the dense TP shards SCOUT's mesh describes. Expert parallelism at tp=1 is supported
     # (tests/distributed/test_megatron_moe.py); EP with TP or CP is refused as well (tests/unit/test_adapters_megatron_ep.py).
-    res = launch(["-m", "qualification.programs.megatron_rank", "--out", str(tmp_path / "ep"), "--steps", "2",
-                  "--tp", "2", "--etp", "1", "--scout", "--ckpt", str(tmp_path / "ckpt")], world_size=2,
-                 timeout_s=200, log_dir=tmp_path / "logs")
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.megatron_rank",
+            "--out",
+            str(tmp_path / "ep"),
+            "--steps",
+            "2",
+            "--tp",
+            "2",
+            "--etp",
+            "1",
+            "--scout",
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+        ],
+        world_size=2,
+        timeout_s=200,
+        log_dir=tmp_path / "logs",
+    )
     # The first rank to fail exits 2; the launcher then stops the other (2 as well, or -9 if it was still starting).
-    assert not res.ok and res.returncodes[res.first_failed] == 2 and set(res.returncodes) <= {2, -9}, res
+    assert (
+        not res.ok and res.returncodes[res.first_failed] == 2 and set(res.returncodes) <= {2, -9}
+    ), res
     log = (tmp_path / "logs" / f"rank{res.first_failed}.attempt0.log").read_text(errors="replace")
-    assert "SCOUT does not support this expert layout yet" in log and "Traceback" not in log, log[-2000:]
-    assert "'expert_tensor_parallel_size': 1" in log and "'tensor_model_parallel_size': 2" in log, log[-2000:]
+    assert "SCOUT does not support this expert layout yet" in log and "Traceback" not in log, log[
+        -2000:
+    ]
+    assert "'expert_tensor_parallel_size': 1" in log and "'tensor_model_parallel_size': 2" in log, (
+        log[-2000:]
+    )
     written = sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
     assert written == [], f"refused before anything was written: {written}"

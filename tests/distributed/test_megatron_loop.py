@@ -35,16 +35,33 @@ import pytest
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="megatron-core is not installed (pip install -e '.[megatron]')",
+)
 
 STEPS = 6
 DDP = ["--distopt", "--overlap"]
 
 
-def _run(tmp: Path, name: str, world: int, args: list[str], *, ok: bool = True, attempt: int = 0) -> list[Any]:
-    res = launch(["-m", "qualification.programs.megatron_loop_rank", "--out", str(tmp / name), "--steps", str(STEPS)]
-                 + args, world_size=world, timeout_s=240, log_dir=tmp / "logs" / name, attempt=attempt)
+def _run(
+    tmp: Path, name: str, world: int, args: list[str], *, ok: bool = True, attempt: int = 0
+) -> list[Any]:
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.megatron_loop_rank",
+            "--out",
+            str(tmp / name),
+            "--steps",
+            str(STEPS),
+        ]
+        + args,
+        world_size=world,
+        timeout_s=240,
+        log_dir=tmp / "logs" / name,
+        attempt=attempt,
+    )
     assert res.ok == ok, (res, sorted((tmp / "logs" / name).glob("*.log")))
     return _read(tmp / name, world) if ok else res.returncodes
 
@@ -54,63 +71,135 @@ def _read(folder: Path, world: int) -> list[Any]:
 
 
 @pytest.mark.timeout(600)
-def test_ddp_distopt_healthy_run_is_bitwise_and_sigkill_plus_node_loss_recovers_bitwise(tmp_path: Path) -> None:
+def test_ddp_distopt_healthy_run_is_bitwise_and_sigkill_plus_node_loss_recovers_bitwise(
+    tmp_path: Path,
+) -> None:
     base = _run(tmp_path, "base", 2, DDP)
-    healthy = _run(tmp_path, "healthy", 2, DDP + ["--ckpt", str(tmp_path / "ck-healthy"), "--scout"])
+    healthy = _run(
+        tmp_path, "healthy", 2, DDP + ["--ckpt", str(tmp_path / "ck-healthy"), "--scout"]
+    )
     for r, (b, g) in enumerate(zip(base, healthy, strict=True)):
-        assert b["optimizer"] == ["DistributedOptimizer"] and b["replicas_equal"] and b["grad_syncs"] == STEPS, b
+        assert (
+            b["optimizer"] == ["DistributedOptimizer"]
+            and b["replicas_equal"]
+            and b["grad_syncs"] == STEPS
+        ), b
         assert g["peers"] == [0, 1] and g["errors"] == [] and g["reports"] == [], g
-        assert sorted(g["verdicts"]) == [str(s) for s in range(1, STEPS + 1)], "a SCOUT cycle is missing"
-        assert all(v == "agree" for cycle in g["verdicts"].values() for v in cycle.values()), g["verdicts"]
+        assert sorted(g["verdicts"]) == [str(s) for s in range(1, STEPS + 1)], (
+            "a SCOUT cycle is missing"
+        )
+        assert all(v == "agree" for cycle in g["verdicts"].values() for v in cycle.values()), g[
+            "verdicts"
+        ]
         assert "recovery_verified" in g["trust"].values(), g["trust"]  # SCOUT ran and certified
-        assert (g["state_digest"], g["losses"]) == (b["state_digest"], b["losses"]), f"rank {r}: trajectory changed"
-    assert base[0]["state_digest"] != base[1]["state_digest"]  # each rank's optimizer shard is its own
+        assert (g["state_digest"], g["losses"]) == (b["state_digest"], b["losses"]), (
+            f"rank {r}: trajectory changed"
+        )
+    assert (
+        base[0]["state_digest"] != base[1]["state_digest"]
+    )  # each rank's optimizer shard is its own
 
     ckpt = tmp_path / "ck-kill"
-    codes = _run(tmp_path, "killed", 2, DDP + ["--ckpt", str(ckpt), "--kill-rank", "1", "--kill-step", "4"], ok=False)
+    codes = _run(
+        tmp_path,
+        "killed",
+        2,
+        DDP + ["--ckpt", str(ckpt), "--kill-rank", "1", "--kill-step", "4"],
+        ok=False,
+    )
     assert codes[1] == -9, codes
-    shutil.rmtree(ckpt / "node-1")  # the node is gone with the process: only the peer's replica remains
+    shutil.rmtree(
+        ckpt / "node-1"
+    )  # the node is gone with the process: only the peer's replica remains
     run = _run(tmp_path, "killed", 2, DDP + ["--ckpt", str(ckpt)], attempt=1)
     for r, (b, g) in enumerate(zip(base, run, strict=True)):
         assert g["resume_step"] == 4 and g["decision"]["mode"] == "restore", g["decision"]
         assert g["grad_syncs"] == STEPS - 4, g["grad_syncs"]
-        assert g["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, g["decision"]  # rank 0: its memory tier
-        assert (g["state_digest"], g["losses"]) == (b["state_digest"], b["losses"]), f"rank {r}: not recovered"
+        assert g["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, g[
+            "decision"
+        ]  # rank 0: its memory tier
+        assert (g["state_digest"], g["losses"]) == (b["state_digest"], b["losses"]), (
+            f"rank {r}: not recovered"
+        )
 
 
 @pytest.mark.timeout(600)
 def test_fp32_optimizer_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
     fault_rank, fault_step = 2, 3
-    results = _run(tmp_path, "dp3", 3, ["--ckpt", str(tmp_path / "ckpt"), "--scout", "--keep-generations", "8",
-                                        "--fault-rank", str(fault_rank), "--fault-step", str(fault_step)])
+    results = _run(
+        tmp_path,
+        "dp3",
+        3,
+        [
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--scout",
+            "--keep-generations",
+            "8",
+            "--fault-rank",
+            str(fault_rank),
+            "--fault-step",
+            str(fault_step),
+        ],
+    )
     for r in results:
-        assert r["optimizer"] == ["FP32Optimizer"] and r["peers"] == [0, 1, 2] and r["replicas_equal"], r
+        assert (
+            r["optimizer"] == ["FP32Optimizer"] and r["peers"] == [0, 1, 2] and r["replicas_equal"]
+        ), r
         assert r["grad_syncs"] == STEPS, r["grad_syncs"]
-        sdc = [(rep["step"], rep["recipe"], list(rep["ranks"])) for rep in r["reports"] if rep["kind"] == "sdc"]
+        sdc = [
+            (rep["step"], rep["recipe"], list(rep["ranks"]))
+            for rep in r["reports"]
+            if rep["kind"] == "sdc"
+        ]
         assert sdc == [(fault_step, "hidden.1", [fault_rank])], sdc
         assert r["verdicts"][str(fault_step)]["hidden.1"] == "attributed", r["verdicts"]
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
         assert decision["mode"] == "restore" and decision["step"] < fault_step, decision
         # The candidate captured after the last certification cannot be trusted: rejected job-wide.
         assert "rejected" in r["trust"].values() and r["trust"] == results[0]["trust"], r["trust"]
-    assert results[fault_rank]["fired"] and all(not r["fired"] for r in results if r["rank"] != fault_rank)
+    assert results[fault_rank]["fired"] and all(
+        not r["fired"] for r in results if r["rank"] != fault_rank
+    )
 
 
 @pytest.mark.timeout(600)
 def test_pipeline_1f1b_distopt_sigkill_plus_node_loss_recovers_bitwise_through_the_lifecycle_driver(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # The campaign path (topology megatron-pp2): baseline, killed run, node folder deleted, relaunch, compared stage
     # by stage with the baseline. Rank 1 is the last stage: it holds the loss, the output layer and its optimizer shard.
-    cell = {"id": "t", "world_size": 2, "workload": "gpt-megatron", "topology": "megatron-pp2", "seed": 0,
-            "timeout_s": 240, "params": {"steps": STEPS},
-            "fault": {"kind": "sigkill", "rank": 1, "step": 3, "phase": "after-step", "node_loss": True}}
+    cell = {
+        "id": "t",
+        "world_size": 2,
+        "workload": "gpt-megatron",
+        "topology": "megatron-pp2",
+        "seed": 0,
+        "timeout_s": 240,
+        "params": {"steps": STEPS},
+        "fault": {
+            "kind": "sigkill",
+            "rank": 1,
+            "step": 3,
+            "phase": "after-step",
+            "node_loss": True,
+        },
+    }
     result = run_cell(cell, tmp_path)
     obs = result["observed"]
     assert obs["rank_exit_codes"][1] == -9
-    assert obs["recovered_step"] == 3 and obs["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, obs
+    assert obs["recovered_step"] == 3 and obs["decision"]["sources"] == {
+        "0": "memory",
+        "1": "peer:0",
+    }, obs
     assert result["status"] == "passed" and obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["final_step"] == STEPS and obs["replicas_equal"] and obs["errors"] == []
     base, run = (_read(tmp_path / name, 2) for name in ("baseline", "run"))
-    assert [r["pp_rank"] for r in run] == [0, 1] and base[0]["state_digest"] != base[1]["state_digest"]
+    assert [r["pp_rank"] for r in run] == [0, 1] and base[0]["state_digest"] != base[1][
+        "state_digest"
+    ]
     assert all(r["resume_step"] == 3 and r["optimizer"] == ["DistributedOptimizer"] for r in run)
-    assert [b["grad_syncs"] for b in base] == [STEPS, STEPS] and [r["grad_syncs"] for r in run] == [3, 3]
+    assert [b["grad_syncs"] for b in base] == [STEPS, STEPS] and [r["grad_syncs"] for r in run] == [
+        3,
+        3,
+    ]

@@ -41,11 +41,21 @@ import pytest
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="megatron-core is not installed (pip install -e '.[megatron]')",
+)
 
-STEPS, FAULT_RANK, FAULT_STEP, RECIPE = 8, 2, 3, "hidden.1"  # hidden.1 is due at odd steps (two layers)
-A2A_RANK, A2A_STEP = 3, 2  # early: a gate at step 7 would reject 5 and 6 before anything after the fault certifies
+STEPS, FAULT_RANK, FAULT_STEP, RECIPE = (
+    8,
+    2,
+    3,
+    "hidden.1",
+)  # hidden.1 is due at odd steps (two layers)
+A2A_RANK, A2A_STEP = (
+    3,
+    2,
+)  # early: a gate at step 7 would reject 5 and 6 before anything after the fault certifies
 HEAVY = os.environ.get("GEMSCOUT_HEAVY_TESTS") == "1"
 
 
@@ -55,11 +65,33 @@ def ranks(folder: Path, world: int) -> list[dict[str, Any]]:
 
 def scout_run(tmp: Path, world: int, fault_rank: int, *extra: str) -> list[dict[str, Any]]:
     out = tmp / "scout"
-    res = launch(["-m", "qualification.programs.megatron_rank", "--out", str(out), "--steps", str(STEPS),
-                  "--topology", "megatron-ep2", "--ckpt", str(tmp / "scout-ckpt"), "--scout", "--keep-generations",
-                  "8", "--fault-rank", str(fault_rank), "--fault-step", str(FAULT_STEP), "--fault-recipe", RECIPE,
-                  *extra],
-                 world_size=world, timeout_s=300, log_dir=tmp / "logs" / "scout")
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.megatron_rank",
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--topology",
+            "megatron-ep2",
+            "--ckpt",
+            str(tmp / "scout-ckpt"),
+            "--scout",
+            "--keep-generations",
+            "8",
+            "--fault-rank",
+            str(fault_rank),
+            "--fault-step",
+            str(FAULT_STEP),
+            "--fault-recipe",
+            RECIPE,
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=300,
+        log_dir=tmp / "logs" / "scout",
+    )
     assert res.ok, (res, sorted((tmp / "logs" / "scout").glob("*.log")))
     return ranks(out, world)
 
@@ -77,89 +109,176 @@ def check_sdc_handled(r: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_ep2_scout_detects_a_replay_fault_in_its_pair_and_training_stays_bitwise(tmp_path: Path) -> None:
-    base_run = launch(["-m", "qualification.programs.megatron_rank", "--out", str(tmp_path / "baseline"), "--steps",
-                       str(STEPS), "--topology", "megatron-ep2"], world_size=4, timeout_s=300,
-                      log_dir=tmp_path / "logs" / "baseline")
+def test_ep2_scout_detects_a_replay_fault_in_its_pair_and_training_stays_bitwise(
+    tmp_path: Path,
+) -> None:
+    base_run = launch(
+        [
+            "-m",
+            "qualification.programs.megatron_rank",
+            "--out",
+            str(tmp_path / "baseline"),
+            "--steps",
+            str(STEPS),
+            "--topology",
+            "megatron-ep2",
+        ],
+        world_size=4,
+        timeout_s=300,
+        log_dir=tmp_path / "logs" / "baseline",
+    )
     assert base_run.ok, base_run
     base = ranks(tmp_path / "baseline", 4)
     # Expert shards differ across the EP group, replicas agree across the expert-data-parallel group.
-    assert base[0]["state_digest"] == base[2]["state_digest"] != base[1]["state_digest"] == base[3]["state_digest"]
-    assert all(r["ep"] == 2 and r["ep_rank"] == i % 2 and r["replicas_equal"] for i, r in enumerate(base))
+    assert (
+        base[0]["state_digest"]
+        == base[2]["state_digest"]
+        != base[1]["state_digest"]
+        == base[3]["state_digest"]
+    )
+    assert all(
+        r["ep"] == 2 and r["ep_rank"] == i % 2 and r["replicas_equal"] for i, r in enumerate(base)
+    )
 
     # GEMINI + SCOUT, a replay fault on rank 2 and a corrupted AllToAll replay send on rank 3: training is untouched,
     # so every rank must match the baseline.
-    for i, r in enumerate(scout_run(tmp_path, 4, FAULT_RANK, "--a2a-corrupt-rank", str(A2A_RANK),
-                                    "--a2a-corrupt-step", str(A2A_STEP))):
+    for i, r in enumerate(
+        scout_run(
+            tmp_path,
+            4,
+            FAULT_RANK,
+            "--a2a-corrupt-rank",
+            str(A2A_RANK),
+            "--a2a-corrupt-step",
+            str(A2A_STEP),
+        )
+    ):
         assert r["peers"] == r["edp_group"] == [i % 2, i % 2 + 2], r["peers"]
-        assert r["topology"]["dims"] == ["dp", "ep"] and r["topology"]["peer_groups"] == [[0, 2], [1, 3]]
-        assert r["state_digest"] == base[i]["state_digest"] and r["losses"] == base[i]["losses"], f"rank {i}"
+        assert r["topology"]["dims"] == ["dp", "ep"] and r["topology"]["peer_groups"] == [
+            [0, 2],
+            [1, 3],
+        ]
+        assert r["state_digest"] == base[i]["state_digest"] and r["losses"] == base[i]["losses"], (
+            f"rank {i}"
+        )
         assert r["errors"] == [] and r["closed_by_destroy"] is True
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
-        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == \
-               [(FAULT_STEP, RECIPE, "peer_group", [0, 2])], sdc
+        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == [
+            (FAULT_STEP, RECIPE, "peer_group", [0, 2])
+        ], sdc
         assert "detection without a culprit" in sdc[0]["reason"]
         check_sdc_handled(r)
         # The AllToAll mismatch names the pair in its EP group only, and gates its step job-wide (never captured).
         group = [0, 1] if i < 2 else [2, 3]
-        a2a_reports = [(rep["step"], rep["scope"], rep["ranks"]) for rep in r["reports"] if rep["recipe"] == "alltoall"]
-        assert a2a_reports == ([(A2A_STEP, "peer_group", [2, 3])] if A2A_RANK in group else []), a2a_reports
+        a2a_reports = [
+            (rep["step"], rep["scope"], rep["ranks"])
+            for rep in r["reports"]
+            if rep["recipe"] == "alltoall"
+        ]
+        assert a2a_reports == ([(A2A_STEP, "peer_group", [2, 3])] if A2A_RANK in group else []), (
+            a2a_reports
+        )
         gates = [d for d in r["decisions"] if d["failure_kind"] == "alltoall"]
-        assert len(gates) == 1 and gates[0]["mode"] == "restore" and gates[0]["step"] < A2A_STEP, gates
+        assert len(gates) == 1 and gates[0]["mode"] == "restore" and gates[0]["step"] < A2A_STEP, (
+            gates
+        )
         assert str(A2A_STEP) not in r["trust"], r["trust"]
         assert sorted(r["cycles"]) == [str(s) for s in range(1, STEPS + 1)]
         for step, cycle in r["cycles"].items():
             faulty = int(step) == FAULT_STEP
             for name, v in cycle["verdicts"].items():
-                assert v["verdict"] == ("inconclusive" if faulty and name == RECIPE else "agree"), (step, name, v)
+                assert v["verdict"] == ("inconclusive" if faulty and name == RECIPE else "agree"), (
+                    step,
+                    name,
+                    v,
+                )
             # The MoE layers replay with their AllToAlls over the EP group, on every rank.
             hidden = [n for n in cycle["verdicts"] if n.startswith("hidden.")]
-            assert hidden and all(sorted(cycle["collective_s"][n]) == ["0", "1", "2", "3"] for n in hidden), cycle
+            assert hidden and all(
+                sorted(cycle["collective_s"][n]) == ["0", "1", "2", "3"] for n in hidden
+            ), cycle
         assert sorted(int(s) for s in r["a2a"]) == list(range(1, STEPS + 1))
         for step, results in r["a2a"].items():
             corrupted = int(step) == A2A_STEP and A2A_RANK in group
             verdict = "mismatch" if corrupted else "clean"
-            assert [(res["group"], res["verdict"]) for res in results] == [(group, verdict)], (step, results)
+            assert [(res["group"], res["verdict"]) for res in results] == [(group, verdict)], (
+                step,
+                results,
+            )
             assert set(results[0]["cases"]) == {"recorded", "balanced", "cyclic"}
-            assert results[0]["cases"]["recorded"] != results[0]["cases"]["balanced"]  # top-2 routing is uneven
+            assert (
+                results[0]["cases"]["recorded"] != results[0]["cases"]["balanced"]
+            )  # top-2 routing is uneven
             found = {(m["case"], m["src"], m["dst"], m["kind"]) for m in results[0]["mismatches"]}
             assert found == ({("balanced", 3, 2, "transit")} if corrupted else set()), (step, found)
         assert bool(r["fired"]) == (i == FAULT_RANK)
-    assert len({json.dumps(r["trust"]) for r in ranks(tmp_path / "scout", 4)}) == 1, "ranks disagree on trust"
+    assert len({json.dumps(r["trust"]) for r in ranks(tmp_path / "scout", 4)}) == 1, (
+        "ranks disagree on trust"
+    )
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not HEAVY, reason="three launches of 4 Megatron ranks on 2 cores: set GEMSCOUT_HEAVY_TESTS=1 "
-                                      "(campaign cell megatron-ep2-sigkill-node-loss)")
-def test_ep2_sigkill_and_node_loss_recover_bitwise_through_the_lifecycle_driver(tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not HEAVY,
+    reason="three launches of 4 Megatron ranks on 2 cores: set GEMSCOUT_HEAVY_TESTS=1 "
+    "(campaign cell megatron-ep2-sigkill-node-loss)",
+)
+def test_ep2_sigkill_and_node_loss_recover_bitwise_through_the_lifecycle_driver(
+    tmp_path: Path,
+) -> None:
     # The campaign path: baseline, killed run, node folder deleted, relaunch, rank-by-rank comparison.
-    cell = {"id": "t", "world_size": 4, "workload": "gpt-megatron", "topology": "megatron-ep2", "seed": 0,
-            "timeout_s": 300, "params": {"steps": STEPS},
-            "fault": {"kind": "sigkill", "rank": 1, "step": 4, "phase": "after-step", "node_loss": True}}
+    cell = {
+        "id": "t",
+        "world_size": 4,
+        "workload": "gpt-megatron",
+        "topology": "megatron-ep2",
+        "seed": 0,
+        "timeout_s": 300,
+        "params": {"steps": STEPS},
+        "fault": {
+            "kind": "sigkill",
+            "rank": 1,
+            "step": 4,
+            "phase": "after-step",
+            "node_loss": True,
+        },
+    }
     result = run_cell(cell, tmp_path)
     obs = result["observed"]
     assert obs["rank_exit_codes"][1] == -9, obs
-    assert obs["recovered_step"] == 4 and obs["decision"]["sources"]["1"].startswith("peer:"), obs["decision"]
+    assert obs["recovered_step"] == 4 and obs["decision"]["sources"]["1"].startswith("peer:"), obs[
+        "decision"
+    ]
     assert result["status"] == "passed" and obs["bitwise_equal"] and obs["losses_equal"], result
     assert obs["replicas_equal"] and obs["final_step"] == STEPS and obs["errors"] == []
     base, run = ranks(tmp_path / "baseline", 4), ranks(tmp_path / "run", 4)
-    assert base[0]["state_digest"] != base[1]["state_digest"]  # two expert shards, each recovered to its own
+    assert (
+        base[0]["state_digest"] != base[1]["state_digest"]
+    )  # two expert shards, each recovered to its own
     assert all(r["resume_step"] == 4 and r["ep"] == 2 for r in run)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not HEAVY, reason="6 Megatron ranks on 2 cores: set GEMSCOUT_HEAVY_TESTS=1 (campaign cell "
-                                      "megatron-ep2-edp3-scout)")
+@pytest.mark.skipif(
+    not HEAVY,
+    reason="6 Megatron ranks on 2 cores: set GEMSCOUT_HEAVY_TESTS=1 (campaign cell "
+    "megatron-ep2-edp3-scout)",
+)
 def test_ep2_edp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
     world, fault_rank = 6, 4
     results = scout_run(tmp_path, world, fault_rank)
     for i, r in enumerate(results):
         assert r["peers"] == r["edp_group"] == [i % 2, i % 2 + 2, i % 2 + 4], r["peers"]
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc"]
-        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == \
-               [(FAULT_STEP, RECIPE, "rank", [fault_rank])], sdc
+        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == [
+            (FAULT_STEP, RECIPE, "rank", [fault_rank])
+        ], sdc
         verdict = r["cycles"][str(FAULT_STEP)]["verdicts"][RECIPE]
         assert verdict["verdict"] == "attributed", verdict
         check_sdc_handled(r)
-        assert all(res["verdict"] == "clean" for step in r["a2a"].values() for res in step), r["a2a"]
-    assert results[fault_rank]["fired"] and not any(r["fired"] for r in results if r["rank"] != fault_rank)
+        assert all(res["verdict"] == "clean" for step in r["a2a"].values() for res in step), r[
+            "a2a"
+        ]
+    assert results[fault_rank]["fired"] and not any(
+        r["fired"] for r in results if r["rank"] != fault_rank
+    )

@@ -38,11 +38,20 @@ def rank_main(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, Dataset
 
-    from gemscout.oob import InstrumentedLoader, OobChannel, OobConfig, ProgressConfig, ProgressPublisher, checkpoint_io
+    from gemscout.oob import (
+        InstrumentedLoader,
+        OobChannel,
+        OobConfig,
+        ProgressConfig,
+        ProgressPublisher,
+        checkpoint_io,
+    )
 
     parent = os.getppid()
 
-    def exit_with_parent() -> None:  # a rank must never outlive the test, even if the test itself is killed
+    def exit_with_parent() -> (
+        None
+    ):  # a rank must never outlive the test, even if the test itself is killed
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(3)
@@ -50,9 +59,15 @@ def rank_main(rank: int, world: int, port: int) -> None:
     threading.Thread(target=exit_with_parent, daemon=True).start()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
     )
-    channel = OobChannel(store, config=OobConfig(rank=rank))  # the secret comes from GEMSCOUT_OOB_SECRET
+    channel = OobChannel(
+        store, config=OobConfig(rank=rank)
+    )  # the secret comes from GEMSCOUT_OOB_SECRET
     progress = ProgressConfig(
         publish_interval=timedelta(milliseconds=50), heartbeat_interval=timedelta(milliseconds=200)
     )
@@ -98,11 +113,21 @@ def rank_main(rank: int, world: int, port: int) -> None:
 def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
     import torch.distributed as dist
 
-    from gemscout.oob import OobChannel, OobConfig, StallConfig, StallFinding, Watchdog, WatchdogConfig, generate_secret
+    from gemscout.oob import (
+        OobChannel,
+        OobConfig,
+        StallConfig,
+        StallFinding,
+        Watchdog,
+        WatchdogConfig,
+        generate_secret,
+    )
     from gemscout.oob.records import PROGRESS_KEY
     from gemscout.oob.secret import SECRET_ENV
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     secret = generate_secret()
     env = {**os.environ, "OMP_NUM_THREADS": "1", SECRET_ENV: secret}
     logs = [tmp_path / f"rank{r}.log" for r in range(WORLD)]
@@ -111,7 +136,9 @@ def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
     launched = time.monotonic()
 
     def tails() -> str:
-        return "\n".join(f"--- rank {r} ---\n{p.read_text()[-2000:]}" for r, p in enumerate(logs) if p.exists())
+        return "\n".join(
+            f"--- rank {r} ---\n{p.read_text()[-2000:]}" for r, p in enumerate(logs) if p.exists()
+        )
 
     def require_alive() -> None:
         dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]
@@ -136,14 +163,20 @@ def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
         watchdog = Watchdog(
             observer,
             world_size=WORLD,
-            config=WatchdogConfig(stall_threshold=THRESHOLD, poll_interval=POLL, confirmations=CONFIRMATIONS),
+            config=WatchdogConfig(
+                stall_threshold=THRESHOLD, poll_interval=POLL, confirmations=CONFIRMATIONS
+            ),
             stall_config=StallConfig(
-                absolute_threshold=timedelta(seconds=0.25), relative_factor=3.0, confirmations=CONFIRMATIONS
+                absolute_threshold=timedelta(seconds=0.25),
+                relative_factor=3.0,
+                confirmations=CONFIRMATIONS,
             ),
         ).start()
         while not any(f.kind == "hang" for f in watchdog.findings):
             require_alive()
-            assert time.monotonic() < started + 30, f"no hang reported; findings {watchdog.findings}\n{tails()}"
+            assert time.monotonic() < started + 30, (
+                f"no hang reported; findings {watchdog.findings}\n{tails()}"
+            )
             time.sleep(0.05)
         findings: list[StallFinding] = watchdog.findings
         hang_started = float(master.get(HANG_MARK).decode())
@@ -161,15 +194,22 @@ def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
     assert data.ranks == (DATA_RANK,) and data.evidence["section"] == "dataloader"
     assert ckpt.ranks == (CKPT_RANK,) and ckpt.evidence["section"] == "checkpoint_write"
     assert data.confirmations == ckpt.confirmations == CONFIRMATIONS
-    assert data.evidence["round"] == ckpt.evidence["round"] == 2  # slow from round 1, confirmed on the second
+    assert (
+        data.evidence["round"] == ckpt.evidence["round"] == 2
+    )  # slow from round 1, confirmed on the second
     assert hang.ranks == (HANG_RANK,), hang.to_json()
     assert hang.recommendation == "restart_from_verified"
-    assert hang.evidence["reference"]["op"] == "all_reduce" and hang.evidence["reference"]["waiting"] == WORLD - 1
+    assert (
+        hang.evidence["reference"]["op"] == "all_reduce"
+        and hang.evidence["reference"]["waiting"] == WORLD - 1
+    )
     latency = hang.timestamp - hang_started
     budget = THRESHOLD.total_seconds() + CONFIRMATIONS * POLL.total_seconds()
     # Not before the threshold; within it plus the confirmation polls (+1 s for publish interval and a busy CPU).
     assert THRESHOLD.total_seconds() - 0.2 <= latency <= budget + 1.0, (latency, budget)
-    print(f"launch→hang report {time.monotonic() - launched:.1f}s; hang latency {latency:.2f}s (budget {budget:.2f}s)")
+    print(
+        f"launch→hang report {time.monotonic() - launched:.1f}s; hang latency {latency:.2f}s (budget {budget:.2f}s)"
+    )
 
 
 if __name__ == "__main__":

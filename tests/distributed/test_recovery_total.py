@@ -145,8 +145,15 @@ os._exit(0)
 
 
 @pytest.mark.timeout(150)
-def test_a_poisoned_folder_on_one_rank_gives_every_rank_a_decision_within_seconds(tmp_path: Path) -> None:
-    res = launch(["-c", PROGRAM, str(tmp_path / "ckpt")], world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
+def test_a_poisoned_folder_on_one_rank_gives_every_rank_a_decision_within_seconds(
+    tmp_path: Path,
+) -> None:
+    res = launch(
+        ["-c", PROGRAM, str(tmp_path / "ckpt")],
+        world_size=2,
+        timeout_s=120,
+        log_dir=tmp_path / "logs",
+    )
     logs = "".join((tmp_path / "logs" / f"rank{r}.attempt0.log").read_text() for r in range(2))
     assert res.ok, logs
     for case in "EABCD":

@@ -14,7 +14,7 @@ import pytest
 
 from qualification.launch import launch
 
-RANK_PROGRAM = '''
+RANK_PROGRAM = """
 import json, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -52,16 +52,19 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
 session.close()
 dist.barrier()
 os._exit(0)
-'''
+"""
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("asked", "cadence"), [("default", 10), ("3", 3)])
-def test_scout_replays_at_its_cadence_and_certifies_the_captures_before_it(tmp_path: Path, asked: str,
-                                                                          cadence: int) -> None:
+def test_scout_replays_at_its_cadence_and_certifies_the_captures_before_it(
+    tmp_path: Path, asked: str, cadence: int
+) -> None:
     prog = tmp_path / "rank.py"
     prog.write_text(RANK_PROGRAM)
-    res = launch([str(prog), str(tmp_path), asked], world_size=2, timeout_s=120, log_dir=tmp_path / "logs")
+    res = launch(
+        [str(prog), str(tmp_path), asked], world_size=2, timeout_s=120, log_dir=tmp_path / "logs"
+    )
     assert res.ok, (tmp_path / "logs").as_posix()
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -76,13 +79,27 @@ def test_scout_replays_at_its_cadence_and_certifies_the_captures_before_it(tmp_p
         assert newest in got["on_disk"]["replica"], got
         # What the loop's logger would see: the same facts, from session.metrics().
         m = got["metrics"]
-        assert (m["step"], m["gemini.captures"], m["gemini.newest_in_memory_step"]) == (21, 21, 21), m
-        assert m["scout.cycles"] == len(got["replayed"]) and m["scout.last_cycle_step"] == got["replayed"][-1], m
-        assert m["scout.cycle_s_total"] >= m["scout.last_cycle_s"] > 0 and m["scout.last_cycle_clean"] == 1, m
+        assert (m["step"], m["gemini.captures"], m["gemini.newest_in_memory_step"]) == (
+            21,
+            21,
+            21,
+        ), m
+        assert (
+            m["scout.cycles"] == len(got["replayed"])
+            and m["scout.last_cycle_step"] == got["replayed"][-1]
+        ), m
+        assert (
+            m["scout.cycle_s_total"] >= m["scout.last_cycle_s"] > 0
+            and m["scout.last_cycle_clean"] == 1
+        ), m
         assert m["gemini.newest_verified_step"] == newest and m["gemini.rejected"] == 0, m
         assert m["gemini.newest_persisted_step"] == 21 and m["gemini.io_errors"] == 0, m
         assert m["gemini.buffer_bytes"] > 0 and m["gemini.replicated_bytes"] > 0, m
-        reports = {k: v for k, v in m.items() if k.startswith("reports.")}  # one counter per FaultKind, all zero
-        assert {f"reports.{k}" for k in ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health")} <= \
-            set(reports) and set(reports.values()) == {0}, m
+        reports = {
+            k: v for k, v in m.items() if k.startswith("reports.")
+        }  # one counter per FaultKind, all zero
+        assert {
+            f"reports.{k}"
+            for k in ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health")
+        } <= set(reports) and set(reports.values()) == {0}, m
         json.dumps(m)  # plain values, ready for any logger

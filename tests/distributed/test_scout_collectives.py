@@ -31,7 +31,13 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = 3, 4, 0.4, 5, 4  # CONFIRMATIONS: compute's default, for both
+WORLD, CLEAN, LATE_S, LATE_ROUNDS, CONFIRMATIONS = (
+    3,
+    4,
+    0.4,
+    5,
+    4,
+)  # CONFIRMATIONS: compute's default, for both
 
 
 def rank_main(rank: int, world: int, port: int, out: Path) -> None:
@@ -48,7 +54,9 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
 
     parent = os.getppid()
 
-    def exit_with_parent() -> None:  # a rank must never outlive the test, even if the test itself is killed
+    def exit_with_parent() -> (
+        None
+    ):  # a rank must never outlive the test, even if the test itself is killed
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(3)
@@ -56,19 +64,41 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
     threading.Thread(target=exit_with_parent, daemon=True).start()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    config = ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None,
-                         stragglers=StragglerConfig(absolute_margin_s=0.1, confirmations=CONFIRMATIONS))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    config = ScoutConfig(
+        hidden_per_cycle=None,
+        optimizer_slices_per_cycle=None,
+        stragglers=StragglerConfig(absolute_margin_s=0.1, confirmations=CONFIRMATIONS),
+    )
     assert config.stragglers.compute_confirmations == CONFIRMATIONS
 
     def summary(result: CycleResult | None, **cell: Any) -> dict[str, Any]:
         assert result is not None
-        return {**cell, "step": result.step,
-                "verdicts": {n: {"verdict": r.verdict.value, "ranks": list(r.ranks), "reason": r.reason}
-                             for n, r in result.results.items()},
-                "reports": [{"kind": p.kind.value, "scope": p.scope.value, "ranks": list(p.ranks), "host": p.host,
-                             "signal": p.evidence.get("signal"), "reason": p.reason} for p in result.reports]}
+        return {
+            **cell,
+            "step": result.step,
+            "verdicts": {
+                n: {"verdict": r.verdict.value, "ranks": list(r.ranks), "reason": r.reason}
+                for n, r in result.results.items()
+            },
+            "reports": [
+                {
+                    "kind": p.kind.value,
+                    "scope": p.scope.value,
+                    "ranks": list(p.ranks),
+                    "host": p.host,
+                    "signal": p.evidence.get("signal"),
+                    "reason": p.reason,
+                }
+                for p in result.reports
+            ],
+        }
 
     cells: list[dict[str, Any]] = []
     step = 0
@@ -86,15 +116,27 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
         plan: list[str | None] = [None] * CLEAN + names
         for recipe in plan:
             step += 1
-            injector.set(*([fail_at("bitflip", rank=1, step=step, recipe=recipe)] if recipe and rank == 1 else []))
+            injector.set(
+                *(
+                    [fail_at("bitflip", rank=1, step=step, recipe=recipe)]
+                    if recipe and rank == 1
+                    else []
+                )
+            )
             inputs, targets = synthetic_batch(seed=0, step=step, rank=rank)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=phase == "autocast"):
                 loss = lm_loss(model(inputs), targets)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            cells.append(summary(scout.last_result, phase=phase, recipe=recipe,
-                                 dtype=str(next(model.parameters()).dtype)))
+            cells.append(
+                summary(
+                    scout.last_result,
+                    phase=phase,
+                    recipe=recipe,
+                    dtype=str(next(model.parameters()).dtype),
+                )
+            )
         injector.remove()
         scout.close()
 
@@ -134,24 +176,51 @@ def rank_main(rank: int, world: int, port: int, out: Path) -> None:
         plain_opt.step()
         plain_opt.zero_grad()
     untimed_digest = digest_many(dict(plain.state_dict()))
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cells": cells, "timed_digest": timed_digest,
-                                                      "untimed_digest": untimed_digest}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "cells": cells,
+                "timed_digest": timed_digest,
+                "untimed_digest": untimed_digest,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
 def _launch(world: int, tmp_path: Path, timeout_s: float) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     logs = [tmp_path / f"rank{r}.log" for r in range(world)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for r in range(world):
             with logs[r].open("wb") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(world), str(master.port),
-                                               str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            str(r),
+                            str(world),
+                            str(master.port),
+                            str(tmp_path),
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
@@ -163,8 +232,12 @@ def _launch(world: int, tmp_path: Path, timeout_s: float) -> list[dict[str, Any]
                 p.kill()
         for p in procs:
             p.wait(timeout=10)
-    tails = "\n".join(f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs) if log.exists())
-    assert [p.returncode for p in procs] == [0] * world, f"rank exit codes {[p.returncode for p in procs]}\n{tails}"
+    tails = "\n".join(
+        f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs) if log.exists()
+    )
+    assert [p.returncode for p in procs] == [0] * world, (
+        f"rank exit codes {[p.returncode for p in procs]}\n{tails}"
+    )
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -172,9 +245,12 @@ def _launch(world: int, tmp_path: Path, timeout_s: float) -> list[dict[str, Any]
 def test_autocast_bf16_replay_and_late_collectives(tmp_path: Path) -> None:
     ranks = _launch(WORLD, tmp_path, timeout_s=180)
     first = ranks[0]["cells"]
-    for other in ranks[1:]:  # every rank reached the same verdicts and reports (the reasons hold times: not them)
-        assert [(c["verdicts"], [(p["kind"], p["ranks"]) for p in c["reports"]]) for c in other["cells"]] == \
-            [(c["verdicts"], [(p["kind"], p["ranks"]) for p in c["reports"]]) for c in first]
+    for other in ranks[
+        1:
+    ]:  # every rank reached the same verdicts and reports (the reasons hold times: not them)
+        assert [
+            (c["verdicts"], [(p["kind"], p["ranks"]) for p in c["reports"]]) for c in other["cells"]
+        ] == [(c["verdicts"], [(p["kind"], p["ranks"]) for p in c["reports"]]) for c in first]
 
     for phase, dtype in (("autocast", "torch.float32"), ("bf16", "torch.bfloat16")):
         cells = [c for c in first if c["phase"] == phase]
@@ -189,20 +265,31 @@ def test_autocast_bf16_replay_and_late_collectives(tmp_path: Path) -> None:
         for c in faulty:
             assert c["verdicts"][c["recipe"]]["verdict"] == "attributed", c
             assert c["verdicts"][c["recipe"]]["ranks"] == [1], c
-            assert all(v["verdict"] == "agree" for n, v in c["verdicts"].items() if n != c["recipe"]), c
-            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"]] == [("sdc", "rank", [1])], c
+            assert all(
+                v["verdict"] == "agree" for n, v in c["verdicts"].items() if n != c["recipe"]
+            ), c
+            assert [(p["kind"], p["scope"], p["ranks"]) for p in c["reports"]] == [
+                ("sdc", "rank", [1])
+            ], c
 
     for r in ranks:  # the timing hook left training bitwise equal to DDP without it
-        assert r["timed_digest"] == r["untimed_digest"], f"rank {r['rank']}: the timing hook changed training"
+        assert r["timed_digest"] == r["untimed_digest"], (
+            f"rank {r['rank']}: the timing hook changed training"
+        )
     late = [c for c in first if c["phase"] == "late"]
     assert all(c["reports"] == [] for c in late if not c["late"]), late
     delayed = [c for c in late if c["late"]]
-    assert [c["reports"] == [] for c in delayed] == [True] * (CONFIRMATIONS - 1) + \
-        [False] * (LATE_ROUNDS - CONFIRMATIONS + 1), delayed
-    for c in delayed[CONFIRMATIONS - 1:]:
+    assert [c["reports"] == [] for c in delayed] == [True] * (CONFIRMATIONS - 1) + [False] * (
+        LATE_ROUNDS - CONFIRMATIONS + 1
+    ), delayed
+    for c in delayed[CONFIRMATIONS - 1 :]:
         assert all(v["verdict"] == "agree" for v in c["verdicts"].values()), c
         (report,) = c["reports"]  # one report: communication, no compute straggler, no SDC
-        assert (report["kind"], report["signal"], report["ranks"]) == ("straggler", "communication", [WORLD - 1])
+        assert (report["kind"], report["signal"], report["ranks"]) == (
+            "straggler",
+            "communication",
+            [WORLD - 1],
+        )
         assert (report["scope"], report["host"]) == ("node", f"host-{WORLD - 1}"), report
 
 

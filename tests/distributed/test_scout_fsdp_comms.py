@@ -44,7 +44,9 @@ def _hsdp(seed: int) -> Any:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _train(model: Any, opt: Any, steps: range, rank: int, late: dict[str, bool] | None = None) -> None:
+def _train(
+    model: Any, opt: Any, steps: range, rank: int, late: dict[str, bool] | None = None
+) -> None:
     from qualification.workloads import lm_loss, synthetic_batch
 
     for step in steps:
@@ -73,11 +75,25 @@ def rank_main(out: Path) -> None:
     reports: list[dict[str, Any]] = []
     model, opt = _hsdp(seed=0)
     session = gemscout.enable_resiliency(
-        model, opt, scout=ScoutConfig(interval=1, hidden_per_cycle=None, job_collectives=True,
-                                      stragglers=StragglerConfig(absolute_margin_s=0.15, confirmations=CONFIRMATIONS)),
-        on_fault_report=lambda r: reports.append({"kind": r.kind.value, "ranks": list(r.ranks), "step": r.step,
-                                                  "host": r.host, "signal": r.evidence.get("signal"),
-                                                  "source": r.evidence.get("source")}))
+        model,
+        opt,
+        scout=ScoutConfig(
+            interval=1,
+            hidden_per_cycle=None,
+            job_collectives=True,
+            stragglers=StragglerConfig(absolute_margin_s=0.15, confirmations=CONFIRMATIONS),
+        ),
+        on_fault_report=lambda r: reports.append(
+            {
+                "kind": r.kind.value,
+                "ranks": list(r.ranks),
+                "step": r.step,
+                "host": r.host,
+                "signal": r.evidence.get("signal"),
+                "source": r.evidence.get("source"),
+            }
+        ),
+    )
     assert session.scout is not None
     timer = session.scout.time_job_collectives(model)  # the one enable_resiliency installed
     assert isinstance(timer, FsdpCollectiveTimer), type(timer)
@@ -95,8 +111,9 @@ def rank_main(out: Path) -> None:
     plain, plain_opt = _hsdp(seed=0)
     _train(plain, plain_opt, range(1, CLEAN + LATE + 1), rank)
     untimed = digest_many({k: v.to_local() for k, v in plain.state_dict().items()})
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "reports": reports, "timed": timed,
-                                                      "untimed": untimed}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "reports": reports, "timed": timed, "untimed": untimed})
+    )
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # leave without gloo teardown (it can deadlock; every rank has written its result)
@@ -106,18 +123,29 @@ def rank_main(out: Path) -> None:
 def test_rank_late_to_fsdp_collectives_is_named(tmp_path: Path) -> None:
     from qualification.launch import launch
 
-    res = launch([__file__, str(tmp_path)], world_size=WORLD, timeout_s=220, log_dir=tmp_path / "logs",
-                 env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    res = launch(
+        [__file__, str(tmp_path)],
+        world_size=WORLD,
+        timeout_s=220,
+        log_dir=tmp_path / "logs",
+        env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     assert res.ok, f"{res}\n{logs}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in ranks:
-        assert r["timed"] == r["untimed"], f"rank {r['rank']}: timing FSDP's comms changed the training"
+        assert r["timed"] == r["untimed"], (
+            f"rank {r['rank']}: timing FSDP's comms changed the training"
+        )
         reports = r["reports"]
         assert reports, f"rank {r['rank']}: no report of the late rank"
-        assert all(p["kind"] == "straggler" and p["signal"] == "communication" for p in reports), reports
+        assert all(p["kind"] == "straggler" and p["signal"] == "communication" for p in reports), (
+            reports
+        )
         assert all(p["ranks"] == [3] and p["host"] == "host-3" for p in reports), reports
-        assert all(p["step"] > CLEAN for p in reports), f"a report during the clean steps: {reports}"
+        assert all(p["step"] > CLEAN for p in reports), (
+            f"a report during the clean steps: {reports}"
+        )
         assert min(p["step"] for p in reports) == CLEAN + CONFIRMATIONS, reports
         assert "FSDP2" in reports[0]["source"], reports
 

@@ -31,7 +31,11 @@ def rank_main(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from gemscout.scout.materialize import Materializer
     from gemscout.scout.topology import discover
@@ -70,7 +74,9 @@ def rank_main(out: Path) -> None:
         else:
             mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             for block in model.blocks:
-                parallelize_module(block, mesh2d["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+                parallelize_module(
+                    block, mesh2d["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+                )
             mesh = mesh2d["dp"]
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -84,7 +90,9 @@ def rank_main(out: Path) -> None:
         torch.manual_seed(rank if kind != "fsdp2-tp" else rank // 2)
         model(torch.randn(4, 6)).sum().backward()
         opt.step()
-        model(torch.randn(4, 6)).sum().backward()  # gradients of a second step, moments of the first
+        model(
+            torch.randn(4, 6)
+        ).sum().backward()  # gradients of a second step, moments of the first
         topology = discover(model)
         assert topology is not None
         materializer = Materializer(topology, timedelta(seconds=60))
@@ -100,19 +108,30 @@ def rank_main(out: Path) -> None:
         for key, tensor in tensors.items():
             expected = tensor.full_tensor()
             got = gathered[key]
-            if isinstance(got, DTensor):  # TP placement kept: this rank's TP chunk of the whole tensor
+            if isinstance(
+                got, DTensor
+            ):  # TP placement kept: this rank's TP chunk of the whole tensor
                 placement = got.placements[0]
                 if not placement.is_replicate():
                     tp = got.device_mesh.get_local_rank()
                     expected = expected.chunk(got.device_mesh.size(), dim=placement.dim)[tp]  # type: ignore[attr-defined]
                 got = got.to_local()
-            if got.shape != expected.shape or not torch.equal(got.view(-1).view(torch.int32),
-                                                              expected.reshape(-1).view(torch.int32)):
+            if got.shape != expected.shape or not torch.equal(
+                got.view(-1).view(torch.int32), expected.reshape(-1).view(torch.int32)
+            ):
                 mismatched.append(key)
-        report[kind] = {"peers": list(topology.peers), "kind": topology.kind, "checked": len(tensors),
-                        "mismatched": mismatched, "seconds": seconds,
-                        "private": all(gathered[k].data_ptr() != getattr(t, "_local_tensor", t).data_ptr()
-                                       for k, t in tensors.items() if gathered[k].numel())}
+        report[kind] = {
+            "peers": list(topology.peers),
+            "kind": topology.kind,
+            "checked": len(tensors),
+            "mismatched": mismatched,
+            "seconds": seconds,
+            "private": all(
+                gathered[k].data_ptr() != getattr(t, "_local_tensor", t).data_ptr()
+                for k, t in tensors.items()
+                if gathered[k].numel()
+            ),
+        }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     sys.stdout.flush()
@@ -123,19 +142,31 @@ def rank_main(out: Path) -> None:
 def test_gathers_equal_full_tensor_on_every_mesh(tmp_path: Path) -> None:
     from qualification.launch import launch
 
-    res = launch([__file__, str(tmp_path)], world_size=4, timeout_s=100, log_dir=tmp_path / "logs",
-                 env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    res = launch(
+        [__file__, str(tmp_path)],
+        world_size=4,
+        timeout_s=100,
+        log_dir=tmp_path / "logs",
+        env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
     assert res.ok, res
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    peers = {"fsdp2": [[0, 1, 2, 3]] * 4, "hsdp": [[0, 2], [1, 3], [0, 2], [1, 3]],
-             "fsdp2-tp": [[0, 2], [1, 3], [0, 2], [1, 3]]}
+    peers = {
+        "fsdp2": [[0, 1, 2, 3]] * 4,
+        "hsdp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "fsdp2-tp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+    }
     for r in ranks:
         for kind in ("fsdp2", "hsdp", "fsdp2-tp"):
             seen = r[kind]
             assert seen["checked"] >= 24 and seen["mismatched"] == [], (kind, seen)
             assert seen["private"], kind
             assert seen["peers"] == peers[kind][r["rank"]], (kind, seen)
-    assert [ranks[0][k]["kind"] for k in ("fsdp2", "hsdp", "fsdp2-tp")] == ["fsdp", "hsdp", "fsdp+tp"]
+    assert [ranks[0][k]["kind"] for k in ("fsdp2", "hsdp", "fsdp2-tp")] == [
+        "fsdp",
+        "hsdp",
+        "fsdp+tp",
+    ]
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ WORLD, DELAYED, DELAY_FRACTION = 4, 2, 0.2
 CYCLES = int(os.environ.get("GEMSCOUT_FP_CYCLES", "1000"))
 DELAY_CYCLES = 24
 
-pytestmark = pytest.mark.skipif(os.environ.get("GEMSCOUT_HEAVY_TESTS") != "1", reason="heavy: GEMSCOUT_HEAVY_TESTS=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("GEMSCOUT_HEAVY_TESTS") != "1", reason="heavy: GEMSCOUT_HEAVY_TESTS=1"
+)
 
 
 def rank_main(rank: int, world: int, port: int, out: Path, cycles: int) -> None:
@@ -53,8 +55,13 @@ def rank_main(rank: int, world: int, port: int, out: Path, cycles: int) -> None:
     threading.Thread(target=exit_with_parent, daemon=True).start()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     model = DDP(build_model("three-block", seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scout = Scout(ScoutConfig(interval=1)).attach(model, opt)  # the default StragglerConfig
@@ -88,10 +95,26 @@ def rank_main(rank: int, world: int, port: int, out: Path, cycles: int) -> None:
         result = scout.last_result
         own = dict(waits)
         waits.clear()
-        cells.append({"phase": phase, "step": step, "runq_cpu_s": own,
-                      "reports": [{"kind": p.kind.value, "ranks": list(p.ranks), "recipe": p.recipe,
-                                   "signal": p.evidence.get("signal"), "reason": p.reason} for p in result.reports],
-                      "replay_s": {n: {str(k): v for k, v in t.items()} for n, t in result.replay_s.items()}})
+        cells.append(
+            {
+                "phase": phase,
+                "step": step,
+                "runq_cpu_s": own,
+                "reports": [
+                    {
+                        "kind": p.kind.value,
+                        "ranks": list(p.ranks),
+                        "recipe": p.recipe,
+                        "signal": p.evidence.get("signal"),
+                        "reason": p.reason,
+                    }
+                    for p in result.reports
+                ],
+                "replay_s": {
+                    n: {str(k): v for k, v in t.items()} for n, t in result.replay_s.items()
+                },
+            }
+        )
 
     step = 0
     for _ in range(cycles):
@@ -105,33 +128,68 @@ def rank_main(rank: int, world: int, port: int, out: Path, cycles: int) -> None:
     medians = {name: statistics.median(values) for name, values in per_recipe.items()}
     # 20 % of the replay, but at least twice the default 2 ms absolute margin: below it nothing is named, by design.
     delays = {name: max(DELAY_FRACTION * m, 0.004) for name, m in medians.items()}
-    injector.set(*[ReplayDelay(s, rank=DELAYED, recipe=name) for name, s in delays.items()] if rank == DELAYED else [])
+    injector.set(
+        *[ReplayDelay(s, rank=DELAYED, recipe=name) for name, s in delays.items()]
+        if rank == DELAYED
+        else []
+    )
     for _ in range(DELAY_CYCLES):
         step += 1
         train(step, "delay")
     injector.set()
     scout.close()
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cells": cells, "medians": medians,
-                                                       "delays": delays,
-                                                       "confirmations": scout.config.stragglers.compute_confirmations}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "cells": cells,
+                "medians": medians,
+                "delays": delays,
+                "confirmations": scout.config.stragglers.compute_confirmations,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
 def _launch(tmp_path: Path, cycles: int, timeout_s: float) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     logs = [tmp_path / f"rank{r}.log" for r in range(WORLD)]
     # The competing load: one busy loop per core, for the whole run.
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for r in range(WORLD):
             with logs[r].open("wb") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(master.port),
-                                               str(tmp_path), str(cycles)], env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            str(r),
+                            str(WORLD),
+                            str(master.port),
+                            str(tmp_path),
+                            str(cycles),
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
@@ -143,27 +201,42 @@ def _launch(tmp_path: Path, cycles: int, timeout_s: float) -> list[dict[str, Any
                 p.kill()
         for p in procs + hogs:
             p.wait(timeout=10)
-    tails = "\n".join(f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs) if log.exists())
-    assert [p.returncode for p in procs] == [0] * WORLD, f"rank exit codes {[p.returncode for p in procs]}\n{tails}"
+    tails = "\n".join(
+        f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs) if log.exists()
+    )
+    assert [p.returncode for p in procs] == [0] * WORLD, (
+        f"rank exit codes {[p.returncode for p in procs]}\n{tails}"
+    )
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.mark.timeout(3600)
-def test_no_straggler_report_in_healthy_cycles_under_load_and_a_real_one_is_named(tmp_path: Path) -> None:
+def test_no_straggler_report_in_healthy_cycles_under_load_and_a_real_one_is_named(
+    tmp_path: Path,
+) -> None:
     ranks = _launch(tmp_path, CYCLES, timeout_s=3500)
     keep = os.environ.get("GEMSCOUT_FP_OUT")
     if keep:
         Path(keep).write_text(json.dumps(ranks))
-    cells = ranks[0]["cells"]  # every rank delivers the same reports (they are computed from gathered times)
+    cells = ranks[0][
+        "cells"
+    ]  # every rank delivers the same reports (they are computed from gathered times)
     assert all(r["cells"][i]["reports"] == c["reports"] for r in ranks for i, c in enumerate(cells))
-    cells = [c | {"runq_cpu_s": {str(r["rank"]): r["cells"][i]["runq_cpu_s"] for r in ranks}}
-             for i, c in enumerate(cells)]
+    cells = [
+        c | {"runq_cpu_s": {str(r["rank"]): r["cells"][i]["runq_cpu_s"] for r in ranks}}
+        for i, c in enumerate(cells)
+    ]
     healthy = [c for c in cells if c["phase"] == "healthy"]
     assert len(healthy) == CYCLES
     false = [(c["step"], p) for c in healthy for p in c["reports"] if p["kind"] == "straggler"]
     assert false == [], f"{len(false)} straggler report(s) in {CYCLES} healthy cycles: {false[:5]}"
     delayed = [c for c in cells if c["phase"] == "delay"]
-    named = [(i, p) for i, c in enumerate(delayed, start=1) for p in c["reports"] if p["kind"] == "straggler"]
+    named = [
+        (i, p)
+        for i, c in enumerate(delayed, start=1)
+        for p in c["reports"]
+        if p["kind"] == "straggler"
+    ]
     assert named, "the delayed rank was never named"
     assert all(p["ranks"] == [DELAYED] and p["signal"] == "compute" for _, p in named), named
     # Within the confirmation rounds of the first recipe replayed in every delayed cycle... counted per recipe:
@@ -171,9 +244,13 @@ def test_no_straggler_report_in_healthy_cycles_under_load_and_a_real_one_is_name
     first = named[0][1]["recipe"]
     rounds = [i for i, c in enumerate(delayed, start=1) if first in c["replay_s"]]
     assert named[0][0] == rounds[confirmations - 1], (named[0], rounds[:confirmations])
-    print(f"healthy cycles {CYCLES}: straggler reports 0; delay {ranks[DELAYED]['delays']} named at delayed cycle "
-          f"{named[0][0]} ({first}, round {rounds.index(named[0][0]) + 1} of that recipe)")
+    print(
+        f"healthy cycles {CYCLES}: straggler reports 0; delay {ranks[DELAYED]['delays']} named at delayed cycle "
+        f"{named[0][0]} ({first}, round {rounds.index(named[0][0]) + 1} of that recipe)"
+    )
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+    rank_main(
+        int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
+    )

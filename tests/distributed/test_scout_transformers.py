@@ -64,18 +64,31 @@ def test_healthy_runs_certify_every_cycle(ranks: list[dict], family: str) -> Non
         for step, cycle in case["cycles"].items():
             bad = {n: v["reason"] for n, v in cycle["verdicts"].items() if v["verdict"] != "agree"}
             assert not bad, f"rank {r} step {step}: {bad}"
-            assert cycle["certified"] == int(step), (r, step, cycle["certified"])  # advances at every cycle
-        assert {n.split(".")[0] for n in cycle["verdicts"]} == {"embedding", "hidden", "output", "optimizer"}
+            assert cycle["certified"] == int(step), (
+                r,
+                step,
+                cycle["certified"],
+            )  # advances at every cycle
+        assert {n.split(".")[0] for n in cycle["verdicts"]} == {
+            "embedding",
+            "hidden",
+            "output",
+            "optimizer",
+        }
         assert case["reports"] == []
         assert case["metrics"]["scout.certified_step"] == STEPS
         assert case["metrics"]["scout.unreplayable_recipes"] == 0
         assert all(st == "recovery_verified" for st in case["trust"].values()), case["trust"]
-    assert ranks[0][family]["healthy"]["tied"] is (family.split("+")[0] != "llama")  # GPT-2, Qwen2 tie the head
+    assert ranks[0][family]["healthy"]["tied"] is (
+        family.split("+")[0] != "llama"
+    )  # GPT-2, Qwen2 tie the head
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_persistent_decoder_layer_fault_is_attributed_within_one_rotation(ranks: list[dict], family: str) -> None:
+def test_a_persistent_decoder_layer_fault_is_attributed_within_one_rotation(
+    ranks: list[dict], family: str
+) -> None:
     blocks = sum(1 for n in ranks[0][family]["persistent"]["catalog"] if n.startswith("hidden."))
     rotation_end = FAULT_STEP + INTERVAL * blocks  # every block is due once within this many steps
     for doc in ranks:
@@ -84,9 +97,14 @@ def test_a_persistent_decoder_layer_fault_is_attributed_within_one_rotation(rank
         assert sdc, case["cycles"]
         first = sdc[0]
         assert first["ranks"] == [FAULT_RANK] and first["scope"] == "rank", first
-        assert first["recipe"] == f"hidden.{FAULT_BLOCK}" and FAULT_STEP <= first["step"] <= rotation_end, first
+        assert (
+            first["recipe"] == f"hidden.{FAULT_BLOCK}"
+            and FAULT_STEP <= first["step"] <= rotation_end
+        ), first
         _rejected_job_wide(case, first["step"])
-        for step, cycle in case["cycles"].items():  # nothing false before the fault, no other rank ever named
+        for step, cycle in case[
+            "cycles"
+        ].items():  # nothing false before the fault, no other rank ever named
             for name, v in cycle["verdicts"].items():
                 assert v["verdict"] != "inconclusive", (step, name, v["reason"])
                 assert v["ranks"] in ([], [FAULT_RANK]), (step, name, v)
@@ -100,7 +118,9 @@ def test_a_replay_only_fault_is_attributed_and_rejected(ranks: list[dict], famil
         case = doc[family]["replay"]
         step = case["replay_fault_step"]
         sdc = [rep for rep in case["reports"] if rep["kind"] == "sdc"]
-        assert [(rep["step"], rep["ranks"], rep["recipe"]) for rep in sdc] == [(step, [FAULT_RANK], "hidden.0")], sdc
+        assert [(rep["step"], rep["ranks"], rep["recipe"]) for rep in sdc] == [
+            (step, [FAULT_RANK], "hidden.0")
+        ], sdc
         _rejected_job_wide(case, step)
     assert ranks[FAULT_RANK][family]["replay"]["fired"], "the replay fault never fired"
     assert len({json.dumps(d[family]["replay"]["trust"], sort_keys=True) for d in ranks}) == 1
@@ -117,7 +137,9 @@ def _rejected_job_wide(case: dict, detected: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_an_input_scout_cannot_replay_is_reported_once_with_its_reason_and_counted(ranks: list[dict]) -> None:
+def test_an_input_scout_cannot_replay_is_reported_once_with_its_reason_and_counted(
+    ranks: list[dict],
+) -> None:
     """Training on top of a prefix's DynamicCache: every decoder layer's cache already holds past positions. SCOUT
     must name that reason (not "did not return"), keep those recipes INCONCLUSIVE (nothing certified), still check
     the rest, log it once per recipe, and count it in session.metrics()."""
@@ -130,7 +152,10 @@ def test_an_input_scout_cannot_replay_is_reported_once_with_its_reason_and_count
                     assert v["reason"].startswith(
                         f"SCOUT cannot replay '{name}': recipe input kwarg.cache is a DynamicCache whose layer"
                     ), v["reason"]
-                    assert "already holds 4 past positions" in v["reason"] and "did not return" not in v["reason"]
+                    assert (
+                        "already holds 4 past positions" in v["reason"]
+                        and "did not return" not in v["reason"]
+                    )
                 else:
                     assert v["verdict"] == "agree", (r, step, name, v)
             assert cycle["certified"] is None

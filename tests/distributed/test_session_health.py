@@ -45,7 +45,9 @@ os._exit(0)
 def test_health_events_become_reports_on_their_rank(tmp_path: Path) -> None:
     import json
 
-    res = launch(["-c", PROGRAM, str(tmp_path)], world_size=2, timeout_s=90, log_dir=tmp_path / "logs")
+    res = launch(
+        ["-c", PROGRAM, str(tmp_path)], world_size=2, timeout_s=90, log_dir=tmp_path / "logs"
+    )
     assert res.ok, (tmp_path / "logs" / "rank1.attempt0.log").read_text()
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -53,4 +55,7 @@ def test_health_events_become_reports_on_their_rank(tmp_path: Path) -> None:
     assert len(r1) == 1, r1
     rep = r1[0]
     assert rep["kind"] == "health" and list(rep["ranks"]) == [1] and rep["host"] == "host-1"
-    assert rep["evidence"]["severity"] == "fatal" and rep["evidence"]["event"]["kind"] == "ecc_uncorrected"
+    assert (
+        rep["evidence"]["severity"] == "fatal"
+        and rep["evidence"]["event"]["kind"] == "ecc_uncorrected"
+    )

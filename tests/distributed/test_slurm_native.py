@@ -24,8 +24,17 @@ import pytest
 from qualification.launch import free_port
 
 WORLD, PER_NODE, KILL_STEP, STEPS = 4, 2, 3, 5
-_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
-         "TORCHELASTIC_USE_AGENT_STORE", "GEMSCOUT_RUN_ID")
+_DROP = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GEMSCOUT_RUN_ID",
+)
 
 
 def srun(out: Path, ckpt: Path, *extra: str, job: str = "4242") -> list[int]:
@@ -34,13 +43,37 @@ def srun(out: Path, ckpt: Path, *extra: str, job: str = "4242") -> list[int]:
     procs = []
     for task in range(WORLD):
         env = {k: v for k, v in os.environ.items() if k not in _DROP}
-        env.update(SLURM_PROCID=str(task), SLURM_NTASKS=str(WORLD), SLURM_LOCALID=str(task % PER_NODE),
-                   SLURM_JOB_ID=job, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   GEMSCOUT_HOSTNAME=f"node{task // PER_NODE}")
+        env.update(
+            SLURM_PROCID=str(task),
+            SLURM_NTASKS=str(WORLD),
+            SLURM_LOCALID=str(task % PER_NODE),
+            SLURM_JOB_ID=job,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            GEMSCOUT_HOSTNAME=f"node{task // PER_NODE}",
+        )
         log = open(out.parent / f"{out.name}-task{task}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([sys.executable, "-m", "qualification.programs.slurm_rank", "--out", str(out),
-                                       "--ckpt", str(ckpt), "--steps", str(STEPS), *extra],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "qualification.programs.slurm_rank",
+                    "--out",
+                    str(out),
+                    "--ckpt",
+                    str(ckpt),
+                    "--steps",
+                    str(STEPS),
+                    *extra,
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     codes = []
     for proc in procs:
         try:
@@ -57,16 +90,25 @@ def ranks(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_srun_without_torchrun_places_replicas_across_nodes_and_survives_a_node_loss(tmp_path: Path) -> None:
+def test_srun_without_torchrun_places_replicas_across_nodes_and_survives_a_node_loss(
+    tmp_path: Path,
+) -> None:
     assert srun(tmp_path / "reference", tmp_path / "ckpt-ref") == [0] * WORLD
     reference = ranks(tmp_path / "reference")
     for doc in reference:
         assert doc["run_id"] == "4242" and doc["ranks_per_node"] == PER_NODE
-        assert doc["replica_holder"] // PER_NODE != doc["rank"] // PER_NODE, doc  # held on the other node
+        assert doc["replica_holder"] // PER_NODE != doc["rank"] // PER_NODE, (
+            doc
+        )  # held on the other node
 
     ckpt = tmp_path / "ckpt"
-    assert srun(tmp_path / "first", ckpt, "--kill-step", str(KILL_STEP)) == [-signal.SIGKILL] * WORLD
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("node-")) == ["node-0", "node-1"]
+    assert (
+        srun(tmp_path / "first", ckpt, "--kill-step", str(KILL_STEP)) == [-signal.SIGKILL] * WORLD
+    )
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("node-")) == [
+        "node-0",
+        "node-1",
+    ]
     shutil.rmtree(ckpt / "node-1")  # node 1 is replaced: its local storage is gone
     assert srun(tmp_path / "requeued", ckpt) == [0] * WORLD
     for doc, ref in zip(ranks(tmp_path / "requeued"), reference, strict=True):
@@ -77,4 +119,6 @@ def test_srun_without_torchrun_places_replicas_across_nodes_and_survives_a_node_
             assert source == f"peer:{doc['rank'] - PER_NODE}", decision  # from node 0's replica
         else:
             assert not source.startswith("peer"), decision
-        assert doc["digest"] == ref["digest"], f"rank {doc['rank']} ended unlike the uninterrupted job"
+        assert doc["digest"] == ref["digest"], (
+            f"rank {doc['rank']} ended unlike the uninterrupted job"
+        )

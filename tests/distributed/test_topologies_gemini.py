@@ -16,12 +16,30 @@ from qualification.programs.lifecycle import run_cell
 
 
 def cell(topology: str, world: int, fault: dict) -> dict:
-    return {"id": "t", "world_size": world, "workload": "three-block", "topology": topology, "seed": 0,
-            "timeout_s": 150, "fault": fault, "params": {"steps": 6}}
+    return {
+        "id": "t",
+        "world_size": world,
+        "workload": "three-block",
+        "topology": topology,
+        "seed": 0,
+        "timeout_s": 150,
+        "fault": fault,
+        "params": {"steps": 6},
+    }
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("topology", "world"), [("fsdp2", 2), pytest.param("hsdp", 4, marks=heavy("lifecycle-*-hsdp-w4-*", "topologies", "4-rank HSDP, ~75 s on 2 cores"))])
+@pytest.mark.parametrize(
+    ("topology", "world"),
+    [
+        ("fsdp2", 2),
+        pytest.param(
+            "hsdp",
+            4,
+            marks=heavy("lifecycle-*-hsdp-w4-*", "topologies", "4-rank HSDP, ~75 s on 2 cores"),
+        ),
+    ],
+)
 def test_sharded_lifecycle_is_bitwise(tmp_path: Path, topology: str, world: int) -> None:
     healthy = run_cell(cell(topology, world, {"kind": "none"}), tmp_path / "healthy")
     assert healthy["status"] == "passed", healthy

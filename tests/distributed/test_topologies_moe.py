@@ -28,43 +28,96 @@ from _heavy import heavy
 
 from qualification.launch import launch
 
-STEPS, FAULT_RANK, FAULT_STEP, RECIPE = 9, 2, 5, "hidden.1"  # hidden.1 is due at odd steps (two blocks)
+STEPS, FAULT_RANK, FAULT_STEP, RECIPE = (
+    9,
+    2,
+    5,
+    "hidden.1",
+)  # hidden.1 is due at odd steps (two blocks)
 A2A_RANK, A2A_STEP = 3, 7  # the first capture after the quarantine of hidden.1 ends
 
 
-def run(out: Path, workload: str, *extra: str, world: int = 4,
-        steps: int = STEPS) -> tuple[bool, list[int], list[dict[str, Any]]]:
-    res = launch(["-m", "qualification.programs.moe_rank", "--out", str(out), "--workload", workload,
-                  "--steps", str(steps), *extra], world_size=world, timeout_s=300, log_dir=out / "logs")
+def run(
+    out: Path, workload: str, *extra: str, world: int = 4, steps: int = STEPS
+) -> tuple[bool, list[int], list[dict[str, Any]]]:
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.moe_rank",
+            "--out",
+            str(out),
+            "--workload",
+            workload,
+            "--steps",
+            str(steps),
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=300,
+        log_dir=out / "logs",
+    )
     docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] if res.ok else []
     return res.ok, res.returncodes, docs
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("workload", ["moe", pytest.param("cp", marks=heavy("moe_cell-*-cp-*", "topologies", "the CP mesh, ~65 s on 2 cores; the MoE mesh runs the same driver"))])
+@pytest.mark.parametrize(
+    "workload",
+    [
+        "moe",
+        pytest.param(
+            "cp",
+            marks=heavy(
+                "moe_cell-*-cp-*",
+                "topologies",
+                "the CP mesh, ~65 s on 2 cores; the MoE mesh runs the same driver",
+            ),
+        ),
+    ],
+)
 def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
     ckpt = tmp_path / "ckpt"
-    ok, codes, ranks = run(tmp_path / "scout", workload, "--ckpt", str(ckpt), "--baseline",
-                           "--replay-fault-rank", str(FAULT_RANK), "--replay-fault-step", str(FAULT_STEP),
-                           "--replay-fault-recipe", RECIPE,
-                           "--a2a-corrupt-rank", str(A2A_RANK), "--a2a-corrupt-step", str(A2A_STEP))
+    ok, codes, ranks = run(
+        tmp_path / "scout",
+        workload,
+        "--ckpt",
+        str(ckpt),
+        "--baseline",
+        "--replay-fault-rank",
+        str(FAULT_RANK),
+        "--replay-fault-step",
+        str(FAULT_STEP),
+        "--replay-fault-recipe",
+        RECIPE,
+        "--a2a-corrupt-rank",
+        str(A2A_RANK),
+        "--a2a-corrupt-step",
+        str(A2A_STEP),
+    )
     assert ok, codes
     model_dim = "ep" if workload == "moe" else "cp"
     for r in ranks:
         topo = r["topology"]
         assert topo["peer_groups"] == [[0, 2], [1, 3]] and topo["model_dims"] == [model_dim], topo
         assert topo["kind"] == f"dp+{model_dim}" and r["disabled_reason"] is None
-        assert r["state_digest"] == r["baseline_digest"], f"rank {r['rank']}: gemscout changed training"
+        assert r["state_digest"] == r["baseline_digest"], (
+            f"rank {r['rank']}: gemscout changed training"
+        )
         assert r["losses"] == r["baseline_losses"]
 
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
-        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == \
-               [(FAULT_STEP, RECIPE, "peer_group", [0, 2])], sdc
+        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == [
+            (FAULT_STEP, RECIPE, "peer_group", [0, 2])
+        ], sdc
         assert "detection without a culprit" in sdc[0]["reason"]
         assert not [rep for rep in r["reports"] if rep["kind"] != "sdc"], r["reports"]
         for step, cycle in r["cycles"].items():
             expect = {"inconclusive"} if int(step) == FAULT_STEP else {"agree"}
-            seen = {v["verdict"] for n, v in cycle["verdicts"].items() if n == RECIPE or int(step) != FAULT_STEP}
+            seen = {
+                v["verdict"]
+                for n, v in cycle["verdicts"].items()
+                if n == RECIPE or int(step) != FAULT_STEP
+            }
             assert seen == expect, (step, cycle["verdicts"])
 
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
@@ -73,9 +126,13 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
         rejected = [s for s, st in trust.items() if st == "rejected"]
         assert rejected and all(decision["step"] < s < FAULT_STEP for s in rejected), trust
         gates = [d for d in r["decisions"] if d["failure_kind"] == "alltoall"]
-        if workload == "moe":  # the AllToAll mismatch gates its step job-wide, like SDC: never captured
+        if (
+            workload == "moe"
+        ):  # the AllToAll mismatch gates its step job-wide, like SDC: never captured
             assert A2A_STEP not in trust, trust
-            assert len(gates) == 1 and gates[0]["mode"] == "restore" and gates[0]["step"] < A2A_STEP, gates
+            assert (
+                len(gates) == 1 and gates[0]["mode"] == "restore" and gates[0]["step"] < A2A_STEP
+            ), gates
         else:
             assert A2A_STEP in trust and gates == [], (trust, gates)
         assert any(st == "recovery_verified" for s, st in trust.items() if s > FAULT_STEP), trust
@@ -90,16 +147,20 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
             assert [res["group"] for res in results] == [group]
             res = results[0]
             assert set(res["cases"]) == {"recorded", "balanced", "cyclic"}
-            assert res["cases"]["recorded"] != res["cases"]["balanced"]  # top-1 routing is uneven here
+            assert (
+                res["cases"]["recorded"] != res["cases"]["balanced"]
+            )  # top-1 routing is uneven here
             if int(step) == A2A_STEP and A2A_RANK in group:
                 assert res["verdict"] == "mismatch"
-                assert {(m["case"], m["src"], m["dst"], m["kind"]) for m in res["mismatches"]} == \
-                       {("balanced", 3, 2, "transit")}
+                assert {(m["case"], m["src"], m["dst"], m["kind"]) for m in res["mismatches"]} == {
+                    ("balanced", 3, 2, "transit")
+                }
             else:
                 assert res["verdict"] == "clean", (step, res)
         if A2A_RANK in group:
-            assert [(rep["step"], rep["scope"], rep["ranks"]) for rep in a2a_reports] == \
-                   [(A2A_STEP, "peer_group", [2, 3])]
+            assert [(rep["step"], rep["scope"], rep["ranks"]) for rep in a2a_reports] == [
+                (A2A_STEP, "peer_group", [2, 3])
+            ]
             assert "sent by rank 3 arrived changed at rank 2" in a2a_reports[0]["reason"]
         else:
             assert a2a_reports == []
@@ -107,9 +168,13 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
 
     # SIGKILL rank 1 after step 4, then relaunch: recovered, and bitwise equal to the uninterrupted run.
     killed = tmp_path / "killed"
-    ok, codes, _ = run(killed, workload, "--ckpt", str(killed / "ckpt"), "--kill-rank", "1", "--kill-step", "4")
+    ok, codes, _ = run(
+        killed, workload, "--ckpt", str(killed / "ckpt"), "--kill-rank", "1", "--kill-step", "4"
+    )
     assert not ok and codes[1] == -9, codes
-    ok, codes, again = run(tmp_path / "again", workload, "--ckpt", str(killed / "ckpt"), "--baseline")
+    ok, codes, again = run(
+        tmp_path / "again", workload, "--ckpt", str(killed / "ckpt"), "--baseline"
+    )
     assert ok, codes
     for r, first in zip(again, ranks, strict=True):
         assert r["resume_step"] >= 3, r["resume_step"]
@@ -120,17 +185,31 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
 @pytest.mark.timeout(420)
 def test_moe_dp3_attributes_the_exact_rank(tmp_path: Path) -> None:
     steps, fault_rank = 6, 4
-    ok, codes, ranks = run(tmp_path, "moe", "--ckpt", str(tmp_path / "ckpt"), "--baseline",
-                           "--replay-fault-rank", str(fault_rank),
-                           "--replay-fault-step", str(FAULT_STEP), "--replay-fault-recipe", RECIPE,
-                           world=6, steps=steps)
+    ok, codes, ranks = run(
+        tmp_path,
+        "moe",
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--baseline",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(FAULT_STEP),
+        "--replay-fault-recipe",
+        RECIPE,
+        world=6,
+        steps=steps,
+    )
     assert ok, codes
     for r in ranks:
         assert r["topology"]["peer_groups"] == [[0, 2, 4], [1, 3, 5]], r["topology"]
-        assert r["state_digest"] == r["baseline_digest"], f"rank {r['rank']}: gemscout changed training"
+        assert r["state_digest"] == r["baseline_digest"], (
+            f"rank {r['rank']}: gemscout changed training"
+        )
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc" and rep["recipe"] != "alltoall"]
-        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == \
-               [(FAULT_STEP, RECIPE, "rank", [fault_rank])], sdc
+        assert [(rep["step"], rep["recipe"], rep["scope"], rep["ranks"]) for rep in sdc] == [
+            (FAULT_STEP, RECIPE, "rank", [fault_rank])
+        ], sdc
         verdict = r["cycles"][str(FAULT_STEP)]["verdicts"][RECIPE]
         assert verdict["verdict"] == "attributed" and verdict["ranks"] == [fault_rank], verdict
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")

@@ -38,8 +38,16 @@ from qualification.programs.lifecycle import _rank_argv, run_cell
 
 
 def cell(topology: str, world: int, schedule: str, fault: dict[str, Any]) -> dict[str, Any]:
-    return {"id": "t", "world_size": world, "workload": "three-block", "topology": topology, "seed": 0,
-            "timeout_s": 200, "fault": fault, "params": {"steps": 6, "schedule": schedule}}
+    return {
+        "id": "t",
+        "world_size": world,
+        "workload": "three-block",
+        "topology": topology,
+        "seed": 0,
+        "timeout_s": 200,
+        "fault": fault,
+        "params": {"steps": 6, "schedule": schedule},
+    }
 
 
 def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
@@ -47,12 +55,26 @@ def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("topology", "world", "schedule", "killed_rank"),
-                         [("pp", 2, "1f1b", 1), ("pp-dp", 4, "gpipe", 2), ("pp3", 3, "1f1b", 1),
-                          ("pp-virtual", 2, "interleaved-1f1b", 0), ("pp-v", 2, "zbv", 1)])
-def test_gemini_on_a_pipeline_is_bitwise(tmp_path: Path, topology: str, world: int, schedule: str,
-                                         killed_rank: int) -> None:
-    fault = {"kind": "sigkill", "rank": killed_rank, "step": 4, "phase": "replicate", "node_loss": True}
+@pytest.mark.parametrize(
+    ("topology", "world", "schedule", "killed_rank"),
+    [
+        ("pp", 2, "1f1b", 1),
+        ("pp-dp", 4, "gpipe", 2),
+        ("pp3", 3, "1f1b", 1),
+        ("pp-virtual", 2, "interleaved-1f1b", 0),
+        ("pp-v", 2, "zbv", 1),
+    ],
+)
+def test_gemini_on_a_pipeline_is_bitwise(
+    tmp_path: Path, topology: str, world: int, schedule: str, killed_rank: int
+) -> None:
+    fault = {
+        "kind": "sigkill",
+        "rank": killed_rank,
+        "step": 4,
+        "phase": "replicate",
+        "node_loss": True,
+    }
     spec = cell(topology, world, schedule, fault)
     killed = run_cell(spec, tmp_path / "killed")  # baseline, the killed run, the relaunch
     obs = killed["observed"]
@@ -64,28 +86,56 @@ def test_gemini_on_a_pipeline_is_bitwise(tmp_path: Path, topology: str, world: i
 
     baseline = ranks_of(tmp_path / "killed" / "baseline", world)
     replicas = PIPELINE_TOPOLOGIES[topology].replicas
-    for r in range(world):  # each rank holds its own stage(s); the stages of one pipeline see the same loss
+    for r in range(
+        world
+    ):  # each rank holds its own stage(s); the stages of one pipeline see the same loss
         partner = (r + replicas) % world
         assert baseline[r]["state_digest"] != baseline[partner]["state_digest"]
-        assert baseline[r]["losses"] == baseline[partner]["losses"] and len(baseline[r]["losses"]) == 6
+        assert (
+            baseline[r]["losses"] == baseline[partner]["losses"] and len(baseline[r]["losses"]) == 6
+        )
         if replicas > 1:  # replicas of one stage end equal (DDP or the hand-written average)
             twin = r - r % replicas + (r + 1) % replicas
             assert baseline[r]["state_digest"] == baseline[twin]["state_digest"]
 
     # The healthy run with GEMINI, compared with the same baseline.
-    res = launch(_rank_argv(tmp_path / "healthy", spec, tmp_path / "ckpt-healthy", []), world_size=world,
-                 timeout_s=200, log_dir=tmp_path / "logs-healthy")
+    res = launch(
+        _rank_argv(tmp_path / "healthy", spec, tmp_path / "ckpt-healthy", []),
+        world_size=world,
+        timeout_s=200,
+        log_dir=tmp_path / "logs-healthy",
+    )
     assert res.ok, res
     for r, rank in enumerate(ranks_of(tmp_path / "healthy", world)):
-        assert rank["state_digest"] == baseline[r]["state_digest"], f"rank {r}: GEMINI changed training"
+        assert rank["state_digest"] == baseline[r]["state_digest"], (
+            f"rank {r}: GEMINI changed training"
+        )
         assert rank["losses"] == baseline[r]["losses"] and rank["errors"] == []
         assert rank["stats"], rank  # it did checkpoint
 
 
-def scout(tmp_path: Path, topology: str, world: int, steps: int, *extra: str) -> list[dict[str, Any]]:
-    res = launch(["-m", "qualification.programs.scout_rank", "--out", str(tmp_path), "--steps", str(steps),
-                  "--fault-rank", "-1", "--topology", topology, "--baseline", *extra],
-                 world_size=world, timeout_s=240, log_dir=tmp_path / "logs")
+def scout(
+    tmp_path: Path, topology: str, world: int, steps: int, *extra: str
+) -> list[dict[str, Any]]:
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.scout_rank",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            str(steps),
+            "--fault-rank",
+            "-1",
+            "--topology",
+            topology,
+            "--baseline",
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=240,
+        log_dir=tmp_path / "logs",
+    )
     assert res.ok, res
     return ranks_of(tmp_path, world)
 
@@ -94,10 +144,14 @@ def check_fault_handled(ranks: list[dict[str, Any]], fault_step: int, recipe: st
     """Every rank: one SDC report for the fault, candidates rejected job-wide, certification after the fault, the
     same trust and reports on every rank, and training bitwise the run without gemscout."""
     for r in ranks:
-        assert r["state_digest"] == r["baseline_digest"], f"rank {r['rank']}: SCOUT changed training"
+        assert r["state_digest"] == r["baseline_digest"], (
+            f"rank {r['rank']}: SCOUT changed training"
+        )
         sdc = [rep for rep in r["reports"] if rep["kind"] == "sdc"]
         assert [(rep["step"], rep["recipe"]) for rep in sdc] == [(fault_step, recipe)], r["reports"]
-        assert all(rep["step"] >= fault_step for rep in r["reports"]), r["reports"]  # healthy steps: no report
+        assert all(rep["step"] >= fault_step for rep in r["reports"]), r[
+            "reports"
+        ]  # healthy steps: no report
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
         assert decision["mode"] == "restore" and decision["step"] < fault_step, decision
         trust = {int(k): v for k, v in r["trust"].items()}
@@ -107,25 +161,51 @@ def check_fault_handled(ranks: list[dict[str, Any]], fault_step: int, recipe: st
         assert any(st == "recovery_verified" for s, st in trust.items() if s > fault_step), trust
     for other in ranks[1:]:
         assert other["trust"] == ranks[0]["trust"], "ranks disagree on trust"
-        assert [(x["kind"], x["step"], x["ranks"]) for x in other["reports"]] == \
-               [(x["kind"], x["step"], x["ranks"]) for x in ranks[0]["reports"]], "ranks saw other reports"
+        assert [(x["kind"], x["step"], x["ranks"]) for x in other["reports"]] == [
+            (x["kind"], x["step"], x["ranks"]) for x in ranks[0]["reports"]
+        ], "ranks saw other reports"
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("topology", ["pp-dp", "pp-dp-ddp"])
 def test_scout_on_pp_dp_detects_in_the_stage_pair(tmp_path: Path, topology: str) -> None:
-    fault_rank, fault_step, recipe = 1, 7, "pp0.hidden.1"  # stage 0's second block is due at odd steps
-    ranks = scout(tmp_path, topology, 4, 12, "--schedule", "1f1b", "--replay-fault-rank", str(fault_rank),
-                  "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    fault_rank, fault_step, recipe = (
+        1,
+        7,
+        "pp0.hidden.1",
+    )  # stage 0's second block is due at odd steps
+    ranks = scout(
+        tmp_path,
+        topology,
+        4,
+        12,
+        "--schedule",
+        "1f1b",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
     for r in ranks:
         stage = r["rank"] // 2
         assert r["topology"]["peer_groups"] == [[0, 1], [2, 3]] and r["disabled_reason"] is None
-        assert r["topology"]["stage_label"] == f"pp{stage}" and r["topology"]["peers"] == [2 * stage, 2 * stage + 1]
+        assert r["topology"]["stage_label"] == f"pp{stage}" and r["topology"]["peers"] == [
+            2 * stage,
+            2 * stage + 1,
+        ]
         own = {name for names in r["due"].values() for name in names}
-        assert all(name.startswith(f"pp{stage}.") for name in own), own  # a stage replays its own recipes
-        assert (f"pp{stage}.embedding" in own) == (stage == 0) and (f"pp{stage}.output" in own) == (stage == 1)
-        assert [f["rank"] for f in r["fired"] if f["kind"] == "bitflip"] == [fault_rank] * (r["rank"] == fault_rank)
+        assert all(name.startswith(f"pp{stage}.") for name in own), (
+            own
+        )  # a stage replays its own recipes
+        assert (f"pp{stage}.embedding" in own) == (stage == 0) and (f"pp{stage}.output" in own) == (
+            stage == 1
+        )
+        assert [f["rank"] for f in r["fired"] if f["kind"] == "bitflip"] == [fault_rank] * (
+            r["rank"] == fault_rank
+        )
         sdc = next(rep for rep in r["reports"] if rep["kind"] == "sdc")
         assert (sdc["scope"], sdc["ranks"]) == ("peer_group", [0, 1])
         assert "detection without a culprit" in sdc["reason"]
@@ -135,14 +215,26 @@ def test_scout_on_pp_dp_detects_in_the_stage_pair(tmp_path: Path, topology: str)
         assert {"pp0.embedding", "pp1.output", "pp1.hidden.0"} <= set(c["verdicts"])
         bad = {n: v["verdict"] for n, v in c["verdicts"].items() if v["verdict"] != "agree"}
         assert bad == ({recipe: "inconclusive"} if step == fault_step else {}), (step, bad)
-    assert cycles[fault_step - 1]["certified"] == fault_step - 2  # the rotation covered every recipe before
+    assert (
+        cycles[fault_step - 1]["certified"] == fault_step - 2
+    )  # the rotation covered every recipe before
 
 
 @pytest.mark.timeout(300)
 def test_scout_on_pp_dp3_names_the_rank(tmp_path: Path) -> None:
     fault_rank, fault_step, recipe = 4, 4, "pp1.output"
-    ranks = scout(tmp_path, "pp-dp3", 6, 7, "--replay-fault-rank", str(fault_rank),
-                  "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    ranks = scout(
+        tmp_path,
+        "pp-dp3",
+        6,
+        7,
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
     for r in ranks:
         assert r["topology"]["peer_groups"] == [[0, 1, 2], [3, 4, 5]]
@@ -152,31 +244,64 @@ def test_scout_on_pp_dp3_names_the_rank(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("topology", "schedule"), [("pp", "gpipe"), ("pp-virtual", "looped-bfs")])
-def test_scout_on_a_pure_pipeline_has_no_peers_and_says_so(tmp_path: Path, topology: str, schedule: str) -> None:
-    ranks = scout(tmp_path, topology, 2, 4, "--schedule", schedule, "--replay-fault-rank", "1",
-                  "--replay-fault-step", "2", "--replay-fault-recipe", "pp1.hidden.0")
+def test_scout_on_a_pure_pipeline_has_no_peers_and_says_so(
+    tmp_path: Path, topology: str, schedule: str
+) -> None:
+    ranks = scout(
+        tmp_path,
+        topology,
+        2,
+        4,
+        "--schedule",
+        schedule,
+        "--replay-fault-rank",
+        "1",
+        "--replay-fault-step",
+        "2",
+        "--replay-fault-recipe",
+        "pp1.hidden.0",
+    )
     for r in ranks:
         assert r["state_digest"] == r["baseline_digest"]
-        assert r["topology"]["peer_groups"] == [[0], [1]] and r["topology"]["stage_label"] == f"pp{r['rank']}"
+        assert (
+            r["topology"]["peer_groups"] == [[0], [1]]
+            and r["topology"]["stage_label"] == f"pp{r['rank']}"
+        )
         assert "pipeline stages" in r["disabled_reason"]
         assert r["reports"] == [] and r["fired"] == []  # nothing replayed, nothing claimed
         own = {name.split(".")[0] for names in r["due"].values() for name in names}
-        assert own == ({f"pp{r['rank']}", f"pp{r['rank'] + 2}"} if topology == "pp-virtual" else {f"pp{r['rank']}"})
+        assert own == (
+            {f"pp{r['rank']}", f"pp{r['rank'] + 2}"}
+            if topology == "pp-virtual"
+            else {f"pp{r['rank']}"}
+        )
         for c in r["cycles"].values():
             for v in c["verdicts"].values():
-                assert v["verdict"] == "inconclusive" and not v["pre_ok"] and "cannot compare" in v["reason"]
+                assert (
+                    v["verdict"] == "inconclusive"
+                    and not v["pre_ok"]
+                    and "cannot compare" in v["reason"]
+                )
         assert {st for s, st in r["trust"].items() if int(s) >= 1} == {"candidate"}, r["trust"]
 
 
-def check_stage_pairs(ranks: list[dict[str, Any]], fault_rank: int, fault_step: int, recipe: str,
-                      groups: list[list[int]], stages_of: dict[int, set[str]]) -> None:
+def check_stage_pairs(
+    ranks: list[dict[str, Any]],
+    fault_rank: int,
+    fault_step: int,
+    recipe: str,
+    groups: list[list[int]],
+    stages_of: dict[int, set[str]],
+) -> None:
     """Peers are each pp coordinate's dp pair; a rank replays only its own stages' recipes; every rank judges every
     stage's; the fault's stage pair is reported without a culprit; only the faulty recipe is INCONCLUSIVE."""
     pair = next(g for g in groups if fault_rank in g)
     for r in ranks:
         coord = r["rank"] // 2
         assert r["topology"]["peer_groups"] == groups and r["disabled_reason"] is None
-        assert r["topology"]["stage_label"] == f"pp{coord}" and r["topology"]["peers"] == groups[coord]
+        assert (
+            r["topology"]["stage_label"] == f"pp{coord}" and r["topology"]["peers"] == groups[coord]
+        )
         own = {name.split(".")[0] for names in r["due"].values() for name in names}
         assert own == stages_of[coord], (r["rank"], own)
         sdc = next(rep for rep in r["reports"] if rep["kind"] == "sdc")
@@ -184,7 +309,9 @@ def check_stage_pairs(ranks: list[dict[str, Any]], fault_rank: int, fault_step: 
         assert "detection without a culprit" in sdc["reason"]
     every, judged = set().union(*stages_of.values()), set()
     for step, c in {int(s): c for s, c in ranks[0]["cycles"].items()}.items():
-        judged |= {n.split(".")[0] for n in c["verdicts"]}  # (several stages per rank: they take turns)
+        judged |= {
+            n.split(".")[0] for n in c["verdicts"]
+        }  # (several stages per rank: they take turns)
         assert {n.split(".")[0] for n in c["verdicts"]} <= every, (step, c["verdicts"])
         bad = {n: v["verdict"] for n, v in c["verdicts"].items() if v["verdict"] != "agree"}
         assert bad == ({recipe: "inconclusive"} if step == fault_step else {}), (step, bad)
@@ -197,13 +324,35 @@ def test_scout_on_pp3_dp2_detects_in_the_middle_stage(tmp_path: Path) -> None:
     fault on one of its ranks is detected in its pair. Optimizer slices of 20000 elements make the certification
     rotation span 4 steps, so candidates exist between the newest certified step and the fault."""
     fault_rank, fault_step, recipe = 3, 6, "pp1.hidden.0"
-    ranks = scout(tmp_path, "pp3-dp2", 6, 10, "--schedule", "1f1b", "--optimizer-slice-numel", "20000",
-                  "--replay-fault-rank", str(fault_rank), "--replay-fault-step", str(fault_step),
-                  "--replay-fault-recipe", recipe)
+    ranks = scout(
+        tmp_path,
+        "pp3-dp2",
+        6,
+        10,
+        "--schedule",
+        "1f1b",
+        "--optimizer-slice-numel",
+        "20000",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
-    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3], [4, 5]], {0: {"pp0"}, 1: {"pp1"}, 2: {"pp2"}})
+    check_stage_pairs(
+        ranks,
+        fault_rank,
+        fault_step,
+        recipe,
+        [[0, 1], [2, 3], [4, 5]],
+        {0: {"pp0"}, 1: {"pp1"}, 2: {"pp2"}},
+    )
     middle = {name for names in ranks[2]["due"].values() for name in names}
-    assert {n.split(".")[1] for n in middle} == {"hidden", "optimizer"}, middle  # no embedding, no output
+    assert {n.split(".")[1] for n in middle} == {"hidden", "optimizer"}, (
+        middle
+    )  # no embedding, no output
     assert {"pp0.embedding", "pp2.output"} <= set(ranks[0]["cycles"][str(fault_step)]["verdicts"])
 
 
@@ -212,15 +361,50 @@ def test_scout_on_interleaved_stages_names_each_stage(tmp_path: Path) -> None:
     """Four stages over pp=2 x dp=2 with Interleaved 1F1B: each rank gives gemscout an nn.ModuleList of its two
     stage modules (pp coordinate c holds stages c and c + 2); every recipe is named by its own stage and judged over
     that stage's dp pair; a replay fault in the last stage's block is detected in pair [2, 3]."""
-    fault_rank, fault_step, recipe = 3, 5, "pp3.hidden.0"  # pp1's blocks alternate: pp3.hidden.0 at odd steps
-    ranks = scout(tmp_path, "pp-virtual-dp", 4, 8, "--schedule", "interleaved-1f1b", "--replay-fault-rank",
-                  str(fault_rank), "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    fault_rank, fault_step, recipe = (
+        3,
+        5,
+        "pp3.hidden.0",
+    )  # pp1's blocks alternate: pp3.hidden.0 at odd steps
+    ranks = scout(
+        tmp_path,
+        "pp-virtual-dp",
+        4,
+        8,
+        "--schedule",
+        "interleaved-1f1b",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
-    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3]], {0: {"pp0", "pp2"}, 1: {"pp1", "pp3"}})
+    check_stage_pairs(
+        ranks,
+        fault_rank,
+        fault_step,
+        recipe,
+        [[0, 1], [2, 3]],
+        {0: {"pp0", "pp2"}, 1: {"pp1", "pp3"}},
+    )
     due = {name for names in ranks[0]["due"].values() for name in names}
-    assert {"pp0.embedding", "pp0.hidden.0", "pp2.hidden.0", "pp0.optimizer.0", "pp2.optimizer.0"} == due
+    assert {
+        "pp0.embedding",
+        "pp0.hidden.0",
+        "pp2.hidden.0",
+        "pp0.optimizer.0",
+        "pp2.optimizer.0",
+    } == due
     last = {name for names in ranks[3]["due"].values() for name in names}
-    assert {"pp1.hidden.0", "pp3.hidden.0", "pp3.output", "pp1.optimizer.0", "pp3.optimizer.0"} == last
+    assert {
+        "pp1.hidden.0",
+        "pp3.hidden.0",
+        "pp3.output",
+        "pp1.optimizer.0",
+        "pp3.optimizer.0",
+    } == last
 
 
 @pytest.mark.timeout(300)
@@ -230,14 +414,43 @@ def test_scout_on_v_shaped_zero_bubble_stages(tmp_path: Path) -> None:
     nn.ModuleList and ``ScoutConfig(stage_order="v")``. Each recipe is named by its own stage, the healthy steps are
     clean (captures of the split backward replay bitwise), and a replay fault in stage 2's block is detected in pair
     [2, 3]; GEMINI + SCOUT leave training bitwise the schedule's own."""
-    fault_rank, fault_step, recipe = 3, 5, "pp2.hidden.0"  # coordinate 1 alternates blocks: pp2's at odd steps
-    ranks = scout(tmp_path, "pp-v-dp", 4, 8, "--schedule", "zbv", "--replay-fault-rank", str(fault_rank),
-                  "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    fault_rank, fault_step, recipe = (
+        3,
+        5,
+        "pp2.hidden.0",
+    )  # coordinate 1 alternates blocks: pp2's at odd steps
+    ranks = scout(
+        tmp_path,
+        "pp-v-dp",
+        4,
+        8,
+        "--schedule",
+        "zbv",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
-    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3]], {0: {"pp0", "pp3"}, 1: {"pp1", "pp2"}})
+    check_stage_pairs(
+        ranks,
+        fault_rank,
+        fault_step,
+        recipe,
+        [[0, 1], [2, 3]],
+        {0: {"pp0", "pp3"}, 1: {"pp1", "pp2"}},
+    )
     first = {name for names in ranks[0]["due"].values() for name in names}
-    assert {"pp0.embedding", "pp0.hidden.0", "pp3.hidden.0", "pp3.output", "pp0.optimizer.0",
-            "pp3.optimizer.0"} == first
+    assert {
+        "pp0.embedding",
+        "pp0.hidden.0",
+        "pp3.hidden.0",
+        "pp3.output",
+        "pp0.optimizer.0",
+        "pp3.optimizer.0",
+    } == first
     middle = {name for names in ranks[2]["due"].values() for name in names}
     assert {"pp1.hidden.0", "pp2.hidden.0", "pp1.optimizer.0", "pp2.optimizer.0"} == middle
 
@@ -248,14 +461,40 @@ def test_scout_on_fsdp_sharded_stages_gathers_and_detects(tmp_path: Path) -> Non
     sub-mesh and ``ScoutConfig.mesh`` is their root (pp, dp) mesh, so pp is the stage dim and dp the shard dim. Peers
     are a stage's dp pair; each gathers the stage's parameters along dp before replay (gather times recorded), the
     healthy steps are clean, and a replay fault on rank 1 is detected in pair [0, 1] without a culprit."""
-    fault_rank, fault_step, recipe = 1, 6, "pp0.hidden.0"  # stage 0's first block is due at even steps
-    ranks = scout(tmp_path, "pp-fsdp", 4, 10, "--schedule", "1f1b", "--replay-fault-rank", str(fault_rank),
-                  "--replay-fault-step", str(fault_step), "--replay-fault-recipe", recipe)
+    fault_rank, fault_step, recipe = (
+        1,
+        6,
+        "pp0.hidden.0",
+    )  # stage 0's first block is due at even steps
+    ranks = scout(
+        tmp_path,
+        "pp-fsdp",
+        4,
+        10,
+        "--schedule",
+        "1f1b",
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(fault_step),
+        "--replay-fault-recipe",
+        recipe,
+    )
     check_fault_handled(ranks, fault_step, recipe)
-    check_stage_pairs(ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3]], {0: {"pp0"}, 1: {"pp1"}})
+    check_stage_pairs(
+        ranks, fault_rank, fault_step, recipe, [[0, 1], [2, 3]], {0: {"pp0"}, 1: {"pp1"}}
+    )
     for r in ranks:
         t = r["topology"]
-        assert (t["kind"], t["stage_dims"], t["shard_dims"], t["peer_dims"]) == ("fsdp+pp", ["pp"], ["dp"], ["dp"])
+        assert (t["kind"], t["stage_dims"], t["shard_dims"], t["peer_dims"]) == (
+            "fsdp+pp",
+            ["pp"],
+            ["dp"],
+            ["dp"],
+        )
         own = {name for names in r["due"].values() for name in names}
         gathered = {name for c in r["cycles"].values() for name in c["gather_s"]}
-        assert own <= gathered, (own, gathered)  # every replayed recipe (forward and optimizer) was gathered first
+        assert own <= gathered, (
+            own,
+            gathered,
+        )  # every replayed recipe (forward and optimizer) was gathered first

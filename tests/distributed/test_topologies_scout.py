@@ -35,21 +35,61 @@ DELAY_STEP = 13
 
 CASES = {
     # topology, world: (peer groups, fault rank, extra arguments, steps)
-    "fsdp2-4": ("fsdp2", 4, [[0, 1, 2, 3]], FAULT_RANK_4,
-                ["--diverge-rank", "3", "--diverge-step", str(DIVERGE_STEP)], 13),
+    "fsdp2-4": (
+        "fsdp2",
+        4,
+        [[0, 1, 2, 3]],
+        FAULT_RANK_4,
+        ["--diverge-rank", "3", "--diverge-step", str(DIVERGE_STEP)],
+        13,
+    ),
     "fsdp2-2": ("fsdp2", 2, [[0, 1]], 1, [], 12),
-    "hsdp-2x2": ("hsdp", 4, [[0, 2], [1, 3]], FAULT_RANK_4,
-                 ["--diverge-rank", "3", "--diverge-step", str(DIVERGE_STEP)], 13),
-    "fsdp2-tp-2x2": ("fsdp2-tp", 4, [[0, 2], [1, 3]], FAULT_RANK_4,
-                     ["--collective-delay-rank", "3", "--collective-delay-step", str(DELAY_STEP),
-                      "--collective-delay-s", "0.3"], 15),
+    "hsdp-2x2": (
+        "hsdp",
+        4,
+        [[0, 2], [1, 3]],
+        FAULT_RANK_4,
+        ["--diverge-rank", "3", "--diverge-step", str(DIVERGE_STEP)],
+        13,
+    ),
+    "fsdp2-tp-2x2": (
+        "fsdp2-tp",
+        4,
+        [[0, 2], [1, 3]],
+        FAULT_RANK_4,
+        [
+            "--collective-delay-rank",
+            "3",
+            "--collective-delay-step",
+            str(DELAY_STEP),
+            "--collective-delay-s",
+            "0.3",
+        ],
+        15,
+    ),
 }
 
 
 def run(tmp_path: Path, topology: str, world: int, steps: int, *extra: str) -> list[dict[str, Any]]:
-    res = launch(["-m", "qualification.programs.scout_rank", "--out", str(tmp_path), "--steps", str(steps),
-                  "--fault-rank", "-1", "--topology", topology, "--baseline", *extra],
-                 world_size=world, timeout_s=150, log_dir=tmp_path / "logs")
+    res = launch(
+        [
+            "-m",
+            "qualification.programs.scout_rank",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            str(steps),
+            "--fault-rank",
+            "-1",
+            "--topology",
+            topology,
+            "--baseline",
+            *extra,
+        ],
+        world_size=world,
+        timeout_s=150,
+        log_dir=tmp_path / "logs",
+    )
     assert res.ok, res
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -62,21 +102,38 @@ def kinds(rank: dict[str, Any], kind: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_scout_on_a_mesh(tmp_path: Path, case: str) -> None:
     topology, world, groups, fault_rank, extra, steps = CASES[case]
-    ranks = run(tmp_path, topology, world, steps, "--replay-fault-rank", str(fault_rank),
-                "--replay-fault-step", str(FAULT_STEP), "--replay-fault-recipe", RECIPE, *extra)
+    ranks = run(
+        tmp_path,
+        topology,
+        world,
+        steps,
+        "--replay-fault-rank",
+        str(fault_rank),
+        "--replay-fault-step",
+        str(FAULT_STEP),
+        "--replay-fault-recipe",
+        RECIPE,
+        *extra,
+    )
     culprit_group = next(g for g in groups if fault_rank in g)
     for r in ranks:
         assert r["topology"]["peer_groups"] == groups, r["topology"]
         assert r["disabled_reason"] is None
-        assert r["state_digest"] == r["baseline_digest"], f"rank {r['rank']}: SCOUT changed training"
-        assert [f["rank"] for f in r["fired"] if f["kind"] == "bitflip"] == ([r["rank"]] * (r["rank"] == fault_rank))
+        assert r["state_digest"] == r["baseline_digest"], (
+            f"rank {r['rank']}: SCOUT changed training"
+        )
+        assert [f["rank"] for f in r["fired"] if f["kind"] == "bitflip"] == (
+            [r["rank"]] * (r["rank"] == fault_rank)
+        )
 
         sdc = kinds(r, "sdc")
         if case == "hsdp-2x2":  # the diverged replica at DIVERGE_STEP is a second fault (below)
             # Rank 3's shard is gathered by its shard partner (rank 2) too, so both replica pairs see divergent
             # parameters: detection without a culprit, over both groups.
             diverged = [rep for rep in sdc if rep["step"] == DIVERGE_STEP]
-            assert diverged and all((rep["scope"], rep["ranks"]) == ("peer_group", [0, 1, 2, 3]) for rep in diverged)
+            assert diverged and all(
+                (rep["scope"], rep["ranks"]) == ("peer_group", [0, 1, 2, 3]) for rep in diverged
+            )
             sdc = [rep for rep in sdc if rep["step"] != DIVERGE_STEP]
         assert [(rep["step"], rep["recipe"]) for rep in sdc] == [(FAULT_STEP, RECIPE)], sdc
         if len(culprit_group) >= 3:
@@ -86,10 +143,16 @@ def test_scout_on_a_mesh(tmp_path: Path, case: str) -> None:
             assert "detection without a culprit" in sdc[0]["reason"]
 
         decision = next(d for d in r["decisions"] if d["failure_kind"] == "sdc")
-        assert decision["mode"] == "restore" and decision["step"] is not None and decision["step"] < FAULT_STEP
+        assert (
+            decision["mode"] == "restore"
+            and decision["step"] is not None
+            and decision["step"] < FAULT_STEP
+        )
         trust = {int(k): v for k, v in r["trust"].items()}
         rejected = [s for s, st in trust.items() if st == "rejected"]
-        if case == "hsdp-2x2":  # the divergence at DIVERGE_STEP rejects the candidates just before it as well
+        if (
+            case == "hsdp-2x2"
+        ):  # the divergence at DIVERGE_STEP rejects the candidates just before it as well
             assert trust.get(DIVERGE_STEP - 1) == "rejected" and DIVERGE_STEP not in trust, trust
             rejected = [s for s in rejected if s < FAULT_STEP]
         assert rejected and all(decision["step"] < s < FAULT_STEP for s in rejected), trust
@@ -99,29 +162,42 @@ def test_scout_on_a_mesh(tmp_path: Path, case: str) -> None:
         assert not [rep for rep in kinds(r, "straggler") if rep["evidence"]["signal"] == "compute"]
         for c in r["cycles"].values():
             hidden = next(n for n in c["verdicts"] if n.startswith("hidden."))
-            assert sorted(c["gather_s"][hidden]) == [str(k) for k in range(world)], c  # every rank timed its gather
+            assert sorted(c["gather_s"][hidden]) == [str(k) for k in range(world)], (
+                c
+            )  # every rank timed its gather
     first = ranks[0]
     for other in ranks[1:]:
         assert other["trust"] == first["trust"], "ranks disagree on trust"
-        assert [(x["kind"], x["step"], x["ranks"]) for x in other["reports"]] == \
-               [(x["kind"], x["step"], x["ranks"]) for x in first["reports"]], "ranks saw other reports"
+        assert [(x["kind"], x["step"], x["ranks"]) for x in other["reports"]] == [
+            (x["kind"], x["step"], x["ranks"]) for x in first["reports"]
+        ], "ranks saw other reports"
 
     cycles = {int(s): c for s, c in first["cycles"].items()}
     if case == "hsdp-2x2":  # a diverged replica: its own shard changed, the other replica's did not
         verdict = cycles[DIVERGE_STEP]["verdicts"][RECIPE]
-        assert verdict["verdict"] == "inconclusive" and verdict["pre_ok"], verdict  # two replicas: no majority
+        assert verdict["verdict"] == "inconclusive" and verdict["pre_ok"], (
+            verdict
+        )  # two replicas: no majority
         assert "parameters diverged without a strict majority" in verdict["reason"], verdict
-    if case == "fsdp2-4":  # no replica of the shard: every peer gathers the same corrupted values (the boundary)
+    if (
+        case == "fsdp2-4"
+    ):  # no replica of the shard: every peer gathers the same corrupted values (the boundary)
         assert cycles[DIVERGE_STEP]["verdicts"][RECIPE]["verdict"] == "agree"
     if case == "fsdp2-tp-2x2":
         for step in range(1, steps + 1):
             hidden = next(n for n in cycles[step]["verdicts"] if n.startswith("hidden."))
             assert sorted(cycles[step]["collective_s"][hidden]) == ["0", "1", "2", "3"]
-        comm = [rep for rep in kinds(first, "straggler") if rep["evidence"]["signal"] == "communication"]
-        assert comm and all(rep["step"] > DELAY_STEP and rep["ranks"] == [2, 3] for rep in comm), comm
+        comm = [
+            rep for rep in kinds(first, "straggler") if rep["evidence"]["signal"] == "communication"
+        ]
+        assert comm and all(rep["step"] > DELAY_STEP and rep["ranks"] == [2, 3] for rep in comm), (
+            comm
+        )
         assert [rep["step"] for rep in comm] == list(range(DELAY_STEP + 1, steps + 1))
         for step in range(DELAY_STEP, steps + 1):
-            assert all(v["verdict"] == "agree" for v in cycles[step]["verdicts"].values()), cycles[step]
+            assert all(v["verdict"] == "agree" for v in cycles[step]["verdicts"].values()), cycles[
+                step
+            ]
             # The other TP group's replays wait on nobody: before FSDP's hooks were detached from the replay, rank 1
             # waited inside its "compute" for its late dp partner (rank 3) in FSDP's unshard, ~1 s per replay.
             hidden = next(n for n in cycles[step]["verdicts"] if n.startswith("hidden."))
@@ -131,8 +207,18 @@ def test_scout_on_a_mesh(tmp_path: Path, case: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_pure_tp_has_no_peers_and_says_so(tmp_path: Path) -> None:
-    ranks = run(tmp_path, "tp", 2, 6, "--replay-fault-rank", "1", "--replay-fault-step", "4",
-                "--replay-fault-recipe", RECIPE)
+    ranks = run(
+        tmp_path,
+        "tp",
+        2,
+        6,
+        "--replay-fault-rank",
+        "1",
+        "--replay-fault-step",
+        "4",
+        "--replay-fault-recipe",
+        RECIPE,
+    )
     for r in ranks:
         assert r["state_digest"] == r["baseline_digest"]
         assert r["topology"]["peer_groups"] == [[0], [1]]
@@ -140,6 +226,10 @@ def test_pure_tp_has_no_peers_and_says_so(tmp_path: Path) -> None:
         assert r["reports"] == [] and r["fired"] == []  # nothing replayed, nothing claimed
         for c in r["cycles"].values():
             for v in c["verdicts"].values():
-                assert v["verdict"] == "inconclusive" and not v["pre_ok"] and "cannot compare" in v["reason"]
+                assert (
+                    v["verdict"] == "inconclusive"
+                    and not v["pre_ok"]
+                    and "cannot compare" in v["reason"]
+                )
         # Nothing trained is ever vouched for: every capture of a step stays a candidate.
         assert {st for s, st in r["trust"].items() if int(s) >= 1} == {"candidate"}, r["trust"]

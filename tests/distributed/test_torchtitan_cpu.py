@@ -52,15 +52,35 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = titan_env.python()  # $GEMSCOUT_TT_PYTHON, else .venv-tt/bin/python
 STEPS, WORLD, LAUNCH_TIMEOUT_S = 6, 2, 420
 UNAVAILABLE = titan_env.unavailable(PYTHON)
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"{UNAVAILABLE} (see docs/torchrun.md)")
+pytestmark = pytest.mark.skipif(
+    UNAVAILABLE is not None, reason=f"{UNAVAILABLE} (see docs/torchrun.md)"
+)
 
 
-def titan(out: Path, assets: Path, *extra: str, attempt: int = 0, world: int = WORLD, steps: int = STEPS) -> Any:
+def titan(
+    out: Path, assets: Path, *extra: str, attempt: int = 0, world: int = WORLD, steps: int = STEPS
+) -> Any:
     """One launch of ``titan_rank`` on ``world`` ranks with the .venv-tt interpreter."""
-    argv = ["-m", "qualification.programs.titan_rank", "--out", str(out), "--assets", str(assets),
-            "--steps", str(steps), *extra]
-    return launch(argv, world_size=world, timeout_s=LAUNCH_TIMEOUT_S, log_dir=out / "logs", attempt=attempt,
-                  python=PYTHON, env={"PYTHONPATH": str(REPO)})
+    argv = [
+        "-m",
+        "qualification.programs.titan_rank",
+        "--out",
+        str(out),
+        "--assets",
+        str(assets),
+        "--steps",
+        str(steps),
+        *extra,
+    ]
+    return launch(
+        argv,
+        world_size=world,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        log_dir=out / "logs",
+        attempt=attempt,
+        python=PYTHON,
+        env={"PYTHONPATH": str(REPO)},
+    )
 
 
 def ranks(out: Path, world: int = WORLD) -> list[dict[str, Any]]:
@@ -70,8 +90,12 @@ def ranks(out: Path, world: int = WORLD) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("titan-assets")
-    subprocess.run([PYTHON, "-m", "qualification.frameworks.torchtitan_cpu", str(folder)], check=True, timeout=120,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [PYTHON, "-m", "qualification.frameworks.torchtitan_cpu", str(folder)],
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return folder
 
 
@@ -82,13 +106,20 @@ def baseline(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dic
     res = titan(out, assets)
     assert res.ok, (res, out / "logs")
     base = ranks(out)
-    assert all(r["state"]["step"] == STEPS and sorted(r["losses"], key=int) == [str(s) for s in range(1, STEPS + 1)]
-               for r in base), base
-    assert base[0]["state"]["params"] != base[1]["state"]["params"], "FSDP: each rank should hold its own shards"
+    assert all(
+        r["state"]["step"] == STEPS
+        and sorted(r["losses"], key=int) == [str(s) for s in range(1, STEPS + 1)]
+        for r in base
+    ), base
+    assert base[0]["state"]["params"] != base[1]["state"]["params"], (
+        "FSDP: each rank should hold its own shards"
+    )
     return base
 
 
-def assert_bitwise(run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: int = 1) -> None:
+def assert_bitwise(
+    run: list[dict[str, Any]], base: list[dict[str, Any]], first_step: int = 1
+) -> None:
     for r, (mine, theirs) in enumerate(zip(run, base, strict=True)):
         diff = [k for k in theirs["state"] if mine["state"][k] != theirs["state"][k]]
         assert not diff, f"rank {r}: {diff} differ from the run without gemscout"
@@ -97,8 +128,9 @@ def assert_bitwise(run: list[dict[str, Any]], base: list[dict[str, Any]], first_
 
 
 @pytest.mark.timeout(900)
-def test_healthy_trainer_with_gemscout_is_bitwise_equal(baseline: list[dict[str, Any]], assets: Path,
-                                                        tmp_path: Path) -> None:
+def test_healthy_trainer_with_gemscout_is_bitwise_equal(
+    baseline: list[dict[str, Any]], assets: Path, tmp_path: Path
+) -> None:
     res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--interval", "1")
     assert res.ok, (res, tmp_path / "logs")
     run = ranks(tmp_path)
@@ -107,61 +139,119 @@ def test_healthy_trainer_with_gemscout_is_bitwise_equal(baseline: list[dict[str,
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_and_node_loss_recover_bitwise_from_the_peer(baseline: list[dict[str, Any]], assets: Path,
-                                                             tmp_path: Path) -> None:
+def test_sigkill_and_node_loss_recover_bitwise_from_the_peer(
+    baseline: list[dict[str, Any]], assets: Path, tmp_path: Path
+) -> None:
     ckpt = tmp_path / "ckpt"
     killed = titan(tmp_path, assets, "--ckpt", str(ckpt), "--kill-rank", "1", "--kill-step", "3")
     assert killed.first_failed == 1 and killed.returncodes[1] == -9, killed
     assert (ckpt / "node-1").is_dir()
-    shutil.rmtree(ckpt / "node-1")  # node loss: rank 1's own checkpoints are gone, only rank 0's replica is left
+    shutil.rmtree(
+        ckpt / "node-1"
+    )  # node loss: rank 1's own checkpoints are gone, only rank 0's replica is left
     res = titan(tmp_path, assets, "--ckpt", str(ckpt), attempt=1)
     assert res.ok, (res, tmp_path / "logs")
     run = ranks(tmp_path)
     for r in run:
         assert r["resume_step"] == 3 and r["errors"] == [], r
-        assert r["decision"]["step"] == 3 and r["decision"]["sources"] == {"0": "memory", "1": "peer:0"}, r["decision"]
+        assert r["decision"]["step"] == 3 and r["decision"]["sources"] == {
+            "0": "memory",
+            "1": "peer:0",
+        }, r["decision"]
         assert r["resume_state"]["step"] == 3
-    assert_bitwise(run, baseline, first_step=4)  # params, optimizer, schedulers, step, tokens, dataloader
+    assert_bitwise(
+        run, baseline, first_step=4
+    )  # params, optimizer, schedulers, step, tokens, dataloader
 
 
 @pytest.mark.timeout(900)
 def test_scout_on_the_fsdp_mesh_is_silent_when_healthy_and_detects_a_replay_fault(
-        baseline: list[dict[str, Any]], assets: Path, tmp_path: Path) -> None:
+    baseline: list[dict[str, Any]], assets: Path, tmp_path: Path
+) -> None:
     """Steps 1-3 healthy, then rank 1 computes one wrong bit in its replay of the embedding at step 4."""
-    res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--scout", "--replay-fault-rank", "1",
-                "--replay-fault-step", "4", "--replay-fault-recipe", "embedding")
+    res = titan(
+        tmp_path,
+        assets,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--scout",
+        "--replay-fault-rank",
+        "1",
+        "--replay-fault-step",
+        "4",
+        "--replay-fault-recipe",
+        "embedding",
+    )
     assert res.ok, (res, tmp_path / "logs")
     run = ranks(tmp_path)
     for r in run:
-        assert r["scout_disabled"] is None and sorted(r["scout_cycles"], key=int) == [str(s) for s in range(1, 7)]
+        assert r["scout_disabled"] is None and sorted(r["scout_cycles"], key=int) == [
+            str(s) for s in range(1, 7)
+        ]
         for step, cycle in r["scout_cycles"].items():
             assert cycle["peers"] == [0, 1], cycle
             # The debug model's recipes: embedding, one block per step (rotating), one optimizer slice; the output
             # recipe is off under ChunkedLossWrapper (the head runs on chunks inside the loss).
-            assert {k.split(".")[0] for k in cycle["verdicts"]} == {"embedding", "hidden", "optimizer"}, cycle
+            assert {k.split(".")[0] for k in cycle["verdicts"]} == {
+                "embedding",
+                "hidden",
+                "optimizer",
+            }, cycle
             faulty = {"embedding"} if step == "4" else set()
-            assert {k for k, v in cycle["verdicts"].items() if v != "agree"} == faulty, (step, cycle)
-        assert [(x["kind"], x["ranks"], x["step"], x["recipe"]) for x in r["reports"]] == \
-            [("sdc", [0, 1], 4, "embedding")], r["reports"]  # two peers: detected, no culprit to name
+            assert {k for k, v in cycle["verdicts"].items() if v != "agree"} == faulty, (
+                step,
+                cycle,
+            )
+        assert [(x["kind"], x["ranks"], x["step"], x["recipe"]) for x in r["reports"]] == [
+            ("sdc", [0, 1], 4, "embedding")
+        ], r["reports"]  # two peers: detected, no culprit to name
     assert_bitwise(run, baseline)  # SCOUT replays on private copies: training is untouched
 
 
 @pytest.mark.timeout(900)
-def test_scout_on_hsdp_pairs_replicate_peers_and_reports_the_faulty_pair(assets: Path, tmp_path: Path) -> None:
-    res = titan(tmp_path, assets, "--ckpt", str(tmp_path / "ckpt"), "--scout", "--dp-replicate", "2",
-                "--replay-fault-rank", "3", "--replay-fault-step", "3", world=4, steps=3)
+def test_scout_on_hsdp_pairs_replicate_peers_and_reports_the_faulty_pair(
+    assets: Path, tmp_path: Path
+) -> None:
+    res = titan(
+        tmp_path,
+        assets,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--scout",
+        "--dp-replicate",
+        "2",
+        "--replay-fault-rank",
+        "3",
+        "--replay-fault-step",
+        "3",
+        world=4,
+        steps=3,
+    )
     assert res.ok, (res, tmp_path / "logs")
     run = ranks(tmp_path, 4)
     for r, mine in enumerate(run):
-        pair = [r % 2, r % 2 + 2]  # torchtitan's mesh (dp_replicate, fsdp): rank = 2 * replica + shard
+        pair = [
+            r % 2,
+            r % 2 + 2,
+        ]  # torchtitan's mesh (dp_replicate, fsdp): rank = 2 * replica + shard
         assert all(c["peers"] == pair for c in mine["scout_cycles"].values()), mine["scout_cycles"]
-        assert {k for c in mine["scout_cycles"].values() for k, v in c["verdicts"].items() if v != "agree"} == \
-            {"embedding"}, mine["scout_cycles"]
+        assert {
+            k
+            for c in mine["scout_cycles"].values()
+            for k, v in c["verdicts"].items()
+            if v != "agree"
+        } == {"embedding"}, mine["scout_cycles"]
         # Timing reports (a compute straggler on this loaded machine) may come too; the SDC is exactly one.
-        assert [(x["ranks"], x["step"], x["recipe"]) for x in mine["reports"] if x["kind"] == "sdc"] == \
-            [([1, 3], 3, "embedding")], mine["reports"]
-    for a, b in ((0, 2), (1, 3)):  # replicas of one shard: bitwise equal parameters and optimizer state
-        assert [run[a]["state"][k] for k in ("params", "optimizer")] == [run[b]["state"][k] for k in ("params", "optimizer")]
+        assert [
+            (x["ranks"], x["step"], x["recipe"]) for x in mine["reports"] if x["kind"] == "sdc"
+        ] == [([1, 3], 3, "embedding")], mine["reports"]
+    for a, b in (
+        (0, 2),
+        (1, 3),
+    ):  # replicas of one shard: bitwise equal parameters and optimizer state
+        assert [run[a]["state"][k] for k in ("params", "optimizer")] == [
+            run[b]["state"][k] for k in ("params", "optimizer")
+        ]
     assert run[0]["state"]["params"] != run[1]["state"]["params"]
 
 
@@ -169,9 +259,12 @@ PP_STEPS = 4
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("schedule", "killed", "parts"), [("1F1B", 1, 1), ("Interleaved1F1B", 0, 2)])
+@pytest.mark.parametrize(
+    ("schedule", "killed", "parts"), [("1F1B", 1, 1), ("Interleaved1F1B", 0, 2)]
+)
 def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_loss(
-        assets: Path, tmp_path: Path, schedule: str, killed: int, parts: int) -> None:
+    assets: Path, tmp_path: Path, schedule: str, killed: int, parts: int
+) -> None:
     """TorchTitan's own pp=2 split and schedule, 2 ranks: healthy with GEMINI (1F1B only) and a SIGKILL of ``killed``
     after step 2 with its node folder deleted, each bitwise equal to the run without gemscout."""
     pp = ("--pp", "2", "--pp-schedule", schedule)
@@ -179,19 +272,39 @@ def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_l
     assert titan(base_out, assets, *pp, steps=PP_STEPS).ok, base_out / "logs"
     base = ranks(base_out)
     assert [r["model_parts"] for r in base] == [parts, parts]
-    assert base[0]["state"]["params"] != base[1]["state"]["params"], "each rank should hold its own stages"
+    assert base[0]["state"]["params"] != base[1]["state"]["params"], (
+        "each rank should hold its own stages"
+    )
     assert all(v == -1.0 for v in base[0]["losses"].values()), "only the last stage logs a loss"
     if schedule == "1F1B":
         healthy = tmp_path / "healthy"
-        assert titan(healthy, assets, *pp, "--ckpt", str(healthy / "ckpt"), "--scout", steps=PP_STEPS).ok, \
-            healthy / "logs"
+        assert titan(
+            healthy, assets, *pp, "--ckpt", str(healthy / "ckpt"), "--scout", steps=PP_STEPS
+        ).ok, healthy / "logs"
         assert_bitwise(ranks(healthy), base)
-        for r in ranks(healthy):  # pp alone: SCOUT has no peers, says why, reports and certifies nothing
-            assert "no data-parallel dim in mesh (pp=2)" in (r["scout_disabled"] or ""), r["scout_disabled"]
+        for r in ranks(
+            healthy
+        ):  # pp alone: SCOUT has no peers, says why, reports and certifies nothing
+            assert "no data-parallel dim in mesh (pp=2)" in (r["scout_disabled"] or ""), r[
+                "scout_disabled"
+            ]
             assert r["reports"] == [] and set(r["trust"].values()) == {"candidate"}, r
-            assert {v for c in r["scout_cycles"].values() for v in c["verdicts"].values()} == {"inconclusive"}
+            assert {v for c in r["scout_cycles"].values() for v in c["verdicts"].values()} == {
+                "inconclusive"
+            }
     out, ckpt = tmp_path / "kill", tmp_path / "kill" / "ckpt"
-    res = titan(out, assets, *pp, "--ckpt", str(ckpt), "--kill-rank", str(killed), "--kill-step", "2", steps=PP_STEPS)
+    res = titan(
+        out,
+        assets,
+        *pp,
+        "--ckpt",
+        str(ckpt),
+        "--kill-rank",
+        str(killed),
+        "--kill-step",
+        "2",
+        steps=PP_STEPS,
+    )
     assert res.first_failed == killed and res.returncodes[killed] == -9, res
     shutil.rmtree(ckpt / f"node-{killed}")
     assert titan(out, assets, *pp, "--ckpt", str(ckpt), attempt=1, steps=PP_STEPS).ok, out / "logs"
@@ -202,10 +315,23 @@ def test_pipeline_parallel_trainer_is_bitwise_and_recovers_a_sigkill_with_node_l
     assert_bitwise(run, base, first_step=3)
 
 
-def pipeline_cell(topology: str, schedule: str, fault: dict[str, Any], per_cycle: int) -> dict[str, Any]:
-    return {"id": f"titan-{topology}", "world_size": 4, "workload": "llama3-debug", "topology": topology,
-            "timeout_s": 900, "fault": fault,
-            "params": {"steps": PP_STEPS + 1, "schedule": schedule, "scout": True, "scout_per_cycle": per_cycle}}
+def pipeline_cell(
+    topology: str, schedule: str, fault: dict[str, Any], per_cycle: int
+) -> dict[str, Any]:
+    return {
+        "id": f"titan-{topology}",
+        "world_size": 4,
+        "workload": "llama3-debug",
+        "topology": topology,
+        "timeout_s": 900,
+        "fault": fault,
+        "params": {
+            "steps": PP_STEPS + 1,
+            "schedule": schedule,
+            "scout": True,
+            "scout_per_cycle": per_cycle,
+        },
+    }
 
 
 def check_stages(run: list[dict[str, Any]], stages_per_rank: int) -> None:
@@ -215,14 +341,27 @@ def check_stages(run: list[dict[str, Any]], stages_per_rank: int) -> None:
         coord = r // 2  # torchtitan unflattens (pp, dp...) from the world mesh: rank = 2 * pp + dp
         held = [f"pp{coord + 2 * k}" for k in range(stages_per_rank)]
         topo = mine["scout_topology"]
-        assert mine["scout_disabled"] is None and topo["stage_order"] == "loop", mine["scout_disabled"]
-        assert topo["peers"] == [2 * coord, 2 * coord + 1] and topo["peer_groups"] == [[0, 1], [2, 3]], topo
+        assert mine["scout_disabled"] is None and topo["stage_order"] == "loop", mine[
+            "scout_disabled"
+        ]
+        assert topo["peers"] == [2 * coord, 2 * coord + 1] and topo["peer_groups"] == [
+            [0, 1],
+            [2, 3],
+        ], topo
         assert topo["stage_dims"] == ["pp"] and topo["stage_label"] == f"pp{coord}", topo
         assert {name.split(".")[0] for name in topo["catalog"]} == set(held), topo["catalog"]
         kinds = {name.split(".", 1)[1].split(".")[0] for name in topo["catalog"]}
-        assert ("pp0.embedding" in topo["catalog"]) == (coord == 0) and kinds <= {"embedding", "hidden", "optimizer"}
-        for cycle in mine["scout_cycles"].values():  # every rank judges every stage's recipes, each in its own pair
-            assert {name.split(".")[0] for name in cycle["verdicts"]} == {f"pp{i}" for i in range(n)}, cycle
+        assert ("pp0.embedding" in topo["catalog"]) == (coord == 0) and kinds <= {
+            "embedding",
+            "hidden",
+            "optimizer",
+        }
+        for cycle in mine[
+            "scout_cycles"
+        ].values():  # every rank judges every stage's recipes, each in its own pair
+            assert {name.split(".")[0] for name in cycle["verdicts"]} == {
+                f"pp{i}" for i in range(n)
+            }, cycle
             assert cycle["peers"] == topo["peers"]
 
 
@@ -231,13 +370,26 @@ def test_scout_on_1f1b_stages_of_pp_x_fsdp(assets: Path, tmp_path: Path) -> None
     """pp=2 x dp_shard=2, 1F1B: a healthy run through titan_cell, then a replay fault on rank 1's first stage."""
     from qualification.programs.titan_cell import run_cell
 
-    res = run_cell(pipeline_cell("pp-fsdp", "1F1B", {"kind": "none"}, per_cycle=0), tmp_path / "cell")
+    res = run_cell(
+        pipeline_cell("pp-fsdp", "1F1B", {"kind": "none"}, per_cycle=0), tmp_path / "cell"
+    )
     obs = res["observed"]
     assert res["status"] == "passed", res
-    assert obs["bitwise_equal"] and obs["losses_equal"] and obs["errors"] == [] and obs["model_parts"] == [1] * 4
-    assert obs["sdc_reports"] == 0 and obs["unexpected_verdicts"] == 0 and obs["scout_disabled"] is None, obs
+    assert (
+        obs["bitwise_equal"]
+        and obs["losses_equal"]
+        and obs["errors"] == []
+        and obs["model_parts"] == [1] * 4
+    )
+    assert (
+        obs["sdc_reports"] == 0
+        and obs["unexpected_verdicts"] == 0
+        and obs["scout_disabled"] is None
+    ), obs
     assert obs["peer_groups"] == [[0, 1], [2, 3]] and obs["stages"] == ["pp0", "pp1"], obs
-    assert obs["certified_steps"] and obs["rejected_steps"] == [], obs  # the kept captures (keep_generations=2)
+    assert obs["certified_steps"] and obs["rejected_steps"] == [], (
+        obs
+    )  # the kept captures (keep_generations=2)
     healthy = ranks(tmp_path / "cell" / "run", 4)
     check_stages(healthy, 1)
     check_certified_every_step(healthy)
@@ -246,9 +398,27 @@ def test_scout_on_1f1b_stages_of_pp_x_fsdp(assets: Path, tmp_path: Path) -> None
 
     base = ranks(tmp_path / "cell" / "reference", 4)
     out = tmp_path / "fault"
-    res2 = titan(out, assets, "--pp", "2", "--pp-schedule", "1F1B", "--ckpt", str(out / "ckpt"), "--scout",
-                 "--scout-per-cycle", "10", "--replay-fault-rank", "1", "--replay-fault-step", "3",
-                 "--replay-fault-recipe", "pp0.embedding", world=4, steps=PP_STEPS + 1)
+    res2 = titan(
+        out,
+        assets,
+        "--pp",
+        "2",
+        "--pp-schedule",
+        "1F1B",
+        "--ckpt",
+        str(out / "ckpt"),
+        "--scout",
+        "--scout-per-cycle",
+        "10",
+        "--replay-fault-rank",
+        "1",
+        "--replay-fault-step",
+        "3",
+        "--replay-fault-recipe",
+        "pp0.embedding",
+        world=4,
+        steps=PP_STEPS + 1,
+    )
     assert res2.ok, (res2, out / "logs")
     run = ranks(out, 4)
     check_stages(run, 1)
@@ -260,19 +430,29 @@ def check_certified_every_step(run: list[dict[str, Any]]) -> None:
     """Every block and slice replayed at every step: each clean cycle certifies its own step's capture, and the
     captures GEMINI still keeps (keep_generations=2 prunes the older ones) are all verified."""
     for mine in run:
-        assert {int(s): c["certified"] for s, c in mine["scout_cycles"].items()} == \
-            {s: s for s in range(1, PP_STEPS + 2)}, mine["scout_cycles"].keys()
+        assert {int(s): c["certified"] for s, c in mine["scout_cycles"].items()} == {
+            s: s for s in range(1, PP_STEPS + 2)
+        }, mine["scout_cycles"].keys()
         assert mine["trust"] and set(mine["trust"].values()) == {"recovery_verified"}, mine["trust"]
 
 
-def check_pipeline_fault(run: list[dict[str, Any]], step: int, recipe: str, pair: list[int]) -> None:
+def check_pipeline_fault(
+    run: list[dict[str, Any]], step: int, recipe: str, pair: list[int]
+) -> None:
     """The fault: one SDC report on every rank for that stage's pair and no culprit, the candidate before it rejected
     on every rank, the decision naming the certified step before it, certification resumed after it."""
     for mine in run:
         sdc = [x for x in mine["reports"] if x["kind"] == "sdc"]
-        assert [(x["step"], x["recipe"], x["ranks"], x["scope"]) for x in sdc] == [(step, recipe, pair, "peer_group")]
+        assert [(x["step"], x["recipe"], x["ranks"], x["scope"]) for x in sdc] == [
+            (step, recipe, pair, "peer_group")
+        ]
         assert "detection without a culprit" in sdc[0]["reason"], sdc[0]
-        bad = {(int(s), n) for s, c in mine["scout_cycles"].items() for n, v in c["verdicts"].items() if v != "agree"}
+        bad = {
+            (int(s), n)
+            for s, c in mine["scout_cycles"].items()
+            for n, v in c["verdicts"].items()
+            if v != "agree"
+        }
         assert bad == {(step, recipe)}, bad
         decision = next(d for d in mine["decisions"] if d["failure_kind"] == "sdc")
         assert decision["mode"] == "restore" and decision["step"] == 1, decision
@@ -281,7 +461,9 @@ def check_pipeline_fault(run: list[dict[str, Any]], step: int, recipe: str, pair
         certified = {int(s): c["certified"] for s, c in mine["scout_cycles"].items()}
         assert certified == {1: None, 2: 1, 3: None, 4: None, 5: 4}, certified
         trust = {int(s): v for s, v in mine["trust"].items()}
-        assert trust.get(2) == "rejected" and step not in trust and trust.get(4) == "recovery_verified", trust
+        assert (
+            trust.get(2) == "rejected" and step not in trust and trust.get(4) == "recovery_verified"
+        ), trust
         assert mine["trust"] == run[0]["trust"], "ranks disagree on trust"
 
 
@@ -292,15 +474,34 @@ def test_scout_on_interleaved_stages_of_pp_x_ddp(assets: Path, tmp_path: Path) -
     from qualification.programs.titan_cell import run_cell
 
     fault = {"kind": "replay", "rank": 3, "step": 3, "recipe": "pp3.hidden.0"}
-    res = run_cell(pipeline_cell("pp-ddp", "Interleaved1F1B", fault, per_cycle=10), tmp_path / "cell")
+    res = run_cell(
+        pipeline_cell("pp-ddp", "Interleaved1F1B", fault, per_cycle=10), tmp_path / "cell"
+    )
     obs = res["observed"]
     assert res["status"] == "passed", res
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["model_parts"] == [2] * 4, obs
-    assert (obs["sdc_reports"], obs["scope"], obs["group_ranks"], obs["localized_ranks"]) == \
-        (1, "peer_group", [2, 3], [])
-    assert (obs["detected_step"], obs["recipe"], obs["unexpected_verdicts"]) == (3, "pp3.hidden.0", 0), obs
-    assert obs["peer_groups"] == [[0, 1], [2, 3]] and obs["stages"] == ["pp0", "pp1", "pp2", "pp3"], obs
-    assert obs["decision_before_fault"] and obs["decision_mode"] == "restore" and obs["rejected_steps"] == [2]
+    assert (obs["sdc_reports"], obs["scope"], obs["group_ranks"], obs["localized_ranks"]) == (
+        1,
+        "peer_group",
+        [2, 3],
+        [],
+    )
+    assert (obs["detected_step"], obs["recipe"], obs["unexpected_verdicts"]) == (
+        3,
+        "pp3.hidden.0",
+        0,
+    ), obs
+    assert obs["peer_groups"] == [[0, 1], [2, 3]] and obs["stages"] == [
+        "pp0",
+        "pp1",
+        "pp2",
+        "pp3",
+    ], obs
+    assert (
+        obs["decision_before_fault"]
+        and obs["decision_mode"] == "restore"
+        and obs["rejected_steps"] == [2]
+    )
     assert obs["fault_step_rejected"] and obs["certified_after"] and obs["ranks_agree"], obs
     run = ranks(tmp_path / "cell" / "run", 4)
     check_stages(run, 2)
@@ -308,16 +509,37 @@ def test_scout_on_interleaved_stages_of_pp_x_ddp(assets: Path, tmp_path: Path) -
 
     base = ranks(tmp_path / "cell" / "reference", 4)
     out = tmp_path / "healthy"
-    res2 = titan(out, assets, "--pp", "2", "--dp-replicate", "2", "--pp-schedule", "Interleaved1F1B", "--ckpt",
-                 str(out / "ckpt"), "--scout", "--scout-per-cycle", "0", world=4, steps=PP_STEPS + 1)
+    res2 = titan(
+        out,
+        assets,
+        "--pp",
+        "2",
+        "--dp-replicate",
+        "2",
+        "--pp-schedule",
+        "Interleaved1F1B",
+        "--ckpt",
+        str(out / "ckpt"),
+        "--scout",
+        "--scout-per-cycle",
+        "0",
+        world=4,
+        steps=PP_STEPS + 1,
+    )
     assert res2.ok, (res2, out / "logs")
     healthy = ranks(out, 4)
     check_stages(healthy, 2)
     for mine in healthy:
         assert [x for x in mine["reports"] if x["kind"] == "sdc"] == [], mine["reports"]
-        assert {v for c in mine["scout_cycles"].values() for v in c["verdicts"].values()} == {"agree"}
+        assert {v for c in mine["scout_cycles"].values() for v in c["verdicts"].values()} == {
+            "agree"
+        }
     check_certified_every_step(healthy)
     assert_bitwise(healthy, base)
-    for a, b in ((0, 1), (2, 3)):  # replicas of one pair of stages: bitwise equal parameters and optimizer state
-        assert [healthy[a]["state"][k] for k in ("params", "optimizer")] == \
-            [healthy[b]["state"][k] for k in ("params", "optimizer")]
+    for a, b in (
+        (0, 1),
+        (2, 3),
+    ):  # replicas of one pair of stages: bitwise equal parameters and optimizer state
+        assert [healthy[a]["state"][k] for k in ("params", "optimizer")] == [
+            healthy[b]["state"][k] for k in ("params", "optimizer")
+        ]

@@ -16,7 +16,7 @@ import pytest
 
 from qualification.launch import launch
 
-RANK_PROGRAM = '''
+RANK_PROGRAM = """
 import json, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -53,7 +53,7 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 session.close()
 dist.barrier()
 os._exit(0)
-'''
+"""
 
 
 @pytest.mark.timeout(150)
@@ -61,7 +61,9 @@ os._exit(0)
 def test_watched_ddp_trains_bitwise_like_plain_ddp(tmp_path: Path, mode: str) -> None:
     program = tmp_path / "rank.py"
     program.write_text(RANK_PROGRAM)
-    res = launch([str(program), str(tmp_path), mode], world_size=3, timeout_s=120, log_dir=tmp_path / "logs")
+    res = launch(
+        [str(program), str(tmp_path), mode], world_size=3, timeout_s=120, log_dir=tmp_path / "logs"
+    )
     assert res.ok, res
     for r in range(3):
         doc = json.loads((tmp_path / f"rank{r}.json").read_text())

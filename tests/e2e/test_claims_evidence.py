@@ -45,13 +45,22 @@ timeout_s = 60
 TITAN = "TorchTitan 0.3.0's real Trainer.train()"
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("git") is None or not (REPO / ".git").exists(), reason="sealing needs a git checkout"
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="sealing needs a git checkout",
 )
 
 
-def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, env=env
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
     )
 
 
@@ -65,7 +74,18 @@ def titan_missing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not HEAVY:
         campaign = str(root / "topologies.toml")
         Path(campaign).write_text((REPO / "campaigns" / "topologies.toml").read_text() + STAND_IN)
-    proc = run("-m", "qualification", "run", campaign, "--filter", FILTER, "--out", str(out), timeout=170, env=env)
+    proc = run(
+        "-m",
+        "qualification",
+        "run",
+        campaign,
+        "--filter",
+        FILTER,
+        "--out",
+        str(out),
+        timeout=170,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     commit = manifest["predicate"]["source"]["digest"]["gitCommit"]
@@ -90,7 +110,9 @@ def evidence(*args: str) -> subprocess.CompletedProcess[str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([*args, "--repo", str(REPO)])
-    return subprocess.CompletedProcess(["validation-evidence", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(
+        ["validation-evidence", *args], code, out.getvalue(), err.getvalue()
+    )
 
 
 def _titan(claims: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,10 +120,18 @@ def _titan(claims: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(200)
-def test_manifest_moves_skipped_claims_and_records_the_filter(titan_missing: dict[str, Any]) -> None:
+def test_manifest_moves_skipped_claims_and_records_the_filter(
+    titan_missing: dict[str, Any],
+) -> None:
     predicate = titan_missing["manifest"]["predicate"]
     assert predicate["result"] == "PASSED-WITH-SKIPS"
-    assert predicate["summary"] == {"total": 3, "passed": 1, "failed": 0, "skipped": 2, "measured": 0}
+    assert predicate["summary"] == {
+        "total": 3,
+        "passed": 1,
+        "failed": 0,
+        "skipped": 2,
+        "measured": 0,
+    }
     assert predicate["scope"] == {
         "complete": False,
         "cellsInCampaign": CELLS,
@@ -113,12 +143,15 @@ def test_manifest_moves_skipped_claims_and_records_the_filter(titan_missing: dic
     bounds = predicate["boundaries"]
     assert not any(c["claim"].startswith(TITAN) for c in bounds["validated"])
     reason = _titan(bounds["notValidated"])["reason"]
-    assert reason.startswith("skipped: 2 of 12 backing cells") and "requires torchtitan_cpu" in reason
+    assert (
+        reason.startswith("skipped: 2 of 12 backing cells") and "requires torchtitan_cpu" in reason
+    )
     assert "not run: 10 of 12 backing cells were left out by --filter" in reason
     # DTensor TP is backed by 4 cells, only one of which ran: not validated either.
     assert bounds["validated"] == []
     assert (
-        "PASSED-WITH-SKIPS" in titan_missing["proc"].stdout and f"PARTIAL: 3 of {CELLS}" in titan_missing["proc"].stdout
+        "PASSED-WITH-SKIPS" in titan_missing["proc"].stdout
+        and f"PARTIAL: 3 of {CELLS}" in titan_missing["proc"].stdout
     )
 
 
@@ -127,15 +160,27 @@ def test_verify_text_and_json_say_partial_and_skipped(titan_missing: dict[str, A
     out, commit = titan_missing["out"], titan_missing["commit"]
     checked = evidence("verify", str(out), "--expected-commit", commit, "--json")
     verdict = json.loads(checked.stdout)
-    assert verdict["status"] == "VALID" and verdict["result"] == "PASSED-WITH-SKIPS" and verdict["complete"] is False
-    assert verdict["verdict"]["tone"] != "passed" and f"PARTIAL 3 of {CELLS} cells" in verdict["verdict"]["text"]
+    assert (
+        verdict["status"] == "VALID"
+        and verdict["result"] == "PASSED-WITH-SKIPS"
+        and verdict["complete"] is False
+    )
+    assert (
+        verdict["verdict"]["tone"] != "passed"
+        and f"PARTIAL 3 of {CELLS} cells" in verdict["verdict"]["text"]
+    )
     assert _titan(verdict["boundaries"]["notValidated"])["reason"].startswith("skipped: ")
     text = evidence("verify", str(out), "--expected-commit", commit)
     first, verdict_line = text.stdout.splitlines()[:2]
     # The wording around the result depends on freshness ("valid, X and CURRENT" at the head of main, "valid and X,
     # but STALE" elsewhere); the result and the scope are the same either way.
-    assert first.startswith("VALID: valid") and f"PASSED-WITH-SKIPS, PARTIAL 3 of {CELLS} cells" in first, first
-    assert f"PARTIAL 3 of {CELLS} cells" in verdict_line and not verdict_line.split()[1].startswith("PASSED")
+    assert (
+        first.startswith("VALID: valid")
+        and f"PASSED-WITH-SKIPS, PARTIAL 3 of {CELLS} cells" in first
+    ), first
+    assert f"PARTIAL 3 of {CELLS} cells" in verdict_line and not verdict_line.split()[1].startswith(
+        "PASSED"
+    )
     assert re.search(r"not validated\s+TorchTitan 0\.3\.0.*\[skipped: 2 of 12", text.stdout)
     refused = evidence("verify", str(out), "--expected-commit", commit, "--require-complete")
     assert refused.returncode == 7 and "--require-complete refuses it" in refused.stdout
@@ -148,15 +193,27 @@ def test_html_report_banner_and_boundaries(titan_missing: dict[str, Any]) -> Non
     assert 'class="passed"' not in banner.split(">", 1)[0]
     assert "PASSED-WITH-SKIPS" in banner and f"PARTIAL 3 of {CELLS} cells" in banner
     not_validated = html.split('id="not-validated"', 1)[1].split("</ul>", 1)[0]
-    assert TITAN.replace("'", "&#39;") in not_validated and "skipped: 2 of 12 backing cells" in not_validated
+    assert (
+        TITAN.replace("'", "&#39;") in not_validated
+        and "skipped: 2 of 12 backing cells" in not_validated
+    )
     # Verified against another commit: INVALID dominates, in words and colour.
     wrong = titan_missing["root"] / "wrong.html"
     proc = run(
-        "-m", "qualification", "report", str(titan_missing["out"]), "--out", str(wrong), "--expected-commit", "1" * 40
+        "-m",
+        "qualification",
+        "report",
+        str(titan_missing["out"]),
+        "--out",
+        str(wrong),
+        "--expected-commit",
+        "1" * 40,
     )
     assert proc.returncode == 4
     section = wrong.read_text().split('id="summary"', 1)[1]
-    assert section.startswith(' class="failed"') and '<span class="result">INVALID</span>' in section
+    assert (
+        section.startswith(' class="failed"') and '<span class="result">INVALID</span>' in section
+    )
 
 
 @pytest.mark.timeout(200)
@@ -172,14 +229,18 @@ def test_rendered_validation_page_lists_titan_as_skipped(titan_missing: dict[str
     )
     assert proc.returncode == 0, proc.stderr
     text = page.read_text()
-    assert "**Status: not current qualification.**" in text and f"PARTIAL 3 of {CELLS} cells" in text
+    assert (
+        "**Status: not current qualification.**" in text and f"PARTIAL 3 of {CELLS} cells" in text
+    )
     line = next(line for line in text.splitlines() if line.startswith(f"- {TITAN}"))
     assert "— skipped: 2 of 12 backing cells" in line
     assert "PASSED-WITH-SKIPS" in text and "| verdict | **" in text
 
 
 @pytest.mark.timeout(200)
-def test_tampered_scope_and_claims_fail_verification(titan_missing: dict[str, Any], tmp_path: Path) -> None:
+def test_tampered_scope_and_claims_fail_verification(
+    titan_missing: dict[str, Any], tmp_path: Path
+) -> None:
     from qualification.evidence.manifest import canonical_bytes
 
     commit = titan_missing["commit"]
@@ -198,9 +259,17 @@ def test_tampered_scope_and_claims_fail_verification(titan_missing: dict[str, An
     def promote(p: dict[str, Any]) -> None:
         claim = _titan(p["boundaries"]["notValidated"])
         p["boundaries"]["notValidated"].remove(claim)
-        p["boundaries"]["validated"].append({"claim": claim["claim"], "backedBy": [c["id"] for c in p["commands"]]})
+        p["boundaries"]["validated"].append(
+            {"claim": claim["claim"], "backedBy": [c["id"] for c in p["commands"]]}
+        )
 
     dropped = tampered("dropped", drop_filter)
-    assert dropped.returncode == 1 and "consistency: scope.filter is None in the manifest" in dropped.stderr
+    assert (
+        dropped.returncode == 1
+        and "consistency: scope.filter is None in the manifest" in dropped.stderr
+    )
     promoted = tampered("promoted", promote)
-    assert promoted.returncode == 1 and "validated claims differ from those in summary.json" in promoted.stderr
+    assert (
+        promoted.returncode == 1
+        and "validated claims differ from those in summary.json" in promoted.stderr
+    )

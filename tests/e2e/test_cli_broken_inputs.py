@@ -34,7 +34,10 @@ def deep_json() -> str:
 def deep_toml() -> str:
     return (
         'name = "deep"\ntier = "cpu"\ndescription = "d"\n'
-        "boundaries = { validated = [], not_validated = [] }\nmatrix = " + "[" * DEEP + "]" * DEEP + "\n"
+        "boundaries = { validated = [], not_validated = [] }\nmatrix = "
+        + "[" * DEEP
+        + "]" * DEEP
+        + "\n"
     )
 
 
@@ -58,39 +61,87 @@ QUALIFY: dict[str, tuple[Callable[[Path], list[str]], int]] = {
         lambda t: ["run", str(_write(t / "bin.toml", b"\xff\xfe")), "--out", str(t / "o")],
         2,
     ),
-    "run invalid TOML": (lambda t: ["run", str(_write(t / "bad.toml", "name = [")), "--out", str(t / "o")], 2),
+    "run invalid TOML": (
+        lambda t: ["run", str(_write(t / "bad.toml", "name = [")), "--out", str(t / "o")],
+        2,
+    ),
     "run an unknown campaign": (lambda t: ["run", "no-such-campaign", "--out", str(t / "o")], 2),
-    "seal a non-JSON summary.json": (lambda t: ["seal", str(_dir(t / "run", {"summary.json": "not json"}))], 2),
-    "seal a deeply nested summary.json": (lambda t: ["seal", str(_dir(t / "run", {"summary.json": deep_json()}))], 2),
-    "seal a summary.json of the wrong shape": (lambda t: ["seal", str(_dir(t / "run", {"summary.json": "[1]"}))], 2),
-    "seal an empty summary object": (lambda t: ["seal", str(_dir(t / "run", {"summary.json": "{}"}))], 2),
+    "seal a non-JSON summary.json": (
+        lambda t: ["seal", str(_dir(t / "run", {"summary.json": "not json"}))],
+        2,
+    ),
+    "seal a deeply nested summary.json": (
+        lambda t: ["seal", str(_dir(t / "run", {"summary.json": deep_json()}))],
+        2,
+    ),
+    "seal a summary.json of the wrong shape": (
+        lambda t: ["seal", str(_dir(t / "run", {"summary.json": "[1]"}))],
+        2,
+    ),
+    "seal an empty summary object": (
+        lambda t: ["seal", str(_dir(t / "run", {"summary.json": "{}"}))],
+        2,
+    ),
     "seal a directory without a summary": (lambda t: ["seal", str(_dir(t / "run", {}))], 2),
     "report a non-JSON summary.json": (
-        lambda t: ["report", str(_dir(t / "run", {"summary.json": "{"})), "--out", str(t / "r.html")],
+        lambda t: [
+            "report",
+            str(_dir(t / "run", {"summary.json": "{"})),
+            "--out",
+            str(t / "r.html"),
+        ],
         2,
     ),
     "report a deeply nested summary.json": (
-        lambda t: ["report", str(_dir(t / "run", {"summary.json": deep_json()})), "--out", str(t / "r.html")],
+        lambda t: [
+            "report",
+            str(_dir(t / "run", {"summary.json": deep_json()})),
+            "--out",
+            str(t / "r.html"),
+        ],
         2,
     ),
-    "verify a bundle that does not exist": (lambda t: ["verify", str(t / "absent"), "--expected-commit", "a" * 40], 2),
+    "verify a bundle that does not exist": (
+        lambda t: ["verify", str(t / "absent"), "--expected-commit", "a" * 40],
+        2,
+    ),
     "verify with a short SHA": (
-        lambda t: ["verify", str(_dir(t / "b", {"manifest.json": "{}"})), "--expected-commit", "abc"],
+        lambda t: [
+            "verify",
+            str(_dir(t / "b", {"manifest.json": "{}"})),
+            "--expected-commit",
+            "abc",
+        ],
         2,
     ),
     "verify a deeply nested manifest": (
-        lambda t: ["verify", str(_dir(t / "b", {"manifest.json": deep_json()})), "--expected-commit", "a" * 40],
+        lambda t: [
+            "verify",
+            str(_dir(t / "b", {"manifest.json": deep_json()})),
+            "--expected-commit",
+            "a" * 40,
+        ],
         1,
     ),
 }
 
 EVIDENCE: dict[str, tuple[Callable[[Path], list[str]], int]] = {
     "verify a deeply nested manifest.json": (
-        lambda t: ["verify", str(_dir(t / "b", {"manifest.json": deep_json()})), "--expected-commit", "a" * 40],
+        lambda t: [
+            "verify",
+            str(_dir(t / "b", {"manifest.json": deep_json()})),
+            "--expected-commit",
+            "a" * 40,
+        ],
         1,
     ),
     "verify a non-JSON manifest.json": (
-        lambda t: ["verify", str(_dir(t / "b", {"manifest.json": "nope"})), "--expected-commit", "a" * 40],
+        lambda t: [
+            "verify",
+            str(_dir(t / "b", {"manifest.json": "nope"})),
+            "--expected-commit",
+            "a" * 40,
+        ],
         1,
     ),
     "verify a deeply nested manifest.dsse.json": (lambda t: _dsse_case(t), 5),
@@ -99,19 +150,39 @@ EVIDENCE: dict[str, tuple[Callable[[Path], list[str]], int]] = {
         2,
     ),
     "verify a broken .tar.gz": (
-        lambda t: ["verify", str(_write(t / "x.tar.gz", b"\x1f\x8b garbage")), "--expected-commit", "a" * 40],
+        lambda t: [
+            "verify",
+            str(_write(t / "x.tar.gz", b"\x1f\x8b garbage")),
+            "--expected-commit",
+            "a" * 40,
+        ],
         1,
     ),
     "seal with non-JSON facts": (
-        lambda t: ["seal", str(_dir(t / "p", {"a.log": "x"})), "--facts", str(_write(t / "f.json", "{"))],
+        lambda t: [
+            "seal",
+            str(_dir(t / "p", {"a.log": "x"})),
+            "--facts",
+            str(_write(t / "f.json", "{")),
+        ],
         2,
     ),
     "seal with deeply nested facts": (
-        lambda t: ["seal", str(_dir(t / "p", {"a.log": "x"})), "--facts", str(_write(t / "f.json", deep_json()))],
+        lambda t: [
+            "seal",
+            str(_dir(t / "p", {"a.log": "x"})),
+            "--facts",
+            str(_write(t / "f.json", deep_json())),
+        ],
         2,
     ),
     "seal with facts of the wrong shape": (
-        lambda t: ["seal", str(_dir(t / "p", {"a.log": "x"})), "--facts", str(_write(t / "f.json", "[]"))],
+        lambda t: [
+            "seal",
+            str(_dir(t / "p", {"a.log": "x"})),
+            "--facts",
+            str(_write(t / "f.json", "[]")),
+        ],
         2,
     ),
     "an unknown subcommand": (lambda t: ["frobnicate"], 2),
@@ -134,7 +205,10 @@ def _dsse_case(tmp: Path) -> list[str]:
     from qualification.evidence.sign import generate_key
 
     _, public = generate_key(tmp / "k.pem")
-    bundle = _dir(tmp / "b", {"manifest.json": json.dumps({"predicate": {}}), "manifest.dsse.json": deep_json()})
+    bundle = _dir(
+        tmp / "b",
+        {"manifest.json": json.dumps({"predicate": {}}), "manifest.dsse.json": deep_json()},
+    )
     return ["verify", str(bundle), "--expected-commit", "a" * 40, "--public-key", str(public)]
 
 
@@ -166,11 +240,15 @@ def test_validation_evidence_says_one_line_with_its_exit_code(
     assert captured.err.startswith("validation-evidence: error: "), captured.err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sigstore") is not None, reason="the sigstore extra is installed here")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sigstore") is not None, reason="the sigstore extra is installed here"
+)
 def test_sign_sigstore_without_the_extra_fails_before_any_cell(tmp_path: Path) -> None:
     out = tmp_path / "never"
     result = CliRunner().invoke(app, ["run", "selftest", "--sign", "sigstore", "--out", str(out)])
-    assert result.exit_code == 2 and "pip install 'gemscout[sigstore]'" in result.output, result.output
+    assert result.exit_code == 2 and "pip install 'gemscout[sigstore]'" in result.output, (
+        result.output
+    )
     _no_traceback(result.output)
     assert not out.exists(), "no cell may run before the signer is known to work"
 
@@ -185,7 +263,11 @@ def test_the_real_entry_points_agree(tmp_path: Path) -> None:
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 2 and "nested too deeply" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "nested too deeply" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     bundle = _dir(tmp_path / "b", {"manifest.json": deep_json()})
     proc = subprocess.run(
         [
@@ -204,4 +286,8 @@ def test_the_real_entry_points_agree(tmp_path: Path) -> None:
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 1 and json.loads(proc.stdout)["status"] == "INVALID" and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 1
+        and json.loads(proc.stdout)["status"] == "INVALID"
+        and "Traceback" not in proc.stderr
+    )

@@ -27,13 +27,18 @@ def run_kill(work: Path, *args: str, timeout_s: float) -> str:
     assert res.returncode == 0, (
         res.stdout
         + res.stderr
-        + "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").glob("*.log")))
+        + "".join(
+            f"\n--- {p.name}\n{p.read_text()[-3000:]}"
+            for p in sorted((work / "logs").glob("*.log"))
+        )
     )
     return res.stdout
 
 
 @pytest.mark.timeout(300)
-def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_modes(tmp_path: Path) -> None:
+def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_modes(
+    tmp_path: Path,
+) -> None:
     """SCOUT every 2nd step, kill after step 7: the newest capture is step 7, the newest SCOUT-verified one older;
     ``--restore candidate`` must resume at 7, ``--restore verified`` at that older step, both ending bitwise equal."""
     out = run_kill(
@@ -52,13 +57,20 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
         timeout_s=280,
     )
     resumed = {
-        (m, int(r)): int(s) for m, r, s in re.findall(r"check_resume: (\w+) rank (\d): resumed at step (\d+)", out)
+        (m, int(r)): int(s)
+        for m, r, s in re.findall(r"check_resume: (\w+) rank (\d): resumed at step (\d+)", out)
     }
-    assert set(resumed) == {("candidate", 0), ("candidate", 1), ("verified", 0), ("verified", 1)}, out
+    assert set(resumed) == {("candidate", 0), ("candidate", 1), ("verified", 0), ("verified", 1)}, (
+        out
+    )
     assert resumed[("candidate", 0)] == resumed[("candidate", 1)] == 7, out
-    assert 1 <= resumed[("verified", 0)] == resumed[("verified", 1)] < 7, out  # the two modes really differ
+    assert 1 <= resumed[("verified", 0)] == resumed[("verified", 1)] < 7, (
+        out
+    )  # the two modes really differ
     assert "check_resume: all ranks resumed bitwise" in out
-    assert out.count("from ['local'] (restore)") == 4, out  # a whole-job restart: every rank from its own files
+    assert out.count("from ['local'] (restore)") == 4, (
+        out
+    )  # a whole-job restart: every rank from its own files
 
 
 @pytest.mark.skipif(
@@ -75,7 +87,15 @@ def test_hf_example_resumes_bitwise(tmp_path: Path, wrap: str) -> None:
     pytest.importorskip("transformers")
     extra = ["--", "--fsdp2"] if wrap == "fsdp2" else []
     out = run_kill(
-        tmp_path / "work", "--script", "examples/hf_llama.py", "--steps", "8", "--kill-step", "5", *extra, timeout_s=280
+        tmp_path / "work",
+        "--script",
+        "examples/hf_llama.py",
+        "--steps",
+        "8",
+        "--kill-step",
+        "5",
+        *extra,
+        timeout_s=280,
     )
     assert re.findall(r"resumed at step (\d+) from \['local'\] \(restore\)", out) == ["5", "5"], out
     assert "check_resume: all ranks resumed bitwise" in out

@@ -103,10 +103,16 @@ def _sidecar(doc_edit: Callable[[dict], object]) -> Callable[[Path, Path], None]
 CASES: dict[str, tuple[Callable[[Path, Path], None], set[int]]] = {
     "healthy": (lambda c, d: None, {0}),
     "fifo step file": (lambda c, d: os.mkfifo(store.step_file(_r1(c).own, 9)), {3}),
-    "link to /dev/zero": (lambda c, d: os.symlink("/dev/zero", store.step_file(_r1(c).own, 8)), {3}),
+    "link to /dev/zero": (
+        lambda c, d: os.symlink("/dev/zero", store.step_file(_r1(c).own, 8)),
+        {3},
+    ),
     "owner-x folder": (lambda c, d: (_r1(c).root / "replicas" / "owner-x").mkdir(), {0}),
     "replicas is a file": (
-        lambda c, d: (shutil.rmtree(_r1(c).root / "replicas"), (_r1(c).root / "replicas").write_text("x")),
+        lambda c, d: (
+            shutil.rmtree(_r1(c).root / "replicas"),
+            (_r1(c).root / "replicas").write_text("x"),
+        ),
         {3},
     ),
     "own is a file": (_own_is_a_file, {3}),
@@ -118,9 +124,15 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], set[int]]] = {
     "status.json is a fifo": (lambda c, d: (_r1(c).status.unlink(), os.mkfifo(_r1(c).status)), {3}),
     "deep run.json": (lambda c, d: (c / "run.json").write_text(DEEP), {0, 3}),
     "run.json is a list": (lambda c, d: (c / "run.json").write_text("[1]"), {0, 3}),
-    "deep sidecar": (lambda c, d: (d / "step-000000004" / "gemscout-sidecar.json").write_text(DEEP), {3}),
+    "deep sidecar": (
+        lambda c, d: (d / "step-000000004" / "gemscout-sidecar.json").write_text(DEEP),
+        {3},
+    ),
     "sidecar files is a list": (_sidecar(lambda s: s.update(files=[1])), {3}),
-    "sidecar size is a string": (_sidecar(lambda s: next(iter(s["files"].values())).update(size="1")), {3}),
+    "sidecar size is a string": (
+        _sidecar(lambda s: next(iter(s["files"].values())).update(size="1")),
+        {3},
+    ),
     "sidecar file name escapes": (
         _sidecar(lambda s: s["files"].update({"../x": {"sha256": "0" * 64, "size": 0}})),
         {3},
@@ -140,7 +152,9 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_inspect_over_a_broken_folder_is_one_report_or_one_line(pristine: Path, tmp_path: Path, name: str) -> None:
+def test_inspect_over_a_broken_folder_is_one_report_or_one_line(
+    pristine: Path, tmp_path: Path, name: str
+) -> None:
     ckpt, durable = tmp_path / "ckpt", tmp_path / "durable"
     shutil.copytree(pristine / "ckpt", ckpt, symlinks=True)
     shutil.copytree(pristine / "durable", durable, symlinks=True)

@@ -23,8 +23,14 @@ GRACE_S = 1.0
 
 
 def qualify(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qualification", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qualification", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def label_of(cell_id: str) -> str:
@@ -36,8 +42,10 @@ def survivors(session_id: int) -> list[psutil.Process]:
     alive = []
     for proc in psutil.process_iter(["status"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and session_id in (os.getsid(proc.pid),
-                                                                               os.getpgid(proc.pid)):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and session_id in (
+                os.getsid(proc.pid),
+                os.getpgid(proc.pid),
+            ):
                 alive.append(proc)
         except (psutil.Error, OSError):
             continue
@@ -47,8 +55,19 @@ def survivors(session_id: int) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def selftest_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("selftest") / "run"
-    proc = qualify("run", "selftest", "--out", str(out), "--jobs", "2", "--grace", str(GRACE_S), "--no-seal",
-                   "--no-report", timeout=110)
+    proc = qualify(
+        "run",
+        "selftest",
+        "--out",
+        str(out),
+        "--jobs",
+        "2",
+        "--grace",
+        str(GRACE_S),
+        "--no-seal",
+        "--no-report",
+        timeout=110,
+    )
     summary = json.loads((out / "summary.json").read_text())
     cells = {label_of(c["id"]): c for c in summary["cells"]}
     return {"proc": proc, "out": out, "summary": summary, "cells": cells}
@@ -62,7 +81,13 @@ def test_campaign_completes_and_exits_1_with_one_line(selftest_run: dict[str, An
     assert last.startswith("qualify: 4 of 9 cells failed"), proc.stderr
     assert "Traceback" not in proc.stderr
     gpu = selftest_run["cells"]["needs-gpu"]["verdict"] == "passed"
-    assert summary["counts"] == {"total": 9, "passed": 4 + gpu, "failed": 4, "skipped": 1 - gpu, "measured": 0}
+    assert summary["counts"] == {
+        "total": 9,
+        "passed": 4 + gpu,
+        "failed": 4,
+        "skipped": 1 - gpu,
+        "measured": 0,
+    }
     assert summary["verdict"] == "failed"
 
 
@@ -82,11 +107,15 @@ def test_each_verdict_has_its_precise_reason(selftest_run: dict[str, Any]) -> No
 
 
 @pytest.mark.timeout(120)
-def test_hang_is_killed_at_its_timeout_even_when_it_ignores_sigterm(selftest_run: dict[str, Any]) -> None:
+def test_hang_is_killed_at_its_timeout_even_when_it_ignores_sigterm(
+    selftest_run: dict[str, Any],
+) -> None:
     hang = selftest_run["cells"]["hang"]
     assert hang["verdict"] == "failed" and hang["timed_out"] is True
     assert hang["reason"].startswith("timed out after 3 s")
-    assert hang["exit_code"] == -9, "SIGTERM is ignored, so only the SIGKILL after the grace period can end it"
+    assert hang["exit_code"] == -9, (
+        "SIGTERM is ignored, so only the SIGKILL after the grace period can end it"
+    )
     assert 3.0 <= hang["duration_s"] < 3.0 + GRACE_S + 5.0
     assert "ignoring SIGTERM" in (selftest_run["out"] / hang["log"]).read_text()
 
@@ -100,13 +129,20 @@ def test_hung_ranks_outside_the_session_are_swept(selftest_run: dict[str, Any]) 
     for rank in ranks:
         assert rank["sid"] == rank["pid"] != cell["pid"], "the rank left the driver's session"
         assert rank["pid"] in cell["swept_pids"]
-        assert not psutil.pid_exists(rank["pid"]) or psutil.Process(rank["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert (
+            not psutil.pid_exists(rank["pid"])
+            or psutil.Process(rank["pid"]).status() == psutil.STATUS_ZOMBIE
+        )
 
 
 @pytest.mark.timeout(120)
-def test_a_process_left_behind_by_a_passing_cell_is_ended_and_reported(selftest_run: dict[str, Any]) -> None:
+def test_a_process_left_behind_by_a_passing_cell_is_ended_and_reported(
+    selftest_run: dict[str, Any],
+) -> None:
     cell = selftest_run["cells"]["leak"]
-    leaked = json.loads((selftest_run["out"] / Path(cell["log"]).parent / "leak.pid").read_text())["pid"]
+    leaked = json.loads((selftest_run["out"] / Path(cell["log"]).parent / "leak.pid").read_text())[
+        "pid"
+    ]
     assert cell["verdict"] == "passed" and not cell["timed_out"]
     assert cell["swept_pids"] == [leaked]
     assert "the engine ended 1 process(es) the cell left running" in cell["reason"]
@@ -123,7 +159,9 @@ def test_no_process_of_any_cell_survives(selftest_run: dict[str, Any]) -> None:
 @pytest.mark.timeout(120)
 def test_run_directory_layout(selftest_run: dict[str, Any]) -> None:
     out, summary = selftest_run["out"], selftest_run["summary"]
-    assert (out / "campaign.toml").read_bytes() == (REPO / "campaigns" / "selftest.toml").read_bytes()
+    assert (out / "campaign.toml").read_bytes() == (
+        REPO / "campaigns" / "selftest.toml"
+    ).read_bytes()
     # The failure paths fail by design, so only the claim backed by passing cells holds.
     validated = {c["claim"][:30] for c in summary["boundaries"]["validated"]}
     assert "the cell engine's PASSED verdi" in validated
@@ -132,8 +170,18 @@ def test_run_directory_layout(selftest_run: dict[str, Any]) -> None:
     assert summary["scope"]["complete"] is True and summary["scope"]["cells_in_campaign"] == 9
     assert summary["invocation"]["jobs"] == 2
     for cell in summary["cells"]:
-        assert {"id", "verdict", "reason", "duration_s", "exit_code", "log", "argv", "started_at", "finished_at",
-                "cell"} <= set(cell)
+        assert {
+            "id",
+            "verdict",
+            "reason",
+            "duration_s",
+            "exit_code",
+            "log",
+            "argv",
+            "started_at",
+            "finished_at",
+            "cell",
+        } <= set(cell)
         if cell["verdict"] == "skipped":
             continue
         cell_dir = out / Path(cell["log"]).parent
@@ -148,8 +196,11 @@ def test_run_directory_layout(selftest_run: dict[str, Any]) -> None:
 @pytest.mark.timeout(60)
 def test_malformed_campaign_exits_2_with_one_line_and_runs_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text((REPO / "campaigns" / "selftest.toml").read_text().replace('label = "crash"', 'label = "crash"\n'
-                                                                                   'timeout = 3'))
+    bad.write_text(
+        (REPO / "campaigns" / "selftest.toml")
+        .read_text()
+        .replace('label = "crash"', 'label = "crash"\ntimeout = 3')
+    )
     out = tmp_path / "out"
     proc = qualify("run", str(bad), "--out", str(out))
     assert proc.returncode == 2
@@ -184,22 +235,46 @@ def test_list_shows_every_campaign_with_its_cell_count() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="sealing needs a git checkout")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="sealing needs a git checkout",
+)
 def test_run_seals_the_run_directory(tmp_path: Path) -> None:
     out = tmp_path / "sealed"
-    proc = qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out), "--no-report")
+    proc = qualify(
+        "run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out), "--no-report"
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     names = {s["name"] for s in manifest["subject"]}
     assert {"summary.json", "campaign.toml"} <= names
-    assert any(n.endswith("/log.txt") for n in names) and any(n.endswith("/result.json") for n in names)
-    assert manifest["predicate"]["summary"] == {"total": 1, "passed": 1, "failed": 0, "skipped": 0, "measured": 0}
+    assert any(n.endswith("/log.txt") for n in names) and any(
+        n.endswith("/result.json") for n in names
+    )
+    assert manifest["predicate"]["summary"] == {
+        "total": 1,
+        "passed": 1,
+        "failed": 0,
+        "skipped": 0,
+        "measured": 0,
+    }
     assert manifest["predicate"]["scope"]["filter"] == "selftest-pass-*-s0"
     assert manifest["predicate"]["scope"]["complete"] is False
     # A run directory left unsealed can be sealed later from its summary.
     later = tmp_path / "later"
-    assert qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(later), "--no-seal",
-                   "--no-report").returncode == 0
+    assert (
+        qualify(
+            "run",
+            "selftest",
+            "--filter",
+            "selftest-pass-*-s0",
+            "--out",
+            str(later),
+            "--no-seal",
+            "--no-report",
+        ).returncode
+        == 0
+    )
     assert not (later / "manifest.json").exists()
     sealed = qualify("seal", str(later))
     assert sealed.returncode == 0, sealed.stderr
@@ -207,34 +282,70 @@ def test_run_seals_the_run_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="sealing needs a git checkout")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="sealing needs a git checkout",
+)
 def test_key_signed_run_verifies_through_qualify(tmp_path: Path) -> None:
     from qualification.evidence.sign import generate_key
 
     private, public = generate_key(tmp_path / "signing.pem")
     out = tmp_path / "signed"
-    proc = qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out), "--no-report",
-                   "--sign", "key", "--key", str(private))
+    proc = qualify(
+        "run",
+        "selftest",
+        "--filter",
+        "selftest-pass-*-s0",
+        "--out",
+        str(out),
+        "--no-report",
+        "--sign",
+        "key",
+        "--key",
+        str(private),
+    )
     assert proc.returncode == 0, proc.stderr
-    commit = json.loads((out / "manifest.json").read_text())["predicate"]["source"]["digest"]["gitCommit"]
-    checked = qualify("verify", str(out), "--expected-commit", commit, "--public-key", str(public), "--json")
+    commit = json.loads((out / "manifest.json").read_text())["predicate"]["source"]["digest"][
+        "gitCommit"
+    ]
+    checked = qualify(
+        "verify", str(out), "--expected-commit", commit, "--public-key", str(public), "--json"
+    )
     # 0 when sealed from a clean checkout at main's head; 6 (freshness UNKNOWN) from a dirty working tree.
     assert checked.returncode in (0, 6), checked.stderr
     verdict = json.loads(checked.stdout)
-    assert verdict["status"] == "VALID" and verdict["signature"] != "none" and verdict["result"] == "PASSED"
+    assert (
+        verdict["status"] == "VALID"
+        and verdict["signature"] != "none"
+        and verdict["result"] == "PASSED"
+    )
     wrong = qualify("verify", str(out), "--expected-commit", "0" * 40, "--public-key", str(public))
     assert wrong.returncode == 4
     (out / "summary.json").write_text("{}")
-    assert qualify("verify", str(out), "--expected-commit", commit, "--public-key", str(public)).returncode == 1
+    assert (
+        qualify(
+            "verify", str(out), "--expected-commit", commit, "--public-key", str(public)
+        ).returncode
+        == 1
+    )
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="sealing needs a git checkout")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="sealing needs a git checkout",
+)
 def test_report_verifies_the_bundle_it_renders(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert qualify("run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out),
-                   "--no-report").returncode == 0
-    commit = json.loads((out / "manifest.json").read_text())["predicate"]["source"]["digest"]["gitCommit"]
+    assert (
+        qualify(
+            "run", "selftest", "--filter", "selftest-pass-*-s0", "--out", str(out), "--no-report"
+        ).returncode
+        == 0
+    )
+    commit = json.loads((out / "manifest.json").read_text())["predicate"]["source"]["digest"][
+        "gitCommit"
+    ]
     page = tmp_path / "verified.html"
     proc = qualify("report", str(out), "--out", str(page), "--expected-commit", commit)
     # 0 when sealed from a clean checkout at main's head; 6 (freshness UNKNOWN) from a dirty working tree.

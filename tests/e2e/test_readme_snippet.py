@@ -26,15 +26,27 @@ def torchrun(cwd: Path) -> list[str]:
     lines mid-line, and a count over the shared stream then misses one."""
     logs = cwd / "logs"
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--log-dir", str(logs),
-         "--redirects", "1", "train.py"],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "1",
+            "train.py",
+        ],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=150,
     )
     outs = [p.read_text() for p in sorted(logs.glob("**/stdout.log"), key=lambda p: p.parent.name)]
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:] + "".join(o[-2000:] for o in outs)
+    assert res.returncode == 0, (
+        res.stdout[-4000:] + res.stderr[-4000:] + "".join(o[-2000:] for o in outs)
+    )
     return outs
 
 
@@ -45,6 +57,8 @@ def test_the_readme_training_loop_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(code)
     outs = torchrun(tmp_path)
     assert len(outs) == 2, outs
-    for out in outs:  # 20 captures on each rank; SCOUT (every 10th step, one block per cycle) certified step 10
+    for out in (
+        outs
+    ):  # 20 captures on each rank; SCOUT (every 10th step, one block per cycle) certified step 10
         assert "20 captures; newest verified step: 10" in out, out
     assert (tmp_path / "ckpt" / "run.json").exists()

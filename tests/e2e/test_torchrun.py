@@ -51,7 +51,9 @@ def _left_behind(celldir: Path) -> list[str]:
 def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path: Path) -> None:
     # After step 3, once its checkpoint is out (replica included): the one phase whose recovered step is exact.
     fault = {"kind": "worker-kill", "rank": 1, "step": 3, "phase": "after-step", "node_loss": True}
-    result = torchrun_cell.run_cell(_cell(2, fault, baseline="inline"), tmp_path)  # one launch fewer: CI budget
+    result = torchrun_cell.run_cell(
+        _cell(2, fault, baseline="inline"), tmp_path
+    )  # one launch fewer: CI budget
     obs = result["observed"]
     assert result["status"] == "passed", result["message"]
     assert obs["torchrun_exit"] == 0 and obs["attempts"] == 2  # torchrun itself relaunched, once
@@ -59,7 +61,12 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     # deleted, and its memory tier with it), rank 0 from the memory tier its killed process left in /dev/shm.
     assert obs["mode"] == "restore" and obs["recovered_step"] == 3
     assert obs["sources"] == ["memory", "peer:0"]
-    assert obs["bitwise_equal"] and obs["losses_equal"] and obs["replicas_equal"] and obs["final_step"] == 6
+    assert (
+        obs["bitwise_equal"]
+        and obs["losses_equal"]
+        and obs["replicas_equal"]
+        and obs["final_step"] == 6
+    )
     # The fault event is rank 1's own record of its SIGKILL, not the moment the driver launched torchrun.
     assert (obs["kill"]["rank"], obs["kill"]["step"], obs["kill"]["phase"]) == (1, 3, "after-step")
     (fault_event,) = [e for e in result["timeline"] if e["event"] == "fault"]
@@ -78,8 +85,12 @@ def test_a_stop_under_max_restarts_3_is_what_the_docs_say(tmp_path: Path) -> Non
     assert obs["torchrun_exit"] == 1 and obs["attempts"] == 4
     assert obs["stop_ranks_per_attempt"] == [3, 3, 3] and obs["stop_exit_codes"] == [4]
     assert obs["stop_lines"] == 1 and obs["console_stop_lines"] == 9
-    assert obs["stop_line"].startswith("gemscout: RecoveryError: recovery stopped: every source exhausted: ")
-    assert obs["stop_line"].endswith("every relaunch stops here with exit 4 until that file is deleted")
+    assert obs["stop_line"].startswith(
+        "gemscout: RecoveryError: recovery stopped: every source exhausted: "
+    )
+    assert obs["stop_line"].endswith(
+        "every relaunch stops here with exit 4 until that file is deleted"
+    )
     assert obs["stop_record"]
     log = (tmp_path / "logs" / "torchrun.log").read_text()
     assert "exitcode  : 4" in log
@@ -90,7 +101,9 @@ def test_a_stop_under_max_restarts_3_is_what_the_docs_say(tmp_path: Path) -> Non
 @pytest.mark.timeout(300)
 def test_two_agents_node_loss_replacement_agent_resumes_from_peers(tmp_path: Path) -> None:
     fault = {"kind": "node-loss", "step": 3, "replace": "agent"}
-    obs = torchrun_cell.run_cell(_cell(4, fault, steps=8, max_restarts=2, step_sleep=0.3), tmp_path)["observed"]
+    obs = torchrun_cell.run_cell(
+        _cell(4, fault, steps=8, max_restarts=2, step_sleep=0.3), tmp_path
+    )["observed"]
     assert obs["torchrun_exit"] == [0, 0] and obs["readmitted"]
     assert obs["mode"] == "restore" and obs["recovered_step"] >= 2
     assert obs["sources"] == ["memory", "memory", "peer:0", "peer:1"]

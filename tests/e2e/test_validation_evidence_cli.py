@@ -15,17 +15,31 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _CONSOLE = Path(sys.executable).parent / "validation-evidence"
 ENTRIES = {
     # After `pip install -e .` the console script exists; otherwise run the same main() as a module.
-    "console-script": [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "qualification.evidence.cli"],
+    "console-script": [str(_CONSOLE)]
+    if _CONSOLE.exists()
+    else [sys.executable, "-m", "qualification.evidence.cli"],
     "scripts-wrapper": [sys.executable, str(REPO_ROOT / "scripts" / "validation_evidence.py")],
 }
 # A GIT_DIR inherited from a git hook would aim every command at the wrong repository.
 _ENV = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-_IDENTITY = ("-c", "user.name=E2E", "-c", "user.email=e2e@test.invalid", "-c", "commit.gpgsign=false")
+_IDENTITY = (
+    "-c",
+    "user.name=E2E",
+    "-c",
+    "user.email=e2e@test.invalid",
+    "-c",
+    "commit.gpgsign=false",
+)
 
 
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", *_IDENTITY, "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=30, env=_ENV
+        ["git", *_IDENTITY, "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env=_ENV,
     ).stdout.strip()
 
 
@@ -34,7 +48,9 @@ def _cli(entry: str, *args: object, cwd: Path | None = None) -> subprocess.Compl
     return subprocess.run(command, capture_output=True, text=True, timeout=50, cwd=cwd)
 
 
-def _assert_one_line_error(done: subprocess.CompletedProcess[str], exit_code: int, fragment: str) -> None:
+def _assert_one_line_error(
+    done: subprocess.CompletedProcess[str], exit_code: int, fragment: str
+) -> None:
     assert done.returncode == exit_code, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("validation-evidence: error: "), done.stderr
@@ -65,7 +81,12 @@ def workspace(tmp_path: Path) -> dict[str, Path | str]:
                 "runner": "self-hosted",
                 "runUrl": "https://github.com/org/gemscout/actions/runs/1",
                 "summary": {"total": 2, "passed": 2, "failed": 0, "skipped": 0},
-                "topology": {"hosts": 1, "worldSize": 2, "backends": ["gloo"], "devices": ["cpu", "cpu"]},
+                "topology": {
+                    "hosts": 1,
+                    "worldSize": 2,
+                    "backends": ["gloo"],
+                    "devices": ["cpu", "cpu"],
+                },
                 "boundaries": {"validated": ["two-rank gloo"], "notValidated": ["NCCL", "RDMA"]},
                 "commands": [
                     {
@@ -121,10 +142,29 @@ def test_seal_then_verify_is_current(entry: str, workspace: dict) -> None:
         )
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
-        assert report["status"] == "VALID" and report["freshness"] == "CURRENT" and report["signature"] == "key"
-        assert report["checks_passed"] == ["intake", "signature", "schema", "files", "consistency", "commit"]
+        assert (
+            report["status"] == "VALID"
+            and report["freshness"] == "CURRENT"
+            and report["signature"] == "key"
+        )
+        assert report["checks_passed"] == [
+            "intake",
+            "signature",
+            "schema",
+            "files",
+            "consistency",
+            "commit",
+        ]
     human = _cli(
-        entry, "verify", ws["bundle"], "--expected-commit", ws["commit"], "--repo", ws["repo"], "--public-key", public
+        entry,
+        "verify",
+        ws["bundle"],
+        "--expected-commit",
+        ws["commit"],
+        "--repo",
+        ws["repo"],
+        "--public-key",
+        public,
     )
     assert human.returncode == 0 and human.stdout.startswith("VALID: valid, PASSED and CURRENT")
 
@@ -147,7 +187,10 @@ def test_stale_exits_3_and_allow_stale_exits_0(workspace: dict) -> None:
     )
     stale = _cli("console-script", *args, "--json")
     assert stale.returncode == 3
-    assert (json.loads(stale.stdout)["freshness"], json.loads(stale.stdout)["commits_behind"]) == ("STALE", 1)
+    assert (json.loads(stale.stdout)["freshness"], json.loads(stale.stdout)["commits_behind"]) == (
+        "STALE",
+        1,
+    )
     assert _cli("console-script", *args, "--allow-stale").returncode == 0
 
 
@@ -209,11 +252,15 @@ def test_bad_input_is_one_line_usage_error(entry: str, tmp_path: Path) -> None:
     short = _cli(entry, "verify", bundle, "--expected-commit", "abc1234")
     _assert_one_line_error(short, 2, "full 40-hex commit SHA, got 'abc1234'")
     _assert_one_line_error(
-        _cli(entry, "verify", bundle, "--expected-commit", "a" * 40, "--frobnicate"), 2, "--frobnicate"
+        _cli(entry, "verify", bundle, "--expected-commit", "a" * 40, "--frobnicate"),
+        2,
+        "--frobnicate",
     )
     _assert_one_line_error(_cli(entry), 2, "required")
     _assert_one_line_error(
-        _cli(entry, "seal", bundle, "--facts", tmp_path / "absent.json"), 2, "cannot read facts file"
+        _cli(entry, "seal", bundle, "--facts", tmp_path / "absent.json"),
+        2,
+        "cannot read facts file",
     )
 
 

@@ -23,8 +23,10 @@ from qualification.launch import launch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)"),
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                       reason="megatron-core is not installed (pip install -e '.[megatron]')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None,
+        reason="megatron-core is not installed (pip install -e '.[megatron]')",
+    ),
 ]
 
 
@@ -34,9 +36,16 @@ def test_distributed_optimizer_killed_after_step_4_recovers_bitwise(tmp_path: Pa
     argv = ["-m", "qualification.programs.megatron_gpu_rank", "--steps", "6"]
     ckpt = ["--ckpt", str(tmp_path / "ckpt")]
     kill = ["--kill-rank", str(world - 1), "--kill-step", "4"]
-    for attempt, (out, extra, ok) in enumerate([("base", [], True), ("run", ckpt + kill, False), ("run", ckpt, True)]):
-        res = launch(argv + ["--out", str(tmp_path / out)] + extra, world_size=world, timeout_s=400,
-                     log_dir=tmp_path / "logs" / out, attempt=attempt)
+    for attempt, (out, extra, ok) in enumerate(
+        [("base", [], True), ("run", ckpt + kill, False), ("run", ckpt, True)]
+    ):
+        res = launch(
+            argv + ["--out", str(tmp_path / out)] + extra,
+            world_size=world,
+            timeout_s=400,
+            log_dir=tmp_path / "logs" / out,
+            attempt=attempt,
+        )
         assert res.ok == ok, res
     for r in range(world):
         base = json.loads((tmp_path / "base" / f"rank{r}.json").read_text())

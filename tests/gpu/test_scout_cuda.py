@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD, CLEAN = 3, 3
 FAULTS = ("embedding", "hidden.1", "output", "optimizer.0")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)"),
+]
 
 
 def rank_main(device_name: str, out: Path) -> None:
@@ -54,17 +56,27 @@ def rank_main(device_name: str, out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reports: list[dict[str, Any]] = []
     session = gemscout.enable_resiliency(
-        model, opt, scout=ScoutConfig(interval=1, hidden_per_cycle=None, optimizer_slices_per_cycle=None,
-                                      stragglers=StragglerConfig(absolute_margin_s=0.5)),  # ranks share one device
-        on_fault_report=lambda r: reports.append({"kind": r.kind.value, "ranks": list(r.ranks), "step": r.step,
-                                                  "recipe": r.recipe}))
+        model,
+        opt,
+        scout=ScoutConfig(
+            interval=1,
+            hidden_per_cycle=None,
+            optimizer_slices_per_cycle=None,
+            stragglers=StragglerConfig(absolute_margin_s=0.5),
+        ),  # ranks share one device
+        on_fault_report=lambda r: reports.append(
+            {"kind": r.kind.value, "ranks": list(r.ranks), "step": r.step, "recipe": r.recipe}
+        ),
+    )
     assert session.scout is not None
     injector = Injector(session.scout)
     cycles: list[dict[str, Any]] = []
     plan = {CLEAN + 1 + i: recipe for i, recipe in enumerate(FAULTS)}
     last = CLEAN + len(FAULTS) + 3
     for step in range(1, last + 1):
-        injector.set(*([fail_at("bitflip", rank=2, step=step, recipe=plan[step])] if step in plan else []))
+        injector.set(
+            *([fail_at("bitflip", rank=2, step=step, recipe=plan[step])] if step in plan else [])
+        )
         x, y = (t.to(device) for t in synthetic_batch(seed=0, step=step, rank=rank))
         loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
@@ -72,12 +84,27 @@ def rank_main(device_name: str, out: Path) -> None:
         opt.step()
         result = session.scout.last_result
         assert result is not None and result.step == step
-        cycles.append({"step": step, "certified": result.certified_step,
-                       "verdicts": {n: [r.verdict.value, list(r.ranks)] for n, r in result.results.items()}})
+        cycles.append(
+            {
+                "step": step,
+                "certified": result.certified_step,
+                "verdicts": {
+                    n: [r.verdict.value, list(r.ranks)] for n, r in result.results.items()
+                },
+            }
+        )
     session.close()
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cycles": cycles, "reports": reports,
-                                                      "plan": {str(k): v for k, v in plan.items()},
-                                                      "device": str(next(model.parameters()).device)}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "cycles": cycles,
+                "reports": reports,
+                "plan": {str(k): v for k, v in plan.items()},
+                "device": str(next(model.parameters()).device),
+            }
+        )
+    )
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # leave without gloo teardown (it can deadlock; every rank has written its result)
@@ -92,13 +119,20 @@ def check(out: Path) -> None:
             step = cycle["step"]
             for name, (verdict, culprits) in cycle["verdicts"].items():
                 if plan.get(step) == name:
-                    assert (verdict, culprits) == ("attributed", [2]), (r["rank"], step, name, verdict)
+                    assert (verdict, culprits) == ("attributed", [2]), (
+                        r["rank"],
+                        step,
+                        name,
+                        verdict,
+                    )
                 else:
                     assert verdict == "agree", (r["rank"], step, name, verdict, culprits)
         sdc = [(p["step"], p["recipe"], p["ranks"]) for p in r["reports"] if p["kind"] == "sdc"]
         assert sdc == [(s, n, [2]) for s, n in sorted(plan.items())], sdc
         assert [p for p in r["reports"] if p["kind"] != "sdc"] == [], r["reports"]
-        assert r["cycles"][-1]["certified"] is not None and r["cycles"][-1]["certified"] > max(plan), r["cycles"][-1]
+        assert r["cycles"][-1]["certified"] is not None and r["cycles"][-1]["certified"] > max(
+            plan
+        ), r["cycles"][-1]
         assert [c["certified"] for c in r["cycles"][:CLEAN]] == list(range(1, CLEAN + 1))
     assert ranks[0]["cycles"] == ranks[1]["cycles"] == ranks[2]["cycles"]
 
@@ -107,10 +141,17 @@ def check(out: Path) -> None:
 def test_cuda_replay_is_bitwise_across_ranks_and_names_the_faulty_rank(tmp_path: Path) -> None:
     from qualification.launch import launch
 
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    res = launch([__file__, "cuda", str(tmp_path)], world_size=WORLD, timeout_s=220, log_dir=tmp_path / "logs",
-                 env=env)
+    env = {
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    }
+    res = launch(
+        [__file__, "cuda", str(tmp_path)],
+        world_size=WORLD,
+        timeout_s=220,
+        log_dir=tmp_path / "logs",
+        env=env,
+    )
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     assert res.ok, f"{res}\n{logs}"
     check(tmp_path)

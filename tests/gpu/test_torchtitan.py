@@ -28,25 +28,48 @@ ASSETS = os.environ.get("GEMSCOUT_TORCHTITAN_ASSETS", "")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)"),
-    pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                       reason="torchtitan is not installed (pip install -e '.[torchtitan]')"),
-    pytest.mark.skipif(not (ASSETS and (Path(ASSETS) / "tests" / "assets" / "tokenizer").is_dir()),
-                       reason="set GEMSCOUT_TORCHTITAN_ASSETS to a torchtitan checkout (tests/assets/tokenizer)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchtitan") is None,
+        reason="torchtitan is not installed (pip install -e '.[torchtitan]')",
+    ),
+    pytest.mark.skipif(
+        not (ASSETS and (Path(ASSETS) / "tests" / "assets" / "tokenizer").is_dir()),
+        reason="set GEMSCOUT_TORCHTITAN_ASSETS to a torchtitan checkout (tests/assets/tokenizer)",
+    ),
 ]
 
 STEPS = 6
 
 
 def _titan(out: Path, extra: list[str], world: int, *, ok: bool, attempt: int = 0) -> None:
-    argv = ["-m", "qualification.programs.torchtitan_rank", "--out", str(out), *extra, "--",
-            "--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", str(STEPS),
-            "--training.mixed-precision-param", "float32", "--debug.deterministic", "--debug.seed", "0",
-            "--dump-folder", str(out / "dump")]
+    argv = [
+        "-m",
+        "qualification.programs.torchtitan_rank",
+        "--out",
+        str(out),
+        *extra,
+        "--",
+        "--module",
+        "llama3",
+        "--config",
+        "llama3_debugmodel",
+        "--training.steps",
+        str(STEPS),
+        "--training.mixed-precision-param",
+        "float32",
+        "--debug.deterministic",
+        "--debug.seed",
+        "0",
+        "--dump-folder",
+        str(out / "dump"),
+    ]
     env = {"PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.path.join(str(Path.cwd()), "src")])}
     cwd = Path.cwd()
     os.chdir(ASSETS)  # torchtitan resolves ./tests/assets from the working directory
     try:
-        res = launch(argv, world_size=world, timeout_s=900, log_dir=out / "logs", env=env, attempt=attempt)
+        res = launch(
+            argv, world_size=world, timeout_s=900, log_dir=out / "logs", env=env, attempt=attempt
+        )
     finally:
         os.chdir(cwd)
     assert res.ok == ok, (res, out / "logs")
@@ -57,7 +80,12 @@ def test_trainer_killed_after_step_4_recovers_bitwise(tmp_path: Path) -> None:
     world = min(torch.cuda.device_count(), 2)
     ckpt = tmp_path / "ckpt"
     _titan(tmp_path / "base", [], world, ok=True)
-    _titan(tmp_path / "run", ["--ckpt", str(ckpt), "--kill-rank", "0", "--kill-step", "4"], world, ok=False)
+    _titan(
+        tmp_path / "run",
+        ["--ckpt", str(ckpt), "--kill-rank", "0", "--kill-step", "4"],
+        world,
+        ok=False,
+    )
     _titan(tmp_path / "run", ["--ckpt", str(ckpt)], world, ok=True, attempt=1)
     for r in range(world):
         base = json.loads((tmp_path / "base" / f"rank{r}.json").read_text())

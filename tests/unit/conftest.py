@@ -14,6 +14,8 @@ import torch.distributed as dist
 def one_rank(tmp_path: Path) -> Iterator[None]:
     """A real one-rank gloo process group for the test (file store in the test's folder), destroyed after it."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     yield
     dist.destroy_process_group()

@@ -35,7 +35,9 @@ def sources(extra: Any, seed: int = 0) -> tuple[training_state.StateSources, dic
     def load_extra(value: Any) -> None:
         box["extra"] = value
 
-    src = training_state.StateSources(model, opt, extra_state_fn=lambda: box["extra"], load_extra_state_fn=load_extra)
+    src = training_state.StateSources(
+        model, opt, extra_state_fn=lambda: box["extra"], load_extra_state_fn=load_extra
+    )
     return src, box
 
 
@@ -46,11 +48,15 @@ def write_file(path: Path, state: Any, step: int) -> None:
     data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
     for view, t in zip(layout.views(data), tensors, strict=True):
         view.copy_(t)
-    header = build_header(layout, tensor_digests(layout, data), skeleton, {**IDENTITY, "step": step})
+    header = build_header(
+        layout, tensor_digests(layout, data), skeleton, {**IDENTITY, "step": step}
+    )
     store.write_checkpoint(path, frame_prefix(header), data, fsync=False)
 
 
-def promote(durable_dir: Path, src: training_state.StateSources, step: int, work: Path) -> DurableTier:
+def promote(
+    durable_dir: Path, src: training_state.StateSources, step: int, work: Path
+) -> DurableTier:
     """Promote ``src``'s state of ``step`` (one rank, the default group) like a DDP job would."""
     path = work / f"step-{step:09d}.gsc"
     write_file(path, training_state.collect(src, step), step)

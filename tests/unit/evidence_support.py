@@ -76,7 +76,9 @@ def make_payload(root: Path) -> Path:
     return bundle
 
 
-def make_facts(repo: Path, *, exit_codes: tuple[int, int] = (0, 0), failed: int = 0, **overrides: Any) -> SealInput:
+def make_facts(
+    repo: Path, *, exit_codes: tuple[int, int] = (0, 0), failed: int = 0, **overrides: Any
+) -> SealInput:
     """Run facts for the payload of :func:`make_payload`; ``overrides`` replace SealInput fields."""
     commands = tuple(
         CommandRecord(
@@ -95,7 +97,9 @@ def make_facts(repo: Path, *, exit_codes: tuple[int, int] = (0, 0), failed: int 
         "commands": commands,
         "summary": Summary(total=3, passed=3 - failed, failed=failed, skipped=0),
         "topology": Topology(hosts=1, world_size=2, backends=("gloo",), devices=("cpu", "cpu")),
-        "boundaries": Boundaries(validated=("two-rank gloo recovery",), not_validated=("NCCL", "RDMA")),
+        "boundaries": Boundaries(
+            validated=("two-rank gloo recovery",), not_validated=("NCCL", "RDMA")
+        ),
         "started_on": T0,
         "finished_on": T0 + timedelta(minutes=10),
     }

@@ -15,4 +15,6 @@ def frame_of(obj: object, step: int = 3) -> tuple[bytes, torch.Tensor]:
     data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
     for view, t in zip(layout.views(data), tensors, strict=True):
         view.copy_(t)
-    return frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, {"step": step})), data
+    return frame_prefix(
+        build_header(layout, tensor_digests(layout, data), skeleton, {"step": step})
+    ), data

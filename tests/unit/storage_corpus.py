@@ -30,7 +30,10 @@ def state(step: int, rank: int) -> dict[str, Any]:
     return {
         "step": step,
         "model": {"w": torch.randn(3, 4, generator=g), "b": torch.zeros(4, dtype=torch.float16)},
-        "optimizer": {"state": {0: {"m": torch.randn(3, 4, generator=g)}}, "param_groups": [{"lr": 0.1}]},
+        "optimizer": {
+            "state": {0: {"m": torch.randn(3, 4, generator=g)}},
+            "param_groups": [{"lr": 0.1}],
+        },
         "extra": {"tokens": torch.arange(5), "note": "x", "t": (1, 2.5, None)},
         "empty": torch.empty(0),
     }
@@ -43,7 +46,10 @@ def write_frame(path: Path, obj: Any, identity: dict[str, Any]) -> None:
     for view, t in zip(layout.views(data), tensors, strict=True):
         view.copy_(t)
     store.write_checkpoint(
-        path, frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, identity)), data, fsync=False
+        path,
+        frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, identity)),
+        data,
+        fsync=False,
     )
 
 
@@ -105,7 +111,9 @@ def rewrite_header(path: Path, doc: Any) -> None:
         if len(raw) > old_prefix_end
         else torch.empty(0, dtype=torch.uint8)
     )
-    store.write_checkpoint(path, frame_prefix(json.dumps(doc, allow_nan=True).encode()), data, fsync=False)
+    store.write_checkpoint(
+        path, frame_prefix(json.dumps(doc, allow_nan=True).encode()), data, fsync=False
+    )
 
 
 WEIRD: list[Any] = [
@@ -138,7 +146,13 @@ def _paths(doc: Any) -> list[tuple[Any, Any]]:
     stack = [doc]
     while stack:
         node = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        items = (
+            node.items()
+            if isinstance(node, dict)
+            else enumerate(node)
+            if isinstance(node, list)
+            else ()
+        )
         for k, v in items:
             out.append((node, k))
             stack.append(v)
@@ -171,7 +185,10 @@ def mutate(doc: Any, rng: random.Random) -> Any:
     else:
         other_node, other_key = rng.choice(spots)
         try:
-            mine, theirs = copy.deepcopy(node[key]), copy.deepcopy(other_node[other_key])  # copies: never a cycle
+            mine, theirs = (
+                copy.deepcopy(node[key]),
+                copy.deepcopy(other_node[other_key]),
+            )  # copies: never a cycle
             node[key], other_node[other_key] = theirs, mine
         except (KeyError, IndexError):
             node[key] = None

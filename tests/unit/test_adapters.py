@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from gemscout import ConfigError, RunMismatchError, ScoutConfig
-from gemscout.adapters.deepspeed import EngineOptimizer, capture_engine, resolve_engine, restore_engine
+from gemscout.adapters.deepspeed import (
+    EngineOptimizer,
+    capture_engine,
+    resolve_engine,
+    restore_engine,
+)
 from gemscout.adapters.detect import Framework, detect, resolve
 from gemscout.state.codec import decode, encode
 
@@ -37,7 +42,9 @@ class DeepSpeedEngine(nn.Module):
 
     __module__ = "deepspeed.runtime.engine"
 
-    def __init__(self, *, stage: int = 1, accumulation: int = 1, fp16: bool = False, offload: Any = None) -> None:
+    def __init__(
+        self, *, stage: int = 1, accumulation: int = 1, fp16: bool = False, offload: Any = None
+    ) -> None:
         super().__init__()
         self.module = nn.Linear(3, 2)
         self.optimizer = DeepSpeedZeroOptimizer(8)
@@ -46,10 +53,14 @@ class DeepSpeedEngine(nn.Module):
         self.optimizer.bit16_groups = [list(self.module.parameters())]
         at = 0
         for p in self.optimizer.bit16_groups[0]:
-            p._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
-                                            hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()))
+            p._hp_mapping = SimpleNamespace(
+                lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
+                hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()),
+            )
             at += p.numel()
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: 1 / (1 + s))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer.optimizer, lambda s: 1 / (1 + s)
+        )
         self.stage, self.accumulation, self.fp16, self.offload = stage, accumulation, fp16, offload
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self.updates = 0
@@ -98,7 +109,12 @@ class DistributedOptimizer:
 
 
 def _resolve_ds(engine: DeepSpeedEngine, **kw: Any) -> Any:
-    args: dict[str, Any] = {"extra_state_fn": None, "load_extra_state_fn": None, "schedulers": (), "scout": None}
+    args: dict[str, Any] = {
+        "extra_state_fn": None,
+        "load_extra_state_fn": None,
+        "schedulers": (),
+        "scout": None,
+    }
     args.update(kw)
     return resolve_engine(engine, engine.optimizer, **args)
 
@@ -115,7 +131,9 @@ def test_detect_by_class_module_and_name() -> None:
     assert detect(GPTModel(), opt) is Framework.MEGATRON
     assert detect(torch_model, DistributedOptimizer()) is Framework.MEGATRON
     assert detect(torch_model, opt) is Framework.TORCH
-    assert detect([torch_model]) is Framework.TORCH  # a list, but not Megatron's: resolve refuses it
+    assert (
+        detect([torch_model]) is Framework.TORCH
+    )  # a list, but not Megatron's: resolve refuses it
 
 
 def test_torch_passes_through_unchanged() -> None:
@@ -125,15 +143,34 @@ def test_torch_passes_through_unchanged() -> None:
     assert target.framework is Framework.TORCH and target.model is model and target.optimizer is opt
 
 
-@pytest.mark.parametrize(("model", "optimizer", "match"), [
-    (Trainer(), None, r"enable_resiliency.model: a TorchTitan Trainer .* has no model_parts"),
-    ([GPTModel(), GPTModel()], None, r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOptimizer"),
-    (nn.Linear(2, 2), DistributedOptimizer(), r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOpt"),
-    ([nn.Linear(2, 2)], None, r"expected one torch.nn.Module, got a list of 1"),
-    ("model", None, r"enable_resiliency.model: expected a torch.nn.Module, got str"),
-    (nn.Linear(2, 2), object(), r"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got object$"),
-    (nn.Linear(2, 2), DeepSpeedZeroOptimizer(4), r"pass the DeepSpeedEngine as model, not engine.module"),
-])
+@pytest.mark.parametrize(
+    ("model", "optimizer", "match"),
+    [
+        (Trainer(), None, r"enable_resiliency.model: a TorchTitan Trainer .* has no model_parts"),
+        (
+            [GPTModel(), GPTModel()],
+            None,
+            r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOptimizer",
+        ),
+        (
+            nn.Linear(2, 2),
+            DistributedOptimizer(),
+            r"with Megatron Core pass a torch.optim.Optimizer or the MegatronOpt",
+        ),
+        ([nn.Linear(2, 2)], None, r"expected one torch.nn.Module, got a list of 1"),
+        ("model", None, r"enable_resiliency.model: expected a torch.nn.Module, got str"),
+        (
+            nn.Linear(2, 2),
+            object(),
+            r"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got object$",
+        ),
+        (
+            nn.Linear(2, 2),
+            DeepSpeedZeroOptimizer(4),
+            r"pass the DeepSpeedEngine as model, not engine.module",
+        ),
+    ],
+)
 def test_unsupported_objects_are_config_errors(model: Any, optimizer: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve(model, optimizer)
@@ -142,12 +179,21 @@ def test_unsupported_objects_are_config_errors(model: Any, optimizer: Any, match
 # -- the DeepSpeed adapter's argument rules ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("engine", "match"), [
-    (DeepSpeedEngine(stage=3), r"not a DeepSpeedZeroOptimizer_Stage3 around a torch optimizer"),  # a 1/2 optimizer
-    (DeepSpeedEngine(stage=0), r"zero_optimization.stage=0"),
-    (DeepSpeedEngine(fp16=True), r"fp16 is not supported"),
-    (DeepSpeedEngine(offload={"device": "cpu"}), r"offload_optimizer / offload_param is not supported"),
-])
+@pytest.mark.parametrize(
+    ("engine", "match"),
+    [
+        (
+            DeepSpeedEngine(stage=3),
+            r"not a DeepSpeedZeroOptimizer_Stage3 around a torch optimizer",
+        ),  # a 1/2 optimizer
+        (DeepSpeedEngine(stage=0), r"zero_optimization.stage=0"),
+        (DeepSpeedEngine(fp16=True), r"fp16 is not supported"),
+        (
+            DeepSpeedEngine(offload={"device": "cpu"}),
+            r"offload_optimizer / offload_param is not supported",
+        ),
+    ],
+)
 def test_engine_settings_the_adapter_cannot_take(engine: DeepSpeedEngine, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve(engine, engine.optimizer)
@@ -156,15 +202,27 @@ def test_engine_settings_the_adapter_cannot_take(engine: DeepSpeedEngine, match:
 def test_deepspeed_argument_rules() -> None:
     engine = DeepSpeedEngine()
     other = torch.optim.SGD(engine.module.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer",
+    ):
         resolve(engine, other)
-    with pytest.raises(ConfigError, match=r"enable_resiliency.schedulers: engine.lr_scheduler is stepped by"):
+    with pytest.raises(
+        ConfigError, match=r"enable_resiliency.schedulers: engine.lr_scheduler is stepped by"
+    ):
         resolve(engine, engine.optimizer, schedulers=[engine.lr_scheduler])
     # The optimizer recipe replays the partition owner's update (ZeroScout); forward recipes alone use Scout.
-    assert resolve(engine, engine.optimizer, scout=ScoutConfig()).scout_factory.__name__ == "ZeroScout"
-    assert resolve(engine, engine.optimizer, scout=ScoutConfig(recipes=("hidden",))).scout_factory is None
+    assert (
+        resolve(engine, engine.optimizer, scout=ScoutConfig()).scout_factory.__name__ == "ZeroScout"
+    )
+    assert (
+        resolve(engine, engine.optimizer, scout=ScoutConfig(recipes=("hidden",))).scout_factory
+        is None
+    )
     for accepted in (engine.optimizer, engine.optimizer.optimizer, None):
-        target = resolve(engine, accepted, scout=ScoutConfig(recipes=("embedding", "hidden", "output")))
+        target = resolve(
+            engine, accepted, scout=ScoutConfig(recipes=("embedding", "hidden", "output"))
+        )
         assert target.framework is Framework.DEEPSPEED and target.model is engine.module
         assert isinstance(target.optimizer, EngineOptimizer)
 
@@ -219,7 +277,12 @@ def _snapshot(engine: DeepSpeedEngine) -> dict[str, Any]:
 def _live(engine: DeepSpeedEngine) -> list[torch.Tensor]:
     master = engine.optimizer.master
     state = engine.optimizer.optimizer.state[master]
-    return [master.clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(), state["step"].clone()]
+    return [
+        master.clone(),
+        state["exp_avg"].clone(),
+        state["exp_avg_sq"].clone(),
+        state["step"].clone(),
+    ]
 
 
 def test_partition_state_restores_bitwise_into_a_fresh_engine() -> None:
@@ -235,7 +298,9 @@ def test_partition_state_restores_bitwise_into_a_fresh_engine() -> None:
     EngineOptimizer(fresh).load_state_dict(taken["opt"])
     restore_engine(fresh, taken["engine"])
     assert (fresh.global_steps, fresh.global_samples, fresh.micro_steps) == (3, 12, 3)
-    taken["opt"]["master"][0].add_(1.0)  # the restored state must not alias the checkpoint's buffers
+    taken["opt"]["master"][0].add_(
+        1.0
+    )  # the restored state must not alias the checkpoint's buffers
     taken["opt"]["state"][0]["exp_avg"].add_(1.0)
     fresh.step()
     got = _live(fresh)
@@ -260,8 +325,12 @@ def test_partition_state_refuses_another_layout() -> None:
     with pytest.raises(RunMismatchError, match=r"each rank from its own partition"):
         EngineOptimizer(other).load_state_dict(taken["opt"])
     other = DeepSpeedEngine()
-    other.optimizer.param_names = {p: f"renamed.{n}" for p, n in other.optimizer.param_names.items()}
-    with pytest.raises(RunMismatchError, match=r"differs from this engine's in \['fragments', 'params'"):
+    other.optimizer.param_names = {
+        p: f"renamed.{n}" for p, n in other.optimizer.param_names.items()
+    }
+    with pytest.raises(
+        RunMismatchError, match=r"differs from this engine's in \['fragments', 'params'"
+    ):
         EngineOptimizer(other).load_state_dict(taken["opt"])
     with pytest.raises(RunMismatchError, match=r"not a DeepSpeed ZeRO partition"):
         EngineOptimizer(engine).load_state_dict({"state": {}, "param_groups": []})

@@ -23,9 +23,13 @@ from gemscout import ConfigError
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
 from gemscout.scout.topology import derive
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None,
+        reason="megatron-core is not installed (pip install -e '.[megatron]')",
+    ),
+]
 
 
 def _param(**flags: Any) -> torch.Tensor:
@@ -36,29 +40,56 @@ def _param(**flags: Any) -> torch.Tensor:
 
 
 def test_expert_weights_lie_on_the_ep_dim() -> None:
-    ep = derive(dims=("dp", "ep"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0)
-    dense = derive(dims=("dp", "tp"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0)
-    expert = _param(allreduce=False, tensor_model_parallel=True)  # SequentialMLP's fc1 at expert TP 1
+    ep = derive(
+        dims=("dp", "ep"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0
+    )
+    dense = derive(
+        dims=("dp", "tp"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0
+    )
+    expert = _param(
+        allreduce=False, tensor_model_parallel=True
+    )  # SequentialMLP's fc1 at expert TP 1
     assert param_model_dims(expert, ep) == {"ep"}
-    assert param_model_dims(expert, dense) == {"tp"}  # no ep dim on that mesh: only its TP flag counts
+    assert param_model_dims(expert, dense) == {
+        "tp"
+    }  # no ep dim on that mesh: only its TP flag counts
     assert param_model_dims(_param(allreduce=True, tensor_model_parallel=True), ep) == set()
     assert param_model_dims(_param(), ep) == set()  # the router, norms: replicated along ep
-    assert uses_model_dims([_param(), expert], ep) and not uses_model_dims([_param(allreduce=True)], ep)
+    assert uses_model_dims([_param(), expert], ep) and not uses_model_dims(
+        [_param(allreduce=True)], ep
+    )
 
 
 class _Layout:
     """What parallel_state and torch.distributed report for one layout (Megatron's default order tp-cp-ep-dp-pp)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, world: int, rank: int, tp: int = 1, cp: int = 1,
-                 ep: int = 1, etp: int | None = None, edp_group: list[int], ep_group: list[int]) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        world: int,
+        rank: int,
+        tp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
+        edp_group: list[int],
+        ep_group: list[int],
+    ) -> None:
         from megatron.core import parallel_state as ps
 
         import gemscout.adapters.megatron_topology as adapter
 
         etp = tp if etp is None else etp
-        sizes = {"pipeline_model_parallel": 1, "data_parallel": world // (tp * cp), "context_parallel": cp,
-                 "tensor_model_parallel": tp, "expert_model_parallel": ep, "expert_tensor_parallel": etp,
-                 "expert_data_parallel": world // (ep * etp)}
+        sizes = {
+            "pipeline_model_parallel": 1,
+            "data_parallel": world // (tp * cp),
+            "context_parallel": cp,
+            "tensor_model_parallel": tp,
+            "expert_model_parallel": ep,
+            "expert_tensor_parallel": etp,
+            "expert_data_parallel": world // (ep * etp),
+        }
         for name, size in sizes.items():
             monkeypatch.setattr(ps, f"get_{name}_world_size", lambda size=size: size)
         groups = {"dp": list(range(world)), "edp": edp_group, "ep": ep_group}
@@ -71,12 +102,19 @@ class _Layout:
         monkeypatch.setattr(adapter.dist, "get_process_group_ranks", lambda group: groups[group])
 
 
-def test_expert_parallel_peers_are_the_expert_data_parallel_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_expert_parallel_peers_are_the_expert_data_parallel_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from gemscout.adapters.megatron import megatron_topology
 
     _Layout(monkeypatch, world=6, rank=3, ep=2, edp_group=[1, 3, 5], ep_group=[2, 3])
     topo = megatron_topology()
-    assert (topo.dims, topo.shape, topo.model_dims, topo.peers) == (("dp", "ep"), (3, 2), ("ep",), (1, 3, 5))
+    assert (topo.dims, topo.shape, topo.model_dims, topo.peers) == (
+        ("dp", "ep"),
+        (3, 2),
+        ("ep",),
+        (1, 3, 5),
+    )
     assert topo.peer_groups == ((0, 2, 4), (1, 3, 5))
 
 
@@ -84,19 +122,29 @@ def test_a_custom_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from gemscout.adapters.megatron import megatron_topology
 
     _Layout(monkeypatch, world=4, rank=0, ep=2, edp_group=[0, 1], ep_group=[0, 2])  # ep outside dp
-    with pytest.raises(ConfigError, match=r"the expert-data-parallel group of rank 0 is \[0, 1\], but the default "
-                                          r"order tp-cp-ep-dp-pp gives \[0, 2\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the expert-data-parallel group of rank 0 is \[0, 1\], but the default "
+        r"order tp-cp-ep-dp-pp gives \[0, 2\]",
+    ):
         megatron_topology()
 
 
-@pytest.mark.parametrize(("layout", "names"), [
-    ({"world": 8, "tp": 2, "ep": 2}, "'tensor_model_parallel_size': 2"),
-    ({"world": 8, "cp": 2, "ep": 2}, "'context_parallel_size': 2"),
-    ({"world": 8, "tp": 2, "ep": 2, "etp": 1}, "'expert_tensor_parallel_size': 1"),
-    ({"world": 4, "tp": 2, "etp": 1}, "'expert_model_parallel_size': 1"),  # an expert TP of its own, no EP
-])
-def test_what_stays_refused_names_the_layout_and_the_fix(monkeypatch: pytest.MonkeyPatch, layout: dict[str, int],
-                                                         names: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "names"),
+    [
+        ({"world": 8, "tp": 2, "ep": 2}, "'tensor_model_parallel_size': 2"),
+        ({"world": 8, "cp": 2, "ep": 2}, "'context_parallel_size': 2"),
+        ({"world": 8, "tp": 2, "ep": 2, "etp": 1}, "'expert_tensor_parallel_size': 1"),
+        (
+            {"world": 4, "tp": 2, "etp": 1},
+            "'expert_model_parallel_size': 1",
+        ),  # an expert TP of its own, no EP
+    ],
+)
+def test_what_stays_refused_names_the_layout_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], names: str
+) -> None:
     from gemscout.adapters.megatron import megatron_topology
 
     _Layout(monkeypatch, rank=0, edp_group=[0], ep_group=[0], **layout)

@@ -18,7 +18,11 @@ from torch import nn
 
 from gemscout import ConfigError, RunMismatchError, ScoutConfig
 from gemscout.adapters.detect import Framework, resolve
-from gemscout.adapters.megatron import MegatronOptimizerView, capture_rng_tracker, restore_rng_tracker
+from gemscout.adapters.megatron import (
+    MegatronOptimizerView,
+    capture_rng_tracker,
+    restore_rng_tracker,
+)
 from gemscout.adapters.torchtitan import OptimizersView
 from gemscout.state.codec import decode, encode
 from gemscout.state.training_state import StateSources, collect, restore
@@ -89,17 +93,28 @@ def test_megatron_is_resolved_and_its_argument_rules_name_the_fix() -> None:
     model = GPTModel()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     target = resolve([model], opt)
-    assert target.framework is Framework.MEGATRON and target.model is model and target.optimizer is opt
+    assert (
+        target.framework is Framework.MEGATRON and target.model is model and target.optimizer is opt
+    )
     chunks = resolve([GPTModel(), GPTModel()], torch.optim.SGD(model.parameters(), lr=0.1))
     assert isinstance(chunks.model, nn.ModuleList) and len(chunks.model) == 2
     assert isinstance(resolve(model, MegatronOptimizer()).optimizer, MegatronOptimizerView)
-    with pytest.raises(ConfigError, match=r"enable_resiliency.group: with Megatron Core SCOUT's peers come from"):
+    with pytest.raises(
+        ConfigError, match=r"enable_resiliency.group: with Megatron Core SCOUT's peers come from"
+    ):
         resolve(model, opt, group=object())
-    with pytest.raises(ConfigError, match=r"ScoutConfig.data_parallel_dims: Megatron's data-parallel peers"):
+    with pytest.raises(
+        ConfigError, match=r"ScoutConfig.data_parallel_dims: Megatron's data-parallel peers"
+    ):
         resolve(model, opt, scout=ScoutConfig(data_parallel_dims=("dp",)))
-    with pytest.raises(ConfigError, match=r"2 model chunks on this rank, but parallel_state has pipeline_model_para"):
+    with pytest.raises(
+        ConfigError,
+        match=r"2 model chunks on this rank, but parallel_state has pipeline_model_para",
+    ):
         resolve([GPTModel(), GPTModel()], opt, scout=ScoutConfig())
-    with pytest.raises(ConfigError, match=r"'optimizer' recipe is not supported with a MegatronOptimizer"):
+    with pytest.raises(
+        ConfigError, match=r"'optimizer' recipe is not supported with a MegatronOptimizer"
+    ):
         resolve(model, MegatronOptimizer(), scout=ScoutConfig())
     with pytest.raises(ConfigError, match=r"pass a torch.optim.Optimizer or the MegatronOptimizer"):
         resolve(model, object())
@@ -111,18 +126,29 @@ def test_megatron_optimizer_view_hooks_and_bitwise_state() -> None:
     calls: list[tuple[str, int]] = []
     pre = view.register_step_pre_hook(lambda o, a, k: calls.append(("pre", live.steps)))
     post = view.register_step_post_hook(lambda o, a, k: calls.append(("post", live.steps)))
-    assert live.step() == (True, 1.0, None)  # the loop's own call goes through the hooks, result unchanged
+    assert live.step() == (
+        True,
+        1.0,
+        None,
+    )  # the loop's own call goes through the hooks, result unchanged
     live.step()
     assert calls == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2)]
     saved = _roundtrip(view.state_dict())
-    expected = (live.main.clone(), {k: v.clone() if torch.is_tensor(v) else v
-                                    for k, v in live.optimizer.state[live.main].items()})
+    expected = (
+        live.main.clone(),
+        {
+            k: v.clone() if torch.is_tensor(v) else v
+            for k, v in live.optimizer.state[live.main].items()
+        },
+    )
     pre.remove()
     post.remove()
     assert "step" not in vars(live)  # the wrapper is gone once its last hook is
     fresh = MegatronOptimizer()
     MegatronOptimizerView(fresh).load_state_dict(saved)
-    assert torch.equal(fresh.main, expected[0]) and _equal(dict(fresh.optimizer.state[fresh.main]), expected[1])
+    assert torch.equal(fresh.main, expected[0]) and _equal(
+        dict(fresh.optimizer.state[fresh.main]), expected[1]
+    )
     assert torch.equal(fresh.grad_scaler.scale, live.grad_scaler.scale)
     live.step()
     fresh.step()
@@ -138,28 +164,38 @@ def test_megatron_optimizer_view_restores_through_the_training_state() -> None:
     # state has "parts", no torch "state", which restore's DTensor pass once indexed blindly (KeyError: 'state').
     live, fresh = MegatronOptimizer(), MegatronOptimizer()
     live.step()
-    saved = _roundtrip(collect(StateSources(model=GPTModel(), optimizer=MegatronOptimizerView(live)), step=1))
+    saved = _roundtrip(
+        collect(StateSources(model=GPTModel(), optimizer=MegatronOptimizerView(live)), step=1)
+    )
     restore(StateSources(model=GPTModel(), optimizer=MegatronOptimizerView(fresh)), saved)
     assert torch.equal(fresh.main, live.main)
     live.step()
     fresh.step()
-    assert torch.equal(fresh.main, live.main) and _equal(fresh.optimizer.state_dict(), live.optimizer.state_dict())
+    assert torch.equal(fresh.main, live.main) and _equal(
+        fresh.optimizer.state_dict(), live.optimizer.state_dict()
+    )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 def test_rng_tracker_streams_are_captured_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = mrandom.CudaRNGStatesTracker()
     gen = torch.Generator().manual_seed(7)
-    tracker.set_states({"model-parallel-rng": gen.get_state(), "data-parallel-rng": gen.manual_seed(9).get_state()})
+    tracker.set_states(
+        {"model-parallel-rng": gen.get_state(), "data-parallel-rng": gen.manual_seed(9).get_state()}
+    )
     monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)
     saved = _roundtrip(capture_rng_tracker())
     before = {k: v.clone() for k, v in tracker.get_states().items()}
     tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(1).get_state()})
     restore_rng_tracker(saved)
     assert _equal(tracker.get_states(), before)
-    assert all(tracker.get_states()[k] is not saved[k] for k in saved)  # never aliases the checkpoint's buffers
+    assert all(
+        tracker.get_states()[k] is not saved[k] for k in saved
+    )  # never aliases the checkpoint's buffers
 
 
 # -- TorchTitan stand-ins -----------------------------------------------------------------------------------------
@@ -169,8 +205,12 @@ class OptimizersContainer(torch.optim.Optimizer):
     __module__ = "torchtitan.components.optimizer"
 
     def __init__(self, parts: list[nn.Module]) -> None:
-        self.optimizers = [torch.optim.AdamW(p.parameters(), lr=0.05, weight_decay=0.01) for p in parts]
-        torch.optim.Optimizer.__init__(self, [p for m in parts for p in m.parameters()], {"lr": 0.05})
+        self.optimizers = [
+            torch.optim.AdamW(p.parameters(), lr=0.05, weight_decay=0.01) for p in parts
+        ]
+        torch.optim.Optimizer.__init__(
+            self, [p for m in parts for p in m.parameters()], {"lr": 0.05}
+        )
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for opt in self.optimizers:
@@ -201,7 +241,9 @@ class Trainer:
         torch.manual_seed(0)
         self.model_parts = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)) for _ in range(parts)]
         self.optimizers = OptimizersContainer(self.model_parts)
-        self.lr_schedulers = torch.optim.lr_scheduler.LambdaLR(self.optimizers.optimizers[0], lambda s: 1 / (1 + s))
+        self.lr_schedulers = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizers.optimizers[0], lambda s: 1 / (1 + s)
+        )
         self.dataloader = Loader()
         self.parallel_dims = Dims(**dims)
         self.step = self.ntokens_seen = 0
@@ -229,8 +271,14 @@ def test_torchtitan_trainer_state_roundtrips_bitwise() -> None:
     handle.remove()
     assert seen == [1, 2, 3]  # once per train_step, with trainer.step already the step taken
     assert target.extra_state_fn is not None
-    saved = _roundtrip({"optimizer": target.optimizer.state_dict(), "extra": target.extra_state_fn(),
-                        "model": trainer.model_parts[0].state_dict(), "sched": trainer.lr_schedulers.state_dict()})
+    saved = _roundtrip(
+        {
+            "optimizer": target.optimizer.state_dict(),
+            "extra": target.extra_state_fn(),
+            "model": trainer.model_parts[0].state_dict(),
+            "sched": trainer.lr_schedulers.state_dict(),
+        }
+    )
     other = Trainer(parts=1)
     again = resolve(other, other.optimizers)
     other.model_parts[0].load_state_dict(saved["model"])
@@ -238,10 +286,14 @@ def test_torchtitan_trainer_state_roundtrips_bitwise() -> None:
     assert again.load_extra_state_fn is not None
     again.load_extra_state_fn(saved["extra"])
     assert (other.step, other.ntokens_seen, other.dataloader.position) == (3, 36, 3)
-    other.lr_schedulers.load_state_dict(saved["sched"])  # the session does this (and replays the step) on restore
+    other.lr_schedulers.load_state_dict(
+        saved["sched"]
+    )  # the session does this (and replays the step) on restore
     trainer.train_step()
     other.train_step()
-    for a, b in zip(trainer.model_parts[0].parameters(), other.model_parts[0].parameters(), strict=True):
+    for a, b in zip(
+        trainer.model_parts[0].parameters(), other.model_parts[0].parameters(), strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -259,9 +311,13 @@ def test_torchtitan_views_every_inner_optimizer() -> None:
 
 def test_torchtitan_argument_rules_name_the_fix() -> None:
     trainer = Trainer()
-    with pytest.raises(ConfigError, match=r"with a TorchTitan Trainer pass None \(or trainer.optimizers\)"):
+    with pytest.raises(
+        ConfigError, match=r"with a TorchTitan Trainer pass None \(or trainer.optimizers\)"
+    ):
         resolve(trainer, torch.optim.SGD(trainer.model_parts[0].parameters(), lr=0.1))
-    with pytest.raises(ConfigError, match=r"enable_resiliency.schedulers: trainer.lr_schedulers is stepped"):
+    with pytest.raises(
+        ConfigError, match=r"enable_resiliency.schedulers: trainer.lr_schedulers is stepped"
+    ):
         resolve(trainer, None, schedulers=[trainer.lr_schedulers])
     with pytest.raises(ConfigError, match=r"enable_resiliency.group: with a TorchTitan Trainer"):
         resolve(trainer, None, group=object())
@@ -287,10 +343,16 @@ def test_torchtitan_scout_replays_the_inner_class_and_skips_a_chunked_head() -> 
     assert plain.scout is not None and "output" in plain.scout.recipes
     trainer.model_parts[0]._skip_lm_head = True  # type: ignore[assignment]  # set by Trainer for ChunkedLossWrapper
     chunked = resolve(trainer, None, scout=ScoutConfig())
-    assert chunked.scout is not None and chunked.scout.recipes == ("embedding", "hidden", "optimizer")
+    assert chunked.scout is not None and chunked.scout.recipes == (
+        "embedding",
+        "hidden",
+        "optimizer",
+    )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -299,9 +361,19 @@ def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         model = GPTModel()
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=16,
-                                        lr_decay_steps=64, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-                                        wd_incr_steps=64, wd_incr_style="constant")
+        sched = OptimizerParamScheduler(
+            opt,
+            init_lr=0.0,
+            max_lr=1e-2,
+            min_lr=1e-3,
+            lr_warmup_steps=16,
+            lr_decay_steps=64,
+            lr_decay_style="cosine",
+            start_wd=0.01,
+            end_wd=0.01,
+            wd_incr_steps=64,
+            wd_incr_style="constant",
+        )
         return model, opt, sched
 
     model, opt, sched = build()
@@ -312,8 +384,12 @@ def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     saved = None
     for it in range(1, 4):
         if it == 3:
-            saved = _roundtrip(replay.state_dict())  # taken inside optimizer.step(), before the loop's sched.step
-        sched.step(increment=8)  # the loop's own call, with Megatron's increment (the global batch size)
+            saved = _roundtrip(
+                replay.state_dict()
+            )  # taken inside optimizer.step(), before the loop's sched.step
+        sched.step(
+            increment=8
+        )  # the loop's own call, with Megatron's increment (the global batch size)
     assert (sched.num_steps, replay.increment) == (24, 8)
     for h in handles:
         h.remove()

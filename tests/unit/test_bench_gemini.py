@@ -20,8 +20,19 @@ from qualification.bench._report import MEASUREMENT_KEYS, RATIO_KEYS, TARGETS
 def test_quick_run_writes_every_measurement_and_ratio(tmp_path: Path) -> None:
     out = tmp_path / "gemini.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "qualification.bench.gemini", "--quick", "--out", str(out), "--scratch", str(tmp_path)],
-        capture_output=True, text=True, timeout=170,
+        [
+            sys.executable,
+            "-m",
+            "qualification.bench.gemini",
+            "--quick",
+            "--out",
+            str(out),
+            "--scratch",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -32,8 +43,13 @@ def test_quick_run_writes_every_measurement_and_ratio(tmp_path: Path) -> None:
     for section, keys in (("measurements", MEASUREMENT_KEYS), ("ratios", RATIO_KEYS)):
         values = size[section]
         assert set(keys) <= set(values), f"{section} lacks {sorted(set(keys) - set(values))}"
-        bad = {k: values[k] for k in keys if not (isinstance(values[k], int | float) and math.isfinite(values[k])
-                                                  and values[k] > 0)}
+        bad = {
+            k: values[k]
+            for k in keys
+            if not (
+                isinstance(values[k], int | float) and math.isfinite(values[k]) and values[k] > 0
+            )
+        }
         assert not bad, f"{section} not positive numbers: {bad}"
     assert set(size["targets"]) == set(size["met"]) == set(TARGETS)
     assert all(isinstance(v, bool) for v in size["met"].values())

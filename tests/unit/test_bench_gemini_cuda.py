@@ -16,7 +16,10 @@ from qualification.bench import gemini_cuda
 @pytest.mark.timeout(120)
 def test_dry_run_writes_every_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cuda.json"
-    assert gemini_cuda.main(["--device", "cpu", "--sizes-mib", "2", "--reps", "1", "--out", str(out)]) == 0
+    assert (
+        gemini_cuda.main(["--device", "cpu", "--sizes-mib", "2", "--reps", "1", "--out", str(out)])
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["dry_run"] is True and [s["state_mib"] for s in doc["sizes"]] == [2.0]
     size = doc["sizes"][0]
@@ -38,5 +41,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
             gemini_cuda.main(["--out", str(out)])
         assert no_gpu.value.code == 2
     out.write_text("{}")
-    assert gemini_cuda.main(["--device", "cpu", "--sizes-mib", "1", "--out", str(out)]) == 2  # never overwrites
+    assert (
+        gemini_cuda.main(["--device", "cpu", "--sizes-mib", "1", "--out", str(out)]) == 2
+    )  # never overwrites
     assert out.read_text() == "{}"

@@ -54,8 +54,10 @@ def write(tmp_path: Path, text: str, name: str = "t.toml") -> Path:
 
 
 def test_a_claim_is_backed_by_the_cells_it_names_or_by_every_cell(tmp_path: Path) -> None:
-    text = VALID.replace('validated = ["the engine"]',
-                         'validated = ["the engine", { claim = "grids", cells = ["t/selftest-grid-*"] }]')
+    text = VALID.replace(
+        'validated = ["the engine"]',
+        'validated = ["the engine", { claim = "grids", cells = ["t/selftest-grid-*"] }]',
+    )
     loaded = campaign.load(write(tmp_path, text))
     ids = [c.id for c in loaded.cells]
     plain, grids = loaded.claims
@@ -67,38 +69,66 @@ def test_a_claim_is_backed_by_the_cells_it_names_or_by_every_cell(tmp_path: Path
 @pytest.mark.parametrize("path", sorted((REPO / "campaigns").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_campaign_validates(path: Path) -> None:
     loaded = campaign.load(path)
-    assert loaded.name == path.stem, "campaigns are looked up by name, so the file must be called NAME.toml"
+    assert loaded.name == path.stem, (
+        "campaigns are looked up by name, so the file must be called NAME.toml"
+    )
     assert loaded.cells, "a campaign without cells qualifies nothing"
     assert len({c.id for c in loaded.cells}) == len(loaded.cells)
     assert len({c.safe_id for c in loaded.cells}) == len(loaded.cells)
-    assert loaded.validated and loaded.not_validated, "boundaries must say what is and is not validated"
+    assert loaded.validated and loaded.not_validated, (
+        "boundaries must say what is and is not validated"
+    )
     for cell in loaded.cells:
         assert cell.id.startswith(f"{loaded.name}/")
         assert "/" not in cell.safe_id
 
 
 def test_shipped_campaigns_exist() -> None:
-    assert {"quickstart", "selftest", "cpu-matrix"} <= {p.stem for p in (REPO / "campaigns").glob("*.toml")}
+    assert {"quickstart", "selftest", "cpu-matrix"} <= {
+        p.stem for p in (REPO / "campaigns").glob("*.toml")
+    }
 
 
 def test_quickstart_cell_is_the_documented_one() -> None:
     (cell,) = campaign.load("quickstart").cells
-    assert cell.id == "quickstart/lifecycle-ddp-w3-sigkill-node_losstrue-phaseafter_step-rank1-step4-s0"
-    assert (cell.program, cell.workload, cell.topology, cell.world_size) == ("lifecycle", "tiny-causal-lm", "ddp", 3)
-    assert cell.fault == {"kind": "sigkill", "rank": 1, "step": 4, "phase": "after-step", "node_loss": True}
+    assert (
+        cell.id
+        == "quickstart/lifecycle-ddp-w3-sigkill-node_losstrue-phaseafter_step-rank1-step4-s0"
+    )
+    assert (cell.program, cell.workload, cell.topology, cell.world_size) == (
+        "lifecycle",
+        "tiny-causal-lm",
+        "ddp",
+        3,
+    )
+    assert cell.fault == {
+        "kind": "sigkill",
+        "rank": 1,
+        "step": 4,
+        "phase": "after-step",
+        "node_loss": True,
+    }
     assert cell.params == {"steps": 6, "interval": 1}
     # Recovery, not a fresh start: the decision, its step, every rank's source and the resume step are checked too.
-    assert cell.expect == {"recovered_step": 4, "source": "peer", "recovery_mode": "restore",
-                           "rank_sources": ["memory", "peer:2", "memory"],
-                           "resume_step": {"eq": "observed.recovered_step"}, "bitwise_equal": True,
-                           "losses_equal": True, "final_step": 6}
+    assert cell.expect == {
+        "recovered_step": 4,
+        "source": "peer",
+        "recovery_mode": "restore",
+        "rank_sources": ["memory", "peer:2", "memory"],
+        "resume_step": {"eq": "observed.recovered_step"},
+        "bitwise_equal": True,
+        "losses_equal": True,
+        "final_step": 6,
+    }
     assert cell.timeout_s == 120
 
 
 @pytest.mark.parametrize("name", ["campaign.schema.json", "cell-result.schema.json"])
 def test_schemas_have_one_copy_the_package_data(name: str) -> None:
     assert not (REPO / "schemas").exists()
-    assert campaign.load_schema(name) == json.loads((REPO / "qualification" / "schemas" / name).read_text())
+    assert campaign.load_schema(name) == json.loads(
+        (REPO / "qualification" / "schemas" / name).read_text()
+    )
 
 
 def test_matrix_expands_to_the_cartesian_product_in_order(tmp_path: Path) -> None:
@@ -134,8 +164,19 @@ def test_defaults_merge_tables_key_by_key_and_fault_is_replaced(tmp_path: Path) 
 
 def test_cell_json_carries_the_contract_fields(tmp_path: Path) -> None:
     record = campaign.load(write(tmp_path, VALID)).cells[0].to_json()
-    assert set(record) == {"id", "program", "workload", "topology", "world_size", "fault", "seed", "timeout_s",
-                           "params", "expect", "requires"}
+    assert set(record) == {
+        "id",
+        "program",
+        "workload",
+        "topology",
+        "world_size",
+        "fault",
+        "seed",
+        "timeout_s",
+        "params",
+        "expect",
+        "requires",
+    }
     assert record["requires"] == []
 
 
@@ -149,33 +190,70 @@ def test_fault_slug_distinguishes_faults_of_one_kind() -> None:
 # Each malformed campaign: (what to change, the key the message must name).
 MALFORMED = {
     "unknown top-level key": (lambda t: "extra = 1\n" + t, "'extra': unknown key"),
-    "unknown matrix key": (lambda t: t.replace('label = "grid"', 'label = "grid"\nwrld_size = 2'),
-                           "'matrix[1].wrld_size': unknown key (did you mean 'world_size'?)"),
-    "unknown boundaries key": (lambda t: t.replace('not_validated = ["the runtime"]', 'not_validated = []\nvalidatd = []'),
-                               "'boundaries.validatd'"),
-    "unknown defaults key": (lambda t: t.replace("seed = 0\n", "seed = 0\nsed = 1\n", 1), "'defaults.sed'"),
-    "wrong type": (lambda t: t.replace("world_size = 1\n", 'world_size = "one"\n'),
-                   "'matrix[0].world_size': must be integer or a list of them"),
-    "wrong type in axis": (lambda t: t.replace("world_size = [2, 4]", 'world_size = [2, "4"]'),
-                           "'matrix[1].world_size[1]': must be integer"),
-    "missing required key": (lambda t: t.replace('tier = "cpu"\n', ""), "'tier': missing required key"),
-    "bad enum": (lambda t: t.replace('tier = "cpu"', 'tier = "tpu"'), "'tier': must be one of 'cpu', 'gpu'"),
+    "unknown matrix key": (
+        lambda t: t.replace('label = "grid"', 'label = "grid"\nwrld_size = 2'),
+        "'matrix[1].wrld_size': unknown key (did you mean 'world_size'?)",
+    ),
+    "unknown boundaries key": (
+        lambda t: t.replace('not_validated = ["the runtime"]', "not_validated = []\nvalidatd = []"),
+        "'boundaries.validatd'",
+    ),
+    "unknown defaults key": (
+        lambda t: t.replace("seed = 0\n", "seed = 0\nsed = 1\n", 1),
+        "'defaults.sed'",
+    ),
+    "wrong type": (
+        lambda t: t.replace("world_size = 1\n", 'world_size = "one"\n'),
+        "'matrix[0].world_size': must be integer or a list of them",
+    ),
+    "wrong type in axis": (
+        lambda t: t.replace("world_size = [2, 4]", 'world_size = [2, "4"]'),
+        "'matrix[1].world_size[1]': must be integer",
+    ),
+    "missing required key": (
+        lambda t: t.replace('tier = "cpu"\n', ""),
+        "'tier': missing required key",
+    ),
+    "bad enum": (
+        lambda t: t.replace('tier = "cpu"', 'tier = "tpu"'),
+        "'tier': must be one of 'cpu', 'gpu'",
+    ),
     "missing cell field": (lambda t: t.replace("seed = 0\n", "", 1), "matrix[0] has no 'seed'"),
-    "fault without kind": (lambda t: t.replace('fault = { kind = "none" }\n', "fault = { rank = 1 }\n", 1),
-                           "'defaults.fault.kind': missing required key"),
-    "bad expectation operator": (lambda t: t.replace("expect = { answer = 42 }", "expect = { answer = { lt = 3 } }"),
-                                 "'defaults.expect.answer.lt': unknown key"),
-    "zero world size": (lambda t: t.replace("world_size = 1\n", "world_size = 0\n"), "'matrix[0].world_size'"),
-    "non-positive timeout": (lambda t: t.replace("timeout_s = 5", "timeout_s = 0"), "'defaults.timeout_s'"),
-    "requires not a list": (lambda t: t.replace("world_size = 1\n", 'world_size = 1\nrequires = "gpu"\n'),
-                            "'matrix[0].requires': must be array"),
+    "fault without kind": (
+        lambda t: t.replace('fault = { kind = "none" }\n', "fault = { rank = 1 }\n", 1),
+        "'defaults.fault.kind': missing required key",
+    ),
+    "bad expectation operator": (
+        lambda t: t.replace("expect = { answer = 42 }", "expect = { answer = { lt = 3 } }"),
+        "'defaults.expect.answer.lt': unknown key",
+    ),
+    "zero world size": (
+        lambda t: t.replace("world_size = 1\n", "world_size = 0\n"),
+        "'matrix[0].world_size'",
+    ),
+    "non-positive timeout": (
+        lambda t: t.replace("timeout_s = 5", "timeout_s = 0"),
+        "'defaults.timeout_s'",
+    ),
+    "requires not a list": (
+        lambda t: t.replace("world_size = 1\n", 'world_size = 1\nrequires = "gpu"\n'),
+        "'matrix[0].requires': must be array",
+    ),
     "empty matrix": (lambda t: "matrix = []\n" + t.split("[defaults]")[0], "'matrix'"),
-    "duplicate cell id": (lambda t: t + "\n[[matrix]]\nworld_size = 1\n", "give the entries distinct 'label's"),
-    "claim backed by no cell": (lambda t: t.replace('validated = ["the engine"]',
-                                                    'validated = [{ claim = "x", cells = ["no-such-*"] }]'),
-                                "boundaries.validated[0] names cells 'no-such-*', which match none of the 9 cells"),
-    "claim without cells": (lambda t: t.replace('validated = ["the engine"]', 'validated = [{ claim = "x" }]'),
-                            "'boundaries.validated[0].cells': missing required key"),
+    "duplicate cell id": (
+        lambda t: t + "\n[[matrix]]\nworld_size = 1\n",
+        "give the entries distinct 'label's",
+    ),
+    "claim backed by no cell": (
+        lambda t: t.replace(
+            'validated = ["the engine"]', 'validated = [{ claim = "x", cells = ["no-such-*"] }]'
+        ),
+        "boundaries.validated[0] names cells 'no-such-*', which match none of the 9 cells",
+    ),
+    "claim without cells": (
+        lambda t: t.replace('validated = ["the engine"]', 'validated = [{ claim = "x" }]'),
+        "'boundaries.validated[0].cells': missing required key",
+    ),
 }
 
 
@@ -217,7 +295,9 @@ def test_filter_by_substring_glob_and_alternatives(tmp_path: Path) -> None:
     cells = campaign.load(write(tmp_path, VALID)).cells
     assert len(campaign.select(cells, "sigkill")) == 4
     assert len(campaign.select(cells, "t/selftest-grid-*-s1")) == 4
-    assert len(campaign.select(cells, "selftest-grid-*-s1")) == 4  # the campaign prefix may be left out
+    assert (
+        len(campaign.select(cells, "selftest-grid-*-s1")) == 4
+    )  # the campaign prefix may be left out
     assert len(campaign.select(cells, "w1,w4-none")) == 3
     assert campaign.select(cells, None) == list(cells)
     with pytest.raises(UsageError, match="matches none"):

@@ -35,7 +35,9 @@ def _step(model: nn.Module, seed: int) -> None:
 def _bucket_order(ddp: DDP) -> list[list[int]]:
     """The reducer's layout as it is now, read from its buckets' parameters."""
     index = {id(p): i for i, p in enumerate(ddp._build_params_for_reducer()[0])}
-    return [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    return [
+        [index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -64,7 +66,9 @@ def test_the_recorded_layout_is_the_one_ddp_rebuilds_into(one_rank: None, kwargs
     assert logged != initial
     if not kwargs.get("static_graph"):
         flat = [i for b in logged for i in b]
-        assert flat != list(reversed(range(8))), "the test model must not be ready in reverse registration order"
+        assert flat != list(reversed(range(8))), (
+            "the test model must not be ready in reverse registration order"
+        )
     buckets.remove()
 
 
@@ -92,7 +96,9 @@ def test_a_reducer_rebuilt_on_a_recorded_layout_reduces_in_it(one_rank: None) ->
     buckets.wrap_state(None, None)[1](
         {ddp_buckets.STATE_KEY: {"": {"buckets": layout, "limits": limits}}, "caller": None}
     )
-    assert buckets.start(restored=True, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [""]
+    assert buckets.start(restored=True, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [
+        ""
+    ]
     assert _bucket_order(fresh) == layout  # before its first forward
     _step(fresh, 0)
     assert sorted(hooked) == list(range(len(layout)))
@@ -114,9 +120,14 @@ def test_caller_state_round_trips_and_old_checkpoints_still_load(one_rank: None)
     seen: list[object] = []
     extra, load = buckets.wrap_state(lambda: {"epoch": 3}, seen.append)
     state = extra()
-    assert state == {ddp_buckets.STATE_KEY: {}, "caller": {"epoch": 3}}  # no backward yet: nothing recorded
+    assert state == {
+        ddp_buckets.STATE_KEY: {},
+        "caller": {"epoch": 3},
+    }  # no backward yet: nothing recorded
     load(state)
-    load({"epoch": 2})  # a checkpoint written before gemscout kept DDP's layout: the caller's state unchanged
+    load(
+        {"epoch": 2}
+    )  # a checkpoint written before gemscout kept DDP's layout: the caller's state unchanged
     assert seen == [{"epoch": 3}, {"epoch": 2}]
     buckets.remove()
 
@@ -130,8 +141,13 @@ def test_nothing_is_recorded_where_ddp_never_rebuilds_or_when_switched_off(
     monkeypatch.setenv(ddp_buckets.DISABLE_ENV, "0")
     ddp = DDP(Shuffled())
     off = ddp_buckets.attach(ddp)
-    assert off is not None  # the caller state keeps its wrapper, so checkpoints load with the switch on or off
+    assert (
+        off is not None
+    )  # the caller state keeps its wrapper, so checkpoints load with the switch on or off
     assert off.start(restored=False, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == []
     for seed in range(2):
         _step(ddp, seed)
-    assert off.wrap_state(None, None)[0]() == {ddp_buckets.STATE_KEY: {}, "caller": None}  # nothing recorded
+    assert off.wrap_state(None, None)[0]() == {
+        ddp_buckets.STATE_KEY: {},
+        "caller": None,
+    }  # nothing recorded

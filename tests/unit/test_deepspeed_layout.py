@@ -19,7 +19,9 @@ from gemscout.adapters.deepspeed_layout import FORMAT, ZeroPerParameter, _Chunk
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_fragment_is_stored_as_a_chunk_of_the_full_parameter_and_read_back_in_any_cut(tmp_path: Path) -> None:
+def test_a_fragment_is_stored_as_a_chunk_of_the_full_parameter_and_read_back_in_any_cut(
+    tmp_path: Path,
+) -> None:
     full = torch.randn(10, generator=torch.Generator().manual_seed(0))
     dcp.save({"z/master/w": _Chunk(full.clone(), 0, 10)}, checkpoint_id=str(tmp_path), no_dist=True)
     meta = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata["z/master/w"]
@@ -27,7 +29,11 @@ def test_a_fragment_is_stored_as_a_chunk_of_the_full_parameter_and_read_back_in_
 
     # A new partition holding elements 3..8 of the parameter, at offset 2 of its flat buffer.
     flat = torch.zeros(9)
-    dcp.load({"z/master/w": _Chunk(flat.narrow(0, 2, 5), 3, 10)}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.load(
+        {"z/master/w": _Chunk(flat.narrow(0, 2, 5), 3, 10)},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+    )
     assert torch.equal(flat[2:7], full[3:8]) and not flat[:2].any() and not flat[7:].any()
     # Any DCP user reads the whole parameter as a plain tensor.
     plain = {"z/master/w": torch.empty(10)}
@@ -39,7 +45,9 @@ def test_a_chunk_outside_its_parameter_is_refused_at_save(tmp_path: Path) -> Non
     # (That the chunks of all ranks tile each parameter exactly, DCP checks when more than one rank saves.)
     # DCP wraps the ValueError in its CheckpointException, a BaseException.
     with pytest.raises(BaseException, match=r"key:z/master/w has out of bounds chunk"):
-        dcp.save({"z/master/w": _Chunk(torch.ones(4), 8, 10)}, checkpoint_id=str(tmp_path), no_dist=True)
+        dcp.save(
+            {"z/master/w": _Chunk(torch.ones(4), 8, 10)}, checkpoint_id=str(tmp_path), no_dist=True
+        )
 
 
 def test_a_chunk_is_only_a_save_and_load_target() -> None:
@@ -52,6 +60,8 @@ def test_a_chunk_is_only_a_save_and_load_target() -> None:
 def test_the_codec_takes_zero_partitions_with_a_fragment_table_only() -> None:
     codec = ZeroPerParameter()
     assert codec.accepts({"optimizer": {"format": FORMAT, "fragments": []}})
-    assert not codec.accepts({"optimizer": {"format": FORMAT}})  # taken before the table existed: per rank
+    assert not codec.accepts(
+        {"optimizer": {"format": FORMAT}}
+    )  # taken before the table existed: per rank
     assert not codec.accepts({"optimizer": {"state": {}, "param_groups": []}})
     assert not codec.accepts([])

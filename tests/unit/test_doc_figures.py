@@ -17,7 +17,10 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
 # docs/validation.md is generated whole from bundles (tests/e2e/test_render_validation_doc.py).
-PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "validation.md")]
+PAGES = [
+    REPO / "README.md",
+    *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "validation.md"),
+]
 PENDING: set[str] = set()
 CHECKPOINT_SUFFIXES = (".gsc", ".pt", ".pth", ".distcp", ".bin", ".safetensors", ".npy")
 
@@ -27,10 +30,13 @@ def test_no_figure_outside_a_generated_or_labelled_block(page: Path) -> None:
     if page.relative_to(REPO).as_posix() in PENDING:
         pytest.skip("pending: labelled or backed when the torchrun work merges")
     stray = [f"{page.name}:{number}: {line.strip()[:100]}" for number, line in figure_lines(page)]
-    assert stray == [], "figures outside a generated block (put them in one, label them, or remove them):\n" + (
-        "\n".join(stray)
+    assert stray == [], (
+        "figures outside a generated block (put them in one, label them, or remove them):\n"
+        + ("\n".join(stray))
     )
-    assert unbacked_without_label(page) == [], "an UNBACKED block must open with its visible '> **Not evidence:**'"
+    assert unbacked_without_label(page) == [], (
+        "an UNBACKED block must open with its visible '> **Not evidence:**'"
+    )
 
 
 def test_generated_blocks_are_untouched_and_name_a_committed_bundle() -> None:
@@ -39,13 +45,24 @@ def test_generated_blocks_are_untouched_and_name_a_committed_bundle() -> None:
         where = f"{block.path.name}:{block.line}"
         assert not block.edited, f"{where}: the generated block was edited by hand; re-render it"
         bundle = REPO / block.bundle
-        assert bundle.is_relative_to(REPO / "docs" / "evidence") and (bundle / "manifest.json").is_file(), where
-        commit = json.loads((bundle / "manifest.json").read_text())["predicate"]["source"]["digest"]["gitCommit"]
-        assert f"commit `{commit[:12]}`" in block.body, f"{where}: the block must name its bundle's commit"
+        assert (
+            bundle.is_relative_to(REPO / "docs" / "evidence")
+            and (bundle / "manifest.json").is_file()
+        ), where
+        commit = json.loads((bundle / "manifest.json").read_text())["predicate"]["source"][
+            "digest"
+        ]["gitCommit"]
+        assert f"commit `{commit[:12]}`" in block.body, (
+            f"{where}: the block must name its bundle's commit"
+        )
         assert "historical" in block.body and "current" not in block.body, where
         files = [p for p in bundle.rglob("*") if p.is_file()]
-        assert not [p for p in files if p.suffix in CHECKPOINT_SUFFIXES], f"{block.bundle}: no checkpoints in docs"
-        assert sum(p.stat().st_size for p in files) < 1 << 20, f"{block.bundle}: docs bundles stay small"
+        assert not [p for p in files if p.suffix in CHECKPOINT_SUFFIXES], (
+            f"{block.bundle}: no checkpoints in docs"
+        )
+        assert sum(p.stat().st_size for p in files) < 1 << 20, (
+            f"{block.bundle}: docs bundles stay small"
+        )
 
 
 def test_the_committed_bundles_verify_against_their_own_commit() -> None:
@@ -53,7 +70,9 @@ def test_the_committed_bundles_verify_against_their_own_commit() -> None:
 
     for block in (block for page in PAGES for block in blocks(page)):
         bundle = REPO / block.bundle
-        commit = json.loads((bundle / "manifest.json").read_text())["predicate"]["source"]["digest"]["gitCommit"]
+        commit = json.loads((bundle / "manifest.json").read_text())["predicate"]["source"][
+            "digest"
+        ]["gitCommit"]
         result = verify_bundle(bundle, expected_commit=commit, repo=None)
         assert result.checks_passed[-1] == "commit" and result.result != "FAILED", block.bundle
 

@@ -30,7 +30,9 @@ def _dead_port() -> int:
 @pytest.fixture
 def agent() -> dist.TCPStore:
     """The agent's shared store, as torchrun hosts it for the whole job."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False
+    )
 
 
 def _ranks(agent: dist.TCPStore, world: int, *, start_first: int = 0) -> dict[int, dist.Store]:
@@ -39,7 +41,9 @@ def _ranks(agent: dist.TCPStore, world: int, *, start_first: int = 0) -> dict[in
 
     def one(rank: int) -> None:
         try:
-            got[rank] = elastic.attempt_store("127.0.0.1", agent.port, rank, "job", timedelta(seconds=20))
+            got[rank] = elastic.attempt_store(
+                "127.0.0.1", agent.port, rank, "job", timedelta(seconds=20)
+            )
         except BaseException as exc:  # reported below: a thread's exception is otherwise lost
             errors.append(exc)
 
@@ -48,7 +52,9 @@ def _ranks(agent: dist.TCPStore, world: int, *, start_first: int = 0) -> dict[in
     for i, t in enumerate(threads):
         t.start()
         if i == 0:
-            t.join(timeout=0.5)  # the first one named really runs first (and, if it is not rank 0, waits)
+            t.join(
+                timeout=0.5
+            )  # the first one named really runs first (and, if it is not rank 0, waits)
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
@@ -65,14 +71,18 @@ def test_every_rank_gets_rank_zeros_fresh_store(agent: dist.TCPStore) -> None:
     assert not agent.check(["written-by-1"])  # and not the agent's
 
 
-def test_a_stale_advertisement_is_refused_until_this_attempts_rank_zero_writes(agent: dist.TCPStore) -> None:
+def test_a_stale_advertisement_is_refused_until_this_attempts_rank_zero_writes(
+    agent: dist.TCPStore,
+) -> None:
     agent.set(elastic._ADVERT + "job", f"{_dead_port()} earlier-attempt")
     got = _ranks(agent, 2, start_first=1)  # rank 1 reads the earlier attempt's port first
     assert got[1].get(elastic._NONCE) == got[0].get(elastic._NONCE)
 
 
 def test_a_reused_port_answering_another_nonce_is_not_taken(agent: dist.TCPStore) -> None:
-    stranger = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    stranger = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False
+    )
     stranger.set(elastic._NONCE, "someone-else")
     assert elastic._probe("127.0.0.1", f"{stranger.port} mine", 5.0) is None
     assert elastic._probe("127.0.0.1", f"{_dead_port()} mine", 5.0) is None

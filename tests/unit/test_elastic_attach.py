@@ -19,17 +19,25 @@ from gemscout.errors import RecoveryError
 pytestmark = pytest.mark.timeout(60)
 
 
-def _attach(ckpt: Path, run_id: str = "run-1") -> tuple[gemscout.Session, nn.Module, torch.optim.Optimizer]:
+def _attach(
+    ckpt: Path, run_id: str = "run-1"
+) -> tuple[gemscout.Session, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = gemscout.CheckpointConfig(
-        directory=ckpt, run_id=run_id, fsync=False, timeout=timedelta(seconds=20), handle_signals=False
+        directory=ckpt,
+        run_id=run_id,
+        fsync=False,
+        timeout=timedelta(seconds=20),
+        handle_signals=False,
     )
     return gemscout.enable_resiliency(model, opt, checkpoint=cfg), model, opt
 
 
-def test_a_stop_is_recorded_and_every_later_attach_stops_with_the_same_line(one_rank: None, tmp_path: Path) -> None:
+def test_a_stop_is_recorded_and_every_later_attach_stops_with_the_same_line(
+    one_rank: None, tmp_path: Path
+) -> None:
     ckpt = tmp_path / "ckpt"
     session, model, opt = _attach(ckpt)
     for _ in range(2):
@@ -46,7 +54,9 @@ def test_a_stop_is_recorded_and_every_later_attach_stops_with_the_same_line(one_
     with pytest.raises(RecoveryError) as first:
         _attach(ckpt)
     assert str(first.value).startswith("recovery stopped: every source exhausted: ")
-    assert str(first.value).endswith("every relaunch stops here with exit 4 until that file is deleted")
+    assert str(first.value).endswith(
+        "every relaunch stops here with exit 4 until that file is deleted"
+    )
     assert (ckpt / elastic.STOP_FILE).is_file()
     for path in files:
         path.unlink()  # the record, not the files, stops the next attempt: nothing left would even mean "fresh"
@@ -56,6 +66,8 @@ def test_a_stop_is_recorded_and_every_later_attach_stops_with_the_same_line(one_
     assert str(again.value) == str(first.value) and again.value.exit_code == 4
     assert time.monotonic() - t0 < 5
     (ckpt / elastic.STOP_FILE).unlink()
-    fresh, _, _ = _attach(ckpt)  # the record deleted: recovery runs again (here a fresh start, the files are gone)
+    fresh, _, _ = _attach(
+        ckpt
+    )  # the record deleted: recovery runs again (here a fresh start, the files are gone)
     assert fresh.last_decision is not None and fresh.last_decision.mode.value == "fresh"
     fresh.close()

@@ -48,14 +48,20 @@ def test_schema_is_valid_draft_2020_12_and_has_one_copy() -> None:
     packaged = REPO_ROOT / "qualification" / "schemas" / "evidence-manifest.schema.json"
     assert not (REPO_ROOT / "schemas").exists()  # the package data is the only copy
     # the lookup an installed package uses (package-data in pyproject) finds these bytes
-    assert resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_bytes() == packaged.read_bytes()
+    assert (
+        resources.files("qualification").joinpath("schemas", SCHEMA_FILE).read_bytes()
+        == packaged.read_bytes()
+    )
 
 
 def test_canonical_bytes_are_sorted_utf8_and_stable() -> None:
     a = canonical_bytes({"b": 1, "a": {"z": "é", "y": [2, 1]}})
     b = canonical_bytes({"a": {"y": [2, 1], "z": "é"}, "b": 1})
     assert a == b
-    assert a.decode("utf-8") == '{\n  "a": {\n    "y": [\n      2,\n      1\n    ],\n    "z": "é"\n  },\n  "b": 1\n}\n'
+    assert (
+        a.decode("utf-8")
+        == '{\n  "a": {\n    "y": [\n      2,\n      1\n    ],\n    "z": "é"\n  },\n  "b": 1\n}\n'
+    )
 
 
 def test_canonical_bytes_refuse_floats() -> None:
@@ -67,7 +73,11 @@ def test_build_statement_sorts_subjects_and_records_size() -> None:
     statement = build_statement([Subject("b", "0" * 64, 2), Subject("a", "1" * 64, 1)], {})
     assert statement["_type"] == STATEMENT_TYPE and statement["predicateType"] == PREDICATE_TYPE
     assert [s["name"] for s in statement["subject"]] == ["a", "b"]
-    assert statement["subject"][0] == {"name": "a", "digest": {"sha256": "1" * 64}, "annotations": {"sizeBytes": 1}}
+    assert statement["subject"][0] == {
+        "name": "a",
+        "digest": {"sha256": "1" * 64},
+        "annotations": {"sizeBytes": 1},
+    }
 
 
 @pytest.mark.parametrize(
@@ -97,7 +107,11 @@ def test_sealed_manifest_records_the_run(sealed: tuple[Path, Path, str, dict]) -
     bundle, _, commit, manifest = sealed
     assert schema_errors(manifest) == []
     assert (bundle / MANIFEST_NAME).read_bytes() == canonical_bytes(manifest)
-    assert [s["name"] for s in manifest["subject"]] == ["logs/000-unit.log", "logs/001-dist.log", "reports/cells.json"]
+    assert [s["name"] for s in manifest["subject"]] == [
+        "logs/000-unit.log",
+        "logs/001-dist.log",
+        "reports/cells.json",
+    ]
     log = bundle / "logs" / "000-unit.log"
     assert manifest["subject"][0]["annotations"]["sizeBytes"] == log.stat().st_size
     predicate = manifest["predicate"]
@@ -113,14 +127,26 @@ def test_sealed_manifest_records_the_run(sealed: tuple[Path, Path, str, dict]) -
     assert predicate["run"]["startedOn"] == "2026-08-13T10:00:00.000Z"
     assert predicate["artifact"] == {"name": f"qualification-evidence-{commit}", "runUrl": None}
     declared = "declared not validated by the campaign"
-    assert predicate["boundaries"]["notValidated"] == [{"claim": "NCCL", "reason": declared},
-                                                       {"claim": "RDMA", "reason": declared}]
-    assert predicate["boundaries"]["validated"] == [{"claim": "two-rank gloo recovery", "backedBy": ["000", "001"]}]
-    assert predicate["scope"] == {"complete": True, "cellsInCampaign": 3, "campaignCellsRun": 3, "cellsRun": 3,
-                                  "filter": None, "seedOverride": None}
+    assert predicate["boundaries"]["notValidated"] == [
+        {"claim": "NCCL", "reason": declared},
+        {"claim": "RDMA", "reason": declared},
+    ]
+    assert predicate["boundaries"]["validated"] == [
+        {"claim": "two-rank gloo recovery", "backedBy": ["000", "001"]}
+    ]
+    assert predicate["scope"] == {
+        "complete": True,
+        "cellsInCampaign": 3,
+        "campaignCellsRun": 3,
+        "cellsRun": 3,
+        "filter": None,
+        "seedOverride": None,
+    }
 
 
-def test_only_allow_listed_environment_variables_are_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_allow_listed_environment_variables_are_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-record")
     monkeypatch.setenv("GITHUB_TOKEN", "do-not-record")
@@ -139,7 +165,10 @@ def test_remote_credentials_never_reach_the_manifest(tmp_path: Path) -> None:
     seal_bundle(bundle, make_facts(repo), repo=repo)
     text = (bundle / MANIFEST_NAME).read_text()
     assert "ghp_secret" not in text
-    assert json.loads(text)["predicate"]["source"]["repository"] == "https://github.com/org/gemscout.git"
+    assert (
+        json.loads(text)["predicate"]["source"]["repository"]
+        == "https://github.com/org/gemscout.git"
+    )
 
 
 def test_dirty_tree_is_recorded_but_the_bundle_itself_does_not_count(tmp_path: Path) -> None:
@@ -155,7 +184,10 @@ def test_dirty_tree_is_recorded_but_the_bundle_itself_does_not_count(tmp_path: P
 def test_failed_run_is_sealed_as_failed(tmp_path: Path) -> None:
     repo, _ = make_repo(tmp_path)
     bundle = make_payload(tmp_path)
-    assert seal_bundle(bundle, make_facts(repo, exit_codes=(0, 1), failed=1), repo=repo).result == "FAILED"
+    assert (
+        seal_bundle(bundle, make_facts(repo, exit_codes=(0, 1), failed=1), repo=repo).result
+        == "FAILED"
+    )
 
 
 def test_zero_cells_never_seal_as_passed(tmp_path: Path) -> None:
@@ -173,7 +205,9 @@ def test_zero_cells_never_seal_as_passed(tmp_path: Path) -> None:
         ({"run_url": "ftp://ci/run/1"}, "run_url"),
     ],
 )
-def test_seal_input_rejects_bad_facts_naming_the_field(tmp_path: Path, change: dict, message: str) -> None:
+def test_seal_input_rejects_bad_facts_naming_the_field(
+    tmp_path: Path, change: dict, message: str
+) -> None:
     repo, _ = make_repo(tmp_path)
     with pytest.raises(UsageError, match=message):
         make_facts(repo, **change)
@@ -186,7 +220,15 @@ def test_summary_must_add_up() -> None:
 
 def test_command_log_must_be_a_safe_relative_path() -> None:
     with pytest.raises(UsageError, match="escapes the bundle"):
-        CommandRecord(id="x", argv=("true",), cwd=".", started_on=T0, finished_on=T0, exit_code=0, log="../x.log")
+        CommandRecord(
+            id="x",
+            argv=("true",),
+            cwd=".",
+            started_on=T0,
+            finished_on=T0,
+            exit_code=0,
+            log="../x.log",
+        )
 
 
 def test_seal_refuses_missing_log_empty_dir_and_resealing(tmp_path: Path) -> None:
@@ -232,7 +274,10 @@ def test_write_atomic_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
 
 def test_archive_is_reproducible(sealed: tuple[Path, Path, str, dict], tmp_path: Path) -> None:
     bundle = sealed[0]
-    first, second = write_archive(bundle, tmp_path / "a.tar.gz"), write_archive(bundle, tmp_path / "b.tar.gz")
+    first, second = (
+        write_archive(bundle, tmp_path / "a.tar.gz"),
+        write_archive(bundle, tmp_path / "b.tar.gz"),
+    )
     assert first.read_bytes() == second.read_bytes()
 
 
@@ -244,9 +289,15 @@ _MUTATIONS = {
     "short commit": lambda m: m["predicate"]["source"]["digest"].update(gitCommit="abc1234"),
     "uppercase digest": lambda m: m["subject"][0]["digest"].update(sha256="A" * 64),
     "not a timestamp": lambda m: m["predicate"]["run"].update(finishedOn="yesterday"),
-    "local-time timestamp": lambda m: m["predicate"]["run"].update(finishedOn="2026-08-13T12:00:00+02:00"),
-    "run url not a uri": lambda m: m["predicate"]["artifact"].update(runUrl="https://exa mple.com/run"),
-    "secret variable": lambda m: m["predicate"]["environment"]["variables"].update(AWS_SECRET_ACCESS_KEY="x"),
+    "local-time timestamp": lambda m: m["predicate"]["run"].update(
+        finishedOn="2026-08-13T12:00:00+02:00"
+    ),
+    "run url not a uri": lambda m: m["predicate"]["artifact"].update(
+        runUrl="https://exa mple.com/run"
+    ),
+    "secret variable": lambda m: m["predicate"]["environment"]["variables"].update(
+        AWS_SECRET_ACCESS_KEY="x"
+    ),
     "negative count": lambda m: m["predicate"]["summary"].update(skipped=-1),
     "newer major version": lambda m: m["predicate"].update(schemaVersion="2.0.0"),
     "no subjects": lambda m: m.update(subject=[]),
@@ -293,4 +344,8 @@ def test_the_facts_example_in_the_docs_loads(tmp_path: Path) -> None:
     facts_file = tmp_path / "facts.json"
     facts_file.write_text(json.dumps(example))
     facts = load_facts(facts_file)
-    assert (facts.campaign.name, facts.result, facts.commands[0].log) == ("cpu", "PASSED", "logs/000-unit.log")
+    assert (facts.campaign.name, facts.result, facts.commands[0].log) == (
+        "cpu",
+        "PASSED",
+        "logs/000-unit.log",
+    )

@@ -82,7 +82,9 @@ def test_pae_matches_the_dsse_test_vector() -> None:
 
 def test_keyid_is_sha256_of_the_public_key_der() -> None:
     key = ec.generate_private_key(ec.SECP256R1()).public_key()
-    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    der = key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     assert keyid(key) == hashlib.sha256(der).hexdigest()
 
 
@@ -92,7 +94,9 @@ def test_keyid_is_sha256_of_the_public_key_der() -> None:
 def _signer(mode: str) -> Signer:
     if mode == "key":
         return KeySigner(ec.generate_private_key(ec.SECP256R1()))
-    return SigstoreSigner(identity_token="header.payload.sig") if mode == "sigstore" else NoneSigner()
+    return (
+        SigstoreSigner(identity_token="header.payload.sig") if mode == "sigstore" else NoneSigner()
+    )
 
 
 @pytest.mark.parametrize("mode", ["none", "key", "sigstore"])
@@ -112,16 +116,22 @@ def test_dsse_round_trip_returns_the_exact_signed_bytes() -> None:
     envelope = KeySigner(private).sign(body)
     assert envelope is not None
     parsed = json.loads(envelope)
-    assert parsed["payloadType"] == PAYLOAD_TYPE and parsed["signatures"][0]["keyid"] == keyid(private.public_key())
+    assert parsed["payloadType"] == PAYLOAD_TYPE and parsed["signatures"][0]["keyid"] == keyid(
+        private.public_key()
+    )
     assert verify_dsse(envelope, private.public_key()) == body
 
 
 def test_dsse_accepts_url_safe_unpadded_base64() -> None:
     private = ec.generate_private_key(ec.SECP256R1())
     envelope = json.loads(KeySigner(private).sign(b"\xfb\xff" * 7) or b"")
-    envelope["payload"] = base64.urlsafe_b64encode(base64.b64decode(envelope["payload"])).decode().rstrip("=")
+    envelope["payload"] = (
+        base64.urlsafe_b64encode(base64.b64decode(envelope["payload"])).decode().rstrip("=")
+    )
     signature = envelope["signatures"][0]
-    signature["sig"] = base64.urlsafe_b64encode(base64.b64decode(signature["sig"])).decode().rstrip("=")
+    signature["sig"] = (
+        base64.urlsafe_b64encode(base64.b64decode(signature["sig"])).decode().rstrip("=")
+    )
     assert verify_dsse(json.dumps(envelope).encode(), private.public_key()) == b"\xfb\xff" * 7
 
 
@@ -141,13 +151,17 @@ def test_bad_signature(signed: tuple[Path, str, Path]) -> None:
         envelope["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
 
     _edit_envelope(bundle, flip)
-    assert "does not verify with the given public key" in str(_rejects(bundle, commit, TrustPolicy(public_key=public)))
+    assert "does not verify with the given public key" in str(
+        _rejects(bundle, commit, TrustPolicy(public_key=public))
+    )
 
 
 def test_wrong_key(signed: tuple[Path, str, Path], tmp_path: Path) -> None:
     bundle, commit, _ = signed
     _, other_public = generate_key(tmp_path / "other.pem")
-    assert "made by another key" in str(_rejects(bundle, commit, TrustPolicy(public_key=other_public)))
+    assert "made by another key" in str(
+        _rejects(bundle, commit, TrustPolicy(public_key=other_public))
+    )
 
 
 def test_edited_manifest_of_a_signed_bundle(signed: tuple[Path, str, Path]) -> None:
@@ -185,7 +199,9 @@ def test_envelope_that_is_not_json(signed: tuple[Path, str, Path]) -> None:
     assert "is not JSON" in str(_rejects(bundle, commit, TrustPolicy(public_key=public)))
 
 
-def test_unsigned_bundle_when_a_signature_is_required(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+def test_unsigned_bundle_when_a_signature_is_required(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
     repo, commit = make_repo(tmp_path)
     bundle = make_payload(tmp_path)
     seal_bundle(bundle, make_facts(repo), repo=repo)
@@ -193,7 +209,9 @@ def test_unsigned_bundle_when_a_signature_is_required(tmp_path: Path, keys: tupl
         assert "bundle is not signed" in str(_rejects(bundle, commit, trust))
 
 
-def test_deleting_the_signature_of_a_signed_bundle_is_caught_when_required(signed: tuple[Path, str, Path]) -> None:
+def test_deleting_the_signature_of_a_signed_bundle_is_caught_when_required(
+    signed: tuple[Path, str, Path],
+) -> None:
     bundle, commit, public = signed
     (bundle / DSSE_NAME).unlink()
     assert "bundle is not signed" in str(_rejects(bundle, commit, TrustPolicy(public_key=public)))
@@ -205,13 +223,20 @@ def test_signed_bundle_without_a_key_is_a_usage_error(signed: tuple[Path, str, P
         verify_bundle(bundle, expected_commit=commit)
 
 
-def test_sign_bundle_signs_an_already_sealed_bundle(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+def test_sign_bundle_signs_an_already_sealed_bundle(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
     repo, commit = make_repo(tmp_path)
     bundle = make_payload(tmp_path)
     seal_bundle(bundle, make_facts(repo), repo=repo)
     signer = make_signer("key", key=keys[0])
     assert sign_bundle(bundle, signer) == bundle / DSSE_NAME
-    assert verify_bundle(bundle, expected_commit=commit, trust=TrustPolicy(public_key=keys[1])).signature == "key"
+    assert (
+        verify_bundle(
+            bundle, expected_commit=commit, trust=TrustPolicy(public_key=keys[1])
+        ).signature
+        == "key"
+    )
     with pytest.raises(UsageError, match="already signed"):
         sign_bundle(bundle, signer)
 
@@ -234,7 +259,9 @@ def test_key_loading_errors_name_the_file(tmp_path: Path) -> None:
     p384 = tmp_path / "p384.pem"
     p384.write_bytes(
         ec.generate_private_key(ec.SECP384R1()).private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
         )
     )
     with pytest.raises(UsageError, match="not an ECDSA P-256 private key"):
@@ -256,7 +283,9 @@ def test_make_signer_explains_bad_choices() -> None:
 @pytest.fixture
 def fake_sigstore(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     """Install stand-in ``sigstore`` modules that record what our code asks of them."""
-    record = types.SimpleNamespace(statement=None, token=None, policy=None, verify_returns=(PAYLOAD_TYPE, b""))
+    record = types.SimpleNamespace(
+        statement=None, token=None, policy=None, verify_returns=(PAYLOAD_TYPE, b"")
+    )
 
     class Error(Exception):
         pass
@@ -314,13 +343,20 @@ def fake_sigstore(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
         "sigstore.dsse": {"Statement": Statement},
         "sigstore.models": {
             "Bundle": Bundle,
-            "ClientTrustConfig": types.SimpleNamespace(production=lambda: "prod", staging=lambda: "staging"),
+            "ClientTrustConfig": types.SimpleNamespace(
+                production=lambda: "prod", staging=lambda: "staging"
+            ),
             "TrustedRoot": types.SimpleNamespace(from_file=lambda path: path),
         },
-        "sigstore.oidc": {"IdentityToken": lambda raw: ("token", raw), "detect_credential": lambda: None},
+        "sigstore.oidc": {
+            "IdentityToken": lambda raw: ("token", raw),
+            "detect_credential": lambda: None,
+        },
         "sigstore.sign": {"SigningContext": SigningContext},
         "sigstore.verify": {"Verifier": Verifier},
-        "sigstore.verify.policy": {name: policy(name) for name in ("AllOf", "Identity", "OIDCSourceRepositoryDigest")},
+        "sigstore.verify.policy": {
+            name: policy(name) for name in ("AllOf", "Identity", "OIDCSourceRepositoryDigest")
+        },
     }
     for name, attributes in modules.items():
         module = types.ModuleType(name)
@@ -358,7 +394,12 @@ def test_sigstore_verify_binds_identity_and_commit(fake_sigstore: Any, tmp_path:
 
 
 def test_sigstore_verify_failures_are_signature_errors(fake_sigstore: Any, tmp_path: Path) -> None:
-    options = {"trusted_root": tmp_path / "r.json", "identity": "i", "issuer": "s", "expected_commit": "a" * 40}
+    options = {
+        "trusted_root": tmp_path / "r.json",
+        "identity": "i",
+        "issuer": "s",
+        "expected_commit": "a" * 40,
+    }
     with pytest.raises(SignatureInvalid, match="does not verify"):
         verify_sigstore(b"corrupt", **options)  # type: ignore[arg-type]
     fake_sigstore.verify_returns = ("text/plain", b"x")
@@ -379,16 +420,30 @@ def test_sigstore_signed_bundle_goes_through_the_verifier(
     trust = TrustPolicy(trusted_root=tmp_path / "root.json", cert_identity="wf@refs/heads/main")
     assert verify_bundle(bundle, expected_commit=commit, trust=trust).signature == "sigstore"
     fake_sigstore.verify_returns = (PAYLOAD_TYPE, b"other bytes")
-    assert "differs from the payload signed in manifest.sigstore.json" in str(_rejects(bundle, commit, trust))
+    assert "differs from the payload signed in manifest.sigstore.json" in str(
+        _rejects(bundle, commit, trust)
+    )
 
 
-def test_missing_sigstore_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("sigstore", "sigstore.dsse", "sigstore.errors", "sigstore.models", "sigstore.verify"):
-        monkeypatch.setitem(sys.modules, name, None)  # a None entry makes the import fail as if not installed
+def test_missing_sigstore_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in (
+        "sigstore",
+        "sigstore.dsse",
+        "sigstore.errors",
+        "sigstore.models",
+        "sigstore.verify",
+    ):
+        monkeypatch.setitem(
+            sys.modules, name, None
+        )  # a None entry makes the import fail as if not installed
     with pytest.raises(UsageError, match=r"gemscout\[sigstore\]"):
         SigstoreSigner(identity_token="t").sign(b"x")
     with pytest.raises(UsageError, match=r"gemscout\[sigstore\]"):
-        verify_sigstore(b"{}", trusted_root=tmp_path, identity="i", issuer="s", expected_commit="a" * 40)
+        verify_sigstore(
+            b"{}", trusted_root=tmp_path, identity="i", issuer="s", expected_commit="a" * 40
+        )
 
 
 def test_sigstore_signing_failure_is_one_qualification_error(
@@ -397,7 +452,9 @@ def test_sigstore_signing_failure_is_one_qualification_error(
     def refuse(self: object, statement: object) -> None:
         raise fake_sigstore.Error("fulcio said no")
 
-    monkeypatch.setattr(sys.modules["sigstore.sign"].SigningContext, "signer", lambda self, t: _Raising(refuse))
+    monkeypatch.setattr(
+        sys.modules["sigstore.sign"].SigningContext, "signer", lambda self, t: _Raising(refuse)
+    )
     with pytest.raises(QualificationError, match="sigstore signing failed: fulcio said no"):
         SigstoreSigner(identity_token="t").sign(b"x")
 
@@ -435,5 +492,9 @@ def test_real_sigstore_rejects_a_corrupt_bundle_offline(tmp_path: Path) -> None:
         pytest.skip("this sigstore wheel embeds no trusted root")
     with pytest.raises(SignatureInvalid, match="manifest.sigstore.json does not verify"):
         verify_sigstore(
-            b'{"not": "a bundle"}', trusted_root=roots[0], identity="i", issuer="s", expected_commit="a" * 40
+            b'{"not": "a bundle"}',
+            trusted_root=roots[0],
+            identity="i",
+            issuer="s",
+            expected_commit="a" * 40,
         )

@@ -16,7 +16,13 @@ COMPLETE = {
     "filter": None,
     "seedOverride": None,
 }
-PARTIAL = {**COMPLETE, "complete": False, "campaignCellsRun": 1, "cellsRun": 1, "filter": "two-peers"}
+PARTIAL = {
+    **COMPLETE,
+    "complete": False,
+    "campaignCellsRun": 1,
+    "cellsRun": 1,
+    "filter": "two-peers",
+}
 
 
 @pytest.mark.parametrize(
@@ -47,12 +53,17 @@ def test_the_worst_dimension_leads(
     assert (verdict.word, verdict.tone) == (word, tone)
     assert verdict.text.startswith(word)
     if tone != "passed":
-        assert not verdict.text.startswith("PASSED,"), "only the green case may read as a plain pass"
+        assert not verdict.text.startswith("PASSED,"), (
+            "only the green case may read as a plain pass"
+        )
 
 
 def test_partial_scope_is_said_with_its_counts_and_what_narrowed_it() -> None:
     assert scope_text(PARTIAL) == "PARTIAL 1 of 4 cells (--filter 'two-peers')"
-    assert scope_text({**PARTIAL, "filter": None, "seedOverride": 3}) == "PARTIAL 1 of 4 cells (--seed 3)"
+    assert (
+        scope_text({**PARTIAL, "filter": None, "seedOverride": 3})
+        == "PARTIAL 1 of 4 cells (--seed 3)"
+    )
     assert scope_text(COMPLETE) is None
     text = headline(validity="INVALID", result="PASSED", scope=PARTIAL, freshness=None).text
     assert (

@@ -52,7 +52,11 @@ def test_happy_path_is_valid_current_and_exits_0(sealed: tuple[Path, Path, str])
     assert result.checks_passed == ("intake", "schema", "files", "consistency", "commit")
     assert result.signature == "none" and result.result == "PASSED" and result.commit == commit
     as_json = result.to_json()
-    assert as_json["status"] == "VALID" and as_json["freshness"] == "CURRENT" and as_json["commits_behind"] == 0
+    assert (
+        as_json["status"] == "VALID"
+        and as_json["freshness"] == "CURRENT"
+        and as_json["commits_behind"] == 0
+    )
 
 
 # 1. intake
@@ -73,11 +77,17 @@ def test_malformed_manifest(sealed: tuple[Path, Path, str]) -> None:
 def test_manifest_with_a_duplicate_key(sealed: tuple[Path, Path, str]) -> None:
     bundle, _, commit = sealed
     text = (bundle / MANIFEST_NAME).read_text()
-    (bundle / MANIFEST_NAME).write_text(text.replace('"result": "PASSED"', '"result": "FAILED", "result": "PASSED"'))
-    assert "intake: manifest.json is not valid JSON (duplicate key 'result')" in str(_fails(bundle, commit))
+    (bundle / MANIFEST_NAME).write_text(
+        text.replace('"result": "PASSED"', '"result": "FAILED", "result": "PASSED"')
+    )
+    assert "intake: manifest.json is not valid JSON (duplicate key 'result')" in str(
+        _fails(bundle, commit)
+    )
 
 
-def test_oversized_manifest(sealed: tuple[Path, Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oversized_manifest(
+    sealed: tuple[Path, Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     bundle, _, commit = sealed
     monkeypatch.setattr("qualification.evidence.verify.MAX_METADATA_BYTES", 16)
     assert "intake: manifest.json is" in str(_fails(bundle, commit))
@@ -130,7 +140,9 @@ def test_file_over_the_size_limit(sealed: tuple[Path, Path, str]) -> None:
 def test_schema_violation_names_the_pointer(sealed: tuple[Path, Path, str]) -> None:
     bundle, _, commit = sealed
     rewrite_manifest(bundle, lambda m: m["predicate"].update(summmary={}))
-    assert "schema: /predicate: Additional properties are not allowed ('summmary'" in str(_fails(bundle, commit))
+    assert "schema: /predicate: Additional properties are not allowed ('summmary'" in str(
+        _fails(bundle, commit)
+    )
 
 
 def test_newer_minor_schema_version_fails_closed(sealed: tuple[Path, Path, str]) -> None:
@@ -165,13 +177,17 @@ def test_edited_payload_size(sealed: tuple[Path, Path, str]) -> None:
 def test_extra_file(sealed: tuple[Path, Path, str]) -> None:
     bundle, _, commit = sealed
     (bundle / "logs" / "999-extra.log").write_text("smuggled\n")
-    assert "files: 'logs/999-extra.log' is in the bundle but is not a subject" in str(_fails(bundle, commit))
+    assert "files: 'logs/999-extra.log' is in the bundle but is not a subject" in str(
+        _fails(bundle, commit)
+    )
 
 
 def test_missing_file(sealed: tuple[Path, Path, str]) -> None:
     bundle, _, commit = sealed
     (bundle / "reports" / "cells.json").unlink()
-    assert "files: subject 'reports/cells.json' is missing from the bundle" in str(_fails(bundle, commit))
+    assert "files: subject 'reports/cells.json' is missing from the bundle" in str(
+        _fails(bundle, commit)
+    )
 
 
 def test_duplicate_subject(sealed: tuple[Path, Path, str]) -> None:
@@ -186,20 +202,51 @@ def test_duplicate_subject(sealed: tuple[Path, Path, str]) -> None:
 @pytest.mark.parametrize(
     ("mutation", "message"),
     [
-        (lambda p: p["commands"][1].update(exitCode=2), "result is PASSED but the counts and exit codes make it FAILED"),
-        (lambda p: p["summary"].update(passed=2, failed=1), "result is PASSED but the counts and exit codes make it "),
-        (lambda p: p["summary"].update(total=4), "summary total 4 != passed+failed+skipped+measured 3"),
-        (lambda p: p["summary"].update(total=0, passed=0), "result is PASSED but the counts and exit codes make it "),
-        (lambda p: p["summary"].update(passed=2, skipped=1), "result is PASSED but the counts and exit codes make it "
-                                                              "PASSED-WITH-SKIPS"),
-        (lambda p: p["scope"].update(filter="two-peers"), "scope.complete is true but its filter, seed and cell counts"),
+        (
+            lambda p: p["commands"][1].update(exitCode=2),
+            "result is PASSED but the counts and exit codes make it FAILED",
+        ),
+        (
+            lambda p: p["summary"].update(passed=2, failed=1),
+            "result is PASSED but the counts and exit codes make it ",
+        ),
+        (
+            lambda p: p["summary"].update(total=4),
+            "summary total 4 != passed+failed+skipped+measured 3",
+        ),
+        (
+            lambda p: p["summary"].update(total=0, passed=0),
+            "result is PASSED but the counts and exit codes make it ",
+        ),
+        (
+            lambda p: p["summary"].update(passed=2, skipped=1),
+            "result is PASSED but the counts and exit codes make it PASSED-WITH-SKIPS",
+        ),
+        (
+            lambda p: p["scope"].update(filter="two-peers"),
+            "scope.complete is true but its filter, seed and cell counts",
+        ),
         (lambda p: p["scope"].update(campaignCellsRun=1), "scope.complete is true but"),
-        (lambda p: p["boundaries"]["validated"].append({"claim": "NCCL", "backedBy": ["999"]}),
-         "validated claim 'NCCL' is backed by '999', which is not a command of this run"),
-        (lambda p: p["run"].update(finishedOn="2026-08-13T09:00:00Z"), "run.startedOn is after run.finishedOn"),
-        (lambda p: p["commands"][0].update(startedOn="2026-08-13T10:30:00Z"), "'000' startedOn is after"),
-        (lambda p: p["commands"][0].update(startedOn="2026-08-13T09:59:00Z"), "ran outside the run"),
-        (lambda p: p["commands"][0].update(log="logs/absent.log"), "log 'logs/absent.log' of command '000'"),
+        (
+            lambda p: p["boundaries"]["validated"].append({"claim": "NCCL", "backedBy": ["999"]}),
+            "validated claim 'NCCL' is backed by '999', which is not a command of this run",
+        ),
+        (
+            lambda p: p["run"].update(finishedOn="2026-08-13T09:00:00Z"),
+            "run.startedOn is after run.finishedOn",
+        ),
+        (
+            lambda p: p["commands"][0].update(startedOn="2026-08-13T10:30:00Z"),
+            "'000' startedOn is after",
+        ),
+        (
+            lambda p: p["commands"][0].update(startedOn="2026-08-13T09:59:00Z"),
+            "ran outside the run",
+        ),
+        (
+            lambda p: p["commands"][0].update(log="logs/absent.log"),
+            "log 'logs/absent.log' of command '000'",
+        ),
     ],
 )
 def test_inconsistent_manifest(sealed: tuple[Path, Path, str], mutation, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -214,7 +261,9 @@ def test_inconsistent_manifest(sealed: tuple[Path, Path, str], mutation, message
 
 def test_wrong_commit(sealed: tuple[Path, Path, str]) -> None:
     bundle, _, commit = sealed
-    with pytest.raises(CommitMismatch, match=f"commit: bundle was made from {commit}, expected 0{{40}}") as caught:
+    with pytest.raises(
+        CommitMismatch, match=f"commit: bundle was made from {commit}, expected 0{{40}}"
+    ) as caught:
         verify_bundle(bundle, expected_commit="0" * 40)
     assert caught.value.exit_code == EXIT_COMMIT_MISMATCH
 
@@ -240,7 +289,10 @@ def test_stale_when_main_moved_on(sealed: tuple[Path, Path, str]) -> None:
     assert (result.freshness.state, result.freshness.commits_behind) == (Freshness.STALE, 1)
     assert result.freshness.main_head == newer
     assert result.exit_code == EXIT_STALE and "STALE" in result.message
-    assert verify_bundle(bundle, expected_commit=commit, repo=repo, allow_stale=True).exit_code == EXIT_OK
+    assert (
+        verify_bundle(bundle, expected_commit=commit, repo=repo, allow_stale=True).exit_code
+        == EXIT_OK
+    )
 
 
 def test_not_on_main_when_sealed_on_a_side_branch(tmp_path: Path) -> None:
@@ -256,7 +308,10 @@ def test_not_on_main_when_sealed_on_a_side_branch(tmp_path: Path) -> None:
 
 def test_unknown_without_a_repository(sealed: tuple[Path, Path, str], tmp_path: Path) -> None:
     bundle, _, commit = sealed
-    assert verify_bundle(bundle, expected_commit=commit, repo=None).freshness.state is Freshness.UNKNOWN
+    assert (
+        verify_bundle(bundle, expected_commit=commit, repo=None).freshness.state
+        is Freshness.UNKNOWN
+    )
     not_a_repo = tmp_path / "plain"
     not_a_repo.mkdir()
     result = verify_bundle(bundle, expected_commit=commit, repo=not_a_repo)
@@ -277,7 +332,10 @@ def test_dirty_tree_is_never_current(tmp_path: Path) -> None:
     result = verify_bundle(bundle, expected_commit=commit, repo=repo)
     assert result.freshness.state is Freshness.UNKNOWN and "dirty" in result.freshness.reason
     assert result.exit_code == EXIT_NOT_ON_MAIN
-    assert verify_bundle(bundle, expected_commit=commit, repo=repo, allow_stale=True).exit_code == EXIT_NOT_ON_MAIN
+    assert (
+        verify_bundle(bundle, expected_commit=commit, repo=repo, allow_stale=True).exit_code
+        == EXIT_NOT_ON_MAIN
+    )
 
 
 def test_valid_record_of_a_failed_run_exits_1(tmp_path: Path) -> None:
@@ -292,14 +350,18 @@ def test_valid_record_of_a_failed_run_exits_1(tmp_path: Path) -> None:
 # archives
 
 
-def test_archive_verifies_like_the_directory(sealed: tuple[Path, Path, str], tmp_path: Path) -> None:
+def test_archive_verifies_like_the_directory(
+    sealed: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     bundle, repo, commit = sealed
     archive = write_archive(bundle, tmp_path / "bundle.tar.gz")
     assert verify_bundle(archive, expected_commit=commit, repo=repo).exit_code == EXIT_OK
     shutil.rmtree(bundle)  # the archive stands alone
 
 
-def test_archive_packed_with_a_top_folder_verifies(sealed: tuple[Path, Path, str], tmp_path: Path) -> None:
+def test_archive_packed_with_a_top_folder_verifies(
+    sealed: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     bundle, repo, commit = sealed
     archive = tmp_path / "wrapped.tgz"
     with tarfile.open(archive, "w:gz") as tar:
@@ -309,7 +371,11 @@ def test_archive_packed_with_a_top_folder_verifies(sealed: tuple[Path, Path, str
 
 @pytest.mark.parametrize(
     ("member", "message"),
-    [("../escape.log", "escapes the bundle"), ("/abs.log", "absolute path"), ("link.log", "is a link")],
+    [
+        ("../escape.log", "escapes the bundle"),
+        ("/abs.log", "absolute path"),
+        ("link.log", "is a link"),
+    ],
 )
 def test_unsafe_archive_members_are_rejected(
     sealed: tuple[Path, Path, str], tmp_path: Path, member: str, message: str
@@ -342,8 +408,11 @@ def test_a_partial_run_is_valid_but_require_complete_refuses_it(tmp_path: Path) 
     repo, commit = make_repo(tmp_path)
     bundle = make_payload(tmp_path)
     scope = Scope(cells_in_campaign=4, campaign_cells_run=2, cells_run=2, filter="two-peers")
-    seal_bundle(bundle, make_facts(repo, summary=Summary(total=2, passed=2, failed=0, skipped=0), scope=scope),
-                repo=repo)
+    seal_bundle(
+        bundle,
+        make_facts(repo, summary=Summary(total=2, passed=2, failed=0, skipped=0), scope=scope),
+        repo=repo,
+    )
     result = verify_bundle(bundle, expected_commit=commit, repo=repo)
     assert result.exit_code == EXIT_OK and not result.complete
     assert result.headline.word == "PARTIAL" and result.headline.tone == "warning"
@@ -362,9 +431,13 @@ def test_a_failed_command_moves_its_claim_to_not_validated(tmp_path: Path) -> No
     manifest = json.loads((bundle / MANIFEST_NAME).read_text())["predicate"]
     assert manifest["boundaries"]["validated"] == []
     moved = manifest["boundaries"]["notValidated"][0]
-    assert moved["claim"] == "two-rank gloo recovery" and moved["reason"].startswith("failed: 1 of 2 backing commands")
-    assert manifest["boundaries"]["notValidated"][1] == {"claim": "NCCL",
-                                                         "reason": "declared not validated by the campaign"}
+    assert moved["claim"] == "two-rank gloo recovery" and moved["reason"].startswith(
+        "failed: 1 of 2 backing commands"
+    )
+    assert manifest["boundaries"]["notValidated"][1] == {
+        "claim": "NCCL",
+        "reason": "declared not validated by the campaign",
+    }
 
 
 def test_a_boundary_moved_into_validated_by_hand_fails(sealed: tuple[Path, Path, str]) -> None:
@@ -379,20 +452,27 @@ def test_a_boundary_moved_into_validated_by_hand_fails(sealed: tuple[Path, Path,
     assert "backedBy" in str(_fails(bundle, commit))  # schema: a validated claim names its backing
 
 
-def test_a_schema_1_0_bundle_still_verifies_by_its_own_rules(sealed: tuple[Path, Path, str]) -> None:
+def test_a_schema_1_0_bundle_still_verifies_by_its_own_rules(
+    sealed: tuple[Path, Path, str],
+) -> None:
     bundle, repo, commit = sealed
 
     def downgrade(m: dict) -> None:  # type: ignore[type-arg]
         p = m["predicate"]
         p["schemaVersion"] = "1.0.0"
         del p["scope"], p["summary"]["measured"]
-        p["boundaries"] = {"validated": [c["claim"] for c in p["boundaries"]["validated"]],
-                           "notValidated": [c["claim"] for c in p["boundaries"]["notValidated"]]}
+        p["boundaries"] = {
+            "validated": [c["claim"] for c in p["boundaries"]["validated"]],
+            "notValidated": [c["claim"] for c in p["boundaries"]["notValidated"]],
+        }
 
     rewrite_manifest(bundle, downgrade)
     result = verify_bundle(bundle, expected_commit=commit, repo=repo)
     assert result.exit_code == EXIT_OK and result.schema_version == "1.0.0" and result.scope is None
     assert result.headline.word == "SCOPE UNKNOWN" and result.headline.tone == "warning"
-    assert verify_bundle(bundle, expected_commit=commit, repo=repo, require_complete=True).exit_code == 7
+    assert (
+        verify_bundle(bundle, expected_commit=commit, repo=repo, require_complete=True).exit_code
+        == 7
+    )
     rewrite_manifest(bundle, lambda m: m["predicate"].update(result="PASSED-WITH-SKIPS"))
     assert "schema" in str(_fails(bundle, commit))  # 1.0.0 knows PASSED and FAILED only

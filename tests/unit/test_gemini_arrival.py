@@ -15,7 +15,12 @@ from gemscout.gemini.arrival import ArrivalCheck, VerifyOnArrival
 from gemscout.state.codec import encode
 from gemscout.state.layout import Layout
 
-STATE = {"big": torch.randn(5000), "empty": torch.empty(0), "small": torch.arange(7), "mid": torch.randn(300, 3)}
+STATE = {
+    "big": torch.randn(5000),
+    "empty": torch.empty(0),
+    "small": torch.arange(7),
+    "mid": torch.randn(300, 3),
+}
 
 
 def feed(prefix: bytes, data: torch.Tensor, chunk: int) -> ArrivalCheck:
@@ -69,7 +74,9 @@ def test_header_inventory_reads_no_payload_and_read_frame_is_byte_exact(tmp_path
     got_prefix, got = store.read_frame(path)
     assert got_prefix == prefix and torch.equal(got, data)
     raw = bytearray(path.read_bytes())
-    raw[len(prefix) + 5] ^= 0xFF  # payload damage: invisible to the header inventory, caught when the frame is verified
+    raw[len(prefix) + 5] ^= (
+        0xFF  # payload damage: invisible to the header inventory, caught when the frame is verified
+    )
     path.write_bytes(bytes(raw))
     store.read_header(path)
     check = VerifyOnArrival()

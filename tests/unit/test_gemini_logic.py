@@ -13,7 +13,9 @@ from gemscout.gemini.recovery import RecoveryMode, decide
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 
 
-@pytest.mark.parametrize(("world", "rpn", "jump"), [(2, 1, 1), (4, 2, 1), (8, 2, 3), (4, 4, 1), (6, 3, 1)])
+@pytest.mark.parametrize(
+    ("world", "rpn", "jump"), [(2, 1, 1), (4, 2, 1), (8, 2, 3), (4, 4, 1), (6, 3, 1)]
+)
 def test_placement_is_a_permutation_off_node(world: int, rpn: int, jump: int) -> None:
     p = Placement(world, rpn, jump)
     targets = [p.target(r) for r in range(world)]
@@ -33,20 +35,36 @@ def test_placement_rejects_bad_topology() -> None:
 
 
 def proposal(rank: int, own=(), held=None, **kw) -> dict:
-    return {"rank": rank, "memory": list(kw.get("memory", [])), "own": list(own), "held": held or {},
-            "memory_held": kw.get("memory_held", {}), "rejected": kw.get("rejected", []),
-            "trust": kw.get("trust", {}), "attempts": kw.get("attempts", {}), "unusable": kw.get("unusable", [])}
+    return {
+        "rank": rank,
+        "memory": list(kw.get("memory", [])),
+        "own": list(own),
+        "held": held or {},
+        "memory_held": kw.get("memory_held", {}),
+        "rejected": kw.get("rejected", []),
+        "trust": kw.get("trust", {}),
+        "attempts": kw.get("attempts", {}),
+        "unusable": kw.get("unusable", []),
+    }
 
 
 def run(props, **kw):
-    args = {"run_id": "r", "topology_digest": "t", "min_trust": TrustState.CANDIDATE, "max_attempts": 3}
+    args = {
+        "run_id": "r",
+        "topology_digest": "t",
+        "min_trust": TrustState.CANDIDATE,
+        "max_attempts": 3,
+    }
     args.update(kw)
     return decide(props, **args)
 
 
 def test_newest_step_everyone_can_restore_wins_with_peer_source() -> None:
-    props = [proposal(0, own=[5, 4], held={"2": [5, 4]}), proposal(1, own=[], held={"0": [5]}),
-             proposal(2, own=[4], held={"1": [5, 4]})]
+    props = [
+        proposal(0, own=[5, 4], held={"2": [5, 4]}),
+        proposal(1, own=[], held={"0": [5]}),
+        proposal(2, own=[4], held={"1": [5, 4]}),
+    ]
     d = run(props)
     # rank 2 lacks step 5 everywhere except... its replica is held by rank 0 at 5: so 5 is restorable.
     assert d.mode == RecoveryMode.RESTORE and d.step == 5
@@ -55,8 +73,12 @@ def test_newest_step_everyone_can_restore_wins_with_peer_source() -> None:
 
 
 def test_rejected_and_untrusted_steps_are_skipped() -> None:
-    props = [proposal(0, own=[6, 5, 4], trust={"6": "rejected", "5": "candidate", "4": "recovery_verified"}),
-             proposal(1, own=[6, 5, 4])]
+    props = [
+        proposal(
+            0, own=[6, 5, 4], trust={"6": "rejected", "5": "candidate", "4": "recovery_verified"}
+        ),
+        proposal(1, own=[6, 5, 4]),
+    ]
     assert run(props).step == 5
     d = run(props, min_trust=TrustState.RECOVERY_VERIFIED)
     assert d.step == 4 and "below recovery_verified" in d.reason
@@ -100,7 +122,11 @@ def test_ledger_certifies_rejects_and_persists(tmp_path: Path) -> None:
     assert ledger.reject_uncertified() == [3]
     ledger.save()
     back = TrustLedger.load(tmp_path / "status.json")
-    assert back.states == {1: TrustState.RECOVERY_VERIFIED, 2: TrustState.RECOVERY_VERIFIED, 3: TrustState.REJECTED}
+    assert back.states == {
+        1: TrustState.RECOVERY_VERIFIED,
+        2: TrustState.RECOVERY_VERIFIED,
+        3: TrustState.REJECTED,
+    }
 
 
 def test_replica_buffers_keep_newest_and_reuse_memory() -> None:
@@ -115,12 +141,20 @@ def test_replica_buffers_keep_newest_and_reuse_memory() -> None:
     assert isinstance(b.buffer_for(8), torch.Tensor)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"interval": 0}, "interval"), ({"chunk_bytes": 1024}, "chunk_bytes"), ({"slots": 1}, "slots"),
-    ({"intervall": 3}, "intervall"), ({"keep_generations": 0}, "keep_generations"),
-    ({"timeout": 5}, "timeout"), ({"min_trust": "maybe"}, "min_trust"), ({"durable_every": 2}, "durable_directory"),
-    ({"replication_jump": -1}, "replication_jump"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"interval": 0}, "interval"),
+        ({"chunk_bytes": 1024}, "chunk_bytes"),
+        ({"slots": 1}, "slots"),
+        ({"intervall": 3}, "intervall"),
+        ({"keep_generations": 0}, "keep_generations"),
+        ({"timeout": 5}, "timeout"),
+        ({"min_trust": "maybe"}, "min_trust"),
+        ({"durable_every": 2}, "durable_directory"),
+        ({"replication_jump": -1}, "replication_jump"),
+    ],
+)
 def test_bad_config_names_the_field(tmp_path: Path, kwargs: dict, field: str) -> None:
     if "interval" in kwargs:
         from gemscout.config import require

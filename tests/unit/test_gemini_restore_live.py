@@ -27,7 +27,8 @@ def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def flat_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.detach().clone() for t in model.state_dict().values()] + [
-        v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    ]
 
 
 @pytest.mark.timeout(30)

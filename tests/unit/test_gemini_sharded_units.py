@@ -15,12 +15,17 @@ from gemscout.state.layout import Layout, build_header, frame_prefix, parse_pref
 
 @pytest.mark.timeout(30)
 def test_tensor_entries_key_shards_globally_and_the_rest_per_rank() -> None:
-    skeleton = {"model": {"w": {"__dt__": [1, [4, 2], [2, 1]]}, "b": {"__t__": 0}},
-                "optimizer": {"state": {"__dict__": [[0, {"exp_avg": {"__dt__": [2, [4, 2], [2, 1]]}}]]}},
-                "rng": {"python": {"__tuple__": [3, {"__t__": 3}, None]}}}
-    assert tensor_entries(skeleton, 5) == [("r5/model/b", None, None), ("s/model/w", [4, 2], [2, 1]),
-                                           ("s/optimizer/state/0/exp_avg", [4, 2], [2, 1]),
-                                           ("r5/rng/python/1", None, None)]
+    skeleton = {
+        "model": {"w": {"__dt__": [1, [4, 2], [2, 1]]}, "b": {"__t__": 0}},
+        "optimizer": {"state": {"__dict__": [[0, {"exp_avg": {"__dt__": [2, [4, 2], [2, 1]]}}]]}},
+        "rng": {"python": {"__tuple__": [3, {"__t__": 3}, None]}},
+    }
+    assert tensor_entries(skeleton, 5) == [
+        ("r5/model/b", None, None),
+        ("s/model/w", [4, 2], [2, 1]),
+        ("s/optimizer/state/0/exp_avg", [4, 2], [2, 1]),
+        ("r5/rng/python/1", None, None),
+    ]
 
 
 @pytest.mark.timeout(30)
@@ -50,7 +55,9 @@ def test_digest_diff_names_only_differing_tensors_and_none_for_another_layout() 
         data = torch.empty(layout.data_nbytes, dtype=torch.uint8)
         for v, t in zip(layout.views(data), tensors, strict=True):
             v.copy_(t)
-        return parse_prefix(frame_prefix(build_header(layout, tensor_digests(layout, data), {}, {})))
+        return parse_prefix(
+            frame_prefix(build_header(layout, tensor_digests(layout, data), {}, {}))
+        )
 
     a = parsed(torch.ones(4), torch.zeros(3), torch.arange(5.0))
     b = parsed(torch.ones(4), torch.ones(3), torch.arange(5.0))

@@ -51,7 +51,11 @@ def tier(base: Path, disk: Path, *, run_id: str = "run-a", rank: int = 0) -> shm
 
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(300_000, generator=g), "b": torch.arange(7) + step, "note": f"step {step}" * step}
+    return {
+        "w": torch.randn(300_000, generator=g),
+        "b": torch.arange(7) + step,
+        "note": f"step {step}" * step,
+    }
 
 
 def capture(pool: SlotPool, step: int, *, async_ptrs: set[int] | None = None) -> None:
@@ -69,8 +73,13 @@ def test_a_sealed_slot_is_a_published_file_in_the_disk_format(base: Path, tmp_pa
     pool = SlotPool(2, t)
     for step in (1, 2, 3):
         capture(pool, step)
-    assert store.list_steps(t.paths.own) == [3, 2]  # two slots: the oldest was taken out of view and reused
-    parsed, data = store.read_verified(store.step_file(t.paths.own, 3))  # every digest, as recovery checks it
+    assert store.list_steps(t.paths.own) == [
+        3,
+        2,
+    ]  # two slots: the oldest was taken out of view and reused
+    parsed, data = store.read_verified(
+        store.step_file(t.paths.own, 3)
+    )  # every digest, as recovery checks it
     assert parsed.identity["step"] == 3
     w = parsed.layout.views(data)[0]
     assert torch.equal(w, state(3)["w"])
@@ -78,14 +87,18 @@ def test_a_sealed_slot_is_a_published_file_in_the_disk_format(base: Path, tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_a_header_larger_than_its_room_moves_the_slot_and_still_verifies(base: Path, tmp_path: Path) -> None:
+def test_a_header_larger_than_its_room_moves_the_slot_and_still_verifies(
+    base: Path, tmp_path: Path
+) -> None:
     t = tier(base, tmp_path)
     pool = SlotPool(2, t)
     capture(pool, 1)
     capture(pool, 2)
     room = max(s.file.data_offset for s in pool._slots if s.file is not None)
     cap = Capturer(pool, async_copy=False, timeout=timedelta(seconds=10))
-    big = dict(state(3), note="x" * (3 * room))  # the caller's state grew past the reserved header room
+    big = dict(
+        state(3), note="x" * (3 * room)
+    )  # the caller's state grew past the reserved header room
     got = cap.capture(big, {"run_id": "run-a", "owner": 0, "step": 3}, set()).result(timeout=10)
     pool.release(got)
     cap.shutdown()
@@ -103,15 +116,23 @@ def _child(base: Path, disk: Path, first: int) -> None:
     buffers.adopt(t.adopt(t.paths.replicas(1), 2))
     cap = Capturer(pool, async_copy=True, timeout=timedelta(seconds=10))
     for step in (first, first + 1):
-        w = torch.full((20_000,), float(step))  # under the intra-op grain: a forked child must not use the pool
-        slot = cap.capture({"w": w}, {"run_id": "run-a", "owner": 0, "step": step}, {w.data_ptr()}).result(10)
+        w = torch.full(
+            (20_000,), float(step)
+        )  # under the intra-op grain: a forked child must not use the pool
+        slot = cap.capture(
+            {"w": w}, {"run_id": "run-a", "owner": 0, "step": step}, {w.data_ptr()}
+        ).result(10)
         pool.release(slot)
-        buf = buffers.buffer_for(slot.data.numel(), len(slot.prefix))  # a replica lands in its own file
+        buf = buffers.buffer_for(
+            slot.data.numel(), len(slot.prefix)
+        )  # a replica lands in its own file
         buf.copy_(slot.data)
         buffers.add(step, slot.prefix, buf)
     layout = pool.ready_slots()[-1].layout
     assert layout is not None
-    slot = pool.acquire(layout, timeout=timedelta(seconds=5))  # the oldest slot: out of view, then written
+    slot = pool.acquire(
+        layout, timeout=timedelta(seconds=5)
+    )  # the oldest slot: out of view, then written
     slot.data[: slot.data.numel() // 2].fill_(7)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -155,7 +176,9 @@ def check_after_kills(base: Path, disk: Path, n: int) -> None:
     own = t.adopt(t.paths.own, 2)
     # The slot being overwritten when the process died was out of view: only the sealed one is left, whole.
     assert [a.parsed.identity["step"] for a in own] == [newest]
-    parsed, data = store.read_verified(own[0].file.path)  # every digest, as recovery checks before restoring
+    parsed, data = store.read_verified(
+        own[0].file.path
+    )  # every digest, as recovery checks before restoring
     assert torch.equal(parsed.layout.views(data)[0], torch.full((20_000,), float(newest)))
     pool = SlotPool(2, t)
     pool.adopt(own)
@@ -177,12 +200,16 @@ def check_after_kills(base: Path, disk: Path, n: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_kill_restart_cycles_leave_whole_slots_never_a_torn_one_and_leak_nothing(base: Path, tmp_path: Path) -> None:
+def test_kill_restart_cycles_leave_whole_slots_never_a_torn_one_and_leak_nothing(
+    base: Path, tmp_path: Path
+) -> None:
     kill_restart(base, tmp_path, 3, timeout=100)
     check_after_kills(base, tmp_path, 3)
 
 
-@pytest.mark.skipif(not os.environ.get("GEMSCOUT_HEAVY_TESTS"), reason="100 cycles: set GEMSCOUT_HEAVY_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("GEMSCOUT_HEAVY_TESTS"), reason="100 cycles: set GEMSCOUT_HEAVY_TESTS=1"
+)
 @pytest.mark.timeout(1800)
 def test_a_hundred_kill_restart_cycles_leak_nothing(base: Path, tmp_path: Path) -> None:
     kill_restart(base, tmp_path, 100, timeout=1700)
@@ -198,11 +225,15 @@ def test_losing_the_rank_disk_folder_loses_its_memory(base: Path, tmp_path: Path
     shutil.rmtree(tmp_path / "node-0")  # how the harness loses a node: its checkpoint folder goes
     t = tier(base, tmp_path)
     assert t.adopt(t.paths.own, 2) == [] and not list(t.root.rglob("*.gsc"))
-    assert json.loads((tmp_path / "node-0" / "rank-0" / shm.ANCHOR).read_text())["path"] == str(t.root)
+    assert json.loads((tmp_path / "node-0" / "rank-0" / shm.ANCHOR).read_text())["path"] == str(
+        t.root
+    )
 
 
 @pytest.mark.timeout(60)
-def test_a_start_sweeps_dead_jobs_of_other_runs_but_never_a_live_one(base: Path, tmp_path: Path) -> None:
+def test_a_start_sweeps_dead_jobs_of_other_runs_but_never_a_live_one(
+    base: Path, tmp_path: Path
+) -> None:
     dead = tier(base, tmp_path / "dead", run_id="run-dead")
     pool = SlotPool(2, dead)
     capture(pool, 1)
@@ -218,7 +249,9 @@ def test_a_start_sweeps_dead_jobs_of_other_runs_but_never_a_live_one(base: Path,
 
 
 @pytest.mark.timeout(60)
-def test_a_tmpfs_too_small_is_a_config_error_naming_the_limit_and_the_fix(base: Path, tmp_path: Path) -> None:
+def test_a_tmpfs_too_small_is_a_config_error_naming_the_limit_and_the_fix(
+    base: Path, tmp_path: Path
+) -> None:
     t = tier(base, tmp_path)
     free = os.statvfs(t.root).f_bavail * os.statvfs(t.root).f_frsize
     pool = SlotPool(2, t, files_expected=free // (state(1)["w"].numel() * 4) + 10)
@@ -260,7 +293,9 @@ def test_a_replica_lands_in_its_file_and_the_newest_stays_whole_while_the_next_a
 
 
 @pytest.mark.timeout(30)
-def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(base: Path, tmp_path: Path) -> None:
+def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(
+    base: Path, tmp_path: Path
+) -> None:
     from gemscout.inventory import inventory
 
     t = tier(base, tmp_path)
@@ -273,7 +308,9 @@ def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(base: Pat
     assert kinds == {("memory", 1), ("memory", 2)}, kinds
     assert inv.decision.step == 2 and inv.decision.sources == {0: "memory"}, inv.decision
     t.close(release=True)
-    assert inventory(tmp_path, world_size=1).ranks[0].files == []  # released: nothing left to restore from
+    assert (
+        inventory(tmp_path, world_size=1).ranks[0].files == []
+    )  # released: nothing left to restore from
 
 
 @pytest.mark.timeout(30)
@@ -300,7 +337,9 @@ def test_a_full_tmpfs_first_sweeps_dead_jobs_within_their_grace(base: Path, tmp_
 
 
 @pytest.mark.timeout(30)
-def test_recapturing_a_step_after_a_rollback_replaces_the_stale_slot_cleanly(base: Path, tmp_path: Path) -> None:
+def test_recapturing_a_step_after_a_rollback_replaces_the_stale_slot_cleanly(
+    base: Path, tmp_path: Path
+) -> None:
     """A restart (or rollback) to step 1 while memory holds steps 1 and 2: the next capture of step 2 must take the
     stale slot of step 2 out of view, not rename over its file (found by a randomized SIGKILL lifecycle test: the
     stale slot later renamed the new file away and the capture after failed)."""

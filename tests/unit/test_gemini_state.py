@@ -26,16 +26,24 @@ def restore(prefix: bytes, data: torch.Tensor) -> object:
 
 def test_round_trip_keeps_every_value_type_and_bit() -> None:
     obj = {
-        "w": torch.randn(5, 3), "bf": torch.randn(7).to(torch.bfloat16), "i": torch.arange(4),
-        "b": torch.tensor([True, False]), "empty": torch.empty(0, 2), "scalar": torch.tensor(2.5),
-        "nested": {1: [1.5, float("inf"), None, "x"], "t": (1, 2)}, "np": np.arange(6, dtype=np.uint32),
+        "w": torch.randn(5, 3),
+        "bf": torch.randn(7).to(torch.bfloat16),
+        "i": torch.arange(4),
+        "b": torch.tensor([True, False]),
+        "empty": torch.empty(0, 2),
+        "scalar": torch.tensor(2.5),
+        "nested": {1: [1.5, float("inf"), None, "x"], "t": (1, 2)},
+        "np": np.arange(6, dtype=np.uint32),
         "nan": float("nan"),
     }
     back = restore(*frame_of(obj))
     for k in ("w", "bf", "i", "b", "scalar"):
         assert back[k].dtype == obj[k].dtype and back[k].shape == obj[k].shape
-        assert back[k].contiguous().numpy().tobytes() == obj[k].contiguous().numpy().tobytes() \
-            if obj[k].dtype != torch.bfloat16 else torch.equal(back[k].view(torch.int16), obj[k].view(torch.int16))
+        assert (
+            back[k].contiguous().numpy().tobytes() == obj[k].contiguous().numpy().tobytes()
+            if obj[k].dtype != torch.bfloat16
+            else torch.equal(back[k].view(torch.int16), obj[k].view(torch.int16))
+        )
     assert back["empty"].shape == (0, 2)
     assert back["nested"] == {1: [1.5, float("inf"), None, "x"], "t": (1, 2)}
     assert isinstance(back["nested"]["t"], tuple)
@@ -132,5 +140,7 @@ def test_prune_keeps_protected_steps_beyond_the_generations(tmp_path: Path) -> N
     folder.mkdir()
     for s in range(1, 8):
         store.step_file(folder, s).write_bytes(b"x")
-    store.prune_safe(folder, frontier=6, keep=2, protect={1, 4, 9})  # 9: not on disk, nothing to keep
+    store.prune_safe(
+        folder, frontier=6, keep=2, protect={1, 4, 9}
+    )  # 9: not on disk, nothing to keep
     assert store.list_steps(folder) == [7, 6, 5, 4, 1]

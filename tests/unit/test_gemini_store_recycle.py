@@ -37,8 +37,12 @@ def test_pruned_file_is_recycled_in_place_and_every_published_file_verifies(tmp_
     inodes: dict[int, int] = {}
     for step in range(1, 9):
         # sizes change from step to step: a recycled file that was longer must be cut to the new size
-        store.write_checkpoint(store.step_file(folder, step), *_frame(step, 4096 * (1 + step % 2)), fsync=False,
-                               spares=spares)
+        store.write_checkpoint(
+            store.step_file(folder, step),
+            *_frame(step, 4096 * (1 + step % 2)),
+            fsync=False,
+            spares=spares,
+        )
         inodes[step] = os.stat(store.step_file(folder, step)).st_ino
         store.prune_safe(folder, frontier=step, keep=2, spares=spares)
         assert store.list_steps(folder) == [s for s in (step, step - 1) if s >= 1]
@@ -46,7 +50,10 @@ def test_pruned_file_is_recycled_in_place_and_every_published_file_verifies(tmp_
             parsed, _ = store.read_verified(store.step_file(folder, s))
             assert parsed.identity == {"step": s}
         assert len(_temps(folder)) == (1 if step >= 3 else 0)  # one spare once something was pruned
-        assert all(name.startswith(f".tmp-{os.getpid()}-") and name.endswith("-spare") for name in _temps(folder))
+        assert all(
+            name.startswith(f".tmp-{os.getpid()}-") and name.endswith("-spare")
+            for name in _temps(folder)
+        )
     # from step 4 on every write went into the file pruned one capture earlier: three inodes in rotation
     assert len({inodes[s] for s in range(4, 9)}) == 3
     assert inodes[4] == inodes[1] and inodes[8] == inodes[5]
@@ -60,7 +67,9 @@ def test_prune_without_spares_still_deletes(tmp_path: Path) -> None:
     for step in range(1, 5):
         store.write_checkpoint(store.step_file(folder, step), *_frame(step, 256), fsync=True)
     store.prune_safe(folder, frontier=4, keep=2)
-    assert sorted(p.name for p in folder.iterdir()) == [store.step_file(folder, s).name for s in (3, 4)]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        store.step_file(folder, s).name for s in (3, 4)
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -80,7 +89,9 @@ def test_hard_linked_file_is_never_recycled(tmp_path: Path) -> None:
 def test_spare_removed_behind_our_back_falls_back_to_a_new_file(tmp_path: Path) -> None:
     folder, spares = tmp_path / "own", store.Spares()
     for step in (1, 2):
-        store.write_checkpoint(store.step_file(folder, step), *_frame(step, 512), fsync=False, spares=spares)
+        store.write_checkpoint(
+            store.step_file(folder, step), *_frame(step, 512), fsync=False, spares=spares
+        )
     store.prune_safe(folder, frontier=2, keep=1, spares=spares)
     (spare,) = _temps(folder)
     (folder / spare).unlink()
@@ -93,12 +104,17 @@ def test_spare_removed_behind_our_back_falls_back_to_a_new_file(tmp_path: Path) 
 def test_failed_write_into_a_spare_deletes_it_and_publishes_nothing(tmp_path: Path) -> None:
     folder, spares = tmp_path / "own", store.Spares()
     for step in (1, 2):
-        store.write_checkpoint(store.step_file(folder, step), *_frame(step, 512), fsync=False, spares=spares)
+        store.write_checkpoint(
+            store.step_file(folder, step), *_frame(step, 512), fsync=False, spares=spares
+        )
     store.prune_safe(folder, frontier=2, keep=1, spares=spares)
     prefix, data = _frame(3, 512)
-    with pytest.raises(TypeError):  # a non-contiguous region cannot be written: the write fails after the prefix
-        store.write_checkpoint(store.step_file(folder, 3), prefix, data.view(-1, 2)[:, 0], fsync=False,
-                               spares=spares)
+    with pytest.raises(
+        TypeError
+    ):  # a non-contiguous region cannot be written: the write fails after the prefix
+        store.write_checkpoint(
+            store.step_file(folder, 3), prefix, data.view(-1, 2)[:, 0], fsync=False, spares=spares
+        )
     assert _temps(folder) == [] and len(spares) == 0 and store.list_steps(folder) == [2]
     store.read_verified(store.step_file(folder, 2))
 
@@ -145,22 +161,33 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_crash_while_overwriting_a_recycled_file_leaves_the_previous_generation_and_a_stale_temp(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     folder = tmp_path / "own"
     folder.mkdir()
     support = str(Path(__file__).parent)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), support], capture_output=True, text=True,
-                          timeout=100, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), support],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
     pid = proc.stdout.split("PID ", 1)[1].split()[0] if "PID " in proc.stdout else "?"
     assert "EFBIG 27" in proc.stdout and "DYING" in proc.stdout, (proc.stdout, proc.stderr)
-    assert proc.returncode == -signal.SIGXFSZ and "SURVIVED" not in proc.stdout, (proc.returncode, proc.stderr)
+    assert proc.returncode == -signal.SIGXFSZ and "SURVIVED" not in proc.stdout, (
+        proc.returncode,
+        proc.stderr,
+    )
     # what the crash left: step 3 published and whole, step 4 never published, the dead writer's half-written spare
     assert store.list_steps(folder) == [3]
     parsed, _ = store.read_verified(store.step_file(folder, 3))
     assert parsed.identity == {"step": 3}
     (stale,) = _temps(folder)
     assert stale.startswith(f".tmp-{pid}-") and stale.endswith("-spare")
-    with pytest.raises(IntegrityError):  # half new, half old bytes: it would fail closed even if someone read it
+    with pytest.raises(
+        IntegrityError
+    ):  # half new, half old bytes: it would fail closed even if someone read it
         store.read_verified(folder / stale)
     assert store.clean_stale_temps(folder) == 1
     assert _temps(folder) == [] and store.list_steps(folder) == [3]

@@ -25,16 +25,27 @@ def test_step_times_never_span_a_restart() -> None:
 
 
 def test_an_arm_is_charged_its_wall_time_beyond_the_ideal_run_per_failure() -> None:
-    run = {"wall_s": 50.0, "digest": "d", "events": _events((0, [(1, 1.0)]), (6, [(7, 9.0)]), (14, [(15, 20.0)]))}
+    run = {
+        "wall_s": 50.0,
+        "digest": "d",
+        "events": _events((0, [(1, 1.0)]), (6, [(7, 9.0)]), (14, [(15, 20.0)])),
+    }
     ideal = {"wall_s": 20.0, "useful_s": 10.0, "digest": "d"}
     arm = goodput.arm_summary("gemscout", run, ideal, failures=2)
     assert arm["wasted_per_failure_s"] == 15.0 and arm["goodput"] == 0.2
     assert arm["attempts"] == 3 and arm["resume_steps"] == [6, 14] and arm["bitwise_equal_to_ideal"]
-    assert not goodput.arm_summary("dcp", {**run, "digest": "other"}, ideal, failures=2)["bitwise_equal_to_ideal"]
+    assert not goodput.arm_summary("dcp", {**run, "digest": "other"}, ideal, failures=2)[
+        "bitwise_equal_to_ideal"
+    ]
 
 
 def test_the_schedule_and_bad_arguments() -> None:
     assert goodput.parse(["--steps", "60", "--fail-every", "15"]).fail_steps == [15, 30, 45]
-    for bad in (["--steps", "3"], ["--fail-every", "1"], ["--steps", "10", "--fail-every", "10"], ["--state-mib", "0"]):
+    for bad in (
+        ["--steps", "3"],
+        ["--fail-every", "1"],
+        ["--steps", "10", "--fail-every", "10"],
+        ["--state-mib", "0"],
+    ):
         with pytest.raises(UsageError):
             goodput.parse(bad)

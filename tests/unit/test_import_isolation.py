@@ -20,7 +20,9 @@ FORBIDDEN = ("deepspeed", "megatron", "torchtitan", "pynvml", "qualification")
 
 def _loaded_after(code: str) -> set[str]:
     probe = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=100, check=True
+    )
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -72,11 +74,16 @@ def test_the_runtime_requires_torch_numpy_and_blake3_only() -> None:
     import re
     import tomllib
 
-    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
-    names = {re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower() for req in project["dependencies"]}
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"
+    ]
+    names = {
+        re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower() for req in project["dependencies"]
+    }
     assert names == {"torch", "numpy", "blake3"}, names
     qualify = {
-        re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower() for req in project["optional-dependencies"]["qualify"]
+        re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower()
+        for req in project["optional-dependencies"]["qualify"]
     }
     assert set(HARNESS_ONLY) <= qualify, qualify
 
@@ -93,11 +100,23 @@ def test_pip_would_install_none_of_the_harness_dependencies(tmp_path: Path) -> N
 
     root = Path(__file__).resolve().parents[2]
     src = tmp_path / "src"
-    shutil.copytree(root, src, ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        root,
+        src,
+        ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "*.egg-info", "__pycache__"),
+    )
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
     report = tmp_path / "report.json"
     subprocess.run(
-        [str(tmp_path / "venv" / "bin" / "pip"), "install", "-q", "--dry-run", "--report", str(report), str(src)],
+        [
+            str(tmp_path / "venv" / "bin" / "pip"),
+            "install",
+            "-q",
+            "--dry-run",
+            "--report",
+            str(report),
+            str(src),
+        ],
         check=True,
         timeout=240,
     )

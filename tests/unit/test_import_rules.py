@@ -46,7 +46,10 @@ ALLOWED_LAZY_CYCLE_EDGES: Mapping[tuple[str, str], str] = {
     # durable.py and durable_sharded.py import each other lazily (issue 17): durable_sharded needs durable's SIDECAR
     # name and _sha256 helper, durable dispatches sharded saves to durable_sharded. The fix moves the shared helpers
     # to a module both import; gemini/ is owned by another change in flight, so the edge is allowed until it lands.
-    ("gemscout.gemini.durable_sharded", "gemscout.gemini.durable"): "shared sidecar helpers live in durable.py",
+    (
+        "gemscout.gemini.durable_sharded",
+        "gemscout.gemini.durable",
+    ): "shared sidecar helpers live in durable.py",
 }
 
 
@@ -86,7 +89,9 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports_of(src: Path, name: str, path: Path, is_package: bool, known: Mapping[str, object]) -> list[Import]:
+def imports_of(
+    src: Path, name: str, path: Path, is_package: bool, known: Mapping[str, object]
+) -> list[Import]:
     """All imports in one module. ``from pkg import mod`` resolves to ``pkg.mod`` when that is a runtime module."""
     package = name if is_package else name.rpartition(".")[0]
     shown = path.relative_to(src).as_posix()
@@ -119,7 +124,10 @@ def imports_of(src: Path, name: str, path: Path, is_package: bool, known: Mappin
             isinstance(node, ast.Call)
             and (
                 (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+                or (
+                    isinstance(node.func, ast.Name)
+                    and node.func.id in ("import_module", "__import__")
+                )
             )
             and node.args
             and isinstance(node.args[0], ast.Constant)
@@ -137,7 +145,11 @@ def imports_of(src: Path, name: str, path: Path, is_package: bool, known: Mappin
 @functools.cache  # parsed once per tree: every rule reads the same imports
 def all_imports(src: Path) -> tuple[Import, ...]:
     known = modules(src)
-    return tuple(imp for name, (path, is_pkg) in known.items() for imp in imports_of(src, name, path, is_pkg, known))
+    return tuple(
+        imp
+        for name, (path, is_pkg) in known.items()
+        for imp in imports_of(src, name, path, is_pkg, known)
+    )
 
 
 def _root(dotted: str) -> str:
@@ -156,7 +168,9 @@ def framework_imports_in_core(src: Path) -> list[str]:
     return [
         imp.where()
         for imp in all_imports(src)
-        if imp.eager and _root(imp.target) in OPTIONAL and not _within(imp.importer, "gemscout.adapters")
+        if imp.eager
+        and _root(imp.target) in OPTIONAL
+        and not _within(imp.importer, "gemscout.adapters")
     ]
 
 
@@ -289,17 +303,26 @@ def test_no_import_cycle_through_lazy_imports_except_the_allowed_ones() -> None:
         cycles(module_graph(SRC, lazy=True, allowed=ALLOWED_LAZY_CYCLE_EDGES)),
         "import cycle among runtime modules through a lazy import",
     )
-    lazy_edges = {(imp.importer, imp.target) for imp in all_imports(SRC) if imp.lazy and not imp.type_only}
+    lazy_edges = {
+        (imp.importer, imp.target) for imp in all_imports(SRC) if imp.lazy and not imp.type_only
+    }
     stale = [f"{a} -> {b}" for a, b in ALLOWED_LAZY_CYCLE_EDGES if (a, b) not in lazy_edges]
     _fail_if(stale, "ALLOWED_LAZY_CYCLE_EDGES names a lazy import that is gone: delete the entry")
     still_cyclic = [
         f"{a} -> {b}"
         for a, b in ALLOWED_LAZY_CYCLE_EDGES
         if not cycles(
-            module_graph(SRC, lazy=True, allowed={k: v for k, v in ALLOWED_LAZY_CYCLE_EDGES.items() if k != (a, b)})
+            module_graph(
+                SRC,
+                lazy=True,
+                allowed={k: v for k, v in ALLOWED_LAZY_CYCLE_EDGES.items() if k != (a, b)},
+            )
         )
     ]
-    _fail_if(still_cyclic, "ALLOWED_LAZY_CYCLE_EDGES names an edge that closes no cycle any more: delete the entry")
+    _fail_if(
+        still_cyclic,
+        "ALLOWED_LAZY_CYCLE_EDGES names an edge that closes no cycle any more: delete the entry",
+    )
 
 
 def _tree(root: Path, files: Mapping[str, str]) -> Path:
@@ -333,7 +356,9 @@ def test_the_rules_catch_each_kind_of_violation(tmp_path: Path) -> None:
             "gemini/y.py": "import importlib\ndef g():\n    importlib.import_module('gemscout.gemini.x')\n",
         },
     )
-    assert harness_imports(src) == ["gemscout.core (gemscout/core.py:6) imports qualification.cells (lazy)"]
+    assert harness_imports(src) == [
+        "gemscout.core (gemscout/core.py:6) imports qualification.cells (lazy)"
+    ]
     assert framework_imports_in_core(src) == [
         "gemscout.eager (gemscout/eager.py:2) imports megatron.core (module-level)"
     ]
@@ -341,10 +366,23 @@ def test_the_rules_catch_each_kind_of_violation(tmp_path: Path) -> None:
         "gemscout.state.codec (gemscout/state/codec.py:2) imports gemscout.scout.engine (lazy)"
     ]
     (eager_cycle,) = cycles(module_graph(src, lazy=False))
-    assert eager_cycle.startswith("gemscout.a -> gemscout.b -> gemscout.scout -> gemscout.scout.engine -> gemscout.a")
+    assert eager_cycle.startswith(
+        "gemscout.a -> gemscout.b -> gemscout.scout -> gemscout.scout.engine -> gemscout.a"
+    )
     lazy_cycles = cycles(module_graph(src, lazy=True))
-    assert len(lazy_cycles) == 2 and any(c.startswith("gemscout.gemini.x -> gemscout.gemini.y") for c in lazy_cycles)
-    assert len(cycles(module_graph(src, lazy=True, allowed={("gemscout.gemini.y", "gemscout.gemini.x"): ""}))) == 1
+    assert len(lazy_cycles) == 2 and any(
+        c.startswith("gemscout.gemini.x -> gemscout.gemini.y") for c in lazy_cycles
+    )
+    assert (
+        len(
+            cycles(
+                module_graph(
+                    src, lazy=True, allowed={("gemscout.gemini.y", "gemscout.gemini.x"): ""}
+                )
+            )
+        )
+        == 1
+    )
 
 
 # Checked in a fresh interpreter: this test process has imported the harness and may have patched torch.
@@ -366,10 +404,18 @@ print(json.dumps({{"changed": changed, "loaded": loaded, "watched": watched}}))
 """
 
 
-def test_import_gemscout_patches_nothing_in_torch_distributed_and_loads_no_harness_dependency() -> None:
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=100, check=True)
+def test_import_gemscout_patches_nothing_in_torch_distributed_and_loads_no_harness_dependency() -> (
+    None
+):
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=100, check=True
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # Every callable of torch.distributed and distributed_c10d: destroy_process_group and the collectives among them.
-    assert result["watched"], "the probe no longer sees destroy_process_group / all_reduce in torch.distributed"
+    assert result["watched"], (
+        "the probe no longer sees destroy_process_group / all_reduce in torch.distributed"
+    )
     assert result["changed"] == [], f"import gemscout replaced: {result['changed']}"
-    assert result["loaded"] == [], f"import gemscout loaded harness dependencies: {result['loaded']}"
+    assert result["loaded"] == [], (
+        f"import gemscout loaded harness dependencies: {result['loaded']}"
+    )

@@ -41,12 +41,19 @@ def _forge_unkeyed(prefix: bytes, edit: dict[str, object]) -> bytes:
     doc = json.loads(prefix[16 : 16 + n])
     doc["identity"].update(edit)
     header = json.dumps(doc).encode()
-    head = b"GEMSCK01" + len(header).to_bytes(8, "little") + header + bytes.fromhex(digest_bytes(header))
+    head = (
+        b"GEMSCK01"
+        + len(header).to_bytes(8, "little")
+        + header
+        + bytes.fromhex(digest_bytes(header))
+    )
     return head + b"\0" * (-len(head) % 64)
 
 
 @pytest.mark.timeout(30)
-def test_a_frame_forged_without_the_key_is_refused_on_disk_and_on_arrival(tmp_path: Path, keyed: None) -> None:
+def test_a_frame_forged_without_the_key_is_refused_on_disk_and_on_arrival(
+    tmp_path: Path, keyed: None
+) -> None:
     prefix, data = frame_of({"w": torch.arange(6.0)}, step=2)
     assert prefix[:8] == b"GEMSCKK1"
     path = store.step_file(tmp_path, 2)
@@ -87,7 +94,9 @@ def test_a_process_without_the_key_names_the_setting(
 
 
 @pytest.mark.timeout(60)
-def test_a_promotion_forged_without_the_key_is_refused(tmp_path: Path, keyed: None, one_rank: None) -> None:
+def test_a_promotion_forged_without_the_key_is_refused(
+    tmp_path: Path, keyed: None, one_rank: None
+) -> None:
     src, _ = sources({"x": torch.ones(3)})
     tier = promote(tmp_path / "durable", src, 5, tmp_path)
     assert tier.newest_step() == 5

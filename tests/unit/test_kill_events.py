@@ -24,7 +24,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _child(code: str, out: Path) -> tuple[subprocess.CompletedProcess[str], float, float]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     before = time.time()
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), str(out)],
@@ -54,7 +57,12 @@ def test_a_rank_that_kills_itself_leaves_its_record(tmp_path: Path) -> None:
     (event,) = _kills.read(tmp_path)
     pid = int(proc.stdout.split()[0])
     assert event["target_pids"] == [pid] and event["killer_pid"] == pid and event["by"] == "self"
-    assert (event["rank"], event["step"], event["phase"], event["attempt"]) == (3, 7, "after-step", 0)
+    assert (event["rank"], event["step"], event["phase"], event["attempt"]) == (
+        3,
+        7,
+        "after-step",
+        0,
+    )
     assert before <= event["wall"] <= after
     assert _kills.describe(event) == "SIGKILL rank 3 at step 7 (after-step, attempt 0)"
 
@@ -90,14 +98,26 @@ def test_records_read_oldest_first_and_become_fault_events(tmp_path: Path) -> No
     )
     assert [e["wall"] for e in _kills.read(tmp_path)] == [first["wall"], second["wall"]]
     events = _kills.timeline_events(_kills.read(tmp_path), wall0=first["wall"] - 2.0)
-    assert events[0] == {"t": 2.0, "event": "fault", "detail": "SIGKILL rank 1 at step 4 (after-step)", "rank": 1}
+    assert events[0] == {
+        "t": 2.0,
+        "event": "fault",
+        "detail": "SIGKILL rank 1 at step 4 (after-step)",
+        "rank": 1,
+    }
     assert events[1]["event"] == "fault" and "rank" not in events[1]
-    assert events[1]["detail"] == "SIGKILL pids [21, 22] (node-loss) by driver; node 1's agent and workers"
+    assert (
+        events[1]["detail"]
+        == "SIGKILL pids [21, 22] (node-loss) by driver; node 1's agent and workers"
+    )
 
 
 def test_nothing_recorded_reads_empty_and_a_torn_record_is_ignored(tmp_path: Path) -> None:
     assert _kills.read(tmp_path) == []
     _kills.record(tmp_path, rank=0, step=1, phase="in-step", target_pids=[5])
-    (tmp_path / _kills.FOLDER / "sigkill-9-9.json").write_text('{"event": "sigkill", "wa')  # cut short
-    (tmp_path / _kills.FOLDER / "sigkill-8-8.json").write_text(json.dumps({"event": "sigkill"}))  # no time
+    (tmp_path / _kills.FOLDER / "sigkill-9-9.json").write_text(
+        '{"event": "sigkill", "wa'
+    )  # cut short
+    (tmp_path / _kills.FOLDER / "sigkill-8-8.json").write_text(
+        json.dumps({"event": "sigkill"})
+    )  # no time
     assert [e["rank"] for e in _kills.read(tmp_path)] == [0]

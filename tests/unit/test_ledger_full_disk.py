@@ -32,7 +32,9 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         check=False,
     )
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {res.stderr.strip() or res.returncode}")
+        pytest.skip(
+            f"cannot mount a size-limited tmpfs here: {res.stderr.strip() or res.returncode}"
+        )
     try:
         yield mnt
     finally:
@@ -42,7 +44,9 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 def fill(mnt: Path) -> Path:
     """Write a file until the file system is full (ENOSPC); returns it (delete it to free the space)."""
     filler = mnt / "filler"
-    with open(filler, "wb", buffering=0) as fh:  # unbuffered: the ENOSPC comes from write(), not from close()
+    with open(
+        filler, "wb", buffering=0
+    ) as fh:  # unbuffered: the ENOSPC comes from write(), not from close()
         try:
             while True:
                 fh.write(b"\1" * 4096)
@@ -67,7 +71,9 @@ def test_enospc_during_certify_and_reject_keeps_training(small_fs: Path, one_ran
     assert ck is not None
     certify_in_hook = {"on": True}
 
-    def certify(optimizer: object, args: object, kwargs: object) -> None:  # where SCOUT certifies: in the hook
+    def certify(
+        optimizer: object, args: object, kwargs: object
+    ) -> None:  # where SCOUT certifies: in the hook
         if certify_in_hook["on"]:
             session.certify(session.step)
 
@@ -84,15 +90,25 @@ def test_enospc_during_certify_and_reject_keeps_training(small_fs: Path, one_ran
     assert TrustLedger.load(ck.paths.status).states[2] == TrustState.RECOVERY_VERIFIED
     filler = fill(small_fs)
     step()  # step 3: the capture's file and the certification's ledger write both hit ENOSPC
-    assert ck.ledger.states[3] == TrustState.RECOVERY_VERIFIED  # in memory: this process may restore it
+    assert (
+        ck.ledger.states[3] == TrustState.RECOVERY_VERIFIED
+    )  # in memory: this process may restore it
     assert ck.ledger.unsaved is not None and "ENOSPC" in ck.ledger.unsaved
     reports = [r for r in session.reports if "trust ledger" in r.reason]
-    assert len(reports) == 1 and reports[0].kind == "health" and reports[0].evidence["errno"] == "ENOSPC"
-    assert TrustLedger.load(ck.paths.status).states.get(3) != TrustState.RECOVERY_VERIFIED  # what a restart reads
+    assert (
+        len(reports) == 1
+        and reports[0].kind == "health"
+        and reports[0].evidence["errno"] == "ENOSPC"
+    )
+    assert (
+        TrustLedger.load(ck.paths.status).states.get(3) != TrustState.RECOVERY_VERIFIED
+    )  # what a restart reads
     certify_in_hook["on"] = False
     step()  # step 4: a candidate, in memory only
     assert store.step_file(ck.paths.own, 4).exists() or ck.persisted_step < 4
-    rejected = session.reject_candidates("test: SDC")  # the disk is still full: the rejection cannot be recorded
+    rejected = session.reject_candidates(
+        "test: SDC"
+    )  # the disk is still full: the rejection cannot be recorded
     assert 4 in rejected and ck.ledger.states[4] == TrustState.REJECTED
     # A restart cannot restore it: the disk recorded the rejection (pruning freed a block), or its file is gone.
     recorded = TrustLedger.load(ck.paths.status).states.get(4) == TrustState.REJECTED
@@ -105,6 +121,9 @@ def test_enospc_during_certify_and_reject_keeps_training(small_fs: Path, one_ran
     step()
     assert ck.ledger.unsaved is None
     on_disk = TrustLedger.load(ck.paths.status)
-    assert on_disk.states[3] == TrustState.RECOVERY_VERIFIED and on_disk.states[4] == TrustState.REJECTED
+    assert (
+        on_disk.states[3] == TrustState.RECOVERY_VERIFIED
+        and on_disk.states[4] == TrustState.REJECTED
+    )
     handle.remove()
     session.close()

@@ -24,13 +24,17 @@ def test_block_layouts_give_their_block_size() -> None:
     [(["a", "b", "a", "b"], "a: 1, b: 1, a: 1"), (["a", "a", "a", "b"], "a: 3, b: 1")],
     ids=["cyclic", "uneven"],
 )
-def test_layouts_ring_placement_cannot_serve_are_refused_with_the_fix(hosts: list[str], shown: str) -> None:
+def test_layouts_ring_placement_cannot_serve_are_refused_with_the_fix(
+    hosts: list[str], shown: str
+) -> None:
     with pytest.raises(ConfigError, match="distribution=block") as err:
         ranks_per_node_from_hosts(hosts)
     assert shown in str(err.value) and "ranks_per_node" in str(err.value)
 
 
-def test_the_launchers_figure_comes_first_and_a_bad_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_launchers_figure_comes_first_and_a_bad_one_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert ranks_per_node_from_env() is None

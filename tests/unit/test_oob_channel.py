@@ -23,12 +23,16 @@ SECRET = b"0123456789abcdef-test-secret"
 @pytest.fixture
 def stores() -> Iterator[tuple[dist.TCPStore, dist.TCPStore]]:
     """A served TCPStore on an OS-chosen port and a second client connection to it."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
     yield master, client
 
 
-def _pair(stores: tuple[dist.TCPStore, dist.TCPStore], rank: int = 1) -> tuple[OobChannel, OobChannel]:
+def _pair(
+    stores: tuple[dist.TCPStore, dist.TCPStore], rank: int = 1
+) -> tuple[OobChannel, OobChannel]:
     master, client = stores
     writer = OobChannel(client, config=OobConfig(rank=rank, secret=SECRET))
     reader = OobChannel(master, config=OobConfig(rank=None, secret=SECRET))
@@ -40,7 +44,9 @@ def test_store_contract(kind: str) -> None:
     """Every store the channel is given must set/get/check and time out its wait (the OobStore seam)."""
     store: OobStore
     if kind == "tcp":
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+        )
     else:
         store = dist.HashStore()
     assert isinstance(store, OobStore)
@@ -66,7 +72,9 @@ def test_authentic_message_round_trips(stores: tuple[dist.TCPStore, dist.TCPStor
     assert writer.stats.published == 2
 
 
-def test_absent_slot_returns_none_and_wait_is_bounded(stores: tuple[dist.TCPStore, dist.TCPStore]) -> None:
+def test_absent_slot_returns_none_and_wait_is_bounded(
+    stores: tuple[dist.TCPStore, dist.TCPStore],
+) -> None:
     _, reader = _pair(stores)
     started = time.monotonic()
     assert reader.read(3, "progress") is None
@@ -101,14 +109,18 @@ def test_forged_mac_is_rejected_logged_and_counted(
     master.set(writer.slot(1, "progress"), (mac + b"\n" + flipped).decode())
     with caplog.at_level(logging.WARNING, logger="gemscout.oob.channel"):
         assert reader.read(1, "progress") is None
-        assert reader.read(1, "progress") is None  # polled again: still rejected, counted and logged once
+        assert (
+            reader.read(1, "progress") is None
+        )  # polled again: still rejected, counted and logged once
     assert reader.stats.forged == 1 and reader.stats.accepted == 0
     assert [r.getMessage() for r in caplog.records if "bad HMAC" in r.getMessage()] != []
     assert len([r for r in caplog.records if "bad HMAC" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("garbage", ["no newline at all", "deadbeef\n{not json", "\n"])
-def test_malformed_envelope_is_rejected(stores: tuple[dist.TCPStore, dist.TCPStore], garbage: str) -> None:
+def test_malformed_envelope_is_rejected(
+    stores: tuple[dist.TCPStore, dist.TCPStore], garbage: str
+) -> None:
     master, _ = stores
     _, reader = _pair(stores)
     master.set(reader.slot(2, "progress"), garbage)
@@ -125,7 +137,9 @@ def test_wrong_secret_is_rejected(stores: tuple[dist.TCPStore, dist.TCPStore]) -
     assert reader.stats.forged == 1
 
 
-def test_authentic_message_moved_to_another_rank_is_rejected(stores: tuple[dist.TCPStore, dist.TCPStore]) -> None:
+def test_authentic_message_moved_to_another_rank_is_rejected(
+    stores: tuple[dist.TCPStore, dist.TCPStore],
+) -> None:
     master, _ = stores
     writer, reader = _pair(stores, rank=1)
     writer.publish("progress", {"step": 1})
@@ -151,7 +165,9 @@ def test_replayed_older_message_is_rejected(stores: tuple[dist.TCPStore, dist.TC
     assert reader.read(1, "progress") == {"step": 3}
 
 
-def test_restarted_rank_is_not_taken_for_a_replay(stores: tuple[dist.TCPStore, dist.TCPStore]) -> None:
+def test_restarted_rank_is_not_taken_for_a_replay(
+    stores: tuple[dist.TCPStore, dist.TCPStore],
+) -> None:
     master, client = stores
     writer, reader = _pair(stores)
     writer.publish("progress", {"step": 5})
@@ -162,7 +178,9 @@ def test_restarted_rank_is_not_taken_for_a_replay(stores: tuple[dist.TCPStore, d
 
 
 def test_refuses_to_start_without_a_secret(
-    stores: tuple[dist.TCPStore, dist.TCPStore], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    stores: tuple[dist.TCPStore, dist.TCPStore],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     master, client = stores
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -176,12 +194,16 @@ def test_refuses_to_start_without_a_secret(
     assert reader.read(0, "k", timeout=timedelta(seconds=5)) == {"a": 1}
 
 
-def test_secret_from_environment(stores: tuple[dist.TCPStore, dist.TCPStore], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_secret_from_environment(
+    stores: tuple[dist.TCPStore, dist.TCPStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
     master, client = stores
     secret = generate_secret()
     monkeypatch.setenv(SECRET_ENV, secret)
     OobChannel(client, config=OobConfig(rank=4)).publish("k", {"a": 2})
-    assert OobChannel(master, config=OobConfig(rank=None, secret=secret.encode())).read(4, "k") == {"a": 2}
+    assert OobChannel(master, config=OobConfig(rank=None, secret=secret.encode())).read(4, "k") == {
+        "a": 2
+    }
     monkeypatch.setenv(SECRET_ENV, "short")
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         OobChannel(master, config=OobConfig(rank=0))
@@ -213,7 +235,9 @@ def test_publish_guards(stores: tuple[dist.TCPStore, dist.TCPStore]) -> None:
         writer.publish("k", {"x": "y" * (2 << 20)})
 
 
-def test_concurrent_publishers_get_unique_sequence_numbers(stores: tuple[dist.TCPStore, dist.TCPStore]) -> None:
+def test_concurrent_publishers_get_unique_sequence_numbers(
+    stores: tuple[dist.TCPStore, dist.TCPStore],
+) -> None:
     writer, reader = _pair(stores)
     seqs: list[int] = []
     lock = threading.Lock()
@@ -234,8 +258,12 @@ def test_concurrent_publishers_get_unique_sequence_numbers(stores: tuple[dist.TC
 
 
 def test_connect_serves_or_joins_a_store_by_address() -> None:
-    server = OobChannel.connect(host="127.0.0.1", port=0, is_master=True, config=OobConfig(rank=0, secret=SECRET))
+    server = OobChannel.connect(
+        host="127.0.0.1", port=0, is_master=True, config=OobConfig(rank=0, secret=SECRET)
+    )
     port = server.store.port  # type: ignore[attr-defined]
-    joined = OobChannel.connect(host="127.0.0.1", port=port, config=OobConfig(rank=None, secret=SECRET))
+    joined = OobChannel.connect(
+        host="127.0.0.1", port=port, config=OobConfig(rank=None, secret=SECRET)
+    )
     server.publish("hello", {"from": 0})
     assert joined.read(0, "hello", timeout=timedelta(seconds=5)) == {"from": 0}

@@ -146,7 +146,11 @@ def _nvml_real() -> SourceCase:
         pytest.skip(f"NVML unavailable: {exc}")
 
 
-SOURCES: dict[str, Callable[[], SourceCase]] = {"injected": _injected, "nvml-fake": _nvml_fake, "nvml": _nvml_real}
+SOURCES: dict[str, Callable[[], SourceCase]] = {
+    "injected": _injected,
+    "nvml-fake": _nvml_fake,
+    "nvml": _nvml_real,
+}
 
 
 @pytest.fixture(params=SOURCES.values(), ids=SOURCES.keys())
@@ -203,10 +207,16 @@ def test_nvml_reports_changes_not_levels() -> None:
         ("xid", 1),
     }
     assert events[("ecc_corrected", 0)].value == 2 and events[("ecc_corrected", 0)].total == 7
-    assert events[("xid", 1)].value == 48 and events[("thermal_throttle", 1)].value == THROTTLE_HW_THERMAL
+    assert (
+        events[("xid", 1)].value == 48
+        and events[("thermal_throttle", 1)].value == THROTTLE_HW_THERMAL
+    )
     assert src.poll() == []
     fake.devices[1].temp, fake.devices[1].reasons = 60, 0
-    assert sorted(e.kind for e in src.poll()) == ["clock_throttle", "temperature"]  # both back to normal
+    assert sorted(e.kind for e in src.poll()) == [
+        "clock_throttle",
+        "temperature",
+    ]  # both back to normal
     src.close()
     assert fake.initialized == 0
 
@@ -254,7 +264,9 @@ def test_classify(event: HealthEvent, severity: str) -> None:
 
 
 def test_thresholds_are_configurable_and_validated() -> None:
-    strict = HealthThresholds(temperature_degraded_c=60, temperature_fatal_c=70, fatal_xids=frozenset({94}))
+    strict = HealthThresholds(
+        temperature_degraded_c=60, temperature_fatal_c=70, fatal_xids=frozenset({94})
+    )
     assert classify(_event("temperature", 65), strict).severity == "degraded"
     assert classify(_event("xid", 94), strict).severity == "fatal"
     with pytest.raises(ConfigError, match="temperature_degraded_c"):
@@ -277,7 +289,9 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return predicate()
 
 
-def test_monitor_delivers_and_survives_raising_callbacks_and_sources(caplog: pytest.LogCaptureFixture) -> None:
+def test_monitor_delivers_and_survives_raising_callbacks_and_sources(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Broken:
         name = "broken"
 
@@ -309,14 +323,18 @@ def test_monitor_delivers_and_survives_raising_callbacks_and_sources(caplog: pyt
             monitor.stop(timeout=timedelta(seconds=5))
     assert [g.severity for g in got] == ["fatal", "info"]
     assert monitor.callback_errors >= 2 and monitor.source_errors >= 1
-    assert any("callback bug" in (r.exc_text or "") or "raised" in r.getMessage() for r in caplog.records)
+    assert any(
+        "callback bug" in (r.exc_text or "") or "raised" in r.getMessage() for r in caplog.records
+    )
     assert [e.event.kind for e in monitor.events] == ["xid", "temperature"]
 
 
 def test_monitor_min_severity_filters_delivery_not_history() -> None:
     source = InjectedHealthSource()
     got: list[ClassifiedHealthEvent] = []
-    monitor = HealthMonitor([source], config=HealthMonitorConfig(min_severity="degraded"), callbacks=[got.append])
+    monitor = HealthMonitor(
+        [source], config=HealthMonitorConfig(min_severity="degraded"), callbacks=[got.append]
+    )
     source.inject(_event("temperature", 50))
     source.inject(_event("ecc_uncorrected", 1))
     assert len(monitor.poll_once()) == 2
@@ -333,7 +351,9 @@ def test_monitor_stop_times_out_on_a_stuck_callback() -> None:
 
     source = InjectedHealthSource()
     source.inject(_event("xid", 79))
-    monitor = HealthMonitor([source], config=HealthMonitorConfig(period=timedelta(milliseconds=10)), callbacks=[stuck])
+    monitor = HealthMonitor(
+        [source], config=HealthMonitorConfig(period=timedelta(milliseconds=10)), callbacks=[stuck]
+    )
     monitor.start()
     assert entered.wait(5)
     with pytest.raises(CollectiveTimeout):

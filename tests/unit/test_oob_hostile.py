@@ -70,7 +70,9 @@ def _non_loopback_ipv4() -> str | None:
     try:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                packed = fcntl.ioctl(
+                    probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15])
+                )
             except OSError:
                 continue
             address = socket.inet_ntoa(packed[20:24])
@@ -82,7 +84,9 @@ def _non_loopback_ipv4() -> str | None:
 
 
 def test_store_listens_on_the_jobs_address_only() -> None:
-    plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    plain = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
     # Why serve_store exists: TCPStore's own server ignores host_name and listens on every interface.
     assert _listen_address(plain.port) in ("00000000", "00000000000000000000000000000000")
     bound = serve_store("127.0.0.1", 0, timeout=timedelta(seconds=5))
@@ -100,7 +104,9 @@ def test_store_listens_on_the_jobs_address_only() -> None:
 def test_repr_hides_the_secret() -> None:
     assert SECRET.decode() not in repr(OobConfig(rank=0, secret=SECRET))
     assert "secret" not in repr(OobConfig(rank=0, secret=SECRET))
-    assert SECRET.decode() not in repr(WatchConfig(secret=SECRET)) and "secret" not in repr(WatchConfig(secret=SECRET))
+    assert SECRET.decode() not in repr(WatchConfig(secret=SECRET)) and "secret" not in repr(
+        WatchConfig(secret=SECRET)
+    )
 
 
 @pytest.fixture
@@ -110,16 +116,21 @@ def served() -> Iterator[tuple[dist.TCPStore, int]]:
 
 
 def _job(port: int, epoch: str = "run-a") -> tuple[list[ProgressPublisher], OobChannel]:
-    fast = ProgressConfig(publish_interval=timedelta(milliseconds=20), heartbeat_interval=timedelta(milliseconds=100))
+    fast = ProgressConfig(
+        publish_interval=timedelta(milliseconds=20), heartbeat_interval=timedelta(milliseconds=100)
+    )
     pubs = []
     for rank in range(WORLD):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         pubs.append(
             ProgressPublisher(
-                OobChannel(client, config=OobConfig(rank=rank, secret=SECRET, epoch=epoch)), config=fast
+                OobChannel(client, config=OobConfig(rank=rank, secret=SECRET, epoch=epoch)),
+                config=fast,
             ).start()
         )
-    observer_store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    observer_store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+    )
     return pubs, OobChannel(observer_store, config=OobConfig(rank=None, secret=SECRET, epoch=epoch))
 
 
@@ -131,7 +142,14 @@ def _forge(port: int, seconds: float, done: list[int], ready: threading.Event) -
     ready.set()
     end, n = time.monotonic() + seconds, 0
     while time.monotonic() < end:
-        payload = {"v": 2, "ns": "gemscout/oob", "epoch": "run-a", "rank": 1, "key": "progress", "seq": 2**62 + n}
+        payload = {
+            "v": 2,
+            "ns": "gemscout/oob",
+            "epoch": "run-a",
+            "rank": 1,
+            "key": "progress",
+            "seq": 2**62 + n,
+        }
         body = json.dumps(payload | {"payload": {}}, separators=(",", ":"))
         store.set("gemscout/oob/1/progress", "00" * 32 + "\n" + body)
         store.delete_key("gemscout/oob/2/progress")
@@ -139,14 +157,18 @@ def _forge(port: int, seconds: float, done: list[int], ready: threading.Event) -
     done.append(n)
 
 
-def _watch(observer: OobChannel, seconds: float, findings: list[StallFinding], *, sweep: bool = True) -> None:
+def _watch(
+    observer: OobChannel, seconds: float, findings: list[StallFinding], *, sweep: bool = True
+) -> None:
     cfg = WatchdogConfig(
         stall_threshold=timedelta(seconds=0.6),
         poll_interval=timedelta(milliseconds=50),
         heartbeat_timeout=timedelta(seconds=0.6),
         confirmations=2,
     )
-    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, callbacks=[findings.append], sweep=sweep)
+    watchdog = Watchdog(
+        observer, world_size=WORLD, config=cfg, callbacks=[findings.append], sweep=sweep
+    )
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         watchdog.poll_once()
@@ -180,7 +202,8 @@ def test_forger_without_the_secret_cannot_make_a_hang(served: tuple[dist.TCPStor
     forger.join(10)
     assert done and done[0] > 10, "the forger did not run"
     kinds = [
-        (f.kind, f.evidence.get("tamper", {}).get("slot"), f.evidence.get("tamper", {}).get("kind")) for f in findings
+        (f.kind, f.evidence.get("tamper", {}).get("slot"), f.evidence.get("tamper", {}).get("kind"))
+        for f in findings
     ]
     assert ("tamper", "gemscout/oob/1/progress", "forged") in kinds, kinds
     # Rank 2's slot is deleted faster than the polls see it: whether or not a deletion is caught, no hang.
@@ -201,7 +224,9 @@ def test_forger_without_the_secret_cannot_make_a_hang(served: tuple[dist.TCPStor
     for pub in pubs[:3]:
         pub.stop()
     hangs = [f for f in after if f.kind == "hang"]
-    assert [f.ranks for f in hangs] == [(3,)] and hangs[0].recommendation == "restart_from_verified", after
+    assert [f.ranks for f in hangs] == [(3,)] and hangs[
+        0
+    ].recommendation == "restart_from_verified", after
 
 
 class FakeClock:
@@ -231,7 +256,9 @@ def test_deleted_and_overwritten_slots_never_make_a_hang(served: tuple[dist.TCPS
     clock = FakeClock()
     cfg = WatchdogConfig(stall_threshold=timedelta(seconds=10), confirmations=2)
     findings: list[StallFinding] = []
-    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, clock=clock, callbacks=[findings.append])
+    watchdog = Watchdog(
+        observer, world_size=WORLD, config=cfg, clock=clock, callbacks=[findings.append]
+    )
     for step in range(1, 40):
         for pub in live:
             pub.step(step)
@@ -262,7 +289,9 @@ class FloodedStore:
         self.swept = 0
 
     def status(self) -> StoreStatus:
-        return StoreStatus(swept=self.swept, sample=("flood/0",), swept_at=None, pressure=True, lost=None)
+        return StoreStatus(
+            swept=self.swept, sample=("flood/0",), swept_at=None, pressure=True, lost=None
+        )
 
 
 def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore, int]) -> None:
@@ -286,7 +315,14 @@ def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore
     clock, flood = FakeClock(), FloodedStore()
     findings: list[StallFinding] = []
     cfg = WatchdogConfig(stall_threshold=timedelta(seconds=10), confirmations=2)
-    watchdog = Watchdog(observer, world_size=WORLD, config=cfg, clock=clock, callbacks=[findings.append], store=flood)
+    watchdog = Watchdog(
+        observer,
+        world_size=WORLD,
+        config=cfg,
+        clock=clock,
+        callbacks=[findings.append],
+        store=flood,
+    )
     for step in range(1, 4):
         for pub in live:
             pub.step(step)
@@ -297,7 +333,9 @@ def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore
         flood.swept += 100
         clock.now += 1.0
         watchdog.poll_once()
-    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [("tamper", (), "foreign_keys")]
+    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [
+        ("tamper", (), "foreign_keys")
+    ]
     for step in range(4, 44):  # ranks 1-3 train on; rank 0 is silent
         for pub in live[1:]:
             pub.step(step)
@@ -308,7 +346,9 @@ def test_a_flood_that_silences_every_rank_is_no_hang(served: tuple[dist.TCPStore
     assert [f.ranks for f in hangs] == [(0,)], findings
 
 
-def test_replayed_message_is_refused_after_a_watchdog_restart(served: tuple[dist.TCPStore, int]) -> None:
+def test_replayed_message_is_refused_after_a_watchdog_restart(
+    served: tuple[dist.TCPStore, int],
+) -> None:
     """Run A's authentic messages, written back into the store after the job restarted as run B (new epoch, new
     watchdog with no memory of A): refused as replays and reported as tamper, never taken as rank 1's progress."""
     store, port = served
@@ -335,11 +375,15 @@ def test_replayed_message_is_refused_after_a_watchdog_restart(served: tuple[dist
     watchdog.poll_once()
     assert observer_b.read(1, PROGRESS_KEY) is None
     assert observer_b.stats.replayed == 1 and observer_b.stats.accepted == WORLD + 3
-    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [("tamper", (1,), "replayed")]
+    assert [(f.kind, f.ranks, f.evidence["tamper"]["kind"]) for f in findings] == [
+        ("tamper", (1,), "replayed")
+    ]
     assert "epoch" in findings[0].reason
 
 
-def test_leftovers_of_an_earlier_run_are_refused_without_a_finding(served: tuple[dist.TCPStore, int]) -> None:
+def test_leftovers_of_an_earlier_run_are_refused_without_a_finding(
+    served: tuple[dist.TCPStore, int],
+) -> None:
     """A reused store still holds run A's last records when run B's watchdog starts: refused, not reported."""
     _, port = served
     pubs_a, _ = _job(port, epoch="run-a")
@@ -425,12 +469,20 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
         config=StoreServerConfig(memory_cap_bytes=cap),
     )  # fmt: skip
     try:
-        assert _listen_address(server.port) == "0100007F"  # the child serves on loopback only, like serve_store
+        assert (
+            _listen_address(server.port) == "0100007F"
+        )  # the child serves on loopback only, like serve_store
         pubs, observer = _job(server.port)
-        pubs[1].stop()  # rank 1's slot is where the flooder puts its oversized value; nothing overwrites it
+        pubs[
+            1
+        ].stop()  # rank 1's slot is where the flooder puts its oversized value; nothing overwrites it
         findings: list[StallFinding] = []
-        cfg = WatchdogConfig(stall_threshold=timedelta(seconds=30), poll_interval=timedelta(milliseconds=20))
-        watchdog = Watchdog(observer, world_size=WORLD, config=cfg, callbacks=[findings.append], store=server)
+        cfg = WatchdogConfig(
+            stall_threshold=timedelta(seconds=30), poll_interval=timedelta(milliseconds=20)
+        )
+        watchdog = Watchdog(
+            observer, world_size=WORLD, config=cfg, callbacks=[findings.append], store=server
+        )
         watchdog.poll_once()
         before, child_before = _rss_bytes(), _rss_bytes(server.pid)
         peak, child_peak = before, child_before
@@ -444,7 +496,9 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
             time.sleep(0.02)
         sent, dropped = map(int, flooder.stdout.read().split())
         assert flooder.wait(5) == 0 and sent == FLOOD_KEYS and dropped == 0
-        check = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+        check = dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (
             any(k.startswith("flood/") for k in check.list_keys())
@@ -453,7 +507,9 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
             watchdog.poll_once()
             time.sleep(0.05)
         growth = peak - before
-        assert growth < 8 << 20, f"the training process grew {growth >> 20} MiB under a 125 MiB flood"
+        assert growth < 8 << 20, (
+            f"the training process grew {growth >> 20} MiB under a 125 MiB flood"
+        )
         assert child_peak - child_before < cap and server.status().lost is None
         assert [k for k in check.list_keys() if not k.endswith("/progress")] == []
         assert {"foreign_keys", "oversized"} <= _kinds(findings), findings
@@ -461,7 +517,9 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
         assert observer.stats.swept >= FLOOD_KEYS // 2
         pubs[0].step(99)
         pubs[0].flush()
-        assert (observer.read(0, PROGRESS_KEY) or {}).get("step") == 99  # the store still serves the job
+        assert (observer.read(0, PROGRESS_KEY) or {}).get(
+            "step"
+        ) == 99  # the store still serves the job
         # The store process dies (what the kernel's OOM killer would do to it): one finding naming the cause, and the
         # watchdog reads nothing more; publishing fails without blocking and without raising into training.
         os.kill(server.pid, signal.SIGKILL)
@@ -470,7 +528,10 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
             watchdog.poll_once()
             time.sleep(0.02)
         (lost,) = [f for f in findings if f.evidence["tamper"]["kind"] == "store_lost"]
-        assert f"store process {server.pid} was killed by SIGKILL" in lost.reason and lost.recommendation == "observe"
+        assert (
+            f"store process {server.pid} was killed by SIGKILL" in lost.reason
+            and lost.recommendation == "observe"
+        )
         assert watchdog.poll_once() == []
         started = time.monotonic()
         for pub in pubs:
@@ -490,9 +551,14 @@ def _flood_from_here(port: int, keys: int) -> int:
     for i in range(keys):
         try:
             if store is None:
-                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+                store = dist.TCPStore(
+                    "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1)
+                )
             store.set(f"flood/{i}", value)
-        except (dist.DistNetworkError, dist.DistStoreError):  # dropped at the cap; a reconnect at the cap times out
+        except (
+            dist.DistNetworkError,
+            dist.DistStoreError,
+        ):  # dropped at the cap; a reconnect at the cap times out
             store, dropped = None, dropped + 1
             if dropped == 3:
                 break
@@ -546,13 +612,18 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
     returns at once. Then the training process itself is SIGKILLed: its store process does not outlive it."""
     program = Path(__file__).with_name("watch_flood_support.py")
     training = subprocess.Popen(
-        [sys.executable, str(program), "32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, str(program), "32"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     store_pids: list[int] = []
     try:
         ready = _event(training, "ready", timeout=60)
         store_pids.append(ready["store_pid"])
-        dropped = _flood_from_here(ready["port"], FLOOD_KEYS)  # this process is not the training process
+        dropped = _flood_from_here(
+            ready["port"], FLOOD_KEYS
+        )  # this process is not the training process
         assert dropped >= 1, dropped  # the store refused past its cap: it dropped the flooder
         # Full to its cap, the store refused everyone; its sweeps (the reserve above the cap) make it serve again.
         survived = _serves(ready["port"], timeout=15, pid=ready["store_pid"])
@@ -566,7 +637,9 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
         _tell(training, "killed")
         lost = _event(training, "lost")
         (reason,) = [k[2] for k in lost["reports"] if k[1] == "store_lost"]
-        assert f"store process {ready['store_pid']} " in reason and (not survived or "SIGKILL" in reason), reason
+        assert f"store process {ready['store_pid']} " in reason and (
+            not survived or "SIGKILL" in reason
+        ), reason
         assert [k for k in lost["reports"] if k[0] != "tamper"] == [] and lost["trained"] > 0, lost
         closed = _event(training, "closed")
         assert closed["seconds"] < 5, closed
@@ -590,13 +663,23 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
 def test_a_store_process_that_cannot_start_is_a_clear_error() -> None:
     """An interpreter that exits at once, and one that is not serving within the start timeout: ``StoreServerError``
     naming the cause, no process left behind, and no hang."""
-    with pytest.raises(StoreServerError, match="could not start: store process [0-9]+ exited with 1"):
+    with pytest.raises(
+        StoreServerError, match="could not start: store process [0-9]+ exited with 1"
+    ):
         StoreServer.start(
-            "127.0.0.1", namespace="ns", world_size=1, keys=["k"], config=StoreServerConfig(python="/bin/false")
+            "127.0.0.1",
+            namespace="ns",
+            world_size=1,
+            keys=["k"],
+            config=StoreServerConfig(python="/bin/false"),
         )
     started = time.monotonic()
-    slow = StoreServerConfig(start_timeout=timedelta(milliseconds=50))  # importing torch takes far longer
-    with pytest.raises(StoreServerError, match="not serving within .* raise StoreServerConfig.start_timeout"):
+    slow = StoreServerConfig(
+        start_timeout=timedelta(milliseconds=50)
+    )  # importing torch takes far longer
+    with pytest.raises(
+        StoreServerError, match="not serving within .* raise StoreServerConfig.start_timeout"
+    ):
         StoreServer.start("127.0.0.1", namespace="ns", world_size=1, keys=["k"], config=slow)
     assert time.monotonic() - started < 10
     assert [p for p in psutil.Process().children() if _CHILD_NAME in " ".join(p.cmdline())] == []

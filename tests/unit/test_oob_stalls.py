@@ -28,7 +28,9 @@ from gemscout.oob.stalls import (
 
 pytestmark = pytest.mark.timeout(30)
 
-FAST = StallConfig(absolute_threshold=timedelta(milliseconds=20), relative_factor=3.0, confirmations=2)
+FAST = StallConfig(
+    absolute_threshold=timedelta(milliseconds=20), relative_factor=3.0, confirmations=2
+)
 
 
 def _publisher_sink() -> SectionSink:
@@ -50,7 +52,10 @@ def _active(sink: SectionSink) -> str | None:
     return sink.snapshot().section
 
 
-SINKS: dict[str, Callable[[], SectionSink]] = {"recording": RecordingSink, "publisher": _publisher_sink}
+SINKS: dict[str, Callable[[], SectionSink]] = {
+    "recording": RecordingSink,
+    "publisher": _publisher_sink,
+}
 
 
 @pytest.mark.parametrize("make", SINKS.values(), ids=SINKS.keys())
@@ -76,10 +81,16 @@ def test_section_sink_contract(make: Callable[[], SectionSink]) -> None:
 def test_confirmed_after_two_consecutive_slow_rounds() -> None:
     detector = StallDetector(FAST)
     assert detector.observe("dataloader", 0, {0: 0.01, 1: 0.20, 2: 0.01}) is None
-    finding = detector.observe("dataloader", 1, {0: 0.01, 1: 0.30, 2: 0.012}, step=4, hosts={1: "node-b"})
+    finding = detector.observe(
+        "dataloader", 1, {0: 0.01, 1: 0.30, 2: 0.012}, step=4, hosts={1: "node-b"}
+    )
     assert isinstance(finding, StallFinding)
     assert finding.kind == "data_stall" and finding.ranks == (1,) and finding.step == 4
-    assert finding.confirmations == 2 and finding.host == "node-b" and finding.recommendation == "observe"
+    assert (
+        finding.confirmations == 2
+        and finding.host == "node-b"
+        and finding.recommendation == "observe"
+    )
     assert [r["round"] for r in finding.evidence["slow_rounds"]["1"]] == [0, 1]
     # Reported once per streak, not every further slow round.
     assert detector.observe("dataloader", 2, {0: 0.01, 1: 0.30, 2: 0.01}) is None
@@ -114,11 +125,16 @@ def test_sections_are_confirmed_separately_and_mapped_to_kinds() -> None:
     assert detector.observe("dataloader", 0, {0: 0.5, 1: 0.01}) is None
     finding = detector.observe("checkpoint_write", 1, {0: 0.5, 1: 0.01})
     assert finding is not None and finding.kind == "checkpoint_stall" and finding.ranks == (0,)
-    assert section_kind("checkpoint_read") == "checkpoint_stall" and section_kind("dataloader") == "data_stall"
+    assert (
+        section_kind("checkpoint_read") == "checkpoint_stall"
+        and section_kind("dataloader") == "data_stall"
+    )
 
 
 def test_two_ranks_confirmed_in_one_round_share_a_finding() -> None:
-    detector = StallDetector(StallConfig(absolute_threshold=timedelta(milliseconds=20), confirmations=1))
+    detector = StallDetector(
+        StallConfig(absolute_threshold=timedelta(milliseconds=20), confirmations=1)
+    )
     finding = detector.observe("dataloader", 0, {0: 0.01, 1: 0.5, 2: 0.01, 3: 0.6, 4: 0.01})
     assert finding is not None and finding.ranks == (1, 3)
 
@@ -167,15 +183,21 @@ def test_instrumented_dataloader_localizes_the_slow_rank() -> None:
         batches[rank] = list(wrapped)
     plain = list(DataLoader(_TinyDataset(8, delay_s=0.0), batch_size=2))
     assert all(torch.equal(a, b) for a, b in zip(batches[0], plain, strict=True))
-    assert all(len(s.rounds["dataloader"]) == 4 for s in sinks.values())  # StopIteration is not a round
+    assert all(
+        len(s.rounds["dataloader"]) == 4 for s in sinks.values()
+    )  # StopIteration is not a round
     assert min(sinks[1].rounds["dataloader"]) >= 0.06
     detector = StallDetector(FAST)
     findings = [
-        detector.observe("dataloader", r, {rank: s.rounds["dataloader"][r] for rank, s in sinks.items()})
+        detector.observe(
+            "dataloader", r, {rank: s.rounds["dataloader"][r] for rank, s in sinks.items()}
+        )
         for r in range(4)
     ]
     assert findings[0] is None
-    assert findings[1] is not None and findings[1].ranks == (1,) and findings[1].kind == "data_stall"
+    assert (
+        findings[1] is not None and findings[1].ranks == (1,) and findings[1].kind == "data_stall"
+    )
     assert findings[2] is None and findings[3] is None
 
 

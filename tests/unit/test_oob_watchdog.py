@@ -48,11 +48,15 @@ def test_rank_that_never_entered_the_collective_is_root() -> None:
     records = {r: _rec(r) for r in (0, 2, 3)} | {1: _rec(1, seq=41, active=False)}
     verdict = locate_root(records, stuck=[0, 1, 2, 3])
     assert verdict.ranks == (1,) and verdict.kind == "hang" and verdict.step == 10
-    assert verdict.evidence["reference"]["seq"] == 42 and verdict.evidence["reference"]["waiting"] == 3
+    assert (
+        verdict.evidence["reference"]["seq"] == 42 and verdict.evidence["reference"]["waiting"] == 3
+    )
 
 
 def test_root_stuck_in_the_dataloader_makes_a_data_stall() -> None:
-    records = {r: _rec(r) for r in (0, 1)} | {2: _rec(2, seq=41, active=False, section="dataloader")}
+    records = {r: _rec(r) for r in (0, 1)} | {
+        2: _rec(2, seq=41, active=False, section="dataloader")
+    }
     verdict = locate_root(records, stuck=[0, 1, 2])
     assert verdict.ranks == (2,) and verdict.kind == "data_stall"
 
@@ -74,7 +78,9 @@ def test_dead_rank_is_root() -> None:
 
 
 def test_step_lag_outside_collectives() -> None:
-    records = {r: _rec(r, step=5, active=False) for r in range(3)} | {3: _rec(3, step=4, active=False)}
+    records = {r: _rec(r, step=5, active=False) for r in range(3)} | {
+        3: _rec(3, step=4, active=False)
+    }
     assert locate_root(records, stuck=[3]).ranks == (3,)
     same = {r: _rec(r, step=5, active=False) for r in range(3)}
     assert locate_root(same, stuck=[0, 1, 2]).ranks == ()
@@ -106,17 +112,26 @@ class FakeClock:
 @pytest.fixture
 def job() -> Iterator[tuple[dist.TCPStore, list[ProgressPublisher], OobChannel]]:
     """Four ranks' publishers (flushed by hand, no threads) and an observer channel, all on one real TCPStore."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-    pubs = [ProgressPublisher(OobChannel(client, config=OobConfig(rank=r, secret=SECRET))) for r in range(4)]
+    pubs = [
+        ProgressPublisher(OobChannel(client, config=OobConfig(rank=r, secret=SECRET)))
+        for r in range(4)
+    ]
     observer = OobChannel(master, config=OobConfig(rank=None, secret=SECRET))
     yield master, pubs, observer
 
 
-CFG = WatchdogConfig(stall_threshold=timedelta(seconds=10), poll_interval=timedelta(seconds=1), confirmations=2)
+CFG = WatchdogConfig(
+    stall_threshold=timedelta(seconds=10), poll_interval=timedelta(seconds=1), confirmations=2
+)
 
 
-def _train(pubs: list[ProgressPublisher], steps: range, *, skip_last_for: int | None = None) -> None:
+def _train(
+    pubs: list[ProgressPublisher], steps: range, *, skip_last_for: int | None = None
+) -> None:
     for step in steps:
         for pub in pubs:
             pub.step(step)
@@ -127,7 +142,9 @@ def _train(pubs: list[ProgressPublisher], steps: range, *, skip_last_for: int | 
                 pub.exit_collective()
 
 
-def _tick(clock: FakeClock, watchdog: Watchdog, pubs: list[ProgressPublisher], seconds: float) -> list[StallFinding]:
+def _tick(
+    clock: FakeClock, watchdog: Watchdog, pubs: list[ProgressPublisher], seconds: float
+) -> list[StallFinding]:
     clock.now += seconds
     for pub in pubs:
         pub.flush()  # heartbeats keep coming: the processes are alive
@@ -142,7 +159,13 @@ def test_watchdog_names_the_hung_rank_after_confirmation(job: tuple) -> None:  #
     def broken_callback(_: StallFinding) -> None:
         raise RuntimeError("callback bug")
 
-    watchdog = Watchdog(observer, world_size=4, config=CFG, clock=clock, callbacks=[broken_callback, delivered.append])
+    watchdog = Watchdog(
+        observer,
+        world_size=4,
+        config=CFG,
+        clock=clock,
+        callbacks=[broken_callback, delivered.append],
+    )
     _train(pubs, range(1, 6), skip_last_for=1)
     assert _tick(clock, watchdog, pubs, 0) == []
     assert _tick(clock, watchdog, pubs, 9.0) == []  # under the threshold
@@ -173,7 +196,9 @@ def test_forged_progress_cannot_clear_the_root(job: tuple) -> None:  # type: ign
     """An attacker rewrites rank 1's record to claim it waits in the collective too: rejected, rank 1 still named."""
     master, pubs, observer = job
     clock = FakeClock()
-    patient = WatchdogConfig(stall_threshold=timedelta(seconds=10), heartbeat_timeout=timedelta(seconds=60))
+    patient = WatchdogConfig(
+        stall_threshold=timedelta(seconds=10), heartbeat_timeout=timedelta(seconds=60)
+    )
     watchdog = Watchdog(observer, world_size=4, config=patient, clock=clock)
     _train(pubs, range(1, 4), skip_last_for=1)
     _tick(clock, watchdog, pubs, 0)
@@ -217,11 +242,17 @@ def test_watchdog_feeds_section_rounds_to_the_stall_detector(job: tuple) -> None
         for pub in pubs:
             pub.step(round_index)
             pub.enter_section("checkpoint_read")
-            pub.exit_section("checkpoint_read", 0.5 if pub.snapshot().rank == 2 and round_index >= 1 else 0.01)
+            pub.exit_section(
+                "checkpoint_read", 0.5 if pub.snapshot().rank == 2 and round_index >= 1 else 0.01
+            )
             if pub.snapshot().rank == 0 and round_index == 1:
-                found += _tick(clock, watchdog, pubs[:1], 0.1)  # rank 0 ahead: round 1 not complete elsewhere
+                found += _tick(
+                    clock, watchdog, pubs[:1], 0.1
+                )  # rank 0 ahead: round 1 not complete elsewhere
         found += _tick(clock, watchdog, pubs, 0.1)
-    assert [(f.kind, f.ranks, f.evidence["round"]) for f in found] == [("checkpoint_stall", (2,), 2)]
+    assert [(f.kind, f.ranks, f.evidence["round"]) for f in found] == [
+        ("checkpoint_stall", (2,), 2)
+    ]
 
 
 def test_watchdog_thread_starts_and_stops(job: tuple) -> None:  # type: ignore[type-arg]
@@ -231,7 +262,9 @@ def test_watchdog_thread_starts_and_stops(job: tuple) -> None:  # type: ignore[t
     watchdog = Watchdog(
         observer,
         world_size=4,
-        config=WatchdogConfig(stall_threshold=timedelta(seconds=5), poll_interval=timedelta(milliseconds=20)),
+        config=WatchdogConfig(
+            stall_threshold=timedelta(seconds=5), poll_interval=timedelta(milliseconds=20)
+        ),
     ).start()
     try:
         for pub in pubs:

@@ -35,14 +35,27 @@ def test_nested_inputs_and_plain_values_round_trip_over_the_wire() -> None:
     }
     tensors: dict[str, torch.Tensor] = {}
     specs, kw = encode(nn.Identity(), (a,), kwargs, tensors)
-    assert set(tensors) == {"arg.0", "kwarg.pair.0", "kwarg.pair.1", "kwarg.nested.0.0", "kwarg.nested.0.1.0"}
-    assert all(t is not a and t is not b for t in tensors.values())  # copies, never the live tensors
+    assert set(tensors) == {
+        "arg.0",
+        "kwarg.pair.0",
+        "kwarg.pair.1",
+        "kwarg.nested.0.0",
+        "kwarg.nested.0.1.0",
+    }
+    assert all(
+        t is not a and t is not b for t in tensors.values()
+    )  # copies, never the live tensors
     header, payload = pack(STEP, {"r": _captured(tensors, specs, kw)})
     got = unpack(header, payload, STEP)["r"]
     rebuilt = {k: decode(spec, got.tensors) for k, spec in got.meta["kwargs"].items()}
     assert torch.equal(rebuilt["pair"][0], a) and torch.equal(rebuilt["pair"][1], b)
     assert isinstance(rebuilt["pair"], tuple) and isinstance(rebuilt["nested"]["x"], list)
-    assert rebuilt["mask"] is None and rebuilt["flag"] is True and rebuilt["n"] == 7 and rebuilt["scale"] == math.inf
+    assert (
+        rebuilt["mask"] is None
+        and rebuilt["flag"] is True
+        and rebuilt["n"] == 7
+        and rebuilt["scale"] == math.inf
+    )
     assert rebuilt["dtype"] is torch.bfloat16 and rebuilt["device"] == torch.device("cpu")
     assert rebuilt["nested"]["name"] == "rope" and torch.equal(rebuilt["nested"]["x"][1]["y"], b)
     assert kw["pair"]["tuple"][0]["grad"] is True and kw["pair"]["tuple"][1]["grad"] is False
@@ -58,7 +71,9 @@ def test_an_input_scout_cannot_send_is_refused_with_its_path_and_type() -> None:
     class Opaque:
         pass
 
-    with pytest.raises(Unreplayable, match=r"kwarg\.extra\.1 is a .*Opaque, which SCOUT cannot send"):
+    with pytest.raises(
+        Unreplayable, match=r"kwarg\.extra\.1 is a .*Opaque, which SCOUT cannot send"
+    ):
         encode(nn.Identity(), (), {"extra": (1, Opaque())}, {})
     with pytest.raises(Unreplayable, match="dict with a int key"):
         encode(nn.Identity(), ({1: 2},), {}, {})
@@ -102,8 +117,12 @@ def test_a_decoder_layer_with_a_cache_replays_bitwise_and_the_live_cache_is_unto
     model(input_ids=ids, labels=ids).loss.backward()
     live_grads = {n: p.grad.clone() for n, p in model.model.layers[1].named_parameters()}
     cache = seen["cache"]
-    assert type(cache).__name__ == "DynamicCache"  # a training forward with the default use_cache=True passes one
-    assert {"cache", "position_embeddings", "position_ids", "use_cache", "attention_mask"} <= set(seen["kwargs"])
+    assert (
+        type(cache).__name__ == "DynamicCache"
+    )  # a training forward with the default use_cache=True passes one
+    assert {"cache", "position_embeddings", "position_ids", "use_cache", "attention_mask"} <= set(
+        seen["kwargs"]
+    )
     live_keys = [layer.keys.clone() for layer in cache.layers]
     got = hooks.take("hidden.1", STEP)
     assert got.error is None, got.error
@@ -112,7 +131,9 @@ def test_a_decoder_layer_with_a_cache_replays_bitwise_and_the_live_cache_is_unto
     received = unpack(header, payload, STEP)["hidden.1"]
     ctx = ReplayContext(recipe="hidden.1", kind="hidden", step=STEP, rank=0, source_rank=0)
     hooks.paused = True
-    outcome = replay_forward(modules["hidden.1"], catalog["hidden.1"].modules, received, ctx, ReplayHooks())
+    outcome = replay_forward(
+        modules["hidden.1"], catalog["hidden.1"].modules, received, ctx, ReplayHooks()
+    )
     assert torch.equal(outcome.outputs["output"], seen["out"])
     for name, grad in live_grads.items():
         assert torch.equal(outcome.outputs[f"grad.param.model.layers.1.{name}"], grad), name
@@ -125,7 +146,9 @@ def test_a_cache_that_carries_past_tokens_is_refused_and_the_reason_is_not_maske
     _, hooks, _ = armed(model, {"hidden.0"})
     past = transformers.DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.randint(3, 64, (1, 4)), cache=past, use_cache=True)  # a prefix: past tokens
+        model(
+            input_ids=torch.randint(3, 64, (1, 4)), cache=past, use_cache=True
+        )  # a prefix: past tokens
     ids = torch.randint(3, 64, (1, 2))
     model(input_ids=ids, cache=past, use_cache=True).logits.sum().backward()
     got = hooks.take("hidden.0", STEP)
@@ -138,7 +161,13 @@ def test_tied_head_and_model_norm_classes_get_recipes() -> None:
     torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=1
+            vocab_size=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=1,
         )
     )
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
@@ -147,6 +176,11 @@ def test_tied_head_and_model_norm_classes_get_recipes() -> None:
     assert catalog["embedding"].modules == ("transformer.wte",)
     assert catalog["output"].modules == ("transformer.ln_f", "lm_head")
     sliced = [p for r in catalog.recipes if not r.has_module for p in r.params]
-    assert sliced.count("transformer.wte.weight") == 1 and "lm_head.weight" not in sliced  # the tied weight once
+    assert (
+        sliced.count("transformer.wte.weight") == 1 and "lm_head.weight" not in sliced
+    )  # the tied weight once
     llama = tiny_llama()
-    assert build_catalog(llama, None, ScoutConfig(recipes=("output",)))["output"].modules == ("model.norm", "lm_head")
+    assert build_catalog(llama, None, ScoutConfig(recipes=("output",)))["output"].modules == (
+        "model.norm",
+        "lm_head",
+    )

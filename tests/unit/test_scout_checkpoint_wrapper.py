@@ -47,13 +47,19 @@ class TitanLike(nn.Module):
 
 
 @pytest.mark.timeout(60)
-def test_blocks_in_a_module_dict_behind_checkpoint_wrappers_replay_on_the_given_parameters() -> None:
+def test_blocks_in_a_module_dict_behind_checkpoint_wrappers_replay_on_the_given_parameters() -> (
+    None
+):
     torch.manual_seed(0)
     model = TitanLike()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    catalog = build_catalog(model, opt, ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None))
+    catalog = build_catalog(
+        model, opt, ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None)
+    )
     hidden = [r for r in catalog.recipes if r.name.startswith("hidden.")]
-    assert [(r.name, r.modules) for r in hidden] == [(f"hidden.{i}", (f"layers.{i}",)) for i in range(3)]
+    assert [(r.name, r.modules) for r in hidden] == [
+        (f"hidden.{i}", (f"layers.{i}",)) for i in range(3)
+    ]
     modules = {r.name: [model.get_submodule(p) for p in r.modules] for r in catalog.recipes}
     hooks = CaptureHooks(modules, {r.name: r for r in catalog.recipes})
     hooks.arm(STEP, {"hidden.1"})
@@ -67,8 +73,14 @@ def test_blocks_in_a_module_dict_behind_checkpoint_wrappers_replay_on_the_given_
     given = {n: (p.detach() * 1.5).requires_grad_(True) for n, p in wrapper.named_parameters()}
     ctx = ReplayContext(recipe="hidden.1", kind="hidden", step=STEP, rank=0, source_rank=0)
     outcome = replay_forward([wrapper], ("layers.1",), captured, ctx, ReplayHooks(), params=[given])
-    grads = {k[len("grad.param.layers.1."):]: g for k, g in outcome.outputs.items() if k.startswith("grad.param.")}
-    reference = Block()  # the same block, unwrapped, on the given values: forward and backward by hand
+    grads = {
+        k[len("grad.param.layers.1.") :]: g
+        for k, g in outcome.outputs.items()
+        if k.startswith("grad.param.")
+    }
+    reference = (
+        Block()
+    )  # the same block, unwrapped, on the given values: forward and backward by hand
     reference.load_state_dict({n: t.detach() for n, t in given.items()})
     x = captured.tensors["arg.0"].detach().requires_grad_(True)
     out = reference(x)
@@ -76,4 +88,6 @@ def test_blocks_in_a_module_dict_behind_checkpoint_wrappers_replay_on_the_given_
     assert torch.equal(outcome.outputs["output"], out.detach())
     expected = {n: p.grad for n, p in reference.named_parameters()}
     assert set(grads) == set(expected)
-    assert all(torch.equal(grads[n], expected[n]) for n in expected), "gradients recomputed with the live parameters"
+    assert all(torch.equal(grads[n], expected[n]) for n in expected), (
+        "gradients recomputed with the live parameters"
+    )

@@ -24,7 +24,9 @@ def oracle(digests: Mapping[int, str]) -> tuple[Verdict, tuple[int, ...]]:
         return (Verdict.AGREE, ()) if len(values) > 1 else (Verdict.INCONCLUSIVE, ())
     for candidate in values:
         if 2 * values.count(candidate) > len(values):
-            return Verdict.ATTRIBUTED, tuple(sorted(r for r, v in digests.items() if v != candidate))
+            return Verdict.ATTRIBUTED, tuple(
+                sorted(r for r, v in digests.items() if v != candidate)
+            )
     return Verdict.INCONCLUSIVE, ()
 
 
@@ -68,7 +70,9 @@ def test_every_digest_assignment_matches_the_oracle(n: int) -> None:
 @pytest.mark.parametrize("n", [6, 7, 8])
 def test_every_set_partition_matches_the_oracle(n: int) -> None:
     partitions = list(set_partitions(n))
-    assert len(partitions) == {6: 203, 7: 877, 8: 4140}[n]  # Bell numbers: the enumeration is complete
+    assert (
+        len(partitions) == {6: 203, 7: 877, 8: 4140}[n]
+    )  # Bell numbers: the enumeration is complete
     for labels in partitions:
         check_against_oracle(labels)
 
@@ -105,10 +109,20 @@ def test_all_equal_agrees(n: int) -> None:
 
 @pytest.mark.parametrize(
     "labels",
-    [(0, 0, 1, 1), (0, 1, 0, 1), (0, 0, 0, 1, 1, 1), (0, 0, 0, 0, 1, 1, 1, 1), (0, 1, 2), (0, 0, 1, 2), (0, 1, 2, 3)],
+    [
+        (0, 0, 1, 1),
+        (0, 1, 0, 1),
+        (0, 0, 0, 1, 1, 1),
+        (0, 0, 0, 0, 1, 1, 1, 1),
+        (0, 1, 2),
+        (0, 0, 1, 2),
+        (0, 1, 2, 3),
+    ],
 )
 def test_ties_and_pluralities_without_majority_are_inconclusive(labels: tuple[int, ...]) -> None:
-    result = c3({rank: f"d{label}" for rank, label in enumerate(labels)}, recipe="optimizer", step=1)
+    result = c3(
+        {rank: f"d{label}" for rank, label in enumerate(labels)}, recipe="optimizer", step=1
+    )
     assert result.verdict is Verdict.INCONCLUSIVE
     assert result.ranks == ()
     assert result.outputs_disagree
@@ -145,7 +159,9 @@ def test_real_tensor_digests_localize_a_bit_flip() -> None:
         ({0: GOOD, 1: GOOD}, "r", -1, "step"),
     ],
 )
-def test_malformed_inputs_raise_value_error(digests: dict, recipe: str, step: int, message: str) -> None:  # type: ignore[type-arg]
+def test_malformed_inputs_raise_value_error(
+    digests: dict, recipe: str, step: int, message: str
+) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         c3(digests, recipe=recipe, step=step)
 
@@ -178,16 +194,26 @@ def test_to_dict_is_json() -> None:
 
 
 def test_fault_report_for_each_verdict() -> None:
-    attributed = c3({0: GOOD, 1: BAD, 2: GOOD}, recipe="output", step=12).fault_report(host="node-a")
+    attributed = c3({0: GOOD, 1: BAD, 2: GOOD}, recipe="output", step=12).fault_report(
+        host="node-a"
+    )
     assert attributed is not None
-    assert (attributed.kind, attributed.scope, attributed.ranks) == (FaultKind.SDC, Scope.RANK, (1,))
+    assert (attributed.kind, attributed.scope, attributed.ranks) == (
+        FaultKind.SDC,
+        Scope.RANK,
+        (1,),
+    )
     assert (attributed.step, attributed.recipe, attributed.host) == (12, "output", "node-a")
     assert attributed.evidence["digests_by_rank"]["1"] == BAD
     assert FaultReport.from_json(attributed.to_json()) == attributed
 
     detected = c3({0: GOOD, 1: BAD}, recipe="output", step=12).fault_report()
     assert detected is not None
-    assert (detected.kind, detected.scope, detected.ranks) == (FaultKind.SDC, Scope.PEER_GROUP, (0, 1))
+    assert (detected.kind, detected.scope, detected.ranks) == (
+        FaultKind.SDC,
+        Scope.PEER_GROUP,
+        (0, 1),
+    )
 
     assert c3({0: GOOD, 1: GOOD}, recipe="output", step=12).fault_report() is None
     assert c3({0: GOOD}, recipe="output", step=12).fault_report() is None

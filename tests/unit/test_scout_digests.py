@@ -81,7 +81,10 @@ def test_same_bytes_different_dtype_differ() -> None:
 
 def test_same_values_different_dtype_differ() -> None:
     values = torch.arange(8)
-    digests = {tensor_digest(values.to(dtype)) for dtype in (torch.int64, torch.int32, torch.float32, torch.float64)}
+    digests = {
+        tensor_digest(values.to(dtype))
+        for dtype in (torch.int64, torch.int32, torch.float32, torch.float64)
+    }
     assert len(digests) == 4
 
 
@@ -234,10 +237,25 @@ def test_fast_path_digests_the_same_bytes_as_the_general_path() -> None:
 
     g = torch.Generator().manual_seed(3)
     base = torch.randn(6, 5, generator=g)
-    cases = [torch.tensor(2.5), base, base.t(), base[1:4, ::2], torch.randn(5, generator=g).expand(3, 5),
-             torch.randn(1, 5, generator=g)[:, 1:3], base.to(torch.bfloat16), base.to(torch.float16),
-             base.to(torch.float8_e4m3fn), torch.randn(3, dtype=torch.complex64, generator=g).conj(),
-             base._neg_view(), base.clone().requires_grad_(), torch.nn.Parameter(base.clone()), torch.empty(0),
-             torch.empty(0, 3), torch.arange(7, dtype=torch.int8), base > 0, base.to(torch.float64)]
+    cases = [
+        torch.tensor(2.5),
+        base,
+        base.t(),
+        base[1:4, ::2],
+        torch.randn(5, generator=g).expand(3, 5),
+        torch.randn(1, 5, generator=g)[:, 1:3],
+        base.to(torch.bfloat16),
+        base.to(torch.float16),
+        base.to(torch.float8_e4m3fn),
+        torch.randn(3, dtype=torch.complex64, generator=g).conj(),
+        base._neg_view(),
+        base.clone().requires_grad_(),
+        torch.nn.Parameter(base.clone()),
+        torch.empty(0),
+        torch.empty(0, 3),
+        torch.arange(7, dtype=torch.int8),
+        base > 0,
+        base.to(torch.float64),
+    ]
     for t in cases:
         assert tensor_digest(t) == general(t), (t.dtype, tuple(t.shape), t.stride())

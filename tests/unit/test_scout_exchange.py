@@ -23,11 +23,23 @@ def _digest(i: int) -> str:
     return tensor_digest(torch.tensor([float(i)]))
 
 
-def _record(name: str, seed: int, *, shapes: list[list[int]] | None = None, **extra: object) -> dict[str, object]:
-    return {"error": None, "digest": _digest(seed), "replay_s": 0.001 * (seed + 1) / 3,
-            "precondition": {"step": 7, "recipe": name, "shapes": shapes or [[2, 3], [4]],
-                             "input_digest": _digest(100), "rng_digest": _digest(101), "param_digest": _digest(102)},
-            **extra}
+def _record(
+    name: str, seed: int, *, shapes: list[list[int]] | None = None, **extra: object
+) -> dict[str, object]:
+    return {
+        "error": None,
+        "digest": _digest(seed),
+        "replay_s": 0.001 * (seed + 1) / 3,
+        "precondition": {
+            "step": 7,
+            "recipe": name,
+            "shapes": shapes or [[2, 3], [4]],
+            "input_digest": _digest(100),
+            "rng_digest": _digest(101),
+            "param_digest": _digest(102),
+        },
+        **extra,
+    }
 
 
 def _records(seed: int = 0, **extra: object) -> dict[str, dict[str, object]]:
@@ -40,7 +52,9 @@ def test_row_decodes_to_what_json_would_deliver() -> None:
     row = encode_records(NAMES, 3, records, comm_s=0.125)
     assert len(row) == record_row_bytes(len(NAMES))
     decoded = decode_records(NAMES, row, records)
-    via_json = json.loads(json.dumps({"threads": 3, "records": records, "comm_s": 0.125}, sort_keys=True))
+    via_json = json.loads(
+        json.dumps({"threads": 3, "records": records, "comm_s": 0.125}, sort_keys=True)
+    )
     assert decoded == via_json
     assert not _needs_json([row, row])
 
@@ -63,7 +77,12 @@ def test_verdicts_are_the_same_on_both_paths() -> None:
 def test_what_a_row_cannot_carry_takes_the_json_path() -> None:
     healthy = encode_records(NAMES, 1, _records())
     failed = _records()
-    failed["hidden.0"] = {"error": "RuntimeError: boom", "precondition": None, "digest": None, "replay_s": None}
+    failed["hidden.0"] = {
+        "error": "RuntimeError: boom",
+        "precondition": None,
+        "digest": None,
+        "replay_s": None,
+    }
     odd = _records()
     odd["embedding"]["digest"] = "sha256:" + "0" * 64
     unknown = _records(extra_field=1)

@@ -20,12 +20,18 @@ from gemscout.scout.materialize import CollectiveTimer, _owned_by_fsdp, without_
 
 
 def _fsdp_hooks(module: nn.Module) -> int:
-    return sum(_owned_by_fsdp(h) for sub in module.modules()
-               for registry in (sub._forward_pre_hooks, sub._forward_hooks) for h in registry.values())
+    return sum(
+        _owned_by_fsdp(h)
+        for sub in module.modules()
+        for registry in (sub._forward_pre_hooks, sub._forward_hooks)
+        for h in registry.values()
+    )
 
 
 @pytest.mark.timeout(60)
-def test_replay_under_fsdp2_runs_no_fsdp_collective(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replay_under_fsdp2_runs_no_fsdp_collective(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     unshards: list[int] = []
     real_unshard = FSDPParamGroup.unshard
 
@@ -49,7 +55,10 @@ def test_replay_under_fsdp2_runs_no_fsdp_collective(one_rank: None, monkeypatch:
     unshards.clear()
 
     # A replay's forward: the gathered (here: full) parameters, bound functionally, with FSDP's hooks detached.
-    params = {name: p.full_tensor().detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    params = {
+        name: p.full_tensor().detach().clone().requires_grad_()
+        for name, p in model.named_parameters()
+    }
     grads_before = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     with without_wrapper_hooks([model]), CollectiveTimer() as timer:
         assert _fsdp_hooks(model) == 0

@@ -48,7 +48,14 @@ def records(n: int, differing: dict[int, dict[str, Any]] | None = None) -> dict[
 
 
 def test_fields_are_the_ones_the_design_names() -> None:
-    assert PRECONDITION_FIELDS == ("step", "recipe", "shapes", "input_digest", "rng_digest", "param_digest")
+    assert PRECONDITION_FIELDS == (
+        "step",
+        "recipe",
+        "shapes",
+        "input_digest",
+        "rng_digest",
+        "param_digest",
+    )
     assert set(OTHER) == set(PRECONDITION_FIELDS)
 
 
@@ -60,12 +67,16 @@ def test_agreeing_records_pass_and_c3_decides() -> None:
     assert result.preconditions_ok
 
 
-STARTS_FROM = tuple(f for f in PRECONDITION_FIELDS if f != "param_digest")  # what the replay starts from
+STARTS_FROM = tuple(
+    f for f in PRECONDITION_FIELDS if f != "param_digest"
+)  # what the replay starts from
 
 
 @pytest.mark.parametrize("field", STARTS_FROM)
 @pytest.mark.parametrize(("n", "odd_rank"), [(3, 0), (4, 2), (5, 4), (8, 5)])
-def test_each_disagreeing_field_is_named_and_blocks_attribution(field: str, n: int, odd_rank: int) -> None:
+def test_each_disagreeing_field_is_named_and_blocks_attribution(
+    field: str, n: int, odd_rank: int
+) -> None:
     peers = records(n, {odd_rank: {field: OTHER[field]}})
     reason = check_preconditions(peers)
     assert reason is not None
@@ -79,7 +90,9 @@ def test_each_disagreeing_field_is_named_and_blocks_attribution(field: str, n: i
     assert result.ranks == ()
     assert not result.preconditions_ok
     assert f"'{field}'" in result.reason
-    assert result.fault_report() is None  # no SDC is claimed on the strength of a broken precondition
+    assert (
+        result.fault_report() is None
+    )  # no SDC is claimed on the strength of a broken precondition
     assert dict(result.digests_by_rank) == digests  # the digests are kept as evidence all the same
 
 
@@ -96,9 +109,14 @@ def test_disagreeing_preconditions_never_attribute_whatever_the_digests(field: s
 
 
 @pytest.mark.parametrize(("n", "odd_rank"), [(3, 0), (4, 2), (5, 4), (8, 5)])
-def test_diverged_parameters_are_attributed_by_majority_whatever_the_outputs(n: int, odd_rank: int) -> None:
+def test_diverged_parameters_are_attributed_by_majority_whatever_the_outputs(
+    n: int, odd_rank: int
+) -> None:
     peers = records(n, {odd_rank: {"param_digest": OTHER["param_digest"]}})
-    for outputs in ({r: GOOD for r in range(n)}, {r: BAD if r == odd_rank else GOOD for r in range(n)}):
+    for outputs in (
+        {r: GOOD for r in range(n)},
+        {r: BAD if r == odd_rank else GOOD for r in range(n)},
+    ):
         result = judge(peers, outputs, recipe=BASE.recipe, step=BASE.step)
         assert result.verdict is Verdict.ATTRIBUTED and result.ranks == (odd_rank,), result
         assert result.preconditions_ok and "parameters diverged" in result.reason
@@ -108,23 +126,37 @@ def test_diverged_parameters_are_attributed_by_majority_whatever_the_outputs(n: 
 
 
 @pytest.mark.parametrize(("n", "odd"), [(2, (1,)), (4, (2, 3))])
-def test_diverged_parameters_without_a_majority_are_detected_without_a_culprit(n: int, odd: tuple[int, ...]) -> None:
+def test_diverged_parameters_without_a_majority_are_detected_without_a_culprit(
+    n: int, odd: tuple[int, ...]
+) -> None:
     peers = records(n, {rank: {"param_digest": OTHER["param_digest"]} for rank in odd})
     result = judge(peers, {r: GOOD for r in range(n)}, recipe=BASE.recipe, step=BASE.step)
     assert result.verdict is Verdict.INCONCLUSIVE and result.ranks == () and result.preconditions_ok
     assert "detection without a culprit" in result.reason
     report = result.fault_report()
-    assert report is not None and report.scope.value == "peer_group" and report.ranks == tuple(range(n))
+    assert (
+        report is not None
+        and report.scope.value == "peer_group"
+        and report.ranks == tuple(range(n))
+    )
 
 
 def test_an_earlier_field_wins_over_diverged_parameters() -> None:
-    peers = records(4, {1: {"input_digest": OTHER["input_digest"], "param_digest": OTHER["param_digest"]}})
+    peers = records(
+        4, {1: {"input_digest": OTHER["input_digest"], "param_digest": OTHER["param_digest"]}}
+    )
     result = judge(peers, {r: GOOD for r in range(4)}, recipe=BASE.recipe, step=BASE.step)
-    assert result.verdict is Verdict.INCONCLUSIVE and not result.preconditions_ok and "'input_digest'" in result.reason
+    assert (
+        result.verdict is Verdict.INCONCLUSIVE
+        and not result.preconditions_ok
+        and "'input_digest'" in result.reason
+    )
 
 
 def test_the_first_disagreeing_field_is_named() -> None:
-    peers = records(3, {1: {"rng_digest": OTHER["rng_digest"], "param_digest": OTHER["param_digest"]}})
+    peers = records(
+        3, {1: {"rng_digest": OTHER["rng_digest"], "param_digest": OTHER["param_digest"]}}
+    )
     mismatch = find_precondition_mismatch(peers)
     assert mismatch is not None
     assert mismatch.field == "rng_digest"
@@ -133,7 +165,9 @@ def test_the_first_disagreeing_field_is_named() -> None:
 
 
 def test_a_tied_split_names_every_rank() -> None:
-    peers = records(4, {2: {"input_digest": OTHER["input_digest"]}, 3: {"input_digest": OTHER["input_digest"]}})
+    peers = records(
+        4, {2: {"input_digest": OTHER["input_digest"]}, 3: {"input_digest": OTHER["input_digest"]}}
+    )
     mismatch = find_precondition_mismatch(peers)
     assert mismatch is not None
     assert mismatch.groups == ((0, 1), (2, 3))
@@ -149,7 +183,9 @@ def test_records_for_another_step_or_recipe_than_judged_are_inconclusive() -> No
 
 
 def test_missing_records_or_digests_are_inconclusive_and_named() -> None:
-    no_record = judge(records(3), {0: GOOD, 1: GOOD, 2: GOOD, 3: BAD}, recipe=BASE.recipe, step=BASE.step)
+    no_record = judge(
+        records(3), {0: GOOD, 1: GOOD, 2: GOOD, 3: BAD}, recipe=BASE.recipe, step=BASE.step
+    )
     assert no_record.verdict is Verdict.INCONCLUSIVE
     assert "no precondition record from ranks [3]" in no_record.reason
     no_digest = judge(records(4), {0: GOOD, 1: GOOD, 2: BAD}, recipe=BASE.recipe, step=BASE.step)

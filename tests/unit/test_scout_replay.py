@@ -20,16 +20,29 @@ def live_step() -> dict[str, object]:
     torch.manual_seed(0)
     model = build_model("three-block", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    catalog = build_catalog(model, opt, ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None))
+    catalog = build_catalog(
+        model, opt, ScoutConfig(hidden_per_cycle=None, optimizer_slices_per_cycle=None)
+    )
     modules = {r.name: [model.get_submodule(p) for p in r.modules] for r in catalog.recipes}
     hooks = CaptureHooks(modules, {r.name: r for r in catalog.recipes})
     hooks.arm(STEP, {"embedding", "hidden.1", "output"})
     live_out: dict[str, torch.Tensor] = {}
-    model.blocks[1].register_forward_hook(lambda m, a, out: live_out.__setitem__("hidden.1", out.detach().clone()))
-    model.head.register_forward_hook(lambda m, a, out: live_out.__setitem__("output", out.detach().clone()))
+    model.blocks[1].register_forward_hook(
+        lambda m, a, out: live_out.__setitem__("hidden.1", out.detach().clone())
+    )
+    model.head.register_forward_hook(
+        lambda m, a, out: live_out.__setitem__("output", out.detach().clone())
+    )
     inputs, targets = synthetic_batch(seed=0, step=STEP, rank=0)
     lm_loss(model(inputs), targets).backward()  # dropout is active: replay must draw the same masks
-    return {"model": model, "opt": opt, "catalog": catalog, "modules": modules, "hooks": hooks, "live": live_out}
+    return {
+        "model": model,
+        "opt": opt,
+        "catalog": catalog,
+        "modules": modules,
+        "hooks": hooks,
+        "live": live_out,
+    }
 
 
 def ctx(name: str) -> ReplayContext:
@@ -50,18 +63,28 @@ def test_block_and_output_replays_are_bitwise_equal_to_the_live_step() -> None:
     for name, params in (("hidden.1", "blocks.1"), ("output", "head")):
         captured = over_the_wire(hooks.take(name, STEP), name)
         hooks.paused = True
-        outcome = replay_forward(s["modules"][name], s["catalog"][name].modules, captured, ctx(name), ReplayHooks())
+        outcome = replay_forward(
+            s["modules"][name], s["catalog"][name].modules, captured, ctx(name), ReplayHooks()
+        )
         hooks.paused = False
         assert torch.equal(outcome.outputs["output"], s["live"][name]), name  # type: ignore[index]
         for key, grad in outcome.outputs.items():
             if key.startswith(f"grad.param.{params}."):
-                live_name = key[len("grad.param."):]
+                live_name = key[len("grad.param.") :]
                 assert torch.equal(grad, grads_before[live_name]), key
         assert any(k.startswith("grad.input.") for k in outcome.outputs)
-    embedding = replay_forward(s["modules"]["embedding"], ("embed",), over_the_wire(hooks.take("embedding", STEP),
-                               "embedding"), ctx("embedding"), ReplayHooks())
+    embedding = replay_forward(
+        s["modules"]["embedding"],
+        ("embed",),
+        over_the_wire(hooks.take("embedding", STEP), "embedding"),
+        ctx("embedding"),
+        ReplayHooks(),
+    )
     assert torch.equal(embedding.outputs["grad.param.embed.weight"], grads_before["embed.weight"])
-    assert set(embedding.outputs) == {"output", "grad.param.embed.weight"}  # ids are integers: no input gradient
+    assert set(embedding.outputs) == {
+        "output",
+        "grad.param.embed.weight",
+    }  # ids are integers: no input gradient
     # Nothing live moved: gradients, the RNG stream, train mode.
     assert all(torch.equal(p.grad, grads_before[n]) for n, p in model.named_parameters())
     assert torch.equal(torch.get_rng_state(), rng_before)
@@ -71,7 +94,10 @@ def test_block_and_output_replays_are_bitwise_equal_to_the_live_step() -> None:
 def test_capture_is_taken_only_when_armed_and_says_why_not() -> None:
     s = live_step()
     hooks: CaptureHooks = s["hooks"]  # type: ignore[assignment]
-    assert hooks.take("hidden.0", STEP).error == f"no forward of step {STEP} reached 'hidden.0' on this rank (not armed)"
+    assert (
+        hooks.take("hidden.0", STEP).error
+        == f"no forward of step {STEP} reached 'hidden.0' on this rank (not armed)"
+    )
     assert "captured for step 5, not 6" in str(hooks.take("hidden.1", STEP + 1).error)
     hooks.remove()
     assert hooks.take("hidden.1", STEP).error is not None
@@ -90,11 +116,15 @@ def test_optimizer_replay_equals_the_live_update_and_leaves_it_alone() -> None:
     captured = over_the_wire(capture_optimizer(recipe, params, opt, STEP), "optimizer.1")
     before = {n: params[n].detach().clone() for n in recipe.params}
     outcome = replay_optimizer(type(opt), opt.defaults, captured, ctx("optimizer.1"), ReplayHooks())
-    assert all(torch.equal(params[n], before[n]) for n in recipe.params)  # the live parameters did not move
+    assert all(
+        torch.equal(params[n], before[n]) for n in recipe.params
+    )  # the live parameters did not move
     opt.step()
     for name in recipe.params:
         assert torch.equal(outcome.outputs[f"param.{name}"], params[name]), name
-        assert torch.equal(outcome.outputs[f"state.{name}#exp_avg"], opt.state[params[name]]["exp_avg"])
+        assert torch.equal(
+            outcome.outputs[f"state.{name}#exp_avg"], opt.state[params[name]]["exp_avg"]
+        )
 
 
 def test_replay_hooks_replace_inputs_and_outputs_and_can_be_removed() -> None:
@@ -106,17 +136,25 @@ def test_replay_hooks_replace_inputs_and_outputs_and_can_be_removed() -> None:
     h_in = ReplayHooks.add(seams.inputs, lambda c, t: {k: v * 0 for k, v in t.items()})
     h_out = ReplayHooks.add(seams.outputs, lambda c, t: seen.append((c.recipe, c.step)) or None)
     run = replay_forward(s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), seams)
-    clean = replay_forward(s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), ReplayHooks())
-    assert not torch.equal(run.outputs["output"], clean.outputs["output"]) and seen == [("hidden.1", STEP)]
+    clean = replay_forward(
+        s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), ReplayHooks()
+    )
+    assert not torch.equal(run.outputs["output"], clean.outputs["output"]) and seen == [
+        ("hidden.1", STEP)
+    ]
     h_in.remove()
     h_out.remove()
-    again = replay_forward(s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), seams)
+    again = replay_forward(
+        s["modules"]["hidden.1"], ("blocks.1",), captured, ctx("hidden.1"), seams
+    )
     assert torch.equal(again.outputs["output"], clean.outputs["output"]) and len(seen) == 1
     assert ctx("hidden.1").role == "source"
 
 
 @pytest.mark.timeout(60)
-def test_consuming_optimizer_replay_equals_the_copying_one_and_spares_what_a_hook_returned() -> None:
+def test_consuming_optimizer_replay_equals_the_copying_one_and_spares_what_a_hook_returned() -> (
+    None
+):
     """``consume=True`` (what the engine passes: its received inputs are views nobody reads again) updates the
     received tensors in place instead of cloning them; the outputs must be bitwise those of the copying replay, and an
     input a hook replaced (the hook may keep it) must stay untouched."""
@@ -128,8 +166,13 @@ def test_consuming_optimizer_replay_equals_the_copying_one_and_spares_what_a_hoo
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.02)
     recipe = s["catalog"]["optimizer.1"]  # type: ignore[index]
-    copying = replay_optimizer(type(opt), opt.defaults, over_the_wire(capture_optimizer(recipe, params, opt, STEP),
-                               "optimizer.1"), ctx("optimizer.1"), ReplayHooks())
+    copying = replay_optimizer(
+        type(opt),
+        opt.defaults,
+        over_the_wire(capture_optimizer(recipe, params, opt, STEP), "optimizer.1"),
+        ctx("optimizer.1"),
+        ReplayHooks(),
+    )
     received = over_the_wire(capture_optimizer(recipe, params, opt, STEP), "optimizer.1")
     first = recipe.params[0]
     kept = {}
@@ -141,8 +184,14 @@ def test_consuming_optimizer_replay_equals_the_copying_one_and_spares_what_a_hoo
     hooks = ReplayHooks()
     ReplayHooks.add(hooks.inputs, keep_first)
     before = {k: t.clone() for k, t in received.tensors.items()}  # type: ignore[attr-defined]
-    consumed = replay_optimizer(type(opt), opt.defaults, received, ctx("optimizer.1"), hooks,  # type: ignore[arg-type]
-                                consume=True)
+    consumed = replay_optimizer(
+        type(opt),
+        opt.defaults,
+        received,
+        ctx("optimizer.1"),
+        hooks,  # type: ignore[arg-type]
+        consume=True,
+    )
     kept_before = before[f"param.{first}"]
     assert set(consumed.outputs) == set(copying.outputs)
     for key, tensor in copying.outputs.items():
@@ -166,7 +215,7 @@ def test_pack_into_a_given_buffer_writes_the_same_payload() -> None:
 
     def out(header_bytes: int, payload_bytes: int) -> torch.Tensor:
         asked.append((header_bytes, payload_bytes))
-        return buffer[128:128 + payload_bytes]
+        return buffer[128 : 128 + payload_bytes]
 
     header2, written = pack(STEP, captures, out=out)
     assert header2 == header and asked == [(len(header), payload.numel())]
@@ -192,30 +241,60 @@ def test_flat_optimizer_slice_replays_the_live_update_and_falls_back_per_kind() 
     recipe = s["catalog"]["optimizer.1"]  # type: ignore[index]
     flat = capture_optimizer(recipe, params, opt, STEP, flat=True)
     assert {k for k in flat.tensors if not k.startswith("hyper.")} == {
-        "flat.param", "flat.grad", "flat.state#exp_avg", "flat.state#exp_avg_sq", "flat.state#step"}
+        "flat.param",
+        "flat.grad",
+        "flat.state#exp_avg",
+        "flat.state#exp_avg_sq",
+        "flat.state#step",
+    }
     live_before = {n: params[n].detach().clone() for n in recipe.params}
     first = recipe.params[0]
-    flat.tensors["flat.param"][0] += 1.0  # the flat tensor is a copy: writing it never reaches the live parameter
+    flat.tensors["flat.param"][0] += (
+        1.0  # the flat tensor is a copy: writing it never reaches the live parameter
+    )
     flat.tensors["flat.param"][0] -= 1.0
     assert torch.equal(params[first], live_before[first])
     wire = over_the_wire(flat, "optimizer.1")
-    outcome = replay_optimizer(type(opt), opt.defaults, wire, ctx("optimizer.1"), ReplayHooks(),  # type: ignore[arg-type]
-                               consume=True)
+    outcome = replay_optimizer(
+        type(opt),
+        opt.defaults,
+        wire,
+        ctx("optimizer.1"),
+        ReplayHooks(),  # type: ignore[arg-type]
+        consume=True,
+    )
     assert all(torch.equal(params[n], live_before[n]) for n in recipe.params)
     # Consumed: the update ran in the received flat tensors, which are the outputs (nothing copied).
     assert outcome.outputs["flat.param"].data_ptr() == wire.tensors["flat.param"].data_ptr()  # type: ignore[attr-defined]
     opt.step()
     names = recipe.params
-    assert torch.equal(outcome.outputs["flat.param"], torch.cat([params[n].detach().reshape(-1) for n in names]))
-    assert torch.equal(outcome.outputs["flat.state#exp_avg"],
-                       torch.cat([opt.state[params[n]]["exp_avg"].reshape(-1) for n in names]))
-    assert set(outcome.outputs) == {"flat.param", "flat.state#exp_avg", "flat.state#exp_avg_sq", "flat.state#step"}
+    assert torch.equal(
+        outcome.outputs["flat.param"], torch.cat([params[n].detach().reshape(-1) for n in names])
+    )
+    assert torch.equal(
+        outcome.outputs["flat.state#exp_avg"],
+        torch.cat([opt.state[params[n]]["exp_avg"].reshape(-1) for n in names]),
+    )
+    assert set(outcome.outputs) == {
+        "flat.param",
+        "flat.state#exp_avg",
+        "flat.state#exp_avg_sq",
+        "flat.state#step",
+    }
     # One parameter without a gradient: the gradients stay per parameter, the other kinds are still flat.
     params[names[1]].grad = None
     partial = capture_optimizer(recipe, params, opt, STEP, flat=True)
     assert "flat.grad" not in partial.tensors and f"grad.{names[0]}" in partial.tensors
     assert "flat.param" in partial.tensors and partial.meta["flat"]["flat.param"][0] == [
-        f"param.{names[0]}", list(params[names[0]].shape)]
-    replayed = replay_optimizer(type(opt), opt.defaults, over_the_wire(partial, "optimizer.1"),  # type: ignore[arg-type]
-                                ctx("optimizer.1"), ReplayHooks(), consume=True)
+        f"param.{names[0]}",
+        list(params[names[0]].shape),
+    ]
+    replayed = replay_optimizer(
+        type(opt),
+        opt.defaults,
+        over_the_wire(partial, "optimizer.1"),  # type: ignore[arg-type]
+        ctx("optimizer.1"),
+        ReplayHooks(),
+        consume=True,
+    )
     assert "flat.param" in replayed.outputs

@@ -19,7 +19,10 @@ def make(**overrides: Any) -> FaultReport:
         "ranks": (2,),
         "step": 40,
         "recipe": "hidden.3",
-        "evidence": {"digests_by_rank": {"0": "blake3:aa", "2": "blake3:bb"}, "timings_s": [0.01, 0.02]},
+        "evidence": {
+            "digests_by_rank": {"0": "blake3:aa", "2": "blake3:bb"},
+            "timings_s": [0.01, 0.02],
+        },
         "confirmations": 1,
         "reason": "rank 2 disagrees with the majority",
         "host": "node-b",
@@ -30,7 +33,15 @@ def make(**overrides: Any) -> FaultReport:
 
 
 def test_enums_hold_the_documented_values() -> None:
-    assert [k.value for k in FaultKind] == ["sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "health", "tamper"]
+    assert [k.value for k in FaultKind] == [
+        "sdc",
+        "straggler",
+        "hang",
+        "data_stall",
+        "checkpoint_stall",
+        "health",
+        "tamper",
+    ]
     assert [s.value for s in Scope] == ["rank", "peer_group", "node"]
 
 
@@ -57,7 +68,9 @@ def test_to_json_is_canonical_plain_json() -> None:
 
 
 def test_optional_fields_default_and_round_trip() -> None:
-    report = FaultReport(kind="hang", scope="peer_group", ranks=(), step=0, reason="no progress for 60 s")
+    report = FaultReport(
+        kind="hang", scope="peer_group", ranks=(), step=0, reason="no progress for 60 s"
+    )
     assert report.kind is FaultKind.HANG and report.scope is Scope.PEER_GROUP
     assert report.recipe is None and report.host is None and report.confirmations == 1
     assert dict(report.evidence) == {}
@@ -78,7 +91,9 @@ def test_report_is_frozen_and_its_evidence_is_a_private_copy() -> None:
         report.evidence["times_s"]["1"] = 2.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.step = 41  # type: ignore[misc]
-    assert hash(report) == hash(make(evidence={"other": True}))  # evidence takes no part in the hash
+    assert hash(report) == hash(
+        make(evidence={"other": True})
+    )  # evidence takes no part in the hash
 
 
 def test_integer_evidence_keys_become_strings_at_construction() -> None:
@@ -109,7 +124,9 @@ def test_integer_evidence_keys_become_strings_at_construction() -> None:
         ({"evidence": [1, 2]}, "evidence"),
     ],
 )
-def test_invalid_reports_are_refused_naming_the_field(overrides: dict[str, Any], field: str) -> None:
+def test_invalid_reports_are_refused_naming_the_field(
+    overrides: dict[str, Any], field: str
+) -> None:
     with pytest.raises(ValueError, match=f"FaultReport.{field}"):
         make(**overrides)
 

@@ -43,7 +43,9 @@ def test_config_defaults() -> None:
     assert config.relative_margin == 1.1
     assert config.absolute_margin_s == 0.002
     assert config.confirmations == 2
-    assert config.compute_confirmations == 4  # two gave false reports on a loaded machine (docs/scout.md)
+    assert (
+        config.compute_confirmations == 4
+    )  # two gave false reports on a loaded machine (docs/scout.md)
     assert config.noise_factor == 6.0 and config.noise_window == 32
     assert 1 <= config.baseline_min_samples <= config.baseline_window
 
@@ -94,14 +96,22 @@ def test_config_is_keyword_only_and_frozen() -> None:
 
 @pytest.mark.parametrize("confirmations", [1, 2, 3])
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
-def test_a_slow_rank_past_both_margins_is_reported_after_r_rounds(confirmations: int, n: int) -> None:
+def test_a_slow_rank_past_both_margins_is_reported_after_r_rounds(
+    confirmations: int, n: int
+) -> None:
     detector = ComputeStragglerDetector(StragglerConfig(compute_confirmations=confirmations))
     slow_rank = n - 1
-    reports = [detector.observe(step, with_slow(n, {slow_rank: 25 * MS})) for step in range(confirmations)]
+    reports = [
+        detector.observe(step, with_slow(n, {slow_rank: 25 * MS})) for step in range(confirmations)
+    ]
     assert reports[:-1] == [None] * (confirmations - 1)
     report = reports[-1]
     assert report is not None
-    assert (report.kind, report.scope, report.ranks) == (FaultKind.STRAGGLER, Scope.RANK, (slow_rank,))
+    assert (report.kind, report.scope, report.ranks) == (
+        FaultKind.STRAGGLER,
+        Scope.RANK,
+        (slow_rank,),
+    )
     assert report.confirmations == confirmations
     assert report.step == confirmations - 1
     assert report.evidence["signal"] == "compute"
@@ -182,7 +192,9 @@ def test_host_is_recorded_when_known() -> None:
 def test_a_rank_much_slower_than_its_own_baseline_counts_while_peers_are_steady() -> None:
     # Rank 0 is usually the fastest (6 ms vs 10 ms). At 10.9 ms it is still under 1.1x the peer median, so only its
     # own history shows that something changed.
-    detector = ComputeStragglerDetector(StragglerConfig(baseline_min_samples=4, compute_confirmations=2))
+    detector = ComputeStragglerDetector(
+        StragglerConfig(baseline_min_samples=4, compute_confirmations=2)
+    )
     usual = {0: 6 * MS, 1: 10 * MS, 2: 10 * MS, 3: 10 * MS}
     for step in range(4):
         assert detector.observe(step, usual) is None
@@ -217,7 +229,9 @@ def test_no_baseline_evidence_before_min_samples() -> None:
     assert detector.baseline(0) is None
     changed = {**usual, 0: 10.5 * MS}  # under the peer margins; only a baseline could flag it
     assert detector.observe(3, changed) is None
-    assert detector.consecutive(0) == 0  # three samples are not a baseline yet: the round counts as healthy
+    assert (
+        detector.consecutive(0) == 0
+    )  # three samples are not a baseline yet: the round counts as healthy
     assert detector.baseline(0) is not None  # ...and was its fourth sample
     assert detector.observe(4, changed) is None
     assert detector.consecutive(0) == 1  # from now on the baseline is evidence
@@ -230,7 +244,9 @@ def test_reset_forgets_counts_and_baselines() -> None:
     detector.observe(5, with_slow(3, {1: 30 * MS}))
     detector.reset()
     assert detector.consecutive(1) == 0 and detector.baseline(0) is None
-    assert detector.observe(0, with_slow(3, {1: 30 * MS})) is None  # steps may start over after reset
+    assert (
+        detector.observe(0, with_slow(3, {1: 30 * MS})) is None
+    )  # steps may start over after reset
 
 
 @pytest.mark.parametrize(
@@ -263,8 +279,13 @@ CHAIN = {"g01": frozenset({0, 1}), "g12": frozenset({1, 2}), "g23": frozenset({2
 HOSTS = {0: "node-a", 1: "node-b", 2: "node-c", 3: "node-d"}
 
 
-def chain_round(slow_rank: int | None, slow_s: float = 30 * MS, fast_s: float = 10 * MS) -> dict[str, GroupTiming]:
-    return {name: GroupTiming(members, slow_s if slow_rank in members else fast_s) for name, members in CHAIN.items()}
+def chain_round(
+    slow_rank: int | None, slow_s: float = 30 * MS, fast_s: float = 10 * MS
+) -> dict[str, GroupTiming]:
+    return {
+        name: GroupTiming(members, slow_s if slow_rank in members else fast_s)
+        for name, members in CHAIN.items()
+    }
 
 
 def test_rank_common_to_the_slow_groups_and_its_host_are_named() -> None:
@@ -274,7 +295,12 @@ def test_rank_common_to_the_slow_groups_and_its_host_are_named() -> None:
     assert compute.observe(0, healthy(4)) is None
     report = comm.observe(1, chain_round(1), HOSTS)
     assert report is not None
-    assert (report.kind, report.scope, report.ranks, report.host) == (FaultKind.STRAGGLER, Scope.NODE, (1,), "node-b")
+    assert (report.kind, report.scope, report.ranks, report.host) == (
+        FaultKind.STRAGGLER,
+        Scope.NODE,
+        (1,),
+        "node-b",
+    )
     assert report.confirmations == 2
     assert report.evidence["signal"] == "communication"
     assert report.evidence["slow_groups"] == ("g01", "g12")
@@ -300,7 +326,9 @@ def test_comm_needs_r_consecutive_rounds() -> None:
     assert comm.observe(1, chain_round(None), HOSTS) is None
     assert comm.consecutive(1) == 0
     assert comm.observe(2, chain_round(1), HOSTS) is None
-    assert comm.observe(3, chain_round(2), HOSTS) is None  # a different suspect does not continue rank 1's chain
+    assert (
+        comm.observe(3, chain_round(2), HOSTS) is None
+    )  # a different suspect does not continue rank 1's chain
     assert comm.observe(4, chain_round(2), HOSTS) is not None
 
 
@@ -315,16 +343,25 @@ def test_comm_margins_apply() -> None:
 def test_slow_groups_without_a_common_rank_name_no_one() -> None:
     comm = CommStragglerDetector(StragglerConfig(confirmations=1))
     timings = {"g01": GroupTiming(CHAIN["g01"], 30 * MS), "g12": GroupTiming(CHAIN["g12"], 10 * MS)}
-    timings["g23"] = GroupTiming(CHAIN["g23"], 30 * MS)  # ranks 0 and 3 both slow: disjoint slow groups
+    timings["g23"] = GroupTiming(
+        CHAIN["g23"], 30 * MS
+    )  # ranks 0 and 3 both slow: disjoint slow groups
     assert comm.observe(0, timings, HOSTS) is None
 
 
 def test_suspects_on_one_host_are_a_node_and_on_several_hosts_are_ranks() -> None:
-    timings = {"g01": GroupTiming(frozenset({0, 1}), 30 * MS), "g23": GroupTiming(frozenset({2, 3}), 10 * MS)}
-    same_host = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(0, timings, {0: "n1", 1: "n1"})
+    timings = {
+        "g01": GroupTiming(frozenset({0, 1}), 30 * MS),
+        "g23": GroupTiming(frozenset({2, 3}), 10 * MS),
+    }
+    same_host = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(
+        0, timings, {0: "n1", 1: "n1"}
+    )
     assert same_host is not None
     assert (same_host.scope, same_host.ranks, same_host.host) == (Scope.NODE, (0, 1), "n1")
-    two_hosts = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(0, timings, {0: "n1", 1: "n2"})
+    two_hosts = CommStragglerDetector(StragglerConfig(confirmations=1)).observe(
+        0, timings, {0: "n1", 1: "n2"}
+    )
     assert two_hosts is not None
     assert (two_hosts.scope, two_hosts.ranks, two_hosts.host) == (Scope.RANK, (0, 1), None)
     assert two_hosts.evidence["hosts"] == {"0": "n1", "1": "n2"}
@@ -396,7 +433,9 @@ def test_heavy_tailed_healthy_rounds_give_no_report_at_the_defaults() -> None:
     assert sum(old.observe(s, times) is not None for s, times in enumerate(rounds)) > 0
 
 
-def test_a_20_percent_straggler_is_named_within_the_confirmation_rounds_after_noisy_history() -> None:
+def test_a_20_percent_straggler_is_named_within_the_confirmation_rounds_after_noisy_history() -> (
+    None
+):
     """On a quieter replay (2 % jitter, the tails as loaded) a 20 % delay is ~10 sigma: named at round R. (At the
     loaded machine's 10-20 % jitter a 20 % delay is within 2 sigma of healthy, and is not told from it.)"""
     config = StragglerConfig()
@@ -407,7 +446,10 @@ def test_a_20_percent_straggler_is_named_within_the_confirmation_rounds_after_no
     quiet = _loaded_rounds(config.compute_confirmations, seed=12, jitter=0.02)
     reports = []
     for offset, times in enumerate(quiet):
-        slowed = {**times, 2: times[2] + 0.2 * 20 * MS}  # 20 % of the replay, a real straggler from now on
+        slowed = {
+            **times,
+            2: times[2] + 0.2 * 20 * MS,
+        }  # 20 % of the replay, a real straggler from now on
         reports.append(detector.observe(len(history) + offset, slowed))
     assert reports[:-1] == [None] * (config.compute_confirmations - 1)
     assert reports[-1] is not None and reports[-1].ranks == (2,), reports
@@ -425,7 +467,9 @@ def test_the_absolute_margin_grows_with_the_replays_measured_noise() -> None:
     assert detector.absolute_margin() == pytest.approx(6.0 * noise)
     # 4 ms over the median on a replay whose healthy spread is ~1 ms: below 6 sigma, not slow.
     assert (
-        detector.observe(40, {0: 20 * MS, 1: 20 * MS, 2: 20 * MS, 3: 20 * MS + 0.9 * detector.absolute_margin()})
+        detector.observe(
+            40, {0: 20 * MS, 1: 20 * MS, 2: 20 * MS, 3: 20 * MS + 0.9 * detector.absolute_margin()}
+        )
         is None
     )
     assert detector.consecutive(3) == 0
@@ -454,7 +498,9 @@ def test_run_queue_wait_is_measured_only_when_the_thread_is_kept_off_a_cpu() -> 
         return
     cpu = sorted(os.sched_getaffinity(0))[0]
     before = os.sched_getaffinity(0)
-    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    hog = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
+    )
     try:
         os.sched_setaffinity(0, {cpu})  # this thread shares one CPU with a busy loop
         time.sleep(0.2)  # let the hog start spinning

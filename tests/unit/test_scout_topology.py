@@ -11,11 +11,19 @@ from gemscout.scout.rotation import is_sdc
 from gemscout.scout.topology import derive
 
 
-def mesh(dims: tuple[str, ...], shape: tuple[int, ...], data: tuple[str, ...], shard: tuple[str, ...], rank: int = 0):
+def mesh(
+    dims: tuple[str, ...],
+    shape: tuple[int, ...],
+    data: tuple[str, ...],
+    shard: tuple[str, ...],
+    rank: int = 0,
+):
     n = 1
     for size in shape:
         n *= size
-    return derive(dims=dims, shape=shape, ranks=range(n), data_dims=data, shard_dims=shard, rank=rank)
+    return derive(
+        dims=dims, shape=shape, ranks=range(n), data_dims=data, shard_dims=shard, rank=rank
+    )
 
 
 def test_fsdp_peers_are_the_whole_shard_group_and_parameters_are_gathered() -> None:
@@ -29,7 +37,10 @@ def test_hsdp_peers_hold_the_same_shard() -> None:
         t = mesh(("replicate", "shard"), (2, 2), ("replicate", "shard"), ("shard",), rank=rank)
         assert t.kind == "hsdp" and t.peers == peers and t.peer_dims == ("replicate",)
     assert t.peer_groups == ((0, 2), (1, 3))
-    assert t.groups_along(t.shard_dims) == ((0, 1), (2, 3))  # what each peer gathers from: its own replica
+    assert t.groups_along(t.shard_dims) == (
+        (0, 1),
+        (2, 3),
+    )  # what each peer gathers from: its own replica
     assert "two peers" in t.reason and "independent replicas" in t.reason
 
 
@@ -53,7 +64,14 @@ def test_replicated_mesh_is_plain_data_parallel() -> None:
 
 def test_groups_follow_the_mesh_layout_not_rank_order() -> None:
     # A transposed layout: row-major coordinates, not sorted ranks, decide the groups and their source order.
-    t = derive(dims=("dp", "tp"), shape=(2, 2), ranks=[0, 2, 1, 3], data_dims=("dp",), shard_dims=("dp",), rank=0)
+    t = derive(
+        dims=("dp", "tp"),
+        shape=(2, 2),
+        ranks=[0, 2, 1, 3],
+        data_dims=("dp",),
+        shard_dims=("dp",),
+        rank=0,
+    )
     assert t.peer_groups == ((0, 1), (2, 3))
 
 
@@ -76,12 +94,21 @@ def test_combined_verdicts() -> None:
     report = two.fault_report()
     assert report is not None and report.scope.value == "peer_group" and report.ranks == (0, 2)
     assert "peer group [0, 2]" in two.reason and "detection without a culprit" in two.reason
-    named = combine_groups("hidden.1", 7, [_group({0: "a", 2: "a", 4: "x"}), _group({1: "b", 3: "b", 5: "b"})])
+    named = combine_groups(
+        "hidden.1", 7, [_group({0: "a", 2: "a", 4: "x"}), _group({1: "b", 3: "b", 5: "b"})]
+    )
     assert named.verdict is Verdict.ATTRIBUTED and named.ranks == (4,)
-    failed = C3Result(verdict=Verdict.INCONCLUSIVE, recipe="hidden.1", step=7, reason="precondition x",
-                      preconditions_ok=False)
+    failed = C3Result(
+        verdict=Verdict.INCONCLUSIVE,
+        recipe="hidden.1",
+        step=7,
+        reason="precondition x",
+        preconditions_ok=False,
+    )
     pre = combine_groups("hidden.1", 7, [((0, 2), failed), _group({1: "b", 3: "b"})])
     assert pre.verdict is Verdict.INCONCLUSIVE and not pre.preconditions_ok and not is_sdc(pre)
-    assert not pre.outputs_disagree  # the groups' digests differ from each other, never inside a group
+    assert (
+        not pre.outputs_disagree
+    )  # the groups' digests differ from each other, never inside a group
     single = _group({0: "a", 1: "a"})
     assert combine_groups("hidden.1", 7, [single]) is single[1]

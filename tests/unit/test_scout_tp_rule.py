@@ -46,8 +46,12 @@ def test_megatron_tp_shards_run_collectives_along_tp() -> None:
     # A layer norm or a RowParallel bias next to the TP weights: replicated, no collective of its own.
     plain = nn.Parameter(torch.zeros(4))
     assert param_model_dims(plain, topology) == set()
-    assert param_model_dims(flagged(False), topology) == set()  # Megatron's default for non-TP tensors
-    assert param_model_dims(flagged(1), topology) == set()  # only Megatron's bool flag, not any truthy attribute
+    assert (
+        param_model_dims(flagged(False), topology) == set()
+    )  # Megatron's default for non-TP tensors
+    assert (
+        param_model_dims(flagged(1), topology) == set()
+    )  # only Megatron's bool flag, not any truthy attribute
     # A block is collective as soon as one of its parameters is a TP shard.
     assert uses_model_dims([plain, flagged(False), flagged()], topology)
     assert not uses_model_dims([plain, flagged(False)], topology)
@@ -59,19 +63,28 @@ def test_no_tp_dim_means_no_collective() -> None:
     # TP=1: Megatron still flags its linears, but the topology has no tp dim, so nothing crosses peer groups.
     topology = megatron_mesh(tp=1)
     assert topology.model_dims == ()
-    assert param_model_dims(flagged(), topology) == set() and not uses_model_dims([flagged()], topology)
+    assert param_model_dims(flagged(), topology) == set() and not uses_model_dims(
+        [flagged()], topology
+    )
     # With context parallelism the flag still names tp only (CP's collectives are not the parameters' doing).
     assert param_model_dims(flagged(), megatron_mesh(tp=2, cp=2)) == {"tp"}
     assert param_model_dims(flagged(), megatron_mesh(tp=1, cp=2)) == set()
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 def test_the_flag_is_the_one_megatron_sets() -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     topology = megatron_mesh(tp=2)
     shard, replicated = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
-    set_tensor_model_parallel_attributes(shard, True, 0, 1)  # what ColumnParallelLinear does to its weight
+    set_tensor_model_parallel_attributes(
+        shard, True, 0, 1
+    )  # what ColumnParallelLinear does to its weight
     set_tensor_model_parallel_attributes(replicated, False, -1, 1)
-    assert param_model_dims(shard, topology) == {"tp"} and param_model_dims(replicated, topology) == set()
+    assert (
+        param_model_dims(shard, topology) == {"tp"}
+        and param_model_dims(replicated, topology) == set()
+    )

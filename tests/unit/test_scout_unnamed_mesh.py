@@ -36,12 +36,18 @@ def test_fully_shard_without_a_mesh_gives_a_dp_topology() -> None:
 
 def test_an_unnamed_mesh_under_tp_is_refused_with_the_fix() -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from gemscout.scout.topology import discover
 
     model = _net()
-    parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    parallelize_module(
+        model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
     with pytest.raises(ConfigError, match="mesh_dim_names"):
         discover(model, rank=0)
 

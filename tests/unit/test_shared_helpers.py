@@ -18,14 +18,18 @@ from gemscout._tensors import is_dtensor
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_dtensor_and_a_dtensor_subclass_are_dtensors_and_their_local_part_is_not(one_rank: None) -> None:
+def test_a_dtensor_and_a_dtensor_subclass_are_dtensors_and_their_local_part_is_not(
+    one_rank: None,
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     dtensor = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
     assert is_dtensor(dtensor)
-    assert is_dtensor(nn.Parameter(dtensor))  # FSDP2's parameters: a Parameter whose data is a DTensor
+    assert is_dtensor(
+        nn.Parameter(dtensor)
+    )  # FSDP2's parameters: a Parameter whose data is a DTensor
     assert not is_dtensor(dtensor.to_local())
 
     class Derived(DTensor):  # the materializer's isinstance semantics: a subclass counts
@@ -64,7 +68,9 @@ def test_unwrap_follows_module_through_every_wrapper() -> None:
     inner = nn.Linear(2, 2)
     assert unwrap(inner) is inner
     assert unwrap(_Wrapper(inner)) is inner
-    assert unwrap(_Wrapper(_Wrapper(inner))) is inner  # Megatron: DistributedDataParallel(Float16Module(model))
+    assert (
+        unwrap(_Wrapper(_Wrapper(inner))) is inner
+    )  # Megatron: DistributedDataParallel(Float16Module(model))
 
 
 def test_unwrap_stops_at_a_module_attribute_that_is_not_a_module() -> None:

@@ -18,7 +18,9 @@ torchdata = pytest.importorskip("torchdata.stateful_dataloader")
 
 def loader() -> object:
     data = list(range(40))
-    return torchdata.StatefulDataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
+    return torchdata.StatefulDataLoader(
+        data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
 
 
 class Counter:
@@ -39,10 +41,15 @@ def test_a_loader_and_a_user_object_resume_at_the_captured_position() -> None:
     it = iter(live)
     seen = [next(it).tolist() for _ in range(4)]
     counter.n = 4
-    skeleton, tensors = encode(collect(StateSources(model, opt, stateful={"loader": live, "count": counter}), 4))
+    skeleton, tensors = encode(
+        collect(StateSources(model, opt, stateful={"loader": live, "count": counter}), 4)
+    )
     rest = [b.tolist() for b in it]  # what an uninterrupted run trains on next
     fresh, fresh_counter = loader(), Counter()
-    restore(StateSources(model, opt, stateful={"loader": fresh, "count": fresh_counter}), decode(skeleton, tensors))
+    restore(
+        StateSources(model, opt, stateful={"loader": fresh, "count": fresh_counter}),
+        decode(skeleton, tensors),
+    )
     assert [b.tolist() for b in fresh] == rest  # nothing skipped, nothing repeated
     assert fresh_counter.n == 4 and len({i for b in seen + rest for i in b}) == 40
 
@@ -60,7 +67,10 @@ def test_a_checkpoint_without_the_named_state_is_refused_not_half_loaded() -> No
     [
         ([loader()], "pass a dict of name -> object"),
         ({"": Counter()}, "names must be non-empty strings"),
-        ({"loader": object()}, r"stateful\['loader'\]: a object has no state_dict\(\) and load_state_dict\(\)"),
+        (
+            {"loader": object()},
+            r"stateful\['loader'\]: a object has no state_dict\(\) and load_state_dict\(\)",
+        ),
     ],
 )
 def test_bad_stateful_arguments_name_the_fix(value: object, message: str) -> None:

@@ -62,7 +62,11 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
     return a == b or (a != a and b != b)
 
 
@@ -74,13 +78,17 @@ def _check_header_mutant(path: Path, original: dict[str, Any]) -> str:
     # Accepted: it is structurally sound, so every consumer can use it without an error that is not gemscout's.
     views = parsed.layout.views(data)
     for view, entry in zip(views, parsed.layout.entries, strict=True):
-        assert tuple(view.shape) == entry.shape and view.numel() * view.element_size() == entry.nbytes
+        assert (
+            tuple(view.shape) == entry.shape and view.numel() * view.element_size() == entry.nbytes
+        )
     decoded = decode(parsed.skeleton, views)
     try:
         tensor_entries(parsed.skeleton, 0)
     except GemscoutError:
         pass
-    return "identical" if _same(decoded, original) else "accepted"  # unkeyed: a forger may change what it declares
+    return (
+        "identical" if _same(decoded, original) else "accepted"
+    )  # unkeyed: a forger may change what it declares
 
 
 @pytest.mark.timeout(120)
@@ -101,7 +109,9 @@ def test_structural_mutants_end_as_gemscout_errors_or_safe_loads(tmp_path: Path)
                 continue  # the mutant cannot even be serialized: not a file anyone could write
             got = _check_header_mutant(target, state(2, 0))
         outcomes[got] = outcomes.get(got, 0) + 1
-    for i in range(60):  # byte-level damage without a recomputed digest: always refused or identical
+    for i in range(
+        60
+    ):  # byte-level damage without a recomputed digest: always refused or identical
         raw = bytearray(pristine_file)
         op = rng.randrange(3)
         if op == 0:
@@ -123,7 +133,10 @@ def test_structural_mutants_end_as_gemscout_errors_or_safe_loads(tmp_path: Path)
         rank0.status.write_text(dumps(mutate(ledger_doc, rng), rng))
         with deadline(5, f"ledger mutant {i}"):
             ledger = TrustLedger.load(rank0.status)
-        assert all(type(s) is int and s >= 0 and isinstance(st, TrustState) for s, st in ledger.states.items())
+        assert all(
+            type(s) is int and s >= 0 and isinstance(st, TrustState)
+            for s, st in ledger.states.items()
+        )
         assert all(type(n) is int and n >= 0 for n in ledger.attempts.values())
         assert ledger.last_decision is None or isinstance(ledger.last_decision, dict)
 

@@ -49,14 +49,23 @@ def forge(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_fifo_a_link_to_dev_zero_and_an_8_gib_sparse_file_are_refused_quickly(tmp_path: Path) -> None:
+def test_a_fifo_a_link_to_dev_zero_and_an_8_gib_sparse_file_are_refused_quickly(
+    tmp_path: Path,
+) -> None:
     os.mkfifo(store.step_file(tmp_path, 1))
     os.symlink("/dev/zero", store.step_file(tmp_path, 2))
     sparse = good_file(tmp_path, 3)
     os.truncate(sparse, 8 << 30)
-    os.symlink(good_file(tmp_path / "elsewhere", 4), store.step_file(tmp_path, 4))  # a link out of the folder
+    os.symlink(
+        good_file(tmp_path / "elsewhere", 4), store.step_file(tmp_path, 4)
+    )  # a link out of the folder
     assert store.list_steps(tmp_path) == [4, 3, 2, 1]
-    for step, why in ((1, "not a regular file"), (2, "symbolic link"), (3, "trailing bytes"), (4, "symbolic link")):
+    for step, why in (
+        (1, "not a regular file"),
+        (2, "symbolic link"),
+        (3, "trailing bytes"),
+        (4, "symbolic link"),
+    ):
         for reader in (store.read_header, store.read_frame, store.read_verified):
             t0 = time.monotonic()
             with pytest.raises(IntegrityError, match=why):
@@ -68,7 +77,9 @@ def test_a_fifo_a_link_to_dev_zero_and_an_8_gib_sparse_file_are_refused_quickly(
 def test_non_ascii_digits_and_a_trailing_newline_are_not_step_names(tmp_path: Path) -> None:
     good_file(tmp_path, 1)
     good_file(tmp_path, 2)
-    (tmp_path / "step-\u0969\u0969\u0969\u0969\u0969\u0969\u0969\u0969\u0969.gsc").write_bytes(b"x")  # Devanagari 9s
+    (tmp_path / "step-\u0969\u0969\u0969\u0969\u0969\u0969\u0969\u0969\u0969.gsc").write_bytes(
+        b"x"
+    )  # Devanagari 9s
     (tmp_path / "step-000000009.gsc\n").write_bytes(b"x")
     assert store.list_steps(tmp_path) == [2, 1]
     store.prune_safe(tmp_path, frontier=2, keep=2)
@@ -107,7 +118,9 @@ FORGERIES: dict[str, Callable[[dict[str, Any]], None]] = {
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", sorted(FORGERIES))
-def test_a_forged_header_with_recomputed_digests_is_refused_not_decoded(tmp_path: Path, name: str) -> None:
+def test_a_forged_header_with_recomputed_digests_is_refused_not_decoded(
+    tmp_path: Path, name: str
+) -> None:
     path = good_file(tmp_path)
     forge(path, FORGERIES[name])
     for reader in (store.read_header, store.read_verified):
@@ -141,14 +154,18 @@ def test_deep_or_huge_json_is_refused_without_recursion_error(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(30)
-def test_an_unsendable_gather_part_is_an_error_on_every_rank_not_a_dead_rank(one_rank: None) -> None:
+def test_an_unsendable_gather_part_is_an_error_on_every_rank_not_a_dead_rank(
+    one_rank: None,
+) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from gemscout.gemini import comm
 
-    assert comm.gather_json({"a": [1]}, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [{"a": [1]}]
+    assert comm.gather_json({"a": [1]}, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [
+        {"a": [1]}
+    ]
     with pytest.raises(IntegrityError, match="rank 0 could not send its part"):
         comm.gather_json({"a": {1, 2}}, group=dist.group.WORLD, timeout=timedelta(seconds=10))
 

@@ -19,14 +19,20 @@ pytestmark = pytest.mark.timeout(120)
 
 def _session(tmp_path: Path) -> gemscout.Session:
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = gemscout.CheckpointConfig(directory=tmp_path / "ckpt", fsync=False, timeout=timedelta(seconds=30))
+    cfg = gemscout.CheckpointConfig(
+        directory=tmp_path / "ckpt", fsync=False, timeout=timedelta(seconds=30)
+    )
     return gemscout.enable_resiliency(model, opt, checkpoint=cfg)
 
 
-def test_destroying_the_group_closes_the_live_session_first_and_restores_torch(tmp_path: Path) -> None:
+def test_destroying_the_group_closes_the_live_session_first_and_restores_torch(
+    tmp_path: Path,
+) -> None:
     torchs = distributed_c10d.destroy_process_group
     session = _session(tmp_path)
     assert dist.destroy_process_group is not torchs and _teardown.holding()

@@ -41,18 +41,31 @@ class GridMesh:
 class Dims:
     """``ParallelDims`` as the adapter reads it: degrees, world size, and the ("pp", ...) mesh of the whole job."""
 
-    def __init__(self, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1, cp: int = 1, ep: int = 1) -> None:
-        self.pp, self.dp_replicate, self.dp_shard, self.tp, self.cp, self.ep = pp, dp_replicate, dp_shard, tp, cp, ep
+    def __init__(
+        self, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1, cp: int = 1, ep: int = 1
+    ) -> None:
+        self.pp, self.dp_replicate, self.dp_shard, self.tp, self.cp, self.ep = (
+            pp,
+            dp_replicate,
+            dp_shard,
+            tp,
+            cp,
+            ep,
+        )
         self.world_size = pp * dp_replicate * dp_shard * tp * cp
         self.asked: list[tuple[list[str], bool]] = []
 
-    def get_optional_mesh(self, dims: list[str], *, include_singleton_axes: bool = False) -> GridMesh:
+    def get_optional_mesh(
+        self, dims: list[str], *, include_singleton_axes: bool = False
+    ) -> GridMesh:
         self.asked.append((list(dims), include_singleton_axes))
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "fsdp": self.dp_shard}
         shape = [sizes[d] for d in dims]
         # This rank's slice: with a dim the names leave out (tp innermost) it holds every stride-th rank only.
         count = int(torch.tensor(shape).prod())
-        return GridMesh(tuple(dims), (torch.arange(count) * (self.world_size // count)).reshape(shape))
+        return GridMesh(
+            tuple(dims), (torch.arange(count) * (self.world_size // count)).reshape(shape)
+        )
 
 
 def stage(names: tuple[str, ...]) -> nn.Module:
@@ -73,29 +86,50 @@ def stage(names: tuple[str, ...]) -> nn.Module:
 def test_pp_x_fsdp_pairs_the_shard_ranks_of_each_stage(one_rank: None) -> None:
     dims = Dims(pp=2, dp_replicate=1, dp_shard=2)
     topo = pipeline_topology(stage(("fsdp",)), dims, None)
-    assert dims.asked == [(["pp", "fsdp"], True)]  # size-1 dims are asked for too: FSDP2 keeps a 1-rank fsdp mesh
+    assert dims.asked == [
+        (["pp", "fsdp"], True)
+    ]  # size-1 dims are asked for too: FSDP2 keeps a 1-rank fsdp mesh
     assert (topo.dims, topo.shape, topo.kind) == (("pp", "fsdp"), (2, 2), "fsdp+pp")
-    assert (topo.data_dims, topo.shard_dims, topo.peer_dims, topo.stage_dims) == (("fsdp",), ("fsdp",), ("fsdp",),
-                                                                                   ("pp",))
-    assert topo.peer_groups == ((0, 1), (2, 3)) and topo.peers == (0, 1) and topo.stage_label == "pp0"
+    assert (topo.data_dims, topo.shard_dims, topo.peer_dims, topo.stage_dims) == (
+        ("fsdp",),
+        ("fsdp",),
+        ("fsdp",),
+        ("pp",),
+    )
+    assert (
+        topo.peer_groups == ((0, 1), (2, 3)) and topo.peers == (0, 1) and topo.stage_label == "pp0"
+    )
 
 
 def test_pp_x_replicas_pair_the_replicas_and_gather_the_one_shard(one_rank: None) -> None:
     """TorchTitan's DDP under PP is HSDP with one shard: peers along dp_replicate, a trivial gather along fsdp."""
-    topo = pipeline_topology(stage(("dp_replicate", "fsdp")), Dims(pp=2, dp_replicate=2, dp_shard=1), None)
-    assert (topo.dims, topo.shape, topo.kind) == (("pp", "dp_replicate", "fsdp"), (2, 2, 1), "hsdp+pp")
+    topo = pipeline_topology(
+        stage(("dp_replicate", "fsdp")), Dims(pp=2, dp_replicate=2, dp_shard=1), None
+    )
+    assert (topo.dims, topo.shape, topo.kind) == (
+        ("pp", "dp_replicate", "fsdp"),
+        (2, 2, 1),
+        "hsdp+pp",
+    )
     assert (topo.peer_dims, topo.shard_dims) == (("dp_replicate",), ("fsdp",))
     assert topo.peer_groups == ((0, 1), (2, 3)) and "replicas" in topo.reason
 
 
 def test_pp_alone_has_no_peers_and_says_why(one_rank: None) -> None:
     topo = pipeline_topology(stage(("fsdp",)), Dims(pp=2, dp_replicate=1, dp_shard=1), None)
-    assert (topo.dims, topo.data_dims, topo.stage_dims, topo.comparable) == (("pp",), (), ("pp",), False)
+    assert (topo.dims, topo.data_dims, topo.stage_dims, topo.comparable) == (
+        ("pp",),
+        (),
+        ("pp",),
+        False,
+    )
     assert "no data-parallel dim in mesh (pp=2)" in topo.reason
 
 
 def test_pipeline_topology_refusals_name_the_fix(one_rank: None) -> None:
-    plain = nn.Linear(4, 4)  # TorchTitan always fully_shards each stage; plain parameters name no mesh
+    plain = nn.Linear(
+        4, 4
+    )  # TorchTitan always fully_shards each stage; plain parameters name no mesh
     with pytest.raises(ConfigError, match=r"reads each stage's peers from its FSDP2 parameters"):
         pipeline_topology(plain, Dims(pp=2, dp_replicate=1, dp_shard=2), None)
     short = Dims(pp=2, dp_replicate=1, dp_shard=2)
@@ -121,8 +155,15 @@ class ScheduleZBVZeroBubble:
 
 
 def test_stage_order_follows_the_schedules_stages() -> None:
-    topo = derive(dims=("pp", "fsdp"), shape=(2, 2), ranks=range(4), data_dims=("fsdp",), shard_dims=("fsdp",),
-                  rank=2, stage_dims=("pp",))  # pp coordinate 1 of 2
+    topo = derive(
+        dims=("pp", "fsdp"),
+        shape=(2, 2),
+        ranks=range(4),
+        data_dims=("fsdp",),
+        shard_dims=("fsdp",),
+        rank=2,
+        stage_dims=("pp",),
+    )  # pp coordinate 1 of 2
 
     class Trainer:
         def __init__(self, schedule: Any) -> None:
@@ -132,18 +173,26 @@ def test_stage_order_follows_the_schedules_stages() -> None:
     assert _stage_order(Trainer(ScheduleInterleaved1F1B(1, 2)), topo, 2) == "v"
     assert _stage_order(Trainer(ScheduleZBVZeroBubble()), topo, 2) == "v"
     assert _stage_order(Trainer(object()), topo, 1) == "loop"
-    with pytest.raises(ConfigError, match=r"holds pipeline stages \[3, 1\], neither the looped nor the V order"):
+    with pytest.raises(
+        ConfigError, match=r"holds pipeline stages \[3, 1\], neither the looped nor the V order"
+    ):
         _stage_order(Trainer(ScheduleInterleaved1F1B(3, 1)), topo, 2)
 
 
 def test_scout_under_pp_is_refused_with_tp_cp_or_ep() -> None:
     scout = ScoutConfig()
-    for extra, match in (({"tp": 2}, r"validated with data parallelism only.*tp=2"),
-                         ({"cp": 2}, r"validated with data parallelism only.*cp=2"),
-                         ({"ep": 2}, r"SCOUT under TorchTitan expert parallelism")):
+    for extra, match in (
+        ({"tp": 2}, r"validated with data parallelism only.*tp=2"),
+        ({"cp": 2}, r"validated with data parallelism only.*cp=2"),
+        ({"ep": 2}, r"SCOUT under TorchTitan expert parallelism"),
+    ):
         with pytest.raises(ConfigError, match=match):
             _scout_config(scout, Dims(pp=2, dp_replicate=1, dp_shard=2, **extra), 1)
     with pytest.raises(ConfigError, match=r"2 model_parts but parallel_dims.pp is 1"):
         _scout_config(scout, Dims(pp=1, dp_replicate=1, dp_shard=2), 2)
     kept = _scout_config(scout, Dims(pp=2, dp_replicate=2, dp_shard=1), 2, model_skips_head=True)
-    assert kept.recipes == ("embedding", "hidden", "optimizer")  # ChunkedLossWrapper on the last stage: no output
+    assert kept.recipes == (
+        "embedding",
+        "hidden",
+        "optimizer",
+    )  # ChunkedLossWrapper on the last stage: no output

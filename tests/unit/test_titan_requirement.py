@@ -31,10 +31,16 @@ def fake_python(folder: Path, body: str) -> str:
 
 def test_probe_names_the_missing_interpreter_the_wrong_version_and_the_fix(tmp_path: Path) -> None:
     missing = titan_env.unavailable(str(tmp_path / "nope" / "python"))
-    assert missing is not None and "no TorchTitan interpreter at" in missing and "make test-torchtitan" in missing
+    assert (
+        missing is not None
+        and "no TorchTitan interpreter at" in missing
+        and "make test-torchtitan" in missing
+    )
     old = titan_env.unavailable(fake_python(tmp_path, "echo 0.2.0"))
     assert old is not None and "has torchtitan 0.2.0, needs 0.3.0" in old
-    assert "not installed" in (titan_env.unavailable(sys.executable) or "")  # the main venv never has torchtitan
+    assert "not installed" in (
+        titan_env.unavailable(sys.executable) or ""
+    )  # the main venv never has torchtitan
     broken = tmp_path / "b"
     broken.mkdir()
     assert "not installed" in (titan_env.unavailable(fake_python(broken, "exit 1")) or "")
@@ -51,13 +57,24 @@ def test_interpreter_comes_from_the_environment_variable(monkeypatch: pytest.Mon
 
 
 def cell(requires: tuple[str, ...]) -> Cell:
-    return Cell(id="t/titan_cell-healthy-fsdp2-w2-none-s0", program="titan_cell", workload="llama3-debug",
-                topology="fsdp2", world_size=2, fault={"kind": "none"}, seed=0, timeout_s=60.0, params={},
-                expect={"bitwise_equal": True}, requires=requires)
+    return Cell(
+        id="t/titan_cell-healthy-fsdp2-w2-none-s0",
+        program="titan_cell",
+        workload="llama3-debug",
+        topology="fsdp2",
+        world_size=2,
+        fault={"kind": "none"},
+        seed=0,
+        timeout_s=60.0,
+        params={},
+        expect={"bitwise_equal": True},
+        requires=requires,
+    )
 
 
 def test_engine_skips_the_cell_with_the_reason_and_the_driver_alone_reports_an_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(titan_env.ENV_VAR, str(tmp_path / "absent" / "python"))
     engine._probe.cache_clear()
     try:
@@ -76,9 +93,22 @@ def test_engine_skips_the_cell_with_the_reason_and_the_driver_alone_reports_an_e
 
 
 def test_the_campaign_schema_accepts_the_requirement() -> None:
-    document = {"name": "t", "tier": "cpu", "description": "d",
-                "boundaries": {"validated": ["x"], "not_validated": ["y"]},
-                "matrix": [{"program": "titan_cell", "workload": "llama3-debug", "topology": "fsdp2",
-                            "world_size": 2, "fault": {"kind": "none"}, "seed": 0, "timeout_s": 900,
-                            "requires": ["torchtitan_cpu"]}]}
+    document = {
+        "name": "t",
+        "tier": "cpu",
+        "description": "d",
+        "boundaries": {"validated": ["x"], "not_validated": ["y"]},
+        "matrix": [
+            {
+                "program": "titan_cell",
+                "workload": "llama3-debug",
+                "topology": "fsdp2",
+                "world_size": 2,
+                "fault": {"kind": "none"},
+                "seed": 0,
+                "timeout_s": 900,
+                "requires": ["torchtitan_cpu"],
+            }
+        ],
+    }
     validate_document(document, path=Path("t.toml"))

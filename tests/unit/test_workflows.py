@@ -30,7 +30,9 @@ def load(name: str) -> dict[str, Any]:
 
 
 def steps(workflow: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(job_id, step) for job_id, job in workflow["jobs"].items() for step in job.get("steps", [])]
+    return [
+        (job_id, step) for job_id, job in workflow["jobs"].items() for step in job.get("steps", [])
+    ]
 
 
 def runs(workflow: dict[str, Any], job_id: str) -> str:
@@ -47,8 +49,11 @@ def test_top_level_permissions_are_read_only(workflow: dict[str, Any]) -> None:
 
 
 def test_only_the_sign_job_can_mint_an_oidc_token(workflow: dict[str, Any]) -> None:
-    with_token = [job_id for job_id, job in workflow["jobs"].items()
-                  if (job.get("permissions") or {}).get("id-token") == "write"]
+    with_token = [
+        job_id
+        for job_id, job in workflow["jobs"].items()
+        if (job.get("permissions") or {}).get("id-token") == "write"
+    ]
     assert with_token == ["sign"]
     for job_id, job in workflow["jobs"].items():
         granted = job.get("permissions") or {}
@@ -59,9 +64,14 @@ def test_only_the_sign_job_can_mint_an_oidc_token(workflow: dict[str, Any]) -> N
     assert sign["permissions"] == {"contents": "read", "id-token": "write"}
 
 
-def test_the_sign_job_signs_keyless_with_a_command_the_cli_accepts(workflow: dict[str, Any]) -> None:
-    signing = [line.strip() for line in runs(workflow, "sign").splitlines()
-               if line.strip().startswith("validation-evidence sign")]
+def test_the_sign_job_signs_keyless_with_a_command_the_cli_accepts(
+    workflow: dict[str, Any],
+) -> None:
+    signing = [
+        line.strip()
+        for line in runs(workflow, "sign").splitlines()
+        if line.strip().startswith("validation-evidence sign")
+    ]
     assert len(signing) == 1
     argv = shlex.split(signing[0].replace('"$BUNDLE"', "bundle"))[1:]
     args = evidence_parser().parse_args(argv)
@@ -72,12 +82,19 @@ def test_the_sign_job_signs_keyless_with_a_command_the_cli_accepts(workflow: dic
 
 
 def test_evidence_artifacts_are_named_by_commit(workflow: dict[str, Any]) -> None:
-    artifacts = [(job_id, step["with"]["name"]) for job_id, step in steps(workflow)
-                 if step.get("uses", "").startswith(("actions/upload-artifact@", "actions/download-artifact@"))]
+    artifacts = [
+        (job_id, step["with"]["name"])
+        for job_id, step in steps(workflow)
+        if step.get("uses", "").startswith(
+            ("actions/upload-artifact@", "actions/download-artifact@")
+        )
+    ]
     assert artifacts, "no artifact steps"
     for job_id, name in artifacts:
         assert "${{ github.sha }}" in name, (job_id, name)
-    evidence = {job_id for job_id, name in artifacts if name == "qualification-evidence-${{ github.sha }}"}
+    evidence = {
+        job_id for job_id, name in artifacts if name == "qualification-evidence-${{ github.sha }}"
+    }
     assert "sign" in evidence and len(evidence) == 2  # uploaded by the run, re-uploaded signed
 
 
@@ -97,17 +114,27 @@ def test_ci_runs_on_push_and_pull_request_and_qualifies_the_cpu_matrix() -> None
     assert set(ci["on"]) == {"push", "pull_request"}
     assert {"lint", "types", "tests", "sign"} <= set(ci["jobs"])
     tests = runs(ci, "tests")
-    assert "qualify run cpu-matrix --out \"$BUNDLE\"" in tests
-    assert ci["jobs"]["tests"]["env"]["BUNDLE"] == "evidence/qualification-evidence-${{ github.sha }}"
-    assert ci["jobs"]["tests"]["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert 'qualify run cpu-matrix --out "$BUNDLE"' in tests
+    assert (
+        ci["jobs"]["tests"]["env"]["BUNDLE"] == "evidence/qualification-evidence-${{ github.sha }}"
+    )
+    assert (
+        ci["jobs"]["tests"]["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    )
     # One package index in the job that holds the token.
-    assert "PIP_EXTRA_INDEX_URL" not in ci["env"] and "PIP_EXTRA_INDEX_URL" not in ci["jobs"]["sign"]["env"]
+    assert (
+        "PIP_EXTRA_INDEX_URL" not in ci["env"]
+        and "PIP_EXTRA_INDEX_URL" not in ci["jobs"]["sign"]["env"]
+    )
     assert ci["jobs"]["sign"]["needs"] == "tests"
 
 
 def test_gpu_workflow_runs_only_on_schedule_or_dispatch() -> None:
     gpu = load(GPU)
-    assert set(gpu["on"]) == {"schedule", "workflow_dispatch"}  # never pull_request: no PR code on the runner
+    assert set(gpu["on"]) == {
+        "schedule",
+        "workflow_dispatch",
+    }  # never pull_request: no PR code on the runner
     assert gpu["on"]["schedule"] and all("cron" in entry for entry in gpu["on"]["schedule"])
 
 
@@ -132,6 +159,10 @@ def test_gpu_campaign_cells_all_require_a_gpu() -> None:
     loaded = campaigns.load(campaigns.REPO_ROOT / "campaigns" / "gpu-qualification.toml")
     assert loaded.tier == "gpu" and loaded.cells
     assert all("gpu" in cell.requires for cell in loaded.cells)
-    assert any("NCCL/CUDA training cells arrive with the GPU tier" in line for line in loaded.not_validated)
-    if unmet_requirement("gpu") is not None:  # on a CPU machine every cell is skipped, never run and failed
+    assert any(
+        "NCCL/CUDA training cells arrive with the GPU tier" in line for line in loaded.not_validated
+    )
+    if (
+        unmet_requirement("gpu") is not None
+    ):  # on a CPU machine every cell is skipped, never run and failed
         assert all(unmet_requirement(r) for cell in loaded.cells for r in cell.requires)

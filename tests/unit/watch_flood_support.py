@@ -36,18 +36,25 @@ def say(event: str, **fields: object) -> None:
 
 
 def kinds(watch: Watch) -> list[list[object]]:
-    return [[r.kind.value, r.evidence.get("tamper", {}).get("kind"), r.reason[:300]] for r in list(watch.reports)]
+    return [
+        [r.kind.value, r.evidence.get("tamper", {}).get("kind"), r.reason[:300]]
+        for r in list(watch.reports)
+    ]
 
 
 def main() -> None:
     cap_mib = int(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'pg'}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{Path(tmp) / 'pg'}", rank=0, world_size=1
+        )
         config = WatchConfig(
             insecure_dev=True,
             stall_threshold=timedelta(seconds=3),
             poll_interval=timedelta(milliseconds=50),
-            store=StoreServerConfig(memory_cap_bytes=cap_mib << 20, sweep_interval=timedelta(seconds=2)),
+            store=StoreServerConfig(
+                memory_cap_bytes=cap_mib << 20, sweep_interval=timedelta(seconds=2)
+            ),
         )
         watch = Watch(config, rank=0, world_size=1, on_report=lambda report, finding: None)
         server = watch.store_server
@@ -68,7 +75,9 @@ def main() -> None:
         say("ready", port=server.port, store_pid=server.pid)
         assert sys.stdin.readline().strip() == "flooded"
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(k[1] in ("foreign_keys", "store_lost") for k in kinds(watch)):
+        while time.monotonic() < deadline and not any(
+            k[1] in ("foreign_keys", "store_lost") for k in kinds(watch)
+        ):
             time.sleep(0.05)
         time.sleep(0.5)  # a hang would need 3 s without progress: none may come from the flood
         say("flood_seen", reports=kinds(watch), step=step, store=server.status().lost)
@@ -84,7 +93,12 @@ def main() -> None:
         started = time.monotonic()
         watch.close()
         say("closed", seconds=round(time.monotonic() - started, 3))
-        second = Watch(WatchConfig(insecure_dev=True), rank=0, world_size=1, on_report=lambda report, finding: None)
+        second = Watch(
+            WatchConfig(insecure_dev=True),
+            rank=0,
+            world_size=1,
+            on_report=lambda report, finding: None,
+        )
         assert second.store_server is not None
         say("second", store_pid=second.store_server.pid)
         time.sleep(60)  # the test SIGKILLs this process long before

@@ -29,6 +29,7 @@ def _global_batch_size() -> int | None:
         return None
     return int(module.get_current_global_batch_size())
 
+
 __all__ = ["ParamSchedulerReplay"]
 
 
@@ -72,8 +73,10 @@ class ParamSchedulerReplay:
         replayed and a warning says the schedule is one step behind."""
         increment = self.increment if self.increment is not None else _global_batch_size()
         if increment is None:
-            log.warning("gemscout: the OptimizerParamScheduler increment of the restored step is unknown (restored "
-                        "the first step, and Megatron's microbatch calculator is not set up); the lr schedule is one "
-                        "step behind")
+            log.warning(
+                "gemscout: the OptimizerParamScheduler increment of the restored step is unknown (restored "
+                "the first step, and Megatron's microbatch calculator is not set up); the lr schedule is one "
+                "step behind"
+            )
             return
         type(self.scheduler).step(self.scheduler, increment=increment)

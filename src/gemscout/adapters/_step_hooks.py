@@ -129,7 +129,11 @@ class EngineStepView:
         for key, value in saved.items():
             if not hasattr(value, "copy_"):
                 live[key] = value
-            elif hasattr(live.get(key), "copy_") and live[key].shape == value.shape and live[key].dtype == value.dtype:
+            elif (
+                hasattr(live.get(key), "copy_")
+                and live[key].shape == value.shape
+                and live[key].dtype == value.dtype
+            ):
                 live[key].copy_(value)
             else:
                 live[key] = value.clone()

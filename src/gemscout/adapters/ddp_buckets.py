@@ -57,7 +57,9 @@ Layout = list[list[int]]
 
 def _rebuilds(ddp: DistributedDataParallel) -> bool:
     """Whether DDP's C++ reducer rebuilds its buckets after the first backward (its ``should_rebuild_buckets``)."""
-    if getattr(ddp, "reducer", None) is None or ddp._use_python_reducer:  # all params on a delayed hook, compiled DDP
+    if (
+        getattr(ddp, "reducer", None) is None or ddp._use_python_reducer
+    ):  # all params on a delayed hook, compiled DDP
         return False
     return bool(ddp.static_graph or not ddp.find_unused_parameters)
 
@@ -71,13 +73,17 @@ def _rebuild_limits(ddp: DistributedDataParallel) -> list[int]:
     return list(limits) or [ddp._bucket_config.first_bucket_bytes_cap, ddp.bucket_bytes_cap]
 
 
-def rebuilt_layout(ddp: DistributedDataParallel, ready_order: Sequence[int]) -> tuple[Layout, list[int]]:
+def rebuilt_layout(
+    ddp: DistributedDataParallel, ready_order: Sequence[int]
+) -> tuple[Layout, list[int]]:
     """The layout (and per-bucket size limits) DDP's reducer rebuilds into when the gradients of its parameters
     (reducer indices) became ready in ``ready_order``: DDP's own assignment function with the reducer's limits."""
     params, expect_sparse = ddp._build_params_for_reducer()
     order = list(ready_order)
     last_small = os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1"
-    if last_small:  # the reducer then assigns from the other end, so that the small bucket is the last one
+    if (
+        last_small
+    ):  # the reducer then assigns from the other end, so that the small bucket is the last one
         order.reverse()
     buckets, limits = dist._compute_bucket_assignment_by_size(
         [params[i] for i in order], _rebuild_limits(ddp), expect_sparse, order
@@ -100,7 +106,9 @@ def logged_layout(ddp: DistributedDataParallel) -> Layout | None:
 def _not_replayable(ddp: DistributedDataParallel) -> str | None:
     """Why gemscout cannot rebuild this DDP's reducer on a recorded layout, or None when it can."""
     if ddp.mixed_precision is not None:
-        return "DDP mixed_precision is set (its reducer takes private casts gemscout does not repeat)"
+        return (
+            "DDP mixed_precision is set (its reducer takes private casts gemscout does not repeat)"
+        )
     if ddp._get_ddp_logging_data().get("comm_hook") and not ddp._comm_hooks:
         return "a built-in comm hook is registered (it cannot be registered again on a new reducer)"
     if ddp._lazy_init_ran:
@@ -113,7 +121,9 @@ def _rebuild_reducer(ddp: DistributedDataParallel, layout: Layout, limits: list[
     them on its initial layout; the DDP's comm hooks and static-graph mode carry over."""
     params, expect_sparse = ddp._build_params_for_reducer()
     if sorted(i for bucket in layout for i in bucket) != list(range(len(params))):
-        raise ValueError(f"recorded DDP bucket layout does not cover the reducer's {len(params)} parameters")
+        raise ValueError(
+            f"recorded DDP bucket layout does not cover the reducer's {len(params)} parameters"
+        )
     sizes = limits if len(limits) == len(layout) else [ddp.bucket_bytes_cap] * len(layout)
     # The old reducer's hooks on the parameters' grad accumulators would reduce every gradient a second time.
     ddp.reducer._remove_autograd_hooks()
@@ -183,7 +193,9 @@ class _Tracked:
 
             return hook
 
-        self.handles = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)
+        ]
 
     def settle(self) -> None:
         """Derive the layout once DDP has what it rebuilds from — the first backward, or under ``static_graph`` the
@@ -229,7 +241,9 @@ class DdpBuckets:
         self._restored: dict[str, Any] = {}
 
     def wrap_state(
-        self, extra_state_fn: Callable[[], Any] | None, load_extra_state_fn: Callable[[Any], None] | None
+        self,
+        extra_state_fn: Callable[[], Any] | None,
+        load_extra_state_fn: Callable[[Any], None] | None,
     ) -> tuple[Callable[[], Any], Callable[[Any], None]]:
         """The caller-state pair to capture with: the caller's own state beside the layouts."""
 
@@ -237,8 +251,13 @@ class DdpBuckets:
             for t in self._tracked:
                 t.settle()
                 t.check()
-            layouts = {t.name: {"buckets": t.layout, "limits": t.limits} for t in self._tracked if t.layout}
-            return {STATE_KEY: layouts, "caller": extra_state_fn() if extra_state_fn is not None else None}
+            layouts = {
+                t.name: {"buckets": t.layout, "limits": t.limits} for t in self._tracked if t.layout
+            }
+            return {
+                STATE_KEY: layouts,
+                "caller": extra_state_fn() if extra_state_fn is not None else None,
+            }
 
         def load(state: Any) -> None:
             if isinstance(state, dict) and STATE_KEY in state:
@@ -298,7 +317,9 @@ class DdpBuckets:
 def attach(model: nn.Module) -> DdpBuckets | None:
     """The bucket layouts of every DDP in ``model`` (itself or a submodule) whose reducer rebuilds; nothing is
     installed before :meth:`DdpBuckets.start`. None when there is no such DDP."""
-    ddps = [(name, m) for name, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
+    ddps = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, DistributedDataParallel)
+    ]
     ddps = [(name, m) for name, m in ddps if _rebuilds(m)]
     if not ddps:
         return None
@@ -309,4 +330,7 @@ def attach(model: nn.Module) -> DdpBuckets | None:
             "step after a restart differs from the uninterrupted run in the last bits",
             DISABLE_ENV,
         )
-    return DdpBuckets([_Tracked(name, m, len(m._build_params_for_reducer()[0])) for name, m in ddps], enabled=enabled)
+    return DdpBuckets(
+        [_Tracked(name, m, len(m._build_params_for_reducer()[0])) for name, m in ddps],
+        enabled=enabled,
+    )

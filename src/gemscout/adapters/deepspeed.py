@@ -41,7 +41,13 @@ from gemscout.adapters._step_hooks import EngineStepView
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.state.codec import encode
 
-__all__ = ["EngineOptimizer", "SUPPORTED_STAGES", "capture_engine", "resolve_engine", "restore_engine"]
+__all__ = [
+    "EngineOptimizer",
+    "SUPPORTED_STAGES",
+    "capture_engine",
+    "resolve_engine",
+    "restore_engine",
+]
 
 SUPPORTED_STAGES = (1, 2, 3)
 FORMAT = deepspeed_layout.FORMAT
@@ -70,8 +76,10 @@ class EngineOptimizer(EngineStepView):
     # -- this rank's partition ------------------------------------------------------------------------------------
     def partition_table(self) -> dict[str, Any]:
         """Parameter names per group and this rank's fragment of each (see ``deepspeed_layout.partition_table``)."""
-        return {"params": [list(g) for g in self._table["params"]],
-                "fragments": [[list(r) for r in g] for g in self._table["fragments"]]}
+        return {
+            "params": [list(g) for g in self._table["params"]],
+            "fragments": [[list(r) for r in g] for g in self._table["fragments"]],
+        }
 
     def partition_numel(self) -> list[int]:
         """Elements of this rank's flat fp32 partition, per group (DeepSpeed's padding included)."""
@@ -82,10 +90,12 @@ class EngineOptimizer(EngineStepView):
         # written by rank 0 alone, a folder copied by hand) would load cleanly and be silently wrong.
         groups = getattr(self.zero, "real_dp_process_group", [None] * len(self.inner.param_groups))
         index = [int(dist.get_rank(group=g)) if dist.is_initialized() else 0 for g in groups]
-        return {"zero_stage": int(self.engine.zero_optimization_stage()),
-                "partition_count": [int(c) for c in self.zero.partition_count],
-                "partition_index": index,
-                "partition_numel": self.partition_numel()}
+        return {
+            "zero_stage": int(self.engine.zero_optimization_stage()),
+            "partition_count": [int(c) for c in self.zero.partition_count],
+            "partition_index": index,
+            "partition_numel": self.partition_numel(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's partition. Tensors are the live ones (GEMINI copies them); nothing needs pickle."""
@@ -95,8 +105,11 @@ class EngineOptimizer(EngineStepView):
             **self.layout(),
             **self.partition_table(),
             "master": [g["params"][0] for g in groups],
-            "state": {i: dict(self.inner.state[g["params"][0]]) for i, g in enumerate(groups)
-                      if self.inner.state.get(g["params"][0])},
+            "state": {
+                i: dict(self.inner.state[g["params"][0]])
+                for i, g in enumerate(groups)
+                if self.inner.state.get(g["params"][0])
+            },
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
         }
 
@@ -105,8 +118,10 @@ class EngineOptimizer(EngineStepView):
 
         Raises RunMismatchError when it was taken with another ZeRO stage or partitioning (world size, groups)."""
         if state.get("format") != FORMAT:
-            raise RunMismatchError(f"the optimizer state is not a DeepSpeed ZeRO partition ({state.get('format')!r}); "
-                                   "it was taken from another kind of job")
+            raise RunMismatchError(
+                f"the optimizer state is not a DeepSpeed ZeRO partition ({state.get('format')!r}); "
+                "it was taken from another kind of job"
+            )
         here = self.layout()
         if "fragments" in state:  # taken by this version (older partitions lack the table)
             here.update(self._table)
@@ -114,11 +129,13 @@ class EngineOptimizer(EngineStepView):
         if there != here:
             diff = sorted(k for k in here if there[k] != here[k])
             small = [k for k in diff if k not in ("params", "fragments")]
-            raise RunMismatchError(f"the DeepSpeed checkpoint's partition differs from this engine's in {diff} (taken "
-                                   f"with {({k: there[k] for k in small})}, here {({k: here[k] for k in small})}); "
-                                   "a local checkpoint resumes "
-                                   "with the same ZeRO stage, world size and param groups, each rank from its own "
-                                   "partition (the durable tier resumes on any world size)")
+            raise RunMismatchError(
+                f"the DeepSpeed checkpoint's partition differs from this engine's in {diff} (taken "
+                f"with { ({k: there[k] for k in small}) }, here { ({k: here[k] for k in small}) }); "
+                "a local checkpoint resumes "
+                "with the same ZeRO stage, world size and param groups, each rank from its own "
+                "partition (the durable tier resumes on any world size)"
+            )
         with torch.no_grad():
             for i, group in enumerate(self.inner.param_groups):
                 master = group["params"][0]
@@ -164,18 +181,26 @@ def _check_engine(engine: Any) -> None:
     names = _class_names(engine)
     for unsupported in ("PipelineEngine", "DeepSpeedHybridEngine"):
         if unsupported in names:
-            raise ConfigError(f"enable_resiliency.model: a DeepSpeed {unsupported} is not supported; gemscout supports "
-                              "the plain DeepSpeedEngine with ZeRO stage 1, 2 or 3")
+            raise ConfigError(
+                f"enable_resiliency.model: a DeepSpeed {unsupported} is not supported; gemscout supports "
+                "the plain DeepSpeedEngine with ZeRO stage 1, 2 or 3"
+            )
     stage = int(engine.zero_optimization_stage())
     if stage not in SUPPORTED_STAGES:
-        raise ConfigError(f"DeepSpeed zero_optimization.stage={stage} is not supported; gemscout supports stages "
-                          f"{SUPPORTED_STAGES} (stage 0 has no ZeRO optimizer: use plain PyTorch DDP instead)")
+        raise ConfigError(
+            f"DeepSpeed zero_optimization.stage={stage} is not supported; gemscout supports stages "
+            f"{SUPPORTED_STAGES} (stage 0 has no ZeRO optimizer: use plain PyTorch DDP instead)"
+        )
     if engine.fp16_enabled():
-        raise ConfigError("DeepSpeed fp16 is not supported (its dynamic loss scaler is not captured yet); use "
-                          "bf16 or fp32")
+        raise ConfigError(
+            "DeepSpeed fp16 is not supported (its dynamic loss scaler is not captured yet); use "
+            "bf16 or fp32"
+        )
     if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
-        raise ConfigError("DeepSpeed zero_optimization.offload_optimizer / offload_param is not supported yet; "
-                          "turn offloading off")
+        raise ConfigError(
+            "DeepSpeed zero_optimization.offload_optimizer / offload_param is not supported yet; "
+            "turn offloading off"
+        )
     if stage == 3:
         from gemscout.adapters.deepspeed_zero3 import check_zero3
 
@@ -183,22 +208,35 @@ def _check_engine(engine: Any) -> None:
         return
     zero = engine.optimizer
     if "DeepSpeedZeroOptimizer" not in _class_names(zero) or not isinstance(
-            getattr(zero, "optimizer", None), torch.optim.Optimizer):
-        raise ConfigError(f"the engine's optimizer is a {type(zero).__name__}, not a DeepSpeedZeroOptimizer around a "
-                          "torch optimizer; gemscout supports ZeRO-1/2 as built by deepspeed.initialize "
-                          "(deepspeed==0.19.8)")
+        getattr(zero, "optimizer", None), torch.optim.Optimizer
+    ):
+        raise ConfigError(
+            f"the engine's optimizer is a {type(zero).__name__}, not a DeepSpeedZeroOptimizer around a "
+            "torch optimizer; gemscout supports ZeRO-1/2 as built by deepspeed.initialize "
+            "(deepspeed==0.19.8)"
+        )
     groups = zero.optimizer.param_groups
-    if any(len(g["params"]) != 1 for g in groups) or len(groups) != len(zero.single_partition_of_fp32_groups):
-        raise ConfigError("the ZeRO optimizer does not hold one flat fp32 partition per param group; this "
-                          "DeepSpeed version is not supported (tested: deepspeed==0.19.8)")
+    if any(len(g["params"]) != 1 for g in groups) or len(groups) != len(
+        zero.single_partition_of_fp32_groups
+    ):
+        raise ConfigError(
+            "the ZeRO optimizer does not hold one flat fp32 partition per param group; this "
+            "DeepSpeed version is not supported (tested: deepspeed==0.19.8)"
+        )
 
 
-def _extra_fns(engine: Any, extra_state_fn: Callable[[], Any] | None,
-               load_extra_state_fn: Callable[[Any], None] | None) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+def _extra_fns(
+    engine: Any,
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     """The engine's counters and lr scheduler plus the caller's own state, and the inverse."""
 
     def extra() -> dict[str, Any]:
-        return {"engine": capture_engine(engine), "caller": extra_state_fn() if extra_state_fn else None}
+        return {
+            "engine": capture_engine(engine),
+            "caller": extra_state_fn() if extra_state_fn else None,
+        }
 
     def load_extra(state: dict[str, Any]) -> None:
         restore_engine(engine, state["engine"])
@@ -208,8 +246,13 @@ def _extra_fns(engine: Any, extra_state_fn: Callable[[], Any] | None,
     return extra, load_extra
 
 
-def _resolve_zero3(engine: Any, *, extra_state_fn: Callable[[], Any] | None,
-                   load_extra_state_fn: Callable[[Any], None] | None, scout: Any) -> EngineParts:
+def _resolve_zero3(
+    engine: Any,
+    *,
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+    scout: Any,
+) -> EngineParts:
     """Stage 3: the module's partitions and the optimizer's fp32 master partitions (``deepspeed_zero3``)."""
     from gemscout.adapters import deepspeed_zero3_layout
     from gemscout.adapters.deepspeed_zero3 import Zero3EngineOptimizer, Zero3ModuleState
@@ -217,9 +260,11 @@ def _resolve_zero3(engine: Any, *, extra_state_fn: Callable[[], Any] | None,
     scout_factory = None
     if scout is not None:
         if "optimizer" in getattr(scout, "recipes", ()):
-            raise ConfigError("ScoutConfig.recipes: the optimizer recipe is not supported under DeepSpeed ZeRO stage 3 "
-                              "yet; pass recipes=('embedding', 'hidden', 'output') (the forward recipes replay on "
-                              "the gathered parameters), or scout=None")
+            raise ConfigError(
+                "ScoutConfig.recipes: the optimizer recipe is not supported under DeepSpeed ZeRO stage 3 "
+                "yet; pass recipes=('embedding', 'hidden', 'output') (the forward recipes replay on "
+                "the gathered parameters), or scout=None"
+            )
         # The forward recipes replay on the replayed blocks' gathered parameters (adapters/deepspeed_zero3_scout.py).
         from gemscout.adapters.deepspeed_zero3_scout import Zero3Scout
 
@@ -231,8 +276,13 @@ def _resolve_zero3(engine: Any, *, extra_state_fn: Callable[[], Any] | None,
     encode(capture_engine(engine), path="deepspeed.engine")
     encode(view.state_dict(), path="deepspeed.optimizer")
     encode(model.state_dict(), path="deepspeed.model")
-    return EngineParts(model=model, optimizer=cast(EngineOptimizer, view), extra_state_fn=extra,
-                       load_extra_state_fn=load_extra, scout_factory=scout_factory)
+    return EngineParts(
+        model=model,
+        optimizer=cast(EngineOptimizer, view),
+        extra_state_fn=extra,
+        load_extra_state_fn=load_extra,
+        scout_factory=scout_factory,
+    )
 
 
 def resolve_engine(
@@ -252,14 +302,22 @@ def resolve_engine(
     _check_engine(engine)
     zero = engine.optimizer
     if optimizer is not None and optimizer is not zero and optimizer is not zero.optimizer:
-        raise ConfigError(f"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer (the second "
-                          f"value deepspeed.initialize returned) or None, got a {type(optimizer).__name__}")
+        raise ConfigError(
+            f"enable_resiliency.optimizer: with a DeepSpeedEngine pass engine.optimizer (the second "
+            f"value deepspeed.initialize returned) or None, got a {type(optimizer).__name__}"
+        )
     if engine.lr_scheduler is not None and any(s is engine.lr_scheduler for s in schedulers):
-        raise ConfigError("enable_resiliency.schedulers: engine.lr_scheduler is stepped by engine.step() and captured "
-                          "by the DeepSpeed adapter; list only schedulers your loop steps itself")
+        raise ConfigError(
+            "enable_resiliency.schedulers: engine.lr_scheduler is stepped by engine.step() and captured "
+            "by the DeepSpeed adapter; list only schedulers your loop steps itself"
+        )
     if int(engine.zero_optimization_stage()) == 3:
-        return _resolve_zero3(engine, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-                              scout=scout)
+        return _resolve_zero3(
+            engine,
+            extra_state_fn=extra_state_fn,
+            load_extra_state_fn=load_extra_state_fn,
+            scout=scout,
+        )
     deepspeed_layout.register()  # durable promotions of this job are stored per parameter
     scout_factory = None
     if "optimizer" in getattr(scout, "recipes", ()):
@@ -274,5 +332,10 @@ def resolve_engine(
     # Fail at attach, not inside the first engine.step(), when the scheduler holds something only pickle could store.
     encode(capture_engine(engine), path="deepspeed.engine")
     encode(view.state_dict(), path="deepspeed.optimizer")
-    return EngineParts(model=cast(nn.Module, engine.module), optimizer=view, extra_state_fn=extra,
-                       load_extra_state_fn=load_extra, scout_factory=scout_factory)
+    return EngineParts(
+        model=cast(nn.Module, engine.module),
+        optimizer=view,
+        extra_state_fn=extra,
+        load_extra_state_fn=load_extra,
+        scout_factory=scout_factory,
+    )

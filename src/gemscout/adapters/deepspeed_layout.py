@@ -57,8 +57,10 @@ def partition_table(zero: Any) -> dict[str, Any]:
     names = getattr(zero, "param_names", None)
     groups = getattr(zero, "bit16_groups", None)
     if not isinstance(names, dict) or groups is None:
-        raise ConfigError("the ZeRO optimizer has no param_names / bit16_groups; this DeepSpeed version is not "
-                          "supported (tested: deepspeed==0.19.8)")
+        raise ConfigError(
+            "the ZeRO optimizer has no param_names / bit16_groups; this DeepSpeed version is not "
+            "supported (tested: deepspeed==0.19.8)"
+        )
     params: list[list[str]] = []
     fragments: list[list[Row]] = []
     for group in groups:
@@ -66,13 +68,22 @@ def partition_table(zero: Any) -> dict[str, Any]:
         rows: list[Row] = []
         for p in group:
             if not hasattr(p, "_hp_mapping"):
-                raise ConfigError("DeepSpeed parameters carry no _hp_mapping (the fp32 fragment link); this DeepSpeed "
-                                  "version is not supported (tested: deepspeed==0.19.8)")
+                raise ConfigError(
+                    "DeepSpeed parameters carry no _hp_mapping (the fp32 fragment link); this DeepSpeed "
+                    "version is not supported (tested: deepspeed==0.19.8)"
+                )
             m = p._hp_mapping
             if m is None:
                 continue  # no element of this parameter in this rank's partition
-            rows.append([str(names[p]), int(p.numel()), int(m.lp_fragment_address.start),
-                         int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel)])
+            rows.append(
+                [
+                    str(names[p]),
+                    int(p.numel()),
+                    int(m.lp_fragment_address.start),
+                    int(m.hp_fragment_address.start),
+                    int(m.hp_fragment_address.numel),
+                ]
+            )
         fragments.append(rows)
     return {"params": params, "fragments": fragments}
 
@@ -88,7 +99,9 @@ class _Chunk(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, start: int, numel: int) -> _Chunk:
-        obj = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
+        obj = torch.Tensor._make_wrapper_subclass(
+            cls, (numel,), dtype=local.dtype, device=local.device
+        )
         obj._local, obj._start = local, start
         return obj
 
@@ -96,8 +109,11 @@ class _Chunk(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
-            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise TypeError(f"a ZeRO parameter fragment is only a DCP save/load target; {func} is not supported")
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise TypeError(
+            f"a ZeRO parameter fragment is only a DCP save/load target; {func} is not supported"
+        )
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"_Chunk(start={self._start}, length={self._local.numel()}, numel={self.shape[0]})"
@@ -106,16 +122,25 @@ class _Chunk(torch.Tensor):
     def _chunk(self) -> Any:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        return ChunkStorageMetadata(offsets=torch.Size([self._start]), sizes=torch.Size([self._local.numel()]))
+        return ChunkStorageMetadata(
+            offsets=torch.Size([self._start]), sizes=torch.Size([self._local.numel()])
+        )
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size([self._start])), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=self._chunk(),
-                                                      properties=TensorProperties.create_from_tensor(self._local),
-                                                      size=self.shape))]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([self._start])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    properties=TensorProperties.create_from_tensor(self._local),
+                    size=self.shape,
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[Any]:
         return [self._chunk()]
@@ -138,18 +163,25 @@ class ZeroPerParameter:
         opt = skeleton.get("optimizer") if isinstance(skeleton, dict) else None
         return isinstance(opt, dict) and opt.get("format") == FORMAT and "fragments" in opt
 
-    def promotion_items(self, parsed: Parsed, data: torch.Tensor, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def promotion_items(
+        self, parsed: Parsed, data: torch.Tensor, rank: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's DCP items for a promotion of its verified checkpoint, and its sidecar record."""
         from gemscout.gemini.durable_sharded import tensor_entries
 
         state = decode(parsed.skeleton, parsed.layout.views(data))
         opt = state["optimizer"]
-        fragments, params = opt.pop("fragments"), opt.pop("params")  # kept in the record; a load uses its own
+        fragments, params = (
+            opt.pop("fragments"),
+            opt.pop("params"),
+        )  # kept in the record; a load uses its own
         items: dict[str, Any] = {}
         elementwise: list[list[str]] = []
         for i, master in enumerate(opt["master"]):
             per = opt["state"].get(i, {})
-            keys = [k for k, v in per.items() if isinstance(v, torch.Tensor) and v.shape == master.shape]
+            keys = [
+                k for k, v in per.items() if isinstance(v, torch.Tensor) and v.shape == master.shape
+            ]
             elementwise.append(keys)
             for name, numel, param_start, start, length in fragments[i]:
                 for prefix, key in _kinds(keys):
@@ -164,27 +196,43 @@ class ZeroPerParameter:
         skeleton, tensors = encode(state, path="deepspeed.promotion")
         entries = tensor_entries(skeleton, rank)
         items.update({key: t for (key, _, _), t in zip(entries, tensors, strict=True)})
-        record = {"skeleton": skeleton, "identity": parsed.identity, "entries": entries, "codec": CODEC,
-                  "partition": {"params": params, "elementwise": elementwise, "fragments": fragments}}
+        record = {
+            "skeleton": skeleton,
+            "identity": parsed.identity,
+            "entries": entries,
+            "codec": CODEC,
+            "partition": {"params": params, "elementwise": elementwise, "fragments": fragments},
+        }
         return items, record
 
-    def load(self, folder: Path, saved: list[dict[str, Any]], sources: training_state.StateSources, *,
-             group: dist.ProcessGroup, rank: int) -> None:
+    def load(
+        self,
+        folder: Path,
+        saved: list[dict[str, Any]],
+        sources: training_state.StateSources,
+        *,
+        group: dist.ProcessGroup,
+        rank: int,
+    ) -> None:
         """Load a per-parameter promotion into this rank's live engine, on any world size (every rank of ``group``
         calls). Raises RunMismatchError for another model or param grouping, IntegrityError for a broken one."""
         import torch.distributed.checkpoint as dcp
 
         table = getattr(sources.optimizer, "partition_table", None)
         if not callable(table):
-            raise RunMismatchError(f"durable promotion {folder.name} holds DeepSpeed ZeRO state; only a DeepSpeed "
-                                   "ZeRO-1/2 job can load it")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} holds DeepSpeed ZeRO state; only a DeepSpeed "
+                "ZeRO-1/2 job can load it"
+            )
         live = table()
         src = saved[rank % len(saved)]  # per-rank entries on another world size: rank r % old
         there = saved[0]["partition"]["params"]
         if there != live["params"]:
-            raise RunMismatchError(f"durable promotion {folder.name} has param groups of {[len(g) for g in there]} "
-                                   f"parameters, this engine {[len(g) for g in live['params']]} (or other names); "
-                                   "resume with the same model and optimizer param groups")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} has param groups of {[len(g) for g in there]} "
+                f"parameters, this engine {[len(g) for g in live['params']]} (or other names); "
+                "resume with the same model and optimizer param groups"
+            )
         meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
         targets: dict[str, Any] = {}
 
@@ -200,9 +248,11 @@ class ZeroPerParameter:
         for name, value in model_live.items():
             md = stored(f"z/model/{name}")
             if md.properties.dtype != value.dtype or tuple(md.size) != tuple(value.shape):
-                raise RunMismatchError(f"durable promotion {folder.name} holds {name} as {md.properties.dtype} "
-                                       f"{list(md.size)}, this engine {value.dtype} {list(value.shape)}; resume with "
-                                       "the same model and precision (bf16 on or off)")
+                raise RunMismatchError(
+                    f"durable promotion {folder.name} holds {name} as {md.properties.dtype} "
+                    f"{list(md.size)}, this engine {value.dtype} {list(value.shape)}; resume with "
+                    "the same model and precision (bf16 on or off)"
+                )
             targets[f"z/model/{name}"] = torch.empty(md.size, dtype=md.properties.dtype)
         elementwise: list[list[str]] = src["partition"]["elementwise"]
         sizes = [int(n) for n in sources.optimizer.partition_numel()]  # type: ignore[attr-defined]
@@ -210,13 +260,19 @@ class ZeroPerParameter:
         for i, rows in enumerate(live["fragments"]):
             flats: dict[str | None, torch.Tensor] = {}
             for prefix, key in _kinds(elementwise[i]):
-                flats[key] = torch.zeros(sizes[i], dtype=torch.float32)  # padding stays zero, as DeepSpeed builds it
+                flats[key] = torch.zeros(
+                    sizes[i], dtype=torch.float32
+                )  # padding stays zero, as DeepSpeed builds it
                 for name, numel, param_start, start, length in rows:
                     md = stored(prefix + name)
                     if tuple(md.size) != (numel,):
-                        raise IntegrityError(f"durable promotion {folder.name}: {prefix + name} has {list(md.size)} "
-                                             f"elements, the live parameter {numel}")
-                    targets[prefix + name] = _Chunk(flats[key].narrow(0, start, length), param_start, numel)
+                        raise IntegrityError(
+                            f"durable promotion {folder.name}: {prefix + name} has {list(md.size)} "
+                            f"elements, the live parameter {numel}"
+                        )
+                    targets[prefix + name] = _Chunk(
+                        flats[key].narrow(0, start, length), param_start, numel
+                    )
             partitions.append(flats)
         dcp.load(targets, checkpoint_id=str(folder), process_group=group)
         state = decode(src["skeleton"], [targets[key] for key, _, _ in src["entries"]])
@@ -231,7 +287,9 @@ class ZeroPerParameter:
         self._check_model(sources, live["fragments"], folder.name)
 
     @staticmethod
-    def _check_model(sources: training_state.StateSources, fragments: list[list[Row]], where: str) -> None:
+    def _check_model(
+        sources: training_state.StateSources, fragments: list[list[Row]], where: str
+    ) -> None:
         """Each rank's module fragments must be its masters cast to the module dtype, as ``engine.step()`` leaves
         them; otherwise the promotion's model and masters are of different steps."""
         model = dict(unwrap(sources.model).named_parameters())
@@ -241,8 +299,10 @@ class ZeroPerParameter:
                 lp = model[name].detach().reshape(-1).narrow(0, param_start, length)
                 hp = masters[i].detach().narrow(0, start, length).to(lp.dtype)
                 if not torch.equal(lp.view(torch.uint8), hp.view(torch.uint8)):
-                    raise IntegrityError(f"durable promotion {where}: parameter {name} differs from its fp32 master; "
-                                         "the promotion's model and optimizer state are not of the same step")
+                    raise IntegrityError(
+                        f"durable promotion {where}: parameter {name} differs from its fp32 master; "
+                        "the promotion's model and optimizer state are not of the same step"
+                    )
 
 
 def register() -> None:

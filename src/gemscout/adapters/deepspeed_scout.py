@@ -76,10 +76,14 @@ class ZeroSlice:
 
     @property
     def recipe(self) -> Recipe:
-        return Recipe(name=self.name, kind=RecipeKind.OPTIMIZER, params=(self.key,), group_index=self.group)
+        return Recipe(
+            name=self.name, kind=RecipeKind.OPTIMIZER, params=(self.key,), group_index=self.group
+        )
 
 
-def plan_slices(peers: tuple[int, ...], partition_numel: list[int], bound: int) -> dict[int, list[ZeroSlice]]:
+def plan_slices(
+    peers: tuple[int, ...], partition_numel: list[int], bound: int
+) -> dict[int, list[ZeroSlice]]:
     """Every owner's slices, by global rank. Pure: equal on every rank given the same partition sizes."""
     step = max(ALIGN, bound // ALIGN * ALIGN)
     plan: dict[int, list[ZeroSlice]] = {}
@@ -87,8 +91,15 @@ def plan_slices(peers: tuple[int, ...], partition_numel: list[int], bound: int) 
         slices: list[ZeroSlice] = []
         for group, numel in enumerate(partition_numel):
             for start in range(0, numel, step):
-                slices.append(ZeroSlice(name=f"optimizer.rank{owner}.{len(slices)}", owner=owner, group=group,
-                                        start=start, stop=min(numel, start + step)))
+                slices.append(
+                    ZeroSlice(
+                        name=f"optimizer.rank{owner}.{len(slices)}",
+                        owner=owner,
+                        group=group,
+                        start=start,
+                        stop=min(numel, start + step),
+                    )
+                )
         plan[owner] = slices
     return plan
 
@@ -144,27 +155,44 @@ class ZeroScout(Scout):
     owner's capture, one all-gather of the records) run after ``engine.step()`` on every rank of the group.
     """
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
-               topology: Any = None, first_step: int = 1) -> ZeroScout:
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: dist.ProcessGroup | None = None,
+        topology: Any = None,
+        first_step: int = 1,
+    ) -> ZeroScout:
         view: Any = optimizer
         zero, inner = getattr(view, "zero", None), getattr(view, "inner", None)
         if zero is None or not isinstance(inner, torch.optim.Optimizer):
-            raise ConfigError("ZeroScout.attach: optimizer must be the DeepSpeed adapter's EngineOptimizer "
-                              "(enable_resiliency builds it from the engine)")
+            raise ConfigError(
+                "ZeroScout.attach: optimizer must be the DeepSpeed adapter's EngineOptimizer "
+                "(enable_resiliency builds it from the engine)"
+            )
         super().attach(model, optimizer, group=group, topology=topology, first_step=first_step)
         if self._exchange is None or self._mesh is not None:
-            raise ConfigError("ScoutConfig.recipes: the ZeRO optimizer recipe needs the data-parallel ranks as peers")
+            raise ConfigError(
+                "ScoutConfig.recipes: the ZeRO optimizer recipe needs the data-parallel ranks as peers"
+            )
         self._zero, self._inner = zero, inner
         # Inside engine.step() DeepSpeed swaps the inner optimizer's param_groups for one group at a time; the masters
         # are told apart by identity, never by their position in that temporary list.
         self._masters = [g["params"][0] for g in inner.param_groups]
         groups = list(getattr(zero, "real_dp_process_group", [None] * len(inner.param_groups)))
         for g, pg in enumerate(groups):
-            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(dist.get_world_size()))
+            ranks = (
+                tuple(dist.get_process_group_ranks(pg))
+                if pg is not None
+                else tuple(range(dist.get_world_size()))
+            )
             if sorted(ranks) != sorted(self.peers):
-                raise ConfigError(f"ScoutConfig.recipes: ZeRO param group {g} is partitioned over ranks {list(ranks)}"
-                                  f", SCOUT's peers are {list(self.peers)}; the optimizer recipe needs them equal "
-                                  "(no model parallelism), or drop 'optimizer' from ScoutConfig.recipes")
+                raise ConfigError(
+                    f"ScoutConfig.recipes: ZeRO param group {g} is partitioned over ranks {list(ranks)}"
+                    f", SCOUT's peers are {list(self.peers)}; the optimizer recipe needs them equal "
+                    "(no model parallelism), or drop 'optimizer' from ScoutConfig.recipes"
+                )
         numel = [int(g["params"][0].numel()) for g in inner.param_groups]
         self._plan = plan_slices(self.peers, numel, self.config.optimizer_slice_numel)
         # The forward recipes stay with the base cycle; the base catalog's DDP slices (of this rank's own partition,
@@ -173,8 +201,12 @@ class ZeroScout(Scout):
         self._fingerprint = self.catalog.fingerprint()
         names = [*self.catalog.names, *(s.name for owner in self.peers for s in self._plan[owner])]
         self.rotation = _DeferredRotation(tuple(names))
-        text = json.dumps([[s.name, s.group, s.start, s.stop] for o in self.peers for s in self._plan[o]])
-        self._zero_fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        text = json.dumps(
+            [[s.name, s.group, s.start, s.stop] for o in self.peers for s in self._plan[o]]
+        )
+        self._zero_fingerprint = int.from_bytes(
+            hashlib.sha256(text.encode()).digest()[:8], "little", signed=True
+        )
         self._pending: tuple[int, list[ZeroSlice]] | None = None
         self._captured: dict[str, Captured] = {}
         self._own_hyper: dict[int, str] = {}
@@ -219,8 +251,14 @@ class ZeroScout(Scout):
         result = super().before_step(step)
         self._settle_step = step
         if due and result is None:
-            result = CycleResult(step=step, source_rank=due[0].owner, peers=self.peers, results={}, replay_s={},
-                                 peer_groups=self.peer_groups)
+            result = CycleResult(
+                step=step,
+                source_rank=due[0].owner,
+                peers=self.peers,
+                results={},
+                replay_s={},
+                peer_groups=self.peer_groups,
+            )
         if result is not None:
             self.last_result = result
             self._last_cycle_step = step
@@ -228,7 +266,9 @@ class ZeroScout(Scout):
 
     def _hyper_digest(self, group: int) -> str:
         plain, tensors = _hyper(self._inner.param_groups[group])
-        described = json.dumps({"class": type(self._inner).__qualname__, "hyper": plain}, sort_keys=True)
+        described = json.dumps(
+            {"class": type(self._inner).__qualname__, "hyper": plain}, sort_keys=True
+        )
         return _blake3(digest_many({f"hyper.{k}": t for k, t in tensors.items()}), described)
 
     def _capture_partition(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -244,37 +284,50 @@ class ZeroScout(Scout):
                 continue
             for piece in (s for s in due if s.group == g and s.owner == self.rank):
                 try:
-                    self._captured[piece.name] = self._take(piece, optimizer.param_groups[0], master, step)
+                    self._captured[piece.name] = self._take(
+                        piece, optimizer.param_groups[0], master, step
+                    )
                 except Exception as exc:  # the owner still sends: a capture that carries the error
                     self._captured[piece.name] = Captured(step=step, error=f"capture failed: {exc}")
 
-    def _take(self, piece: ZeroSlice, group: Mapping[str, Any], master: torch.Tensor, step: int) -> Captured:
+    def _take(
+        self, piece: ZeroSlice, group: Mapping[str, Any], master: torch.Tensor, step: int
+    ) -> Captured:
         captured = Captured(step=step)
         plain, tensors = _hyper(group)
         captured.tensors.update({f"hyper.{k}": t for k, t in tensors.items()})
         key = piece.key
-        captured.tensors[f"param.{key}"] = master.detach()[piece.start:piece.stop].clone()
+        captured.tensors[f"param.{key}"] = master.detach()[piece.start : piece.stop].clone()
         if master.grad is not None:
-            captured.tensors[f"grad.{key}"] = master.grad.detach()[piece.start:piece.stop].clone()
+            captured.tensors[f"grad.{key}"] = master.grad.detach()[piece.start : piece.stop].clone()
         values: dict[str, Any] = {}
         for name, value in self._inner.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
                 captured.tensors[f"state.{key}#{name}"] = self._part(value, master, piece).clone()
             else:
                 values[name] = to_json_value(value, f"optimizer state {name!r}")
-        captured.meta.update(optimizer=type(self._inner).__qualname__, hyper=plain,
-                             state_values={key: values} if values else {}, params=[key], on_device=[])
+        captured.meta.update(
+            optimizer=type(self._inner).__qualname__,
+            hyper=plain,
+            state_values={key: values} if values else {},
+            params=[key],
+            on_device=[],
+        )
         return captured
 
     @staticmethod
     def _part(value: torch.Tensor, master: torch.Tensor, piece: ZeroSlice) -> torch.Tensor:
         # Per-element state (exp_avg, exp_avg_sq) is sliced with the partition; a scalar (AdamW's step) is whole.
-        return value.detach()[piece.start:piece.stop] if value.shape == master.shape else value.detach()
+        return (
+            value.detach()[piece.start : piece.stop]
+            if value.shape == master.shape
+            else value.detach()
+        )
 
     def _actual(self, piece: ZeroSlice) -> dict[str, torch.Tensor]:
         """The owner's live slice after the update, keyed as a replay's outputs are."""
         master = self._masters[piece.group]
-        out = {f"param.{piece.key}": master.detach()[piece.start:piece.stop]}
+        out = {f"param.{piece.key}": master.detach()[piece.start : piece.stop]}
         for name, value in self._inner.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
                 out[f"state.{piece.key}#{name}"] = self._part(value, master, piece)
@@ -295,51 +348,85 @@ class ZeroScout(Scout):
         base = self.last_result
         if base is None or base.step != step:
             return
-        reports = tuple(r for r in (res.fault_report() for res in results.values()) if r is not None)
+        reports = tuple(
+            r for r in (res.fault_report() for res in results.values()) if r is not None
+        )
         reports += self._compute_reports(step, due, results, times)
-        self.last_result = dataclasses.replace(base, results={**base.results, **results},
-                                               replay_s={**base.replay_s, **times}, reports=base.reports + reports,
-                                               certified_step=certified)
+        self.last_result = dataclasses.replace(
+            base,
+            results={**base.results, **results},
+            replay_s={**base.replay_s, **times},
+            reports=base.reports + reports,
+            certified_step=certified,
+        )
 
-    def _compute_reports(self, step: int, due: list[ZeroSlice], results: Mapping[str, C3Result],
-                         times: Mapping[str, Mapping[int, float]]) -> tuple[FaultReport, ...]:
+    def _compute_reports(
+        self,
+        step: int,
+        due: list[ZeroSlice],
+        results: Mapping[str, C3Result],
+        times: Mapping[str, Mapping[int, float]],
+    ) -> tuple[FaultReport, ...]:
         """Compute stragglers over the optimizer slices: every rank replayed the same slices of one owner, so their
         summed times are the same work. Slices rotate over owners from one cycle to the next; the detector is keyed
         by the total element count (equal-sized slices are the same work whoever owns them), so consecutive rounds
         compare like with like and the per-rank baseline is never fed a different amount of work."""
         if not due or self.config.stragglers is None:
             return ()
-        if not all(results[s.name].preconditions_ok and len(times.get(s.name, {})) == len(self.peers) for s in due):
+        if not all(
+            results[s.name].preconditions_ok and len(times.get(s.name, {})) == len(self.peers)
+            for s in due
+        ):
             return ()
         totals = {rank: sum(times[s.name][rank] for s in due) for rank in self.peers}
         numel = sum(s.stop - s.start for s in due)
-        detector = self._detectors.setdefault(f"optimizer-slices[{numel}]",
-                                              ComputeStragglerDetector(self.config.stragglers))
+        detector = self._detectors.setdefault(
+            f"optimizer-slices[{numel}]", ComputeStragglerDetector(self.config.stragglers)
+        )
         report = detector.observe(step, totals)
         if report is None:
             return ()
         return (dataclasses.replace(report, recipe=due[0].name if len(due) == 1 else "optimizer"),)
 
-    def _zero_cycle(self, step: int, due: list[ZeroSlice]) -> tuple[dict[str, C3Result], dict[str, dict[int, float]]]:
+    def _zero_cycle(
+        self, step: int, due: list[ZeroSlice]
+    ) -> tuple[dict[str, C3Result], dict[str, dict[int, float]]]:
         assert self._exchange is not None
         owner = due[0].owner
         captures = None
         if self.rank == owner:
-            captures = {s.name: self._captured.get(s.name) or Captured(
-                step=step, error=f"engine.step() never reached param group {s.group} on the owner") for s in due}
-        received, wire_error, _ = self._exchange.send_inputs(step, self._zero_fingerprint, owner, captures)
+            captures = {
+                s.name: self._captured.get(s.name)
+                or Captured(
+                    step=step,
+                    error=f"engine.step() never reached param group {s.group} on the owner",
+                )
+                for s in due
+            }
+        received, wire_error, _ = self._exchange.send_inputs(
+            step, self._zero_fingerprint, owner, captures
+        )
         self._captured = {}
         records = {s.name: self._record(s, step, received.get(s.name), wire_error) for s in due}
         names = [s.name for s in due]
         by_rank = self._exchange.gather_records(names, records)
         results, times = {}, {}
         for name in names:
-            results[name], times[name] = judge_gathered(name, step, self.peers, [by_rank[r] for r in self.peers])
+            results[name], times[name] = judge_gathered(
+                name, step, self.peers, [by_rank[r] for r in self.peers]
+            )
         return results, times
 
-    def _record(self, piece: ZeroSlice, step: int, captured: Captured | None, wire_error: str | None) -> dict[str, Any]:
+    def _record(
+        self, piece: ZeroSlice, step: int, captured: Captured | None, wire_error: str | None
+    ) -> dict[str, Any]:
         """Replay ``piece`` here; the vote is the replay (a peer) or the actual update (the owner)."""
-        record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
+        record: dict[str, Any] = {
+            "error": None,
+            "precondition": None,
+            "digest": None,
+            "replay_s": None,
+        }
         try:
             if wire_error is not None:
                 raise RuntimeError(wire_error)
@@ -347,13 +434,22 @@ class ZeroScout(Scout):
                 why = "sent nothing" if captured is None else f"has no capture: {captured.error}"
                 raise RuntimeError(f"owner rank {piece.owner} {why}")
             recipe = piece.recipe
-            record["precondition"] = precondition_for(recipe, step, captured, self._own_hyper[piece.group]).to_dict()
-            ctx = ReplayContext(recipe=piece.name, kind=RecipeKind.OPTIMIZER.value, step=step, rank=self.rank,
-                                source_rank=piece.owner)
+            record["precondition"] = precondition_for(
+                recipe, step, captured, self._own_hyper[piece.group]
+            ).to_dict()
+            ctx = ReplayContext(
+                recipe=piece.name,
+                kind=RecipeKind.OPTIMIZER.value,
+                step=step,
+                rank=self.rank,
+                source_rank=piece.owner,
+            )
             self._current = ctx
             try:
                 start = time.perf_counter()
-                outcome = replay_optimizer(type(self._inner), self._inner.defaults, captured, ctx, self._hooks)
+                outcome = replay_optimizer(
+                    type(self._inner), self._inner.defaults, captured, ctx, self._hooks
+                )
                 replayed = digest_many(outcome.outputs)
                 record["replay_s"] = time.perf_counter() - start
             finally:
@@ -364,7 +460,9 @@ class ZeroScout(Scout):
                 actual = digest_many(self._actual(piece))
                 # The owner's replay disagreeing with its own update means the owner computed one of them wrongly:
                 # a vote that matches no peer names it.
-                record["digest"] = actual if replayed == actual else _blake3("self-inconsistent", actual, replayed)
+                record["digest"] = (
+                    actual if replayed == actual else _blake3("self-inconsistent", actual, replayed)
+                )
         except Exception as exc:  # recorded and agreed on, never raised mid-sequence
             record["error"] = f"{type(exc).__name__}: {exc}"
         return record

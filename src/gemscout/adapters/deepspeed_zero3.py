@@ -55,48 +55,78 @@ from gemscout.errors import ConfigError, RunMismatchError
 
 __all__ = ["FORMAT", "Zero3EngineOptimizer", "Zero3ModuleState", "check_zero3"]
 
-_UNSUPPORTED = ("DeepSpeed ZeRO-3 under gemscout needs the stage-3 optimizer as deepspeed.initialize builds it "
-                "(deepspeed==0.19.8) with every partition in memory")
+_UNSUPPORTED = (
+    "DeepSpeed ZeRO-3 under gemscout needs the stage-3 optimizer as deepspeed.initialize builds it "
+    "(deepspeed==0.19.8) with every partition in memory"
+)
 
 
 def check_zero3(engine: Any) -> None:
     """Refuse a stage-3 engine whose state does not live where this adapter reads it, naming the setting."""
     zero = engine.optimizer
     names = {cls.__name__ for cls in type(zero).__mro__}
-    if "DeepSpeedZeroOptimizer_Stage3" not in names or not isinstance(getattr(zero, "optimizer", None),
-                                                                      torch.optim.Optimizer):
-        raise ConfigError(f"the engine's optimizer is a {type(zero).__name__}, not a DeepSpeedZeroOptimizer_Stage3 "
-                          f"around a torch optimizer; {_UNSUPPORTED}")
-    for attr in ("fp16_groups", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
-                 "sub_group_to_group_id", "sub_group_process_groups"):
+    if "DeepSpeedZeroOptimizer_Stage3" not in names or not isinstance(
+        getattr(zero, "optimizer", None), torch.optim.Optimizer
+    ):
+        raise ConfigError(
+            f"the engine's optimizer is a {type(zero).__name__}, not a DeepSpeedZeroOptimizer_Stage3 "
+            f"around a torch optimizer; {_UNSUPPORTED}"
+        )
+    for attr in (
+        "fp16_groups",
+        "fp16_partitioned_groups_flat",
+        "fp32_partitioned_groups_flat",
+        "sub_group_to_group_id",
+        "sub_group_process_groups",
+    ):
         if not hasattr(zero, attr):
             raise ConfigError(f"the ZeRO-3 optimizer has no {attr}; {_UNSUPPORTED}")
-    if any(t is None for t in zero.fp16_partitioned_groups_flat) or getattr(zero, "swap_optimizer", False):
-        raise ConfigError("DeepSpeed ZeRO-3 with NVMe offload (offload_param / offload_optimizer device nvme) is "
-                          "not supported; keep the partitions in memory")
+    if any(t is None for t in zero.fp16_partitioned_groups_flat) or getattr(
+        zero, "swap_optimizer", False
+    ):
+        raise ConfigError(
+            "DeepSpeed ZeRO-3 with NVMe offload (offload_param / offload_optimizer device nvme) is "
+            "not supported; keep the partitions in memory"
+        )
     if getattr(zero, "use_muon", False) or getattr(zero, "zenflow", False):
-        raise ConfigError("DeepSpeed ZeRO-3 with Muon or ZenFlow is not supported; use a torch optimizer such as "
-                          "AdamW as the client optimizer")
+        raise ConfigError(
+            "DeepSpeed ZeRO-3 with Muon or ZenFlow is not supported; use a torch optimizer such as "
+            "AdamW as the client optimizer"
+        )
     hpz = getattr(engine, "zero_hpz_partition_size", lambda: 1)()
-    quantized = [getattr(engine, f, lambda: False)() for f in ("zero_quantized_weights",
-                                                                "zero_quantized_nontrainable_weights")]
+    quantized = [
+        getattr(engine, f, lambda: False)()
+        for f in ("zero_quantized_weights", "zero_quantized_nontrainable_weights")
+    ]
     if (hpz or 1) > 1 or any(quantized):
-        raise ConfigError("DeepSpeed ZeRO-3 with zero_hpz_partition_size > 1 (ZeRO++ hpZ) or quantized weights is "
-                          "not supported; leave zero_hpz_partition_size at 1 and weight quantization off")
+        raise ConfigError(
+            "DeepSpeed ZeRO-3 with zero_hpz_partition_size > 1 (ZeRO++ hpZ) or quantized weights is "
+            "not supported; leave zero_hpz_partition_size at 1 and weight quantization off"
+        )
     world = dist.get_world_size() if dist.is_initialized() else 1
     for p in engine.module.parameters():
         group = getattr(p, "ds_process_group", None)
         if dist.is_initialized() and dist.get_world_size(group=group) != world:
-            raise ConfigError("a ZeRO-3 parameter is partitioned over a group smaller than the job (MiCS, expert "
-                              "groups); gemscout supports ZeRO-3 partitioned over every rank")
+            raise ConfigError(
+                "a ZeRO-3 parameter is partitioned over a group smaller than the job (MiCS, expert "
+                "groups); gemscout supports ZeRO-3 partitioned over every rank"
+            )
         if not hasattr(p, "ds_tensor") or p.ds_tensor is None:
-            raise ConfigError("a module parameter of the ZeRO-3 engine is not partitioned (no ds_tensor); build the "
-                              "model before deepspeed.initialize, or inside deepspeed.zero.Init, and register no "
-                              "parameter afterwards")
-    extra = [k for k, v in engine.module.state_dict(keep_vars=True).items() if not isinstance(v, torch.Tensor)]
+            raise ConfigError(
+                "a module parameter of the ZeRO-3 engine is not partitioned (no ds_tensor); build the "
+                "model before deepspeed.initialize, or inside deepspeed.zero.Init, and register no "
+                "parameter afterwards"
+            )
+    extra = [
+        k
+        for k, v in engine.module.state_dict(keep_vars=True).items()
+        if not isinstance(v, torch.Tensor)
+    ]
     if extra:
-        raise ConfigError(f"the module's state_dict holds non-tensor entries {extra[:3]} (get_extra_state); they are "
-                          "not captured under DeepSpeed ZeRO-3 yet")
+        raise ConfigError(
+            f"the module's state_dict holds non-tensor entries {extra[:3]} (get_extra_state); they are "
+            "not captured under DeepSpeed ZeRO-3 yet"
+        )
 
 
 class Zero3ModuleState(nn.Module):
@@ -114,7 +144,9 @@ class Zero3ModuleState(nn.Module):
     def zero3_module(self) -> nn.Module:
         return object.__getattribute__(self, "_zero3_module")  # type: ignore[no-any-return]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # not used by gemscout; the engine runs the module
+    def forward(
+        self, *args: Any, **kwargs: Any
+    ) -> Any:  # not used by gemscout; the engine runs the module
         return self.zero3_module(*args, **kwargs)
 
     def _live(self) -> dict[str, tuple[torch.Tensor, nn.Parameter | None]]:
@@ -136,14 +168,18 @@ class Zero3ModuleState(nn.Module):
         live = self._live()
         if set(state) != set(live):
             missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
-            raise RunMismatchError(f"the ZeRO-3 checkpoint's module state differs from this engine's (missing "
-                                   f"{missing[:3]}, unexpected {unexpected[:3]}); resume with the same model")
+            raise RunMismatchError(
+                f"the ZeRO-3 checkpoint's module state differs from this engine's (missing "
+                f"{missing[:3]}, unexpected {unexpected[:3]}); resume with the same model"
+            )
         for name, (tensor, _) in live.items():
             saved = state[name]
             if tuple(saved.shape) != tuple(tensor.shape) or saved.dtype != tensor.dtype:
-                raise RunMismatchError(f"the ZeRO-3 checkpoint holds {name} as {saved.dtype} {list(saved.shape)}, "
-                                       f"this rank {tensor.dtype} {list(tensor.shape)}; a local checkpoint resumes "
-                                       "with the same model, precision and world size")
+                raise RunMismatchError(
+                    f"the ZeRO-3 checkpoint holds {name} as {saved.dtype} {list(saved.shape)}, "
+                    f"this rank {tensor.dtype} {list(tensor.shape)}; a local checkpoint resumes "
+                    "with the same model, precision and world size"
+                )
         gathered: list[nn.Parameter] = []
         with torch.no_grad():
             for name, (tensor, param) in live.items():
@@ -168,8 +204,13 @@ class Zero3EngineOptimizer(EngineStepView):
         self.inner: torch.optim.Optimizer = engine.optimizer.optimizer
         names = getattr(self.zero, "param_names", None) or {}
         by_id = {id(p): n for n, p in engine.module.named_parameters()}
-        self._params = [[str(names.get(p, by_id.get(id(p), "?"))) for p in group] for group in self.zero.fp16_groups]
-        self._slices = [[int(p.partition_numel()) for p in group] for group in self.zero.fp16_groups]
+        self._params = [
+            [str(names.get(p, by_id.get(id(p), "?"))) for p in group]
+            for group in self.zero.fp16_groups
+        ]
+        self._slices = [
+            [int(p.partition_numel()) for p in group] for group in self.zero.fp16_groups
+        ]
         self._numel = {name: int(p.ds_numel) for name, p in engine.module.named_parameters()}
         first = next(iter(engine.module.parameters()))
         self._module_group = getattr(first, "ds_process_group", None)
@@ -180,40 +221,59 @@ class Zero3EngineOptimizer(EngineStepView):
 
     def layout(self) -> dict[str, Any]:
         groups = self.zero.sub_group_process_groups
-        return {"zero_stage": 3,
-                "partition_count": [int(dist.get_world_size(group=g)) for g in groups],
-                "partition_index": [int(dist.get_rank(group=g)) for g in groups],
-                "sub_groups": [int(self.zero.sub_group_to_group_id[i]) for i in range(len(groups))],
-                "module_index": int(dist.get_rank(group=self._module_group)),
-                "params": self._params, "slices": self._slices, "numel": self._numel}
+        return {
+            "zero_stage": 3,
+            "partition_count": [int(dist.get_world_size(group=g)) for g in groups],
+            "partition_index": [int(dist.get_rank(group=g)) for g in groups],
+            "sub_groups": [int(self.zero.sub_group_to_group_id[i]) for i in range(len(groups))],
+            "module_index": int(dist.get_rank(group=self._module_group)),
+            "params": self._params,
+            "slices": self._slices,
+            "numel": self._numel,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's fp32 master partitions and their optimizer state (live tensors; nothing needs pickle)."""
         masters = self.masters()
-        return {"format": FORMAT, **self.layout(),
-                "master": masters,
-                "state": {i: dict(self.inner.state[m]) for i, m in enumerate(masters) if self.inner.state.get(m)},
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]}
+        return {
+            "format": FORMAT,
+            **self.layout(),
+            "master": masters,
+            "state": {
+                i: dict(self.inner.state[m])
+                for i, m in enumerate(masters)
+                if self.inner.state.get(m)
+            },
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups
+            ],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy a :meth:`state_dict` into the live optimizer, bitwise. Raises RunMismatchError when it was taken
         with another ZeRO stage, partitioning or model."""
         if state.get("format") != FORMAT:
-            raise RunMismatchError(f"the optimizer state is not a DeepSpeed ZeRO-3 partition ({state.get('format')!r});"
-                                   " it was taken from another kind of job (a ZeRO-1/2 checkpoint does not resume "
-                                   "under ZeRO-3)")
+            raise RunMismatchError(
+                f"the optimizer state is not a DeepSpeed ZeRO-3 partition ({state.get('format')!r});"
+                " it was taken from another kind of job (a ZeRO-1/2 checkpoint does not resume "
+                "under ZeRO-3)"
+            )
         here = self.layout()
         there = {k: state.get(k) for k in here}
         if there != here:
             diff = sorted(k for k in here if there[k] != here[k])
             small = [k for k in diff if k not in ("params", "slices", "numel")]
-            raise RunMismatchError(f"the DeepSpeed ZeRO-3 checkpoint's partition differs from this engine's in {diff} "
-                                   f"(taken with {({k: there[k] for k in small})}, here "
-                                   f"{({k: here[k] for k in small})}); a local checkpoint resumes with the same "
-                                   "model, param groups and world size, each rank from its own partition")
+            raise RunMismatchError(
+                f"the DeepSpeed ZeRO-3 checkpoint's partition differs from this engine's in {diff} "
+                f"(taken with { ({k: there[k] for k in small}) }, here "
+                f"{ ({k: here[k] for k in small}) }); a local checkpoint resumes with the same "
+                "model, param groups and world size, each rank from its own partition"
+            )
         masters = self.masters()
         if len(state["param_groups"]) != len(self.inner.param_groups):
-            raise RunMismatchError("the DeepSpeed ZeRO-3 checkpoint has another number of param groups")
+            raise RunMismatchError(
+                "the DeepSpeed ZeRO-3 checkpoint has another number of param groups"
+            )
         with torch.no_grad():
             for group, saved in zip(self.inner.param_groups, state["param_groups"], strict=True):
                 for key, value in saved.items():

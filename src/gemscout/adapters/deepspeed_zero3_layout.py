@@ -60,7 +60,9 @@ class Zero3PerParameter:
         opt = skeleton.get("optimizer") if isinstance(skeleton, dict) else None
         return isinstance(opt, dict) and opt.get("format") == FORMAT
 
-    def promotion_items(self, parsed: Parsed, data: torch.Tensor, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def promotion_items(
+        self, parsed: Parsed, data: torch.Tensor, rank: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's DCP items for a promotion of its verified checkpoint, and its sidecar record."""
         from gemscout.gemini.durable_sharded import tensor_entries
 
@@ -77,14 +79,18 @@ class Zero3PerParameter:
         elementwise: list[list[str]] = []
         for i, master in enumerate(opt["master"]):
             per = opt["state"].get(i, {})
-            keys = [k for k, v in per.items() if isinstance(v, torch.Tensor) and v.shape == master.shape]
+            keys = [
+                k for k, v in per.items() if isinstance(v, torch.Tensor) and v.shape == master.shape
+            ]
             elementwise.append(keys)
             offset = 0
             for name, pn in zip(opt["params"][i], opt["slices"][i], strict=True):
                 start, length = _slice(numel[name], pn, opt["partition_index"][i])
                 for prefix, key in _kinds(keys):
                     flat = master if key is None else per[key]
-                    items[prefix + name] = _Chunk(flat.narrow(0, offset, length), start, numel[name])
+                    items[prefix + name] = _Chunk(
+                        flat.narrow(0, offset, length), start, numel[name]
+                    )
                 offset += pn
             opt["master"][i] = None
             for key in keys:
@@ -94,28 +100,44 @@ class Zero3PerParameter:
         skeleton, tensors = encode(state, path="deepspeed.promotion")
         entries = tensor_entries(skeleton, rank)
         items.update({key: t for (key, _, _), t in zip(entries, tensors, strict=True)})
-        record = {"skeleton": skeleton, "identity": parsed.identity, "entries": entries, "codec": CODEC,
-                  "partition": {"params": opt["params"], "elementwise": elementwise, "model": names}}
+        record = {
+            "skeleton": skeleton,
+            "identity": parsed.identity,
+            "entries": entries,
+            "codec": CODEC,
+            "partition": {"params": opt["params"], "elementwise": elementwise, "model": names},
+        }
         return items, record
 
-    def load(self, folder: Path, saved: list[dict[str, Any]], sources: training_state.StateSources, *,
-             group: dist.ProcessGroup, rank: int) -> None:
+    def load(
+        self,
+        folder: Path,
+        saved: list[dict[str, Any]],
+        sources: training_state.StateSources,
+        *,
+        group: dist.ProcessGroup,
+        rank: int,
+    ) -> None:
         """Load a per-parameter ZeRO-3 promotion into this rank's live engine, on any world size (every rank of
         ``group`` calls). Raises RunMismatchError for another model or grouping, IntegrityError for a broken one."""
         import torch.distributed.checkpoint as dcp
 
         layout = getattr(sources.optimizer, "layout", None)
         if not callable(layout) or layout().get("zero_stage") != 3:
-            raise RunMismatchError(f"durable promotion {folder.name} holds DeepSpeed ZeRO-3 state; only a DeepSpeed "
-                                   "ZeRO-3 job can load it")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} holds DeepSpeed ZeRO-3 state; only a DeepSpeed "
+                "ZeRO-3 job can load it"
+            )
         live = layout()
         src = saved[rank % len(saved)]
         there = saved[0]["partition"]
         if there["params"] != live["params"]:
-            raise RunMismatchError(f"durable promotion {folder.name} has sub-groups of "
-                                   f"{[len(g) for g in there['params']]} parameters, this engine "
-                                   f"{[len(g) for g in live['params']]} (or other names); resume with the same model, "
-                                   "param groups and stage3 sub_group_size")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} has sub-groups of "
+                f"{[len(g) for g in there['params']]} parameters, this engine "
+                f"{[len(g) for g in live['params']]} (or other names); resume with the same model, "
+                "param groups and stage3 sub_group_size"
+            )
         meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
 
         def stored(key: str, numel: int | None = None) -> Any:
@@ -123,16 +145,22 @@ class Zero3PerParameter:
                 raise IntegrityError(f"durable promotion {folder.name} lacks {key!r}")
             md: Any = meta[key]
             if numel is not None and tuple(md.size) != (numel,):
-                raise RunMismatchError(f"durable promotion {folder.name}: {key} has {list(md.size)} elements, "
-                                       f"the live parameter {numel}; resume with the same model")
+                raise RunMismatchError(
+                    f"durable promotion {folder.name}: {key} has {list(md.size)} elements, "
+                    f"the live parameter {numel}; resume with the same model"
+                )
             return md
 
-        targets: dict[str, Any] = {key: torch.empty(stored(key).size, dtype=stored(key).properties.dtype)
-                                   for key, _, _ in src["entries"]}
+        targets: dict[str, Any] = {
+            key: torch.empty(stored(key).size, dtype=stored(key).properties.dtype)
+            for key, _, _ in src["entries"]
+        }
         model_live = unwrap(sources.model).state_dict()
         if sorted(model_live) != sorted(there["model"]):
-            raise RunMismatchError(f"durable promotion {folder.name} holds another module's state; resume with the "
-                                   "same model")
+            raise RunMismatchError(
+                f"durable promotion {folder.name} holds another module's state; resume with the "
+                "same model"
+            )
         numel: dict[str, int] = live["numel"]
         model: dict[str, torch.Tensor] = {}
         for name, value in model_live.items():
@@ -140,10 +168,14 @@ class Zero3PerParameter:
             if name in numel:
                 md = stored(f"z/model/{name}", numel[name])
                 if md.properties.dtype != value.dtype:
-                    raise RunMismatchError(f"durable promotion {folder.name} holds {name} as {md.properties.dtype}, "
-                                           f"this engine {value.dtype}; resume with the same precision (bf16 on or off)")
+                    raise RunMismatchError(
+                        f"durable promotion {folder.name} holds {name} as {md.properties.dtype}, "
+                        f"this engine {value.dtype}; resume with the same precision (bf16 on or off)"
+                    )
                 start, length = _slice(numel[name], value.numel(), live["module_index"])
-                targets[f"z/model/{name}"] = _Chunk(model[name].narrow(0, 0, length), start, numel[name])
+                targets[f"z/model/{name}"] = _Chunk(
+                    model[name].narrow(0, 0, length), start, numel[name]
+                )
             else:
                 stored(f"z/buffer/{name}")
                 targets[f"z/buffer/{name}"] = model[name]
@@ -157,7 +189,9 @@ class Zero3PerParameter:
                 for name, pn in zip(names, slices, strict=True):
                     stored(prefix + name, numel[name])
                     start, length = _slice(numel[name], pn, live["partition_index"][i])
-                    targets[prefix + name] = _Chunk(flats[key].narrow(0, offset, length), start, numel[name])
+                    targets[prefix + name] = _Chunk(
+                        flats[key].narrow(0, offset, length), start, numel[name]
+                    )
                     offset += pn
             partitions.append(flats)
         dcp.load(targets, checkpoint_id=str(folder), process_group=group)
@@ -181,8 +215,10 @@ class Zero3PerParameter:
                 lp = model[name]
                 hp = master.narrow(0, offset, pn).to(lp.dtype)
                 if not torch.equal(lp.view(torch.uint8), hp.view(torch.uint8)):
-                    raise IntegrityError(f"durable promotion {where}: parameter {name} differs from its fp32 master; "
-                                         "the promotion's model and optimizer state are not of the same step")
+                    raise IntegrityError(
+                        f"durable promotion {where}: parameter {name} differs from its fp32 master; "
+                        "the promotion's model and optimizer state are not of the same step"
+                    )
                 offset += pn
 
 

@@ -47,10 +47,21 @@ def _owned_by_deepspeed(hook: Any) -> bool:
 class Zero3Scout(Scout):
     """SCOUT on a DeepSpeed ZeRO-3 engine's module (see the module doc)."""
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None = None,
-               topology: Topology | None = None, first_step: int = 1) -> Scout:
-        root = getattr(model, "zero3_module", model)  # the adapter's state view holds the engine's module
-        return super().attach(root, optimizer, group=group, topology=topology, first_step=first_step)
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: dist.ProcessGroup | None = None,
+        topology: Topology | None = None,
+        first_step: int = 1,
+    ) -> Scout:
+        root = getattr(
+            model, "zero3_module", model
+        )  # the adapter's state view holds the engine's module
+        return super().attach(
+            root, optimizer, group=group, topology=topology, first_step=first_step
+        )
 
     def _cycle(self, step: int, due: Sequence[Recipe]) -> CycleResult:
         seen: set[int] = set()
@@ -70,8 +81,15 @@ class Zero3Scout(Scout):
         finally:
             gather[0].partition(param_list=gather, has_been_updated=False)  # type: ignore[attr-defined]
 
-    def _replay_local(self, recipe: Recipe, step: int, source: int, captured: Captured | None,
-                      wire_error: str | None, **kwargs: Any) -> dict[str, Any]:
+    def _replay_local(
+        self,
+        recipe: Recipe,
+        step: int,
+        source: int,
+        captured: Captured | None,
+        wire_error: str | None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         modules = self._modules.get(recipe.name, ()) if recipe.has_module else ()
         with without_wrapper_hooks(modules, owned_by=_owned_by_deepspeed):
             return super()._replay_local(recipe, step, source, captured, wire_error, **kwargs)

@@ -46,7 +46,10 @@ def _from(obj: Any, package: str) -> bool:
 
 
 def _is(obj: Any, package: str, name: str) -> bool:
-    return any((module == package or module.startswith(package + ".")) and cls == name for module, cls in _mro(obj))
+    return any(
+        (module == package or module.startswith(package + ".")) and cls == name
+        for module, cls in _mro(obj)
+    )
 
 
 def detect(model: Any, optimizer: Any = None) -> Framework:
@@ -56,7 +59,11 @@ def detect(model: Any, optimizer: Any = None) -> Framework:
     if _is(model, "torchtitan", "Trainer") or _from(optimizer, "torchtitan"):
         return Framework.TORCHTITAN
     if isinstance(model, list | tuple):
-        return Framework.MEGATRON if model and all(_from(m, "megatron") for m in model) else Framework.TORCH
+        return (
+            Framework.MEGATRON
+            if model and all(_from(m, "megatron") for m in model)
+            else Framework.TORCH
+        )
     if _from(model, "megatron") or _from(optimizer, "megatron"):
         return Framework.MEGATRON
     return Framework.TORCH
@@ -107,40 +114,96 @@ def resolve(
     if framework is Framework.DEEPSPEED:
         from gemscout.adapters.deepspeed import resolve_engine
 
-        parts = resolve_engine(model, optimizer, extra_state_fn=extra_state_fn,
-                               load_extra_state_fn=load_extra_state_fn, schedulers=schedulers,
-                               scout=scout if isinstance(scout, ScoutConfig) else None)
+        parts = resolve_engine(
+            model,
+            optimizer,
+            extra_state_fn=extra_state_fn,
+            load_extra_state_fn=load_extra_state_fn,
+            schedulers=schedulers,
+            scout=scout if isinstance(scout, ScoutConfig) else None,
+        )
         # EngineOptimizer offers exactly the optimizer interface the session, GEMINI and SCOUT's forward recipes use.
-        return Target(framework=framework, model=parts.model, optimizer=cast(torch.optim.Optimizer, parts.optimizer),
-                      extra_state_fn=parts.extra_state_fn, load_extra_state_fn=parts.load_extra_state_fn,
-                      schedulers=tuple(schedulers), scout=scout, scout_factory=parts.scout_factory)
+        return Target(
+            framework=framework,
+            model=parts.model,
+            optimizer=cast(torch.optim.Optimizer, parts.optimizer),
+            extra_state_fn=parts.extra_state_fn,
+            load_extra_state_fn=parts.load_extra_state_fn,
+            schedulers=tuple(schedulers),
+            scout=scout,
+            scout_factory=parts.scout_factory,
+        )
     if framework is Framework.TORCHTITAN:
         from gemscout.adapters.torchtitan import resolve_trainer
 
-        tt = resolve_trainer(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-                             schedulers=schedulers, scout=scout, group=group)
-        return Target(framework=framework, model=tt.model, optimizer=cast(torch.optim.Optimizer, tt.optimizer),
-                      extra_state_fn=tt.extra_state_fn, load_extra_state_fn=tt.load_extra_state_fn,
-                      schedulers=tt.schedulers, scout=tt.scout, scout_topology=tt.topology)
+        tt = resolve_trainer(
+            model,
+            optimizer,
+            extra_state_fn=extra_state_fn,
+            load_extra_state_fn=load_extra_state_fn,
+            schedulers=schedulers,
+            scout=scout,
+            group=group,
+        )
+        return Target(
+            framework=framework,
+            model=tt.model,
+            optimizer=cast(torch.optim.Optimizer, tt.optimizer),
+            extra_state_fn=tt.extra_state_fn,
+            load_extra_state_fn=tt.load_extra_state_fn,
+            schedulers=tt.schedulers,
+            scout=tt.scout,
+            scout_topology=tt.topology,
+        )
     if framework is Framework.MEGATRON:
         from gemscout.adapters.megatron import resolve_megatron
 
-        mc = resolve_megatron(model, optimizer, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-                              schedulers=schedulers, scout=scout, group=group)
+        mc = resolve_megatron(
+            model,
+            optimizer,
+            extra_state_fn=extra_state_fn,
+            load_extra_state_fn=load_extra_state_fn,
+            schedulers=schedulers,
+            scout=scout,
+            group=group,
+        )
         # MegatronOptimizerView offers the optimizer interface the session, GEMINI and SCOUT use (see its docstring).
-        return Target(framework=framework, model=mc.model, optimizer=cast(torch.optim.Optimizer, mc.optimizer),
-                      extra_state_fn=mc.extra_state_fn, load_extra_state_fn=mc.load_extra_state_fn,
-                      schedulers=mc.schedulers, scout=mc.scout, scout_topology=mc.topology,
-                      install_hooks=mc.install_hooks)
+        return Target(
+            framework=framework,
+            model=mc.model,
+            optimizer=cast(torch.optim.Optimizer, mc.optimizer),
+            extra_state_fn=mc.extra_state_fn,
+            load_extra_state_fn=mc.load_extra_state_fn,
+            schedulers=mc.schedulers,
+            scout=mc.scout,
+            scout_topology=mc.topology,
+            install_hooks=mc.install_hooks,
+        )
     if isinstance(model, list | tuple):
-        raise ConfigError(f"enable_resiliency.model: expected one torch.nn.Module, got a {type(model).__name__} of "
-                          f"{len(model)}; a list of model chunks is accepted only from Megatron Core (its modules)")
+        raise ConfigError(
+            f"enable_resiliency.model: expected one torch.nn.Module, got a {type(model).__name__} of "
+            f"{len(model)}; a list of model chunks is accepted only from Megatron Core (its modules)"
+        )
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"enable_resiliency.model: expected a torch.nn.Module, got {type(model).__name__}")
+        raise ConfigError(
+            f"enable_resiliency.model: expected a torch.nn.Module, got {type(model).__name__}"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        hint = ("; with DeepSpeed pass the DeepSpeedEngine as model, not engine.module"
-                if _from(optimizer, "deepspeed") else "")
-        raise ConfigError(f"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got "
-                          f"{type(optimizer).__name__}{hint}")
-    return Target(framework=framework, model=model, optimizer=optimizer, extra_state_fn=extra_state_fn,
-                  load_extra_state_fn=load_extra_state_fn, schedulers=tuple(schedulers), scout=scout)
+        hint = (
+            "; with DeepSpeed pass the DeepSpeedEngine as model, not engine.module"
+            if _from(optimizer, "deepspeed")
+            else ""
+        )
+        raise ConfigError(
+            f"enable_resiliency.optimizer: expected a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}{hint}"
+        )
+    return Target(
+        framework=framework,
+        model=model,
+        optimizer=optimizer,
+        extra_state_fn=extra_state_fn,
+        load_extra_state_fn=load_extra_state_fn,
+        schedulers=tuple(schedulers),
+        scout=scout,
+    )

@@ -65,8 +65,15 @@ from gemscout.adapters.megatron_topology import _class_names, megatron_topology,
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.topology import Topology
 
-__all__ = ["MegatronOptimizerView", "MegatronParts", "capture_rng_tracker", "megatron_topology", "moe_layers",
-           "resolve_megatron", "restore_rng_tracker"]
+__all__ = [
+    "MegatronOptimizerView",
+    "MegatronParts",
+    "capture_rng_tracker",
+    "megatron_topology",
+    "moe_layers",
+    "resolve_megatron",
+    "restore_rng_tracker",
+]
 
 FORMAT = "gemscout.megatron-optimizer.v1"
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -88,9 +95,11 @@ def capture_rng_tracker() -> dict[str, torch.Tensor] | None:
     states = tracker.get_states()
     if not all(isinstance(v, torch.Tensor) for v in states.values()):
         # TransformerEngine's graph-safe tracker keeps torch.Generator objects, which cannot be stored bitwise here.
-        raise ConfigError("Megatron's RNG tracker holds generator objects (a CUDA-graph-safe or TransformerEngine "
-                          "tracker); gemscout captures the plain CudaRNGStatesTracker: initialise it with "
-                          "use_cudagraphable_rng=False and te_rng_tracker=False")
+        raise ConfigError(
+            "Megatron's RNG tracker holds generator objects (a CUDA-graph-safe or TransformerEngine "
+            "tracker); gemscout captures the plain CudaRNGStatesTracker: initialise it with "
+            "use_cudagraphable_rng=False and te_rng_tracker=False"
+        )
     return {name: state.detach().clone() for name, state in states.items()}
 
 
@@ -117,7 +126,9 @@ class _TrackerGuard:
     def after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         tracker = _tracker()
         if tracker is not None and self.saved is not None:
-            tracker.set_states(self.saved)  # the tracker replaces its entries, never mutates them: no copy needed
+            tracker.set_states(
+                self.saved
+            )  # the tracker replaces its entries, never mutates them: no copy needed
         self.saved = None
 
 
@@ -152,31 +163,43 @@ class MegatronOptimizerView(InnerOptimizers):
     def _layout(self) -> dict[str, Any]:
         # Shapes of the main parameters: a DistributedOptimizer shard restored on another DP rank (or another DP
         # size) has other shapes and would load silently wrong.
-        return {"kinds": [type(p).__name__ for p in self.parts],
-                "main_shapes": [[list(p.shape) for g in inner.param_groups for p in g["params"]]
-                                for inner in self.inner]}
+        return {
+            "kinds": [type(p).__name__ for p in self.parts],
+            "main_shapes": [
+                [list(p.shape) for g in inner.param_groups for p in g["params"]]
+                for inner in self.inner
+            ],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (live tensors; GEMINI copies them). Nothing needs pickle."""
         parts = []
         for part, inner in zip(self.parts, self.inner, strict=True):
             scaler = getattr(part, "grad_scaler", None)
-            parts.append({"main": [p for g in inner.param_groups for p in g["params"]],
-                          "inner": inner.state_dict(),
-                          "grad_scaler": scaler.state_dict() if scaler is not None else None})
+            parts.append(
+                {
+                    "main": [p for g in inner.param_groups for p in g["params"]],
+                    "inner": inner.state_dict(),
+                    "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                }
+            )
         return {"format": FORMAT, **self._layout(), "parts": parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy a state taken by :meth:`state_dict` into the live optimizer, bitwise. Raises RunMismatchError when it
         was taken from another optimizer kind or partitioning."""
         if state.get("format") != FORMAT:
-            raise RunMismatchError(f"the optimizer state is not a Megatron optimizer's ({state.get('format')!r}); it "
-                                   "was taken from another kind of job")
+            raise RunMismatchError(
+                f"the optimizer state is not a Megatron optimizer's ({state.get('format')!r}); it "
+                "was taken from another kind of job"
+            )
         here = self._layout()
         there = {k: state.get(k) for k in here}
         if there != here:
-            raise RunMismatchError(f"the Megatron optimizer state was taken with {there}, this optimizer has {here}; "
-                                   "resume with the same optimizer and parallel layout, each rank from its own state")
+            raise RunMismatchError(
+                f"the Megatron optimizer state was taken with {there}, this optimizer has {here}; "
+                "resume with the same optimizer and parallel layout, each rank from its own state"
+            )
         with torch.no_grad():
             for part, inner, saved in zip(self.parts, self.inner, state["parts"], strict=True):
                 live = [p for g in inner.param_groups for p in g["params"]]
@@ -212,15 +235,21 @@ class MegatronParts:
     the session registers its hooks, so these run first. The session removes them on close."""
 
 
-_SCOUT_PATHS = {"embedding": "embedding", "blocks": "decoder.layers", "norm": "decoder.final_layernorm",
-                "head": "output_layer"}
+_SCOUT_PATHS = {
+    "embedding": "embedding",
+    "blocks": "decoder.layers",
+    "norm": "decoder.final_layernorm",
+    "head": "output_layer",
+}
 
 
 def _model(model: Any) -> nn.Module:
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
-        raise ConfigError("enable_resiliency.model: with Megatron Core pass the model (a MegatronModule) or the list "
-                          "of model chunks get_model() returned")
+        raise ConfigError(
+            "enable_resiliency.model: with Megatron Core pass the model (a MegatronModule) or the list "
+            "of model chunks get_model() returned"
+        )
     # Several chunks are held unwrapped: Megatron's DistributedDataParallel and Float16Module return their inner
     # module's state_dict (no "module." prefix) but a parent's load_state_dict recurses through them by attribute
     # ("0.module.embedding..."), so a list of wrapped chunks would save keys its own load refuses.
@@ -232,18 +261,25 @@ def _stage_paths(scout: Any, roots: Sequence[nn.Module]) -> dict[str, str]:
     here or not. SCOUT's stage catalog skips a named path the stage does not hold (stage 0 has no ``output_layer``),
     whereas an unset field would send it looking for an ``nn.Embedding`` / ``nn.Linear`` elsewhere in the stage.
     The final norm is named only where a chunk holding the head has it (``post_layer_norm=False`` has none)."""
-    fill = {field: path for field, path in _SCOUT_PATHS.items() if field != "norm" and getattr(scout, field) is None}
+    fill = {
+        field: path
+        for field, path in _SCOUT_PATHS.items()
+        if field != "norm" and getattr(scout, field) is None
+    }
     head = scout.head or _SCOUT_PATHS["head"]
     names = [dict(root.named_modules()) for root in roots]
     if scout.norm is None and any(head in n and _SCOUT_PATHS["norm"] in n for n in names):
         fill["norm"] = _SCOUT_PATHS["norm"]
-    if "blocks" in fill and any(fill["blocks"] in n and not isinstance(n[fill["blocks"]], nn.ModuleList)
-                                for n in names):
+    if "blocks" in fill and any(
+        fill["blocks"] in n and not isinstance(n[fill["blocks"]], nn.ModuleList) for n in names
+    ):
         del fill["blocks"]
     return fill
 
 
-def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int | None = None) -> Any:
+def _scout_config(
+    scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int | None = None
+) -> Any:
     """Megatron's module paths for the recipes SCOUT looks for (GPTModel's layout), unless the caller named them.
 
     ``chunks``: model chunks on this rank (virtual pipeline stages); ``pp``: pipeline_model_parallel_size; ``vpp``:
@@ -251,26 +287,37 @@ def _scout_config(scout: Any, model: nn.Module, chunks: int, pp: int, vpp: int |
     chunks without pipeline parallelism or other than the virtual pipeline size, ``stage_order="v"``, a
     ``ScoutConfig.mesh`` or ``data_parallel_dims`` (the layout comes from parallel_state)."""
     if scout.data_parallel_dims is not None:
-        raise ConfigError("ScoutConfig.data_parallel_dims: Megatron's data-parallel peers come from "
-                          "megatron.core.parallel_state, not a DeviceMesh; leave it unset")
+        raise ConfigError(
+            "ScoutConfig.data_parallel_dims: Megatron's data-parallel peers come from "
+            "megatron.core.parallel_state, not a DeviceMesh; leave it unset"
+        )
     if scout.mesh is not None:
-        raise ConfigError("ScoutConfig.mesh: under Megatron Core the pipeline stages come from "
-                          "megatron.core.parallel_state (pipeline_model_parallel_size); leave mesh unset")
+        raise ConfigError(
+            "ScoutConfig.mesh: under Megatron Core the pipeline stages come from "
+            "megatron.core.parallel_state (pipeline_model_parallel_size); leave mesh unset"
+        )
     if chunks > 1 and (pp == 1 or chunks != (vpp or 1)):
-        raise ConfigError(f"enable_resiliency.model: {chunks} model chunks on this rank, but parallel_state has "
-                          f"pipeline_model_parallel_size={pp} and virtual_pipeline_model_parallel_size={vpp}; pass "
-                          "the list get_model() returned (one chunk per virtual stage) with the same settings")
+        raise ConfigError(
+            f"enable_resiliency.model: {chunks} model chunks on this rank, but parallel_state has "
+            f"pipeline_model_parallel_size={pp} and virtual_pipeline_model_parallel_size={vpp}; pass "
+            "the list get_model() returned (one chunk per virtual stage) with the same settings"
+        )
     if chunks > 1 and scout.stage_order != "loop":
-        raise ConfigError(f"ScoutConfig.stage_order: Megatron's interleaved schedule places virtual stages in the "
-                          f"loop order (pp rank c of n holds stages c, c + n, ...), got {scout.stage_order!r}; "
-                          "leave stage_order='loop'")
+        raise ConfigError(
+            f"ScoutConfig.stage_order: Megatron's interleaved schedule places virtual stages in the "
+            f"loop order (pp rank c of n holds stages c, c + n, ...), got {scout.stage_order!r}; "
+            "leave stage_order='loop'"
+        )
     if pp > 1:
         roots = list(model.children()) if chunks > 1 else [unwrap(model)]
         return replace(scout, **_stage_paths(scout, roots))
     root = unwrap(model)
     names = dict(root.named_modules())
-    fill = {field: path for field, path in _SCOUT_PATHS.items()
-            if getattr(scout, field) is None and path in names}
+    fill = {
+        field: path
+        for field, path in _SCOUT_PATHS.items()
+        if getattr(scout, field) is None and path in names
+    }
     if "blocks" in fill and not isinstance(names[fill["blocks"]], nn.ModuleList):
         del fill["blocks"]
     return replace(scout, **fill)
@@ -290,28 +337,41 @@ def resolve_megatron(
 
     Raises ConfigError for an argument Megatron cannot take, naming it and the fix."""
     module = _model(model)
-    chunks = len(module) if isinstance(module, nn.ModuleList) and isinstance(model, list | tuple) else 1
+    chunks = (
+        len(module) if isinstance(module, nn.ModuleList) and isinstance(model, list | tuple) else 1
+    )
     view: Any
     if isinstance(optimizer, torch.optim.Optimizer):
         view = optimizer
-    elif all(hasattr(optimizer, a) for a in ("step", "optimizer", "state_dict", "load_state_dict")) \
-            and "MegatronOptimizer" in _class_names(optimizer):
+    elif all(
+        hasattr(optimizer, a) for a in ("step", "optimizer", "state_dict", "load_state_dict")
+    ) and "MegatronOptimizer" in _class_names(optimizer):
         view = MegatronOptimizerView(optimizer)
         if any(not isinstance(inner, torch.optim.Optimizer) for inner in view.inner):
-            raise ConfigError("enable_resiliency.optimizer: this MegatronOptimizer holds no torch optimizer on this "
-                              "rank (frozen sub-model?); gemscout needs one on every rank")
+            raise ConfigError(
+                "enable_resiliency.optimizer: this MegatronOptimizer holds no torch optimizer on this "
+                "rank (frozen sub-model?); gemscout needs one on every rank"
+            )
     else:
-        raise ConfigError(f"enable_resiliency.optimizer: with Megatron Core pass a torch.optim.Optimizer or the "
-                          f"MegatronOptimizer get_megatron_optimizer() returned, got {type(optimizer).__name__}")
+        raise ConfigError(
+            f"enable_resiliency.optimizer: with Megatron Core pass a torch.optim.Optimizer or the "
+            f"MegatronOptimizer get_megatron_optimizer() returned, got {type(optimizer).__name__}"
+        )
     from gemscout.adapters._megatron_scheduler import ParamSchedulerReplay
 
     # Megatron's OptimizerParamScheduler is stepped with an increment: a replay wrapper records it (see its module).
-    replays = [ParamSchedulerReplay(s) for s in schedulers if "OptimizerParamScheduler" in _class_names(s)]
+    replays = [
+        ParamSchedulerReplay(s) for s in schedulers if "OptimizerParamScheduler" in _class_names(s)
+    ]
     wrapped = iter(replays)
-    schedulers = tuple(next(wrapped) if "OptimizerParamScheduler" in _class_names(s) else s for s in schedulers)
+    schedulers = tuple(
+        next(wrapped) if "OptimizerParamScheduler" in _class_names(s) else s for s in schedulers
+    )
     if group is not None:
-        raise ConfigError("enable_resiliency.group: with Megatron Core SCOUT's peers come from "
-                          "megatron.core.parallel_state's data-parallel groups; leave group unset")
+        raise ConfigError(
+            "enable_resiliency.group: with Megatron Core SCOUT's peers come from "
+            "megatron.core.parallel_state's data-parallel groups; leave group unset"
+        )
     topology = None
     guard: _TrackerGuard | None = None
     if scout is not None:
@@ -322,9 +382,11 @@ def resolve_megatron(
         vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ready else None
         scout = _scout_config(scout, module, chunks, pp, vpp)
         if "optimizer" in scout.recipes and isinstance(view, MegatronOptimizerView):
-            raise ConfigError("ScoutConfig.recipes: the 'optimizer' recipe is not supported with a MegatronOptimizer "
-                              "(its main parameters are not the model's, and the distributed optimizer shards "
-                              "them); pass recipes=('embedding', 'hidden', 'output')")
+            raise ConfigError(
+                "ScoutConfig.recipes: the 'optimizer' recipe is not supported with a MegatronOptimizer "
+                "(its main parameters are not the model's, and the distributed optimizer shards "
+                "them); pass recipes=('embedding', 'hidden', 'output')"
+            )
         topology = megatron_topology()
         guard = _TrackerGuard()
 
@@ -332,17 +394,30 @@ def resolve_megatron(
         handles: list[Any] = [r.install() for r in replays]
         if guard is not None:
             # Registered before the session's hooks, so they run first on both sides of the update (_TrackerGuard).
-            handles += [view.register_step_pre_hook(guard.before), view.register_step_post_hook(guard.after)]
+            handles += [
+                view.register_step_pre_hook(guard.before),
+                view.register_step_post_hook(guard.after),
+            ]
         return handles
 
     def extra() -> dict[str, Any]:
-        return {"megatron": {"rng_tracker": capture_rng_tracker()},
-                "caller": extra_state_fn() if extra_state_fn else None}
+        return {
+            "megatron": {"rng_tracker": capture_rng_tracker()},
+            "caller": extra_state_fn() if extra_state_fn else None,
+        }
 
     def load_extra(state: dict[str, Any]) -> None:
         restore_rng_tracker(state["megatron"]["rng_tracker"])
         if load_extra_state_fn is not None and state["caller"] is not None:
             load_extra_state_fn(state["caller"])
 
-    return MegatronParts(model=module, optimizer=view, extra_state_fn=extra, load_extra_state_fn=load_extra,
-                         scout=scout, topology=topology, install_hooks=install_hooks, schedulers=schedulers)
+    return MegatronParts(
+        model=module,
+        optimizer=view,
+        extra_state_fn=extra,
+        load_extra_state_fn=load_extra,
+        scout=scout,
+        topology=topology,
+        install_hooks=install_hooks,
+        schedulers=schedulers,
+    )

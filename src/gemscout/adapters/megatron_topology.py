@@ -36,30 +36,55 @@ def megatron_topology(rank: int | None = None) -> Topology:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        raise ConfigError("Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
-                          "enable_resiliency; SCOUT reads its data-parallel groups")
+        raise ConfigError(
+            "Megatron: call megatron.core.parallel_state.initialize_model_parallel(...) before "
+            "enable_resiliency; SCOUT reads its data-parallel groups"
+        )
     rank = dist.get_rank() if rank is None else rank
     world = dist.get_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-             "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
+    sizes = {
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+    }
     etp = ps.get_expert_tensor_parallel_world_size()
     if etp not in (None, sizes["tp"]) or (ep > 1 and (sizes["tp"] > 1 or sizes["cp"] > 1)):
-        experts = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
-                   "tensor_model_parallel_size": sizes["tp"], "context_parallel_size": sizes["cp"]}
-        raise ConfigError(f"Megatron: SCOUT does not support this expert layout yet ({experts}): it supports expert "
-                          "parallelism with tensor_model_parallel_size=1 and context_parallel_size=1 (peers: the "
-                          "expert-data-parallel group), and an expert TP size only equal to the TP size; pass "
-                          "scout=None (GEMINI alone works) or initialize_model_parallel with such a layout")
+        experts = {
+            "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp,
+            "tensor_model_parallel_size": sizes["tp"],
+            "context_parallel_size": sizes["cp"],
+        }
+        raise ConfigError(
+            f"Megatron: SCOUT does not support this expert layout yet ({experts}): it supports expert "
+            "parallelism with tensor_model_parallel_size=1 and context_parallel_size=1 (peers: the "
+            "expert-data-parallel group), and an expert TP size only equal to the TP size; pass "
+            "scout=None (GEMINI alone works) or initialize_model_parallel with such a layout"
+        )
     if ep > 1:
         sizes = {"pp": sizes["pp"], "dp": ps.get_expert_data_parallel_world_size(), "ep": ep}
     if math.prod(sizes.values()) != world:
-        raise ConfigError(f"Megatron: parallel sizes {sizes} do not multiply to the world size {world}")
+        raise ConfigError(
+            f"Megatron: parallel sizes {sizes} do not multiply to the world size {world}"
+        )
     dims = tuple(d for d in sizes if d == "dp" or sizes[d] > 1)
     # pp is a stage dim: ranks at other pp coordinates hold other layers, so peers keep it and recipe names carry it.
-    topology = derive(dims=dims, shape=[sizes[d] for d in dims], ranks=range(world), data_dims=("dp",),
-                      shard_dims=(), rank=rank, stage_dims=("pp",) if "pp" in dims else ())
-    live = {"data-parallel": ps.get_expert_data_parallel_group() if ep > 1 else ps.get_data_parallel_group()}
+    topology = derive(
+        dims=dims,
+        shape=[sizes[d] for d in dims],
+        ranks=range(world),
+        data_dims=("dp",),
+        shard_dims=(),
+        rank=rank,
+        stage_dims=("pp",) if "pp" in dims else (),
+    )
+    live = {
+        "data-parallel": ps.get_expert_data_parallel_group()
+        if ep > 1
+        else ps.get_data_parallel_group()
+    }
     expect = {"data-parallel": topology.peers}
     if ep > 1:
         live["expert-model-parallel"] = ps.get_expert_model_parallel_group()
@@ -68,9 +93,11 @@ def megatron_topology(rank: int | None = None) -> Topology:
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
         if ranks != tuple(sorted(expect[name])):
             kind = f"expert-{name}" if ep > 1 and name == "data-parallel" else name
-            raise ConfigError(f"Megatron: the {kind} group of rank {rank} is {list(ranks)}, but the default order "
-                              f"tp-cp-ep-dp-pp gives {sorted(expect[name])}; initialize_model_parallel with the "
-                              "default order (or leave scout unset)")
+            raise ConfigError(
+                f"Megatron: the {kind} group of rank {rank} is {list(ranks)}, but the default order "
+                f"tp-cp-ep-dp-pp gives {sorted(expect[name])}; initialize_model_parallel with the "
+                "default order (or leave scout unset)"
+            )
     return topology
 
 

@@ -49,7 +49,13 @@ from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.errors import ConfigError
 from gemscout.scout.topology import Topology, _fsdp_data_dims, from_mesh
 
-__all__ = ["OptimizersView", "TrainerParts", "param_mesh_topology", "pipeline_topology", "resolve_trainer"]
+__all__ = [
+    "OptimizersView",
+    "TrainerParts",
+    "param_mesh_topology",
+    "pipeline_topology",
+    "resolve_trainer",
+]
 
 log = logging.getLogger("gemscout")
 
@@ -85,7 +91,9 @@ class OptimizersView(InnerOptimizers):
         self.inner: list[torch.optim.Optimizer] = list(container.optimizers)
         classes = {type(opt) for opt in self.inner}
         # SCOUT's optimizer recipe replays one update in a private optimizer of the class that did it: the inner one.
-        self.replay_class: type[torch.optim.Optimizer] | None = classes.pop() if len(classes) == 1 else None
+        self.replay_class: type[torch.optim.Optimizer] | None = (
+            classes.pop() if len(classes) == 1 else None
+        )
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
         return self.container.register_step_pre_hook(hook)
@@ -101,7 +109,9 @@ class OptimizersView(InnerOptimizers):
         for opt in self.inner:
             sd = opt.state_dict()
             state.update({offset + int(i): s for i, s in sd["state"].items()})
-            groups += [{**g, "params": [offset + int(i) for i in g["params"]]} for g in sd["param_groups"]]
+            groups += [
+                {**g, "params": [offset + int(i) for i in g["params"]]} for g in sd["param_groups"]
+            ]
             offset += sum(len(g["params"]) for g in opt.param_groups)
         return {"state": state, "param_groups": groups}
 
@@ -110,11 +120,21 @@ class OptimizersView(InnerOptimizers):
         groups, offset, g = state["param_groups"], 0, 0
         for opt in self.inner:
             count = sum(len(group["params"]) for group in opt.param_groups)
-            mine = groups[g:g + len(opt.param_groups)]
+            mine = groups[g : g + len(opt.param_groups)]
             g += len(opt.param_groups)
-            opt.load_state_dict({
-                "state": {int(i) - offset: s for i, s in state["state"].items() if offset <= int(i) < offset + count},
-                "param_groups": [{**group, "params": [int(i) - offset for i in group["params"]]} for group in mine]})
+            opt.load_state_dict(
+                {
+                    "state": {
+                        int(i) - offset: s
+                        for i, s in state["state"].items()
+                        if offset <= int(i) < offset + count
+                    },
+                    "param_groups": [
+                        {**group, "params": [int(i) - offset for i in group["params"]]}
+                        for group in mine
+                    ],
+                }
+            )
             offset += count
 
 
@@ -135,35 +155,49 @@ class TrainerParts:
 def _model(trainer: Any) -> nn.Module:
     parts = list(getattr(trainer, "model_parts", None) or [])
     if not parts or not all(isinstance(p, nn.Module) for p in parts):
-        raise ConfigError("enable_resiliency.model: a TorchTitan Trainer is accepted once built (its __init__ sets "
-                          "model_parts); this one has no model_parts — call enable_resiliency after Trainer(config)")
+        raise ConfigError(
+            "enable_resiliency.model: a TorchTitan Trainer is accepted once built (its __init__ sets "
+            "model_parts); this one has no model_parts — call enable_resiliency after Trainer(config)"
+        )
     return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
 
 
 def _scout_config(scout: Any, dims: Any, parts: int, model_skips_head: bool = False) -> Any:
     pp = int(getattr(dims, "pp", 1))
     if parts > 1 and pp == 1:
-        raise ConfigError(f"enable_resiliency.model: the trainer has {parts} model_parts but parallel_dims.pp is 1; "
-                          "SCOUT reads several model parts as pipeline stages only")
+        raise ConfigError(
+            f"enable_resiliency.model: the trainer has {parts} model_parts but parallel_dims.pp is 1; "
+            "SCOUT reads several model parts as pipeline stages only"
+        )
     if int(getattr(dims, "ep", 1)) > 1:
-        raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan expert parallelism is not supported yet; "
-                          "pass scout=None")
+        raise ConfigError(
+            "enable_resiliency.scout: SCOUT under TorchTitan expert parallelism is not supported yet; "
+            "pass scout=None"
+        )
     if pp > 1:
         other = {name: int(getattr(dims, name, 1)) for name in ("tp", "cp")}
         if any(size > 1 for size in other.values()):
-            raise ConfigError(f"enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism is validated with "
-                              f"data parallelism only (dp_shard / dp_replicate); this trainer also has "
-                              f"{', '.join(f'{k}={v}' for k, v in other.items() if v > 1)}: pass scout=None (GEMINI "
-                              "covers every stage)")
+            raise ConfigError(
+                f"enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism is validated with "
+                f"data parallelism only (dp_shard / dp_replicate); this trainer also has "
+                f"{', '.join(f'{k}={v}' for k, v in other.items() if v > 1)}: pass scout=None (GEMINI "
+                "covers every stage)"
+            )
     if scout.recipes and model_skips_head:
         # ChunkedLossWrapper (the llama3 configs' loss): the model's forward stops before lm_head and the loss applies
         # the head to sequence chunks after it, so no forward of the recipe (norm + head) on one input exists.
-        log.info("gemscout: SCOUT's output recipe is off under TorchTitan's ChunkedLossWrapper (the head runs on "
-                 "sequence chunks inside the loss)")
+        log.info(
+            "gemscout: SCOUT's output recipe is off under TorchTitan's ChunkedLossWrapper (the head runs on "
+            "sequence chunks inside the loss)"
+        )
         scout = replace(scout, recipes=tuple(r for r in scout.recipes if r != "output"))
-    replicate_only = int(getattr(dims, "dp_replicate", 1)) > 1 and int(getattr(dims, "dp_shard", 1)) == 1
+    replicate_only = (
+        int(getattr(dims, "dp_replicate", 1)) > 1 and int(getattr(dims, "dp_shard", 1)) == 1
+    )
     if scout.data_parallel_dims is None and replicate_only and int(getattr(dims, "tp", 1)) > 1:
-        return replace(scout, data_parallel_dims=("dp_replicate",))  # DDP x TP: no fully_shard names the dp dim
+        return replace(
+            scout, data_parallel_dims=("dp_replicate",)
+        )  # DDP x TP: no fully_shard names the dp dim
     return scout
 
 
@@ -172,20 +206,33 @@ def _one_param_mesh(model: nn.Module) -> Any:
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if isinstance(p, DTensor)]
-    meshes = {(tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.mesh.flatten().tolist())): p.device_mesh
-              for p in params}
+    meshes = {
+        (
+            tuple(p.device_mesh.mesh_dim_names or ()),
+            tuple(p.device_mesh.mesh.flatten().tolist()),
+        ): p.device_mesh
+        for p in params
+    }
     return next(iter(meshes.values())) if len(meshes) == 1 else None
 
 
-def _data_and_shard_dims(model: nn.Module, names: Sequence[str],
-                         data_dims: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _data_and_shard_dims(
+    model: nn.Module, names: Sequence[str], data_dims: Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The data-parallel dims (``data_dims``, else every ``fully_shard`` mesh's) and those some parameter is sharded
     over, among ``names`` (the parameters' mesh dims)."""
     from torch.distributed.tensor import DTensor
 
-    data = tuple(data_dims) if data_dims is not None else tuple(sorted(_fsdp_data_dims(model) or ()))
-    sharded = {n for p in model.parameters() if isinstance(p, DTensor)
-               for n, pl in zip(names, p.placements, strict=True) if not pl.is_replicate()}
+    data = (
+        tuple(data_dims) if data_dims is not None else tuple(sorted(_fsdp_data_dims(model) or ()))
+    )
+    sharded = {
+        n
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+        for n, pl in zip(names, p.placements, strict=True)
+        if not pl.is_replicate()
+    }
     return data, tuple(sorted(sharded & set(data)))
 
 
@@ -218,23 +265,35 @@ def pipeline_topology(model: nn.Module, dims: Any, data_dims: Sequence[str] | No
     mesh = _one_param_mesh(model)
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
     if mesh is None or not names or "pp" in names:
-        raise ConfigError("enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism reads each stage's "
-                          "peers from its FSDP2 parameters (DTensors on one data-parallel mesh); these model_parts' "
-                          "parameters are not: keep TorchTitan's fully_shard of every stage, or pass scout=None")
+        raise ConfigError(
+            "enable_resiliency.scout: SCOUT under TorchTitan pipeline parallelism reads each stage's "
+            "peers from its FSDP2 parameters (DTensors on one data-parallel mesh); these model_parts' "
+            "parameters are not: keep TorchTitan's fully_shard of every stage, or pass scout=None"
+        )
     try:
         full = dims.get_optional_mesh(["pp", *names], include_singleton_axes=True)
     except (AttributeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"enable_resiliency.scout: SCOUT could not read the pipeline mesh ('pp' x {list(names)}) "
-                          f"from trainer.parallel_dims ({exc}); pass scout=None") from None
+        raise ConfigError(
+            f"enable_resiliency.scout: SCOUT could not read the pipeline mesh ('pp' x {list(names)}) "
+            f"from trainer.parallel_dims ({exc}); pass scout=None"
+        ) from None
     world = int(getattr(dims, "world_size", full.mesh.numel() if full is not None else 0))
-    if full is None or tuple(full.mesh_dim_names or ()) != ("pp", *names) or full.mesh.numel() != world:
-        raise ConfigError(f"enable_resiliency.scout: the pipeline mesh 'pp' x {list(names)} does not cover the "
-                          f"{world} ranks of this TorchTitan job; SCOUT supports PP with data parallelism only: "
-                          "pass scout=None")
+    if (
+        full is None
+        or tuple(full.mesh_dim_names or ()) != ("pp", *names)
+        or full.mesh.numel() != world
+    ):
+        raise ConfigError(
+            f"enable_resiliency.scout: the pipeline mesh 'pp' x {list(names)} does not cover the "
+            f"{world} ranks of this TorchTitan job; SCOUT supports PP with data parallelism only: "
+            "pass scout=None"
+        )
     data, sharded = _data_and_shard_dims(model, names, data_dims)
     if not set(data) <= set(names):
-        raise ConfigError(f"ScoutConfig.data_parallel_dims: {sorted(set(data) - set(names))} are not dims of the "
-                          f"stage parameters' mesh {list(names)}")
+        raise ConfigError(
+            f"ScoutConfig.data_parallel_dims: {sorted(set(data) - set(names))} are not dims of the "
+            f"stage parameters' mesh {list(names)}"
+        )
     if math.prod(full.mesh.shape[1 + names.index(d)] for d in data) == 1:
         # Pipeline only (FSDP2 over one rank per stage): no rank holds another's stage, so no peers.
         return from_mesh(full["pp"], data_dims=(), stage_dims=("pp",))
@@ -249,14 +308,20 @@ def _stage_order(trainer: Any, topology: Topology, parts: int) -> str:
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
     indices = [getattr(s, "stage_index", None) for s in stages]
     if len(indices) != parts or any(type(i) is not int for i in indices):
-        return "v" if type(schedule).__name__ in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
+        return (
+            "v"
+            if type(schedule).__name__ in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+            else "loop"
+        )
     held = tuple(f"pp{i}" for i in indices)
     for order in ("loop", "v"):
         if (order == "loop" or parts == 2) and topology.chunk_labels(parts, order) == held:
             return order
-    raise ConfigError(f"enable_resiliency.scout: this rank holds pipeline stages {list(indices)}, neither the looped "
-                      f"nor the V order SCOUT names stages by ({list(topology.chunk_labels(parts, 'loop'))}); "
-                      "pass scout=None")
+    raise ConfigError(
+        f"enable_resiliency.scout: this rank holds pipeline stages {list(indices)}, neither the looped "
+        f"nor the V order SCOUT names stages by ({list(topology.chunk_labels(parts, 'loop'))}); "
+        "pass scout=None"
+    )
 
 
 def resolve_trainer(
@@ -275,17 +340,25 @@ def resolve_trainer(
     model = _model(trainer)
     container = trainer.optimizers
     if optimizer is not None and optimizer is not container:
-        raise ConfigError(f"enable_resiliency.optimizer: with a TorchTitan Trainer pass None (or trainer.optimizers); "
-                          f"got a {type(optimizer).__name__}")
+        raise ConfigError(
+            f"enable_resiliency.optimizer: with a TorchTitan Trainer pass None (or trainer.optimizers); "
+            f"got a {type(optimizer).__name__}"
+        )
     if not isinstance(container, torch.optim.Optimizer) or not hasattr(container, "optimizers"):
-        raise ConfigError("enable_resiliency.model: trainer.optimizers is not an OptimizersContainer of torch "
-                          "optimizers (optimizers-in-backward is not supported); use the default container")
+        raise ConfigError(
+            "enable_resiliency.model: trainer.optimizers is not an OptimizersContainer of torch "
+            "optimizers (optimizers-in-backward is not supported); use the default container"
+        )
     if schedulers:
-        raise ConfigError("enable_resiliency.schedulers: trainer.lr_schedulers is stepped by train_step and captured "
-                          "by the TorchTitan adapter; leave schedulers empty")
+        raise ConfigError(
+            "enable_resiliency.schedulers: trainer.lr_schedulers is stepped by train_step and captured "
+            "by the TorchTitan adapter; leave schedulers empty"
+        )
     if group is not None:
-        raise ConfigError("enable_resiliency.group: with a TorchTitan Trainer SCOUT's peers come from the model's "
-                          "DeviceMesh (trainer.parallel_dims); leave group unset")
+        raise ConfigError(
+            "enable_resiliency.group: with a TorchTitan Trainer SCOUT's peers come from the model's "
+            "DeviceMesh (trainer.parallel_dims); leave group unset"
+        )
     dims = trainer.parallel_dims
     topology = None
     if scout is not None:
@@ -293,19 +366,28 @@ def resolve_trainer(
         scout = _scout_config(scout, dims, len(trainer.model_parts), skips_head)
         if int(getattr(dims, "pp", 1)) > 1:
             topology = pipeline_topology(model, dims, scout.data_parallel_dims)
-            scout = replace(scout, stage_order=_stage_order(trainer, topology, len(trainer.model_parts)))
+            scout = replace(
+                scout, stage_order=_stage_order(trainer, topology, len(trainer.model_parts))
+            )
         else:
             topology = param_mesh_topology(model, scout.data_parallel_dims)
     if getattr(getattr(getattr(trainer, "config", None), "checkpoint", None), "enable", False):
-        log.warning("gemscout: TorchTitan's own checkpointing is enabled; Trainer.train() loads its newest DCP "
-                    "checkpoint at start, which would replace the step gemscout restored")
+        log.warning(
+            "gemscout: TorchTitan's own checkpointing is enabled; Trainer.train() loads its newest DCP "
+            "checkpoint at start, which would replace the step gemscout restored"
+        )
     loader = trainer.dataloader
 
     def extra() -> dict[str, Any]:
         # ntokens_seen exists from torchtitan 0.3.0 on; earlier trainers count only steps.
-        return {"titan": {"step": int(trainer.step), "ntokens_seen": getattr(trainer, "ntokens_seen", None),
-                          "dataloader": _to_storable(loader.state_dict())},
-                "caller": extra_state_fn() if extra_state_fn else None}
+        return {
+            "titan": {
+                "step": int(trainer.step),
+                "ntokens_seen": getattr(trainer, "ntokens_seen", None),
+                "dataloader": _to_storable(loader.state_dict()),
+            },
+            "caller": extra_state_fn() if extra_state_fn else None,
+        }
 
     def load_extra(state: dict[str, Any]) -> None:
         titan = state["titan"]
@@ -316,6 +398,12 @@ def resolve_trainer(
         if load_extra_state_fn is not None and state["caller"] is not None:
             load_extra_state_fn(state["caller"])
 
-    return TrainerParts(model=model, optimizer=OptimizersView(container), extra_state_fn=extra,
-                        load_extra_state_fn=load_extra, schedulers=(trainer.lr_schedulers,), scout=scout,
-                        topology=topology)
+    return TrainerParts(
+        model=model,
+        optimizer=OptimizersView(container),
+        extra_state_fn=extra,
+        load_extra_state_fn=load_extra,
+        schedulers=(trainer.lr_schedulers,),
+        scout=scout,
+        topology=topology,
+    )

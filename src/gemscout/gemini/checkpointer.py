@@ -58,7 +58,9 @@ class Checkpointer:
     ) -> None:
         self.sources, self.config, self.group, self.rank = sources, config, group, rank
         if config.integrity_key is not None:
-            integrity.use_key(config.integrity_key)  # every frame this process writes or reads is then keyed
+            integrity.use_key(
+                config.integrity_key
+            )  # every frame this process writes or reads is then keyed
         self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
         self.on_decision = on_decision
         if config.replication == "natural" and config.replicate and placement.enabled:
@@ -68,8 +70,9 @@ class Checkpointer:
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
         self.memory = self._open_memory()
         replicating = config.replicate and placement.enabled
-        self.pool = SlotPool(config.slots, self.memory,
-                             files_expected=config.slots * (2 if replicating else 1))
+        self.pool = SlotPool(
+            config.slots, self.memory, files_expected=config.slots * (2 if replicating else 1)
+        )
         self.spares = store.Spares()
         """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
         self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
@@ -86,9 +89,15 @@ class Checkpointer:
         self.retained: frozenset[int] = frozenset()  # see retain()
         """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
         self.errors: list[str] = []
-        self.stats: dict[str, float] = {"capture_stall_s": 0.0, "replicate_s": 0.0, "persist_s": 0.0,
-                                        "replicate_sent_bytes": 0, "replicate_sent_tensors": 0,
-                                        "natural_divergent_shards": 0, "skipped_captures": 0}
+        self.stats: dict[str, float] = {
+            "capture_stall_s": 0.0,
+            "replicate_s": 0.0,
+            "persist_s": 0.0,
+            "replicate_sent_bytes": 0,
+            "replicate_sent_tensors": 0,
+            "natural_divergent_shards": 0,
+            "skipped_captures": 0,
+        }
         """Timings of the last capture; ``replicate_*`` and ``natural_divergent_shards`` add up over the run."""
         self.phase_hook: Callable[[str, int], None] | None = None
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
@@ -102,8 +111,17 @@ class Checkpointer:
             # Collective (every rank builds the same Checkpointer). Its own group: a promotion's DCP collectives
             # never interleave with the replication exchange, and its timeout bounds every wait.
             durable_group = dist.new_group(backend="gloo", timeout=config.timeout)
-        self.durable = (DurableTier(config.durable_directory, run_id=run_id, fsync=config.fsync, group=durable_group,
-                                    rank=rank) if config.durable_directory is not None else None)
+        self.durable = (
+            DurableTier(
+                config.durable_directory,
+                run_id=run_id,
+                fsync=config.fsync,
+                group=durable_group,
+                rank=rank,
+            )
+            if config.durable_directory is not None
+            else None
+        )
         self.promoter = Promoter(self)
         self.when_busy = "wait"
         self._vote: FreeSlotVote | None = None
@@ -118,13 +136,22 @@ class Checkpointer:
         base = self.config.memory_directory
         if base is None:
             return None
-        if base == CheckpointConfig.__dataclass_fields__["memory_directory"].default and not base.parent.is_dir():
+        if (
+            base == CheckpointConfig.__dataclass_fields__["memory_directory"].default
+            and not base.parent.is_dir()
+        ):
             log.warning("gemini: %s does not exist here; slots stay in process memory", base.parent)
             return None
-        return shm.MemoryTier.open(base, run_id=self.run_id, directory=self.config.directory,
-                                   node=self.placement.node_of(self.rank), rank=self.rank, disk_root=self.paths.root,
-                                   stale_after_s=self.config.stale_memory_after.total_seconds(),
-                                   fsync=self.config.fsync)
+        return shm.MemoryTier.open(
+            base,
+            run_id=self.run_id,
+            directory=self.config.directory,
+            node=self.placement.node_of(self.rank),
+            rank=self.rank,
+            disk_root=self.paths.root,
+            stale_after_s=self.config.stale_memory_after.total_seconds(),
+            fsync=self.config.fsync,
+        )
 
     def _adopt_memory(self) -> None:
         """Take what a killed earlier process of this rank left in the memory tier: its sealed slots and the
@@ -137,17 +164,25 @@ class Checkpointer:
             for got in found:
                 try:
                     if got.parsed.identity.get("owner") != owner:
-                        raise IntegrityError(f"owner {got.parsed.identity.get('owner')}, expected {owner}")
+                        raise IntegrityError(
+                            f"owner {got.parsed.identity.get('owner')}, expected {owner}"
+                        )
                     self.check_identity(got.parsed.identity, where=str(got.file.path))
                     ok.append(got)
                 except (IntegrityError, RunMismatchError) as exc:
-                    log.warning("gemini: memory file %s is not this run's, removed: %s", got.file.path, exc)
+                    log.warning(
+                        "gemini: memory file %s is not this run's, removed: %s", got.file.path, exc
+                    )
                     got.file.unlink()
             return ok
 
-        self.pool.adopt(mine(self.memory.adopt(self.memory.paths.own, self.config.slots), self.rank))
+        self.pool.adopt(
+            mine(self.memory.adopt(self.memory.paths.own, self.config.slots), self.rank)
+        )
         for owner in self.memory.paths.held_owners():
-            found = mine(self.memory.adopt(self.memory.paths.replicas(owner), self.config.slots), owner)
+            found = mine(
+                self.memory.adopt(self.memory.paths.replicas(owner), self.config.slots), owner
+            )
             if found:
                 self.replicas.setdefault(owner, self._buffers(owner)).adopt(found)
 
@@ -164,8 +199,11 @@ class Checkpointer:
             self._vote.settle()
         if mode == "skip" and self._vote is None:
             # Its own group: the vote belongs to the training thread, the io thread's collectives to another.
-            group = dist.new_group(backend="gloo", timeout=self.config.timeout) \
-                if self.placement.world_size > 1 else None
+            group = (
+                dist.new_group(backend="gloo", timeout=self.config.timeout)
+                if self.placement.world_size > 1
+                else None
+            )
             self._vote = FreeSlotVote(self.pool, group, self.config.timeout)
         self.when_busy = mode
 
@@ -185,15 +223,26 @@ class Checkpointer:
                 self.stats["capture_stall_s"] = time.perf_counter() - t0
                 return
         state = training_state.collect(self.sources, step, inside_step=not initial)
-        identity = {"run_id": self.run_id, "topology": self.topology_digest, "owner": self.rank, "step": step}
+        identity = {
+            "run_id": self.run_id,
+            "topology": self.topology_digest,
+            "owner": self.rank,
+            "step": step,
+        }
         if not initial:
             self.captures += 1
             self.promoter.note_capture(step)
-        persist_now = self.config.persist and (initial or self.captures % self.config.persist_every == 0)
+        persist_now = self.config.persist and (
+            initial or self.captures % self.config.persist_every == 0
+        )
         # The copy thread queues the io once the slot is sealed (``then``): waking the io thread from here would
         # only park it on the copy, and cost the training thread a second thread hand-off inside its hook.
-        future = self.capturer.capture(state, identity, self.sources.async_pointers(),
-                                       then=lambda slot: self._queue_io(slot, persist_now))
+        future = self.capturer.capture(
+            state,
+            identity,
+            self.sources.async_pointers(),
+            then=lambda slot: self._queue_io(slot, persist_now),
+        )
         future.add_done_callback(self._note_copy_failure)
         self.stats["capture_stall_s"] = self.capturer.last_stall_s
         with self._lock:
@@ -221,7 +270,9 @@ class Checkpointer:
 
     def _note_copy_failure(self, future: Future[Slot]) -> None:
         exc = future.exception()
-        if exc is not None:  # the copy failed: the slot was never sealed, and no io was queued for it
+        if (
+            exc is not None
+        ):  # the copy failed: the slot was never sealed, and no io was queued for it
             self.errors.append(f"capture failed: {exc}")
             log.error("gemini capture failed: %s", exc)
 
@@ -261,8 +312,13 @@ class Checkpointer:
     def _persist_own(self, slot: Slot) -> None:
         self._phase("persist", slot.step)
         t0 = time.perf_counter()
-        store.write_checkpoint(store.step_file(self.paths.own, slot.step), slot.prefix, slot.data,
-                               fsync=self.config.fsync, spares=self.spares)
+        store.write_checkpoint(
+            store.step_file(self.paths.own, slot.step),
+            slot.prefix,
+            slot.data,
+            fsync=self.config.fsync,
+            spares=self.spares,
+        )
         self.persisted_step = slot.step
         # No save here: an unrecorded step reads as CANDIDATE anyway, every transition saves, and the frontier
         # agreement right after this capture saves: one atomic ledger write (two fsyncs) per capture, not two.
@@ -275,7 +331,9 @@ class Checkpointer:
         so a killed process still leaves it behind; the ``slots`` newest are kept."""
         assert self.memory is not None
         folder = self.memory.paths.own
-        store.write_checkpoint(store.step_file(folder, slot.step), slot.prefix, slot.data, fsync=False)
+        store.write_checkpoint(
+            store.step_file(folder, slot.step), slot.prefix, slot.data, fsync=False
+        )
         for old in store.list_steps(folder)[self.config.slots :]:
             store.step_file(folder, old).unlink(missing_ok=True)
 
@@ -288,17 +346,30 @@ class Checkpointer:
             from gemscout.gemini import natural
 
             received, counters = natural.exchange(
-                slot.frame(), target=self.placement.target(self.rank), source=owner, group=self.group,
-                chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for)
+                slot.frame(),
+                target=self.placement.target(self.rank),
+                source=owner,
+                group=self.group,
+                chunk_bytes=self.config.chunk_bytes,
+                timeout=self.config.timeout,
+                recv_buffer=buffers.buffer_for,
+            )
             self.stats["replicate_sent_bytes"] += counters["sent_bytes"]
             self.stats["replicate_sent_tensors"] += counters["sent_tensors"]
             self.stats["natural_divergent_shards"] += counters["divergent_shards"]
             step = self._check_identity_of(received, owner)
         else:
-            check = VerifyOnArrival()  # digests checked chunk by chunk while the next chunk is in flight
+            check = (
+                VerifyOnArrival()
+            )  # digests checked chunk by chunk while the next chunk is in flight
             exchanged = comm.exchange(
-                slot.frame(), self.placement.target(self.rank), owner, group=self.group,
-                chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout, recv_buffer=buffers.buffer_for,
+                slot.frame(),
+                self.placement.target(self.rank),
+                owner,
+                group=self.group,
+                chunk_bytes=self.config.chunk_bytes,
+                timeout=self.config.timeout,
+                recv_buffer=buffers.buffer_for,
                 on_arrival=check,
             )
             assert exchanged is not None
@@ -314,8 +385,13 @@ class Checkpointer:
     def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
         self._phase("persist_replica", step)
         folder = self.paths.replicas(owner)
-        store.write_checkpoint(store.step_file(folder, step), frame[0], frame[1], fsync=self.config.fsync,
-                               spares=self.spares)
+        store.write_checkpoint(
+            store.step_file(folder, step),
+            frame[0],
+            frame[1],
+            fsync=self.config.fsync,
+            spares=self.spares,
+        )
         self.persisted_replica[owner] = step
 
     def _advance_frontier(self, step: int) -> None:
@@ -325,20 +401,30 @@ class Checkpointer:
         writing, leaving no step restorable everywhere after a node loss. The MIN all-reduce runs on the io thread,
         in capture order on every rank, so it lines up like the replication exchange does.
         """
-        replicated = not (self.config.replicate and self.placement.enabled) or \
-            self.persisted_replica.get(self.placement.source(self.rank), -1) == step
+        replicated = (
+            not (self.config.replicate and self.placement.enabled)
+            or self.persisted_replica.get(self.placement.source(self.rank), -1) == step
+        )
         mine = step if self.persisted_step == step and replicated else self.frontier
         t = torch.tensor([mine], dtype=torch.int64)
-        comm.wait_all([dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
-                      self.config.timeout, "frontier agreement")
+        comm.wait_all(
+            [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
+            self.config.timeout,
+            "frontier agreement",
+        )
         self.frontier = max(self.frontier, int(t.item()))
         keep = self.config.keep_generations
-        trusted = [s for s, st in list(self.ledger.states.items())
-                   if st in (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE) and s > 0]
+        trusted = [
+            s
+            for s, st in list(self.ledger.states.items())
+            if st in (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE) and s > 0
+        ]
         protect = self.retained | ({max(trusted)} if trusted else set())
         store.prune_safe(self.paths.own, self.frontier, keep, protect, spares=self.spares)
         for owner in self.paths.held_owners():
-            store.prune_safe(self.paths.replicas(owner), self.frontier, keep, protect, spares=self.spares)
+            store.prune_safe(
+                self.paths.replicas(owner), self.frontier, keep, protect, spares=self.spares
+            )
         steps = store.list_steps(self.paths.own)
         if steps:
             self.ledger.forget_before(steps[-1])
@@ -352,7 +438,9 @@ class Checkpointer:
         self.check_identity(ident, where=f"replica of rank {owner}")
         return int(ident["step"])
 
-    def verify_frame(self, frame: Frame, *, owner: int, step: int | None, verified: Parsed | None = None) -> int:
+    def verify_frame(
+        self, frame: Frame, *, owner: int, step: int | None, verified: Parsed | None = None
+    ) -> int:
         """Check ``frame``'s digests (unless ``verified``, the header its data was already checked against as it
         arrived) and its identity. Returns its step; raises IntegrityError or RunMismatchError."""
         parsed = verified if verified is not None else parse_prefix(frame[0])
@@ -360,7 +448,9 @@ class Checkpointer:
             verify_data(parsed, frame[1])
         ident = parsed.identity
         if ident.get("owner") != owner or (step is not None and ident.get("step") != step):
-            raise IntegrityError(f"replica identity mismatch: expected owner {owner} step {step}, got {ident}")
+            raise IntegrityError(
+                f"replica identity mismatch: expected owner {owner} step {step}, got {ident}"
+            )
         self.check_identity(ident, where=f"replica of rank {owner}")
         return int(ident["step"])
 
@@ -387,11 +477,15 @@ class Checkpointer:
                 return
             for f in pending:
                 try:
-                    f.exception(timeout=max(0.0, deadline - time.monotonic()))  # failures are in self.errors
+                    f.exception(
+                        timeout=max(0.0, deadline - time.monotonic())
+                    )  # failures are in self.errors
                 except CancelledError:
                     continue  # close() cancelled queued io
                 except FutureTimeout:
-                    raise CollectiveTimeout("checkpoint io did not drain within the timeout") from None
+                    raise CollectiveTimeout(
+                        "checkpoint io did not drain within the timeout"
+                    ) from None
 
     def flush(self, timeout: timedelta | None = None) -> int:
         """Persist the newest recoverable state: drain, then write the newest capture and held replicas if not on
@@ -440,8 +534,13 @@ class Checkpointer:
         return rejected
 
     # ------------------------------------------------------------------ recovery
-    def recover(self, *, failure_kind: str = "restart", fallback: Callable[[], int] | None = None,
-                min_trust: TrustState | None = None) -> RecoveryDecision:
+    def recover(
+        self,
+        *,
+        failure_kind: str = "restart",
+        fallback: Callable[[], int] | None = None,
+        min_trust: TrustState | None = None,
+    ) -> RecoveryDecision:
         """Collectively choose and restore a step (all ranks must call); see :func:`gemscout.gemini.restore.recover`.
 
         Raises RecoveryError when the decision is STOP (the caller should exit with its exit code).
@@ -462,5 +561,3 @@ class Checkpointer:
         self.spares.discard()
         if self.memory is not None:
             self.memory.close(release=release_memory)
-
-

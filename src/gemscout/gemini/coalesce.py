@@ -45,7 +45,10 @@ class FreeSlotVote:
         if self.group is None:
             return
         flag = torch.tensor([1 if self.pool.has_free() else 0], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True), flag)
+        self._pending = (
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True),
+            flag,
+        )
 
     def settle(self) -> None:
         """Complete and drop a pending vote (every rank, at the same point: switching modes)."""

@@ -21,7 +21,9 @@ def wait_all(works: list[Any], timeout: timedelta, what: str) -> None:
         try:
             w.wait(timeout)
         except RuntimeError as exc:
-            raise CollectiveTimeout(f"{what} failed or timed out after {timeout.total_seconds():.0f}s: {exc}") from exc
+            raise CollectiveTimeout(
+                f"{what} failed or timed out after {timeout.total_seconds():.0f}s: {exc}"
+            ) from exc
 
 
 _UNSENDABLE = "__gemscout_unsendable__"
@@ -47,7 +49,9 @@ def gather_json(obj: Any, *, group: dist.ProcessGroup, timeout: timedelta) -> li
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, "state gather")
     got = [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes, strict=True)]
-    bad = [(r, g[_UNSENDABLE]) for r, g in enumerate(got) if isinstance(g, dict) and _UNSENDABLE in g]
+    bad = [
+        (r, g[_UNSENDABLE]) for r, g in enumerate(got) if isinstance(g, dict) and _UNSENDABLE in g
+    ]
     if bad:
         raise IntegrityError(f"rank {bad[0][0]} could not send its part of a gather ({bad[0][1]})")
     return got
@@ -56,7 +60,9 @@ def gather_json(obj: Any, *, group: dist.ProcessGroup, timeout: timedelta) -> li
 def all_agree(flag: bool, *, group: dist.ProcessGroup, timeout: timedelta) -> bool:
     """True only if ``flag`` is true on every rank (a MIN all-reduce)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    wait_all([dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)], timeout, "agreement")
+    wait_all(
+        [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)], timeout, "agreement"
+    )
     return bool(t.item())
 
 
@@ -85,7 +91,11 @@ def exchange(
     works = []
     if send is not None:
         prefix, data = send
-        works.append(dist.isend(torch.tensor([len(prefix), data.numel()], dtype=torch.int64), dst, group=group))
+        works.append(
+            dist.isend(
+                torch.tensor([len(prefix), data.numel()], dtype=torch.int64), dst, group=group
+            )
+        )
     sizes = torch.zeros(2, dtype=torch.int64)
     if src is not None:
         works.append(dist.irecv(sizes, src, group=group))
@@ -94,7 +104,9 @@ def exchange(
     rprefix = torch.zeros(int(sizes[0]), dtype=torch.uint8)
     # An empty prefix (a data-only message) moves no header: both sides know its size from the exchange above.
     if send is not None and send[0]:
-        works.append(dist.isend(torch.frombuffer(bytearray(send[0]), dtype=torch.uint8), dst, group=group))
+        works.append(
+            dist.isend(torch.frombuffer(bytearray(send[0]), dtype=torch.uint8), dst, group=group)
+        )
     if src is not None and rprefix.numel():
         works.append(dist.irecv(rprefix, src, group=group))
     wait_all(works, timeout, "replica header exchange")
@@ -103,7 +115,11 @@ def exchange(
     received_prefix = bytes(rprefix.numpy()) if src is not None else b""
     if src is not None:
         n = int(sizes[1])
-        rdata = recv_buffer(n, len(received_prefix)) if recv_buffer is not None else torch.empty(n, dtype=torch.uint8)
+        rdata = (
+            recv_buffer(n, len(received_prefix))
+            if recv_buffer is not None
+            else torch.empty(n, dtype=torch.uint8)
+        )
         if on_arrival is not None:
             arrival = on_arrival(received_prefix, rdata)
     send_n = send[1].numel() if send is not None else 0

@@ -90,47 +90,118 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         c = "CheckpointConfig"
-        require(isinstance(self.directory, str | Path) and str(self.directory) != "", c, "directory",
-                "give the folder for checkpoint files, e.g. directory='/local/ckpt'")
+        require(
+            isinstance(self.directory, str | Path) and str(self.directory) != "",
+            c,
+            "directory",
+            "give the folder for checkpoint files, e.g. directory='/local/ckpt'",
+        )
         object.__setattr__(self, "directory", Path(self.directory))
         if self.durable_directory is not None:
             object.__setattr__(self, "durable_directory", Path(self.durable_directory))
-        require(self.memory_directory is None or (isinstance(self.memory_directory, str | Path)
-                                                  and str(self.memory_directory) != ""), c, "memory_directory",
-                "give a tmpfs folder (e.g. '/dev/shm/gemscout') or None to keep slots in process memory")
+        require(
+            self.memory_directory is None
+            or (isinstance(self.memory_directory, str | Path) and str(self.memory_directory) != ""),
+            c,
+            "memory_directory",
+            "give a tmpfs folder (e.g. '/dev/shm/gemscout') or None to keep slots in process memory",
+        )
         if self.memory_directory is not None:
             object.__setattr__(self, "memory_directory", Path(self.memory_directory))
-        require(isinstance(self.slots, int) and self.slots >= 2, c, "slots", f"must be an int >= 2, got {self.slots!r}")
-        require(self.replication in ("ring", "natural"), c, "replication",
-                f"must be 'ring' or 'natural' (HSDP replicate-group peers), got {self.replication!r}")
-        require(isinstance(self.replication_jump, int) and self.replication_jump >= 1, c, "replication_jump",
-                f"must be an int >= 1, got {self.replication_jump!r}")
-        require(self.ranks_per_node is None or (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1),
-                c, "ranks_per_node", f"must be None or an int >= 1, got {self.ranks_per_node!r}")
-        require(isinstance(self.chunk_bytes, int) and 256 * KiB <= self.chunk_bytes <= 64 * MiB, c, "chunk_bytes",
-                f"must be between 262144 (256 KiB) and 67108864 (64 MiB), got {self.chunk_bytes!r}")
-        require(self.when_busy in ("wait", "skip"), c, "when_busy",
-                f"must be 'wait' (backpressure) or 'skip' (coalesce captures while io is busy), got {self.when_busy!r}")
-        require(isinstance(self.persist_every, int) and self.persist_every >= 1, c, "persist_every",
-                f"must be an int >= 1, got {self.persist_every!r}")
-        require(isinstance(self.keep_generations, int) and self.keep_generations >= 1, c, "keep_generations",
-                f"must be an int >= 1, got {self.keep_generations!r}")
-        require(isinstance(self.max_recovery_attempts, int) and self.max_recovery_attempts >= 1, c,
-                "max_recovery_attempts", f"must be an int >= 1, got {self.max_recovery_attempts!r}")
-        require(isinstance(self.durable_every, int) and self.durable_every >= 0, c, "durable_every",
-                f"must be an int >= 0 (0 disables), got {self.durable_every!r}")
-        require(self.durable_every == 0 or self.durable_directory is not None, c, "durable_directory",
-                "is required when durable_every > 0")
+        require(
+            isinstance(self.slots, int) and self.slots >= 2,
+            c,
+            "slots",
+            f"must be an int >= 2, got {self.slots!r}",
+        )
+        require(
+            self.replication in ("ring", "natural"),
+            c,
+            "replication",
+            f"must be 'ring' or 'natural' (HSDP replicate-group peers), got {self.replication!r}",
+        )
+        require(
+            isinstance(self.replication_jump, int) and self.replication_jump >= 1,
+            c,
+            "replication_jump",
+            f"must be an int >= 1, got {self.replication_jump!r}",
+        )
+        require(
+            self.ranks_per_node is None
+            or (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1),
+            c,
+            "ranks_per_node",
+            f"must be None or an int >= 1, got {self.ranks_per_node!r}",
+        )
+        require(
+            isinstance(self.chunk_bytes, int) and 256 * KiB <= self.chunk_bytes <= 64 * MiB,
+            c,
+            "chunk_bytes",
+            f"must be between 262144 (256 KiB) and 67108864 (64 MiB), got {self.chunk_bytes!r}",
+        )
+        require(
+            self.when_busy in ("wait", "skip"),
+            c,
+            "when_busy",
+            f"must be 'wait' (backpressure) or 'skip' (coalesce captures while io is busy), got {self.when_busy!r}",
+        )
+        require(
+            isinstance(self.persist_every, int) and self.persist_every >= 1,
+            c,
+            "persist_every",
+            f"must be an int >= 1, got {self.persist_every!r}",
+        )
+        require(
+            isinstance(self.keep_generations, int) and self.keep_generations >= 1,
+            c,
+            "keep_generations",
+            f"must be an int >= 1, got {self.keep_generations!r}",
+        )
+        require(
+            isinstance(self.max_recovery_attempts, int) and self.max_recovery_attempts >= 1,
+            c,
+            "max_recovery_attempts",
+            f"must be an int >= 1, got {self.max_recovery_attempts!r}",
+        )
+        require(
+            isinstance(self.durable_every, int) and self.durable_every >= 0,
+            c,
+            "durable_every",
+            f"must be an int >= 0 (0 disables), got {self.durable_every!r}",
+        )
+        require(
+            self.durable_every == 0 or self.durable_directory is not None,
+            c,
+            "durable_directory",
+            "is required when durable_every > 0",
+        )
         try:
             object.__setattr__(self, "min_trust", TrustState(self.min_trust))
         except ValueError:
-            require(False, c, "min_trust", f"must be one of candidate, recovery_verified, durable; got {self.min_trust!r}")
+            require(
+                False,
+                c,
+                "min_trust",
+                f"must be one of candidate, recovery_verified, durable; got {self.min_trust!r}",
+            )
         require(self.min_trust != TrustState.REJECTED, c, "min_trust", "cannot be 'rejected'")
         for name in ("timeout", "flush_timeout", "stale_memory_after"):
             value = getattr(self, name)
-            require(isinstance(value, timedelta) and value.total_seconds() > 0, c, name,
-                    f"must be a positive datetime.timedelta, got {value!r}")
-        require(self.integrity_key is None or isinstance(self.integrity_key, bytes | str), c, "integrity_key",
-                "must be bytes, a hex string or None")
-        require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""), c, "run_id",
-                "must be a non-empty string or None")
+            require(
+                isinstance(value, timedelta) and value.total_seconds() > 0,
+                c,
+                name,
+                f"must be a positive datetime.timedelta, got {value!r}",
+            )
+        require(
+            self.integrity_key is None or isinstance(self.integrity_key, bytes | str),
+            c,
+            "integrity_key",
+            "must be bytes, a hex string or None",
+        )
+        require(
+            self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
+            c,
+            "run_id",
+            "must be a non-empty string or None",
+        )

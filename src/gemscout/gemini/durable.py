@@ -47,7 +47,9 @@ def _sha256(path: Path, size: int | None = None) -> str:
     h = hashlib.sha256()
     with open_regular(path) as (fd, st):
         if size is not None and st.st_size != size:
-            raise IntegrityError(f"{path.name} is {st.st_size} bytes, not the {size} its sidecar records")
+            raise IntegrityError(
+                f"{path.name} is {st.st_size} bytes, not the {size} its sidecar records"
+            )
         done, end = 0, st.st_size if size is None else size
         while done < end:
             block = os.pread(fd, min(1 << 20, end - done), done)
@@ -96,7 +98,9 @@ def check_sidecar(doc: Any, step: int) -> dict[str, Any]:
                 isinstance(e, list)
                 and len(e) == 3
                 and isinstance(e[0], str)
-                and all(v is None or (isinstance(v, list) and all(is_int(d) for d in v)) for v in e[1:])
+                and all(
+                    v is None or (isinstance(v, list) and all(is_int(d) for d in v)) for v in e[1:]
+                )
                 for e in entries
             ):
                 raise refuse(f"rank {i} entries are not [key, shape, stride] lists")
@@ -129,7 +133,9 @@ def _check_mac(sidecar: dict[str, Any], step: int) -> None:
                 f"process does not have; set {integrity.ENV_KEY_FILE} or {integrity.ENV_KEY}"
             )
         return
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, integrity.sidecar_mac(sidecar_canonical(sidecar), key)):
+    if not isinstance(mac, str) or not hmac.compare_digest(
+        mac, integrity.sidecar_mac(sidecar_canonical(sidecar), key)
+    ):
         raise IntegrityError(
             f"durable step {step}: sidecar MAC missing or wrong: not written with this job's "
             "integrity key (forged or another job)"
@@ -140,7 +146,13 @@ class DurableTier:
     """Promotions under ``directory`` (shared by every rank)."""
 
     def __init__(
-        self, directory: Path, *, run_id: str, fsync: bool = True, group: dist.ProcessGroup | None = None, rank: int = 0
+        self,
+        directory: Path,
+        *,
+        run_id: str,
+        fsync: bool = True,
+        group: dist.ProcessGroup | None = None,
+        rank: int = 0,
     ) -> None:
         self.directory, self.run_id, self.fsync = Path(directory), run_id, fsync
         self.group, self.rank = group, rank
@@ -158,10 +170,14 @@ class DurableTier:
             # Every entry but the sidecar is one of its files: a folder, link or FIFO among them is refused too.
             present = {p.name for p in folder.iterdir() if p.name != SIDECAR}
         except (OSError, IntegrityError) as exc:
-            raise IntegrityError(f"durable step {step}: sidecar missing or unreadable ({exc})") from None
+            raise IntegrityError(
+                f"durable step {step}: sidecar missing or unreadable ({exc})"
+            ) from None
         _check_mac(sidecar, step)
         if present != set(files):
-            raise IntegrityError(f"durable step {step}: files {sorted(present ^ set(files))} differ from the sidecar")
+            raise IntegrityError(
+                f"durable step {step}: files {sorted(present ^ set(files))} differ from the sidecar"
+            )
         for name, meta in files.items():
             try:
                 digest = _sha256(folder / name, meta["size"])
@@ -175,7 +191,8 @@ class DurableTier:
         if not self.directory.exists():
             return []
         return sorted(
-            (int(m.group(1)) for p in self.directory.iterdir() if (m := _DIR.fullmatch(p.name))), reverse=True
+            (int(m.group(1)) for p in self.directory.iterdir() if (m := _DIR.fullmatch(p.name))),
+            reverse=True,
         )
 
     def scan(self) -> list[tuple[int, str | None]]:
@@ -213,7 +230,9 @@ class DurableTier:
         if sidecar.get("sharded"):
             from gemscout.gemini import durable_sharded
 
-            durable_sharded.load(self.path(step), sidecar, sources, group=self.group, rank=self.rank)
+            durable_sharded.load(
+                self.path(step), sidecar, sources, group=self.group, rank=self.rank
+            )
             return
         import torch.distributed.checkpoint as dcp
 

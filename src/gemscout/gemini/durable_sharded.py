@@ -86,7 +86,9 @@ def tensor_entries(skeleton: Any, rank: int, replicated: tuple[str, ...] = ()) -
 
     def walk(node: Any, path: str, depth: int) -> None:
         if depth > MAX_SKELETON_DEPTH:
-            raise IntegrityError(f"checkpoint skeleton is nested deeper than {MAX_SKELETON_DEPTH} levels")
+            raise IntegrityError(
+                f"checkpoint skeleton is nested deeper than {MAX_SKELETON_DEPTH} levels"
+            )
         if isinstance(node, list):
             for i, v in enumerate(node):
                 walk(v, f"{path}/{i}", depth + 1)
@@ -118,7 +120,9 @@ def tensor_entries(skeleton: Any, rank: int, replicated: tuple[str, ...] = ()) -
     except (TypeError, ValueError, IndexError) as exc:
         raise IntegrityError(f"checkpoint skeleton is malformed: {exc}") from None
     if sorted(found) != list(range(len(found))):
-        raise IntegrityError("checkpoint skeleton does not reference its tensors 0..n-1 exactly once")
+        raise IntegrityError(
+            "checkpoint skeleton does not reference its tensors 0..n-1 exactly once"
+        )
     entries = [found[i] for i in range(len(found))]
     check_unique_keys(entries)
     return entries
@@ -131,7 +135,9 @@ nested thousands deep would otherwise end in RecursionError."""
 
 def _claim(found: dict[int, Entry], index: Any, entry: Entry) -> None:
     if type(index) is not int or index < 0 or index in found:
-        raise IntegrityError(f"checkpoint skeleton references tensor {index!r} twice or not as an index")
+        raise IntegrityError(
+            f"checkpoint skeleton references tensor {index!r} twice or not as an index"
+        )
     found[index] = entry
 
 
@@ -171,7 +177,9 @@ def _like(likes: dict[str, Any], key: str) -> Any:
     parts = path.split("/")
     like = likes.get(path) if parts[1] == "model" else likes.get("/".join(parts[:4]))
     if like is None:
-        raise IntegrityError(f"durable checkpoint has a sharded entry {key!r} with no live DTensor to shard it like")
+        raise IntegrityError(
+            f"durable checkpoint has a sharded entry {key!r} with no live DTensor to shard it like"
+        )
     return like
 
 
@@ -179,7 +187,12 @@ def _dtensor(local: torch.Tensor, like: Any, shape: list[int], stride: list[int]
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
     )
 
 
@@ -202,10 +215,14 @@ def promote_own_file(
     try:
         frame = store.read_verified(path)
         check(frame[0].identity, where=f"own checkpoint of step {step}")
-    except Exception as exc:  # any failure: this rank still joins the collective, which then fails everywhere
+    except (
+        Exception
+    ) as exc:  # any failure: this rank still joins the collective, which then fails everywhere
         log.warning("gemini: cannot promote step %d: %s", step, exc)
         frame = None
-    return promote(tier, step, frame, likes, group=group, rank=rank, timeout=timeout, replicated=replicated)
+    return promote(
+        tier, step, frame, likes, group=group, rank=rank, timeout=timeout, replicated=replicated
+    )
 
 
 def promote(
@@ -233,7 +250,9 @@ def promote(
     entries: list[Entry] | None = None
     if frame is not None:
         try:
-            codec = next((c for c in PARTITION_CODECS.values() if c.accepts(frame[0].skeleton)), None)
+            codec = next(
+                (c for c in PARTITION_CODECS.values() if c.accepts(frame[0].skeleton)), None
+            )
             if codec is not None:
                 state, mine = codec.promotion_items(frame[0], frame[1], rank)
             else:
@@ -243,15 +262,27 @@ def promote(
     if replicated:  # collective: every rank takes part, whatever happened above
         ok = frame is not None and entries is not None and not err
         entries = _agree_on_shared(
-            entries or [], frame[0].digests if ok and frame is not None else (), rank, group=group, timeout=timeout
+            entries or [],
+            frame[0].digests if ok and frame is not None else (),
+            rank,
+            group=group,
+            timeout=timeout,
         )
     if frame is not None and entries is not None and not err:
         try:
             parsed, data = frame
             check_unique_keys(entries)  # again after _agree_on_shared renamed some keys
             for (key, shape, stride), view in zip(entries, parsed.layout.views(data), strict=True):
-                state[key] = view if shape is None else _dtensor(view, _like(likes, key), shape, stride or [])
-            own = [k for k, _, _ in entries if k.startswith(f"r{rank}/") and k.split("/")[1] in replicated]
+                state[key] = (
+                    view
+                    if shape is None
+                    else _dtensor(view, _like(likes, key), shape, stride or [])
+                )
+            own = [
+                k
+                for k, _, _ in entries
+                if k.startswith(f"r{rank}/") and k.split("/")[1] in replicated
+            ]
             mine = {
                 "skeleton": parsed.skeleton,
                 "identity": parsed.identity,
@@ -261,25 +292,38 @@ def promote(
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt's files would be mixed into this one
+        shutil.rmtree(
+            tmp, ignore_errors=True
+        )  # a stale attempt's files would be mixed into this one
     # Every rank learns every rank's reason (doubles as the barrier after the cleanup): a key collision is the
     # caller's to fix and raises ConfigError on every rank, anything else IntegrityError.
     reasons = comm.gather_json(err, group=group, timeout=timeout)
     failed = [(r, why) for r, why in enumerate(reasons) if why]
     if failed:
         r, why = failed[0]
-        cls = ConfigError if any(str(w).startswith("ConfigError:") for _, w in failed) else IntegrityError
+        cls = (
+            ConfigError
+            if any(str(w).startswith("ConfigError:") for _, w in failed)
+            else IntegrityError
+        )
         raise cls(f"durable step {step}: rank {r} could not prepare its shards ({why})")
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    from torch.distributed.checkpoint.api import (
+        CheckpointException,
+    )  # a BaseException, not an Exception
 
     try:
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
-    except (Exception, CheckpointException) as exc:  # recorded and voted on: every rank raises IntegrityError below
+    except (
+        Exception,
+        CheckpointException,
+    ) as exc:  # recorded and voted on: every rank raises IntegrityError below
         err = f"DCP save failed: {exc}"
     if not comm.all_agree(not err, group=group, timeout=timeout):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise IntegrityError(f"durable step {step}: a rank could not write its shards ({err or 'on a peer'})")
+        raise IntegrityError(
+            f"durable step {step}: a rank could not write its shards ({err or 'on a peer'})"
+        )
     ranks = comm.gather_json(mine, group=group, timeout=timeout)
     committed = True
     if rank == 0:
@@ -289,7 +333,9 @@ def promote(
             err, committed = f"commit failed: {exc}", False
             shutil.rmtree(tmp, ignore_errors=True)
     if not comm.all_agree(committed, group=group, timeout=timeout):
-        raise IntegrityError(f"durable step {step}: {err or 'rank 0 could not commit the promotion'}")
+        raise IntegrityError(
+            f"durable step {step}: {err or 'rank 0 could not commit the promotion'}"
+        )
     log.info("gemini: promoted step %d (sharded, %d ranks) to %s", step, len(ranks), final)
     return final
 
@@ -301,7 +347,9 @@ def _agree_on_shared(
     rank's own ``r<rank>/`` key. DDP's model and optimizer are the same on every rank, but model parallelism without
     DTensors (Megatron TP/PP, pipeline stages, experts held as plain tensors) gives ranks different tensors under the
     same name, which DCP would otherwise store once for all. Collective on ``group``."""
-    offered = {key: d for (key, _, _), d in zip(entries, digests, strict=False) if key.startswith("g/")}
+    offered = {
+        key: d for (key, _, _), d in zip(entries, digests, strict=False) if key.startswith("g/")
+    }
     everyone = comm.gather_json(offered, group=group, timeout=timeout)
     common = {k for k, d in offered.items() if all(o.get(k) == d for o in everyone)}
     return [
@@ -313,7 +361,11 @@ def _agree_on_shared(
 def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, Any]]) -> None:
     from gemscout.gemini.durable import SIDECAR, _sha256
 
-    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+        for p in sorted(tmp.iterdir())
+        if p.is_file()
+    }
     doc = {
         "format": 3,
         "sharded": True,
@@ -325,7 +377,9 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
         "files": files,
     }
     key = integrity.current_key()
-    if key is not None:  # authenticated: the sidecar names every file's SHA-256, so its MAC covers the promotion
+    if (
+        key is not None
+    ):  # authenticated: the sidecar names every file's SHA-256, so its MAC covers the promotion
         doc["mac"] = integrity.sidecar_mac(sidecar_canonical(doc), key)
     # Not sorted: a skeleton's dict order is the caller's (format 2 sorted it, so caller dicts came back reordered).
     with atomic_writer(tmp / SIDECAR, fsync=tier.fsync) as fh:
@@ -338,7 +392,10 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
 def sidecar_canonical(doc: dict[str, Any]) -> bytes:
     """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
     return json.dumps(
-        {k: v for k, v in doc.items() if k != "mac"}, sort_keys=True, separators=(",", ":"), allow_nan=True
+        {k: v for k, v in doc.items() if k != "mac"},
+        sort_keys=True,
+        separators=(",", ":"),
+        allow_nan=True,
     ).encode()
 
 
@@ -377,7 +434,9 @@ def load(
             f"durable promotion {folder.name} holds {len(saved)} ranks' own partitions "
             f"(DeepSpeed ZeRO); it restores on {len(saved)} ranks only, not {world}"
         )
-    src = saved[rank % len(saved)]  # per-rank entries (caller state, RNG) on another world size: rank r % old
+    src = saved[
+        rank % len(saved)
+    ]  # per-rank entries (caller state, RNG) on another world size: rank r % old
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
@@ -394,7 +453,9 @@ def load(
         else:
             like = _like(likes, key)
             local_shape = like.to_local().shape  # a state entry shards exactly like its parameter
-            targets[key] = _dtensor(torch.empty(local_shape, dtype=dtype), like, shape, stride or [])
+            targets[key] = _dtensor(
+                torch.empty(local_shape, dtype=dtype), like, shape, stride or []
+            )
     dcp.load(targets, checkpoint_id=str(folder), process_group=group)
     tensors = [targets[k] if s is None else targets[k].to_local() for k, s, _ in entries]
     training_state.restore(sources, decode(src["skeleton"], tensors))

@@ -30,20 +30,26 @@ _STEP_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # ASCII, canonical: what str(int)
 _STATES = {s.value for s in TrustState}
 
 
-def parse_ledger(doc: Any) -> tuple[str, dict[int, TrustState], dict[int, int], dict[str, Any] | None]:
+def parse_ledger(
+    doc: Any,
+) -> tuple[str, dict[int, TrustState], dict[int, int], dict[str, Any] | None]:
     """``(run_id, states, attempts, last_decision)`` of a parsed status.json, every field checked (step keys
     canonical non-negative integers, states known, attempts non-negative integers). Raises IntegrityError."""
     if not isinstance(doc, dict):
         raise IntegrityError("status.json is not a JSON object")
-    run_id, states, attempts, last = (doc.get(k) for k in ("run_id", "states", "attempts", "last_decision"))
+    run_id, states, attempts, last = (
+        doc.get(k) for k in ("run_id", "states", "attempts", "last_decision")
+    )
     if not isinstance(run_id, str | None):
         raise IntegrityError("status.json run_id is not a string")
     if not isinstance(states, dict | None) or not all(
-        isinstance(k, str) and _STEP_KEY.fullmatch(k) and v in _STATES for k, v in (states or {}).items()
+        isinstance(k, str) and _STEP_KEY.fullmatch(k) and v in _STATES
+        for k, v in (states or {}).items()
     ):
         raise IntegrityError("status.json states are not step -> trust state")
     if not isinstance(attempts, dict | None) or not all(
-        isinstance(k, str) and _STEP_KEY.fullmatch(k) and is_int(v) for k, v in (attempts or {}).items()
+        isinstance(k, str) and _STEP_KEY.fullmatch(k) and is_int(v)
+        for k, v in (attempts or {}).items()
     ):
         raise IntegrityError("status.json attempts are not step -> count")
     if not isinstance(last, dict | None):
@@ -96,7 +102,9 @@ class TrustLedger:
         except (OSError, IntegrityError) as exc:
             ledger.load_problem = str(exc)
             log.warning("gemini: trust ledger %s refused, starting empty: %s", path, exc)
-        ledger._recorded_rejections = {s for s, st in ledger.states.items() if st == TrustState.REJECTED}
+        ledger._recorded_rejections = {
+            s for s, st in ledger.states.items() if st == TrustState.REJECTED
+        }
         return ledger
 
     def report_to(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
@@ -120,7 +128,9 @@ class TrustLedger:
                 self._failed(exc, {s for s, st in states if st == TrustState.REJECTED})
                 return False
             if self.unsaved is not None:
-                log.warning("gemini: trust ledger %s written again after: %s", self.path, self.unsaved)
+                log.warning(
+                    "gemini: trust ledger %s written again after: %s", self.path, self.unsaved
+                )
             self.unsaved = None
             self._recorded_rejections = {s for s, st in states if st == TrustState.REJECTED}
             return True
@@ -181,7 +191,9 @@ class TrustLedger:
                     removed.append(str(target))
                 except FileNotFoundError:
                     continue
-                except OSError as exc:  # EROFS: nothing on this disk can change; the peers' ledgers remain
+                except (
+                    OSError
+                ) as exc:  # EROFS: nothing on this disk can change; the peers' ledgers remain
                     log.error("gemini: cannot delete rejected %s: %s", target, exc)
         return removed
 
@@ -208,7 +220,9 @@ class TrustLedger:
     def forget_before(self, step: int, keep_rejected: bool = True) -> None:
         """Drop records older than ``step`` (their files are pruned), keeping rejections as a safety net."""
         self.states = {
-            s: st for s, st in self.states.items() if s >= step or (keep_rejected and st == TrustState.REJECTED)
+            s: st
+            for s, st in self.states.items()
+            if s >= step or (keep_rejected and st == TrustState.REJECTED)
         }
         self.attempts = {s: n for s, n in self.attempts.items() if s >= step}
 

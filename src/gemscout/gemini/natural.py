@@ -54,16 +54,23 @@ def replicate_groups(model: torch.nn.Module) -> list[tuple[int, ...]]:
             found.add(tuple((int(r),) for r in ranks.reshape(-1).tolist()))
             continue
         keep = [d for d in range(ranks.dim()) if d not in rep]
-        moved = ranks.permute(*keep, *rep).reshape(-1, int(torch.tensor([ranks.shape[d] for d in rep]).prod()))
+        moved = ranks.permute(*keep, *rep).reshape(
+            -1, int(torch.tensor([ranks.shape[d] for d in rep]).prod())
+        )
         found.add(tuple(tuple(int(r) for r in row) for row in moved.tolist()))
     if len(found) != 1:
-        raise ConfigError("CheckpointConfig.replication='natural' needs a model whose DTensor parameters share one "
-                          "mesh (HSDP); " + ("none has DTensor parameters" if not found else "they use several")
-                          + "; use replication='ring'")
+        raise ConfigError(
+            "CheckpointConfig.replication='natural' needs a model whose DTensor parameters share one "
+            "mesh (HSDP); "
+            + ("none has DTensor parameters" if not found else "they use several")
+            + "; use replication='ring'"
+        )
     groups = sorted(next(iter(found)))
     if any(len(g) < 2 for g in groups):
-        raise ConfigError("CheckpointConfig.replication='natural' needs a replicate mesh dimension of size >= 2 "
-                          "(HSDP: init_device_mesh(..., (replicas, shards))); this mesh has none; use 'ring'")
+        raise ConfigError(
+            "CheckpointConfig.replication='natural' needs a replicate mesh dimension of size >= 2 "
+            "(HSDP: init_device_mesh(..., (replicas, shards))); this mesh has none; use 'ring'"
+        )
     return groups
 
 
@@ -88,14 +95,17 @@ class NaturalPlacement(Placement):
 def natural_placement(base: Placement, model: torch.nn.Module) -> NaturalPlacement:
     """The natural placement for ``model``; a ConfigError when a replica would share its owner's node."""
     groups = replicate_groups(model)
-    placement = NaturalPlacement(base.world_size, base.ranks_per_node, base.jump, groups=tuple(groups))
+    placement = NaturalPlacement(
+        base.world_size, base.ranks_per_node, base.jump, groups=tuple(groups)
+    )
     for g in groups:
         for r in g:
             if base.nodes > 1 and placement.node_of(placement.target(r)) == placement.node_of(r):
                 raise ConfigError(
                     f"CheckpointConfig.replication='natural': rank {r}'s replicate peer {placement.target(r)} is on "
                     "its own node, so a node loss would take both; put the replicate mesh dimension across nodes "
-                    "or use replication='ring'")
+                    "or use replication='ring'"
+                )
     return placement
 
 
@@ -103,7 +113,11 @@ def _diff(mine: Parsed, theirs: Parsed) -> list[int] | None:
     """Indices of tensors whose digests differ; None when the layouts differ (send everything)."""
     if mine.layout != theirs.layout:
         return None
-    return [i for i, (a, b) in enumerate(zip(mine.digests, theirs.digests, strict=True)) if not digests_equal(a, b)]
+    return [
+        i
+        for i, (a, b) in enumerate(zip(mine.digests, theirs.digests, strict=True))
+        if not digests_equal(a, b)
+    ]
 
 
 def _pack(data: torch.Tensor, parsed: Parsed, idx: list[int]) -> torch.Tensor:
@@ -111,8 +125,16 @@ def _pack(data: torch.Tensor, parsed: Parsed, idx: list[int]) -> torch.Tensor:
     return torch.cat(parts) if parts else _EMPTY
 
 
-def exchange(own: Frame, *, target: int, source: int, group: dist.ProcessGroup, chunk_bytes: int,
-             timeout: timedelta, recv_buffer: Any) -> tuple[Frame, dict[str, int]]:
+def exchange(
+    own: Frame,
+    *,
+    target: int,
+    source: int,
+    group: dist.ProcessGroup,
+    chunk_bytes: int,
+    timeout: timedelta,
+    recv_buffer: Any,
+) -> tuple[Frame, dict[str, int]]:
     """Send ``own`` to ``target`` as a natural replica and rebuild ``source``'s checkpoint from what arrives plus
     ``own``. Collective with both peers. Returns the source's frame (headers verified; the rebuilt data is checked
     digest by digest) and counters: bytes sent, tensors sent, divergent DTensor shards."""
@@ -120,7 +142,9 @@ def exchange(own: Frame, *, target: int, source: int, group: dist.ProcessGroup, 
     mine = parse_prefix(prefix)
 
     def headers(dst: int, src: int) -> tuple[bytes, Parsed]:
-        got = comm.exchange((prefix, _EMPTY), dst, src, group=group, chunk_bytes=chunk_bytes, timeout=timeout)
+        got = comm.exchange(
+            (prefix, _EMPTY), dst, src, group=group, chunk_bytes=chunk_bytes, timeout=timeout
+        )
         assert got is not None
         return got[0], parse_prefix(got[0])
 
@@ -130,7 +154,9 @@ def exchange(own: Frame, *, target: int, source: int, group: dist.ProcessGroup, 
     send_idx = _diff(mine, to_target)
     recv_idx = _diff(mine, from_source)
     packed = data if send_idx is None else _pack(data, mine, send_idx)
-    got = comm.exchange((b"", packed), target, source, group=group, chunk_bytes=chunk_bytes, timeout=timeout)
+    got = comm.exchange(
+        (b"", packed), target, source, group=group, chunk_bytes=chunk_bytes, timeout=timeout
+    )
     assert got is not None
     received = got[1]
     if recv_idx is None:  # another layout: the whole frame came
@@ -144,22 +170,34 @@ def exchange(own: Frame, *, target: int, source: int, group: dist.ProcessGroup, 
             rebuilt[e.offset : e.offset + e.nbytes].copy_(received[off : off + e.nbytes])
             off += e.nbytes
         if off != received.numel():
-            raise IntegrityError(f"natural replica from rank {source}: {received.numel()} bytes arrived, {off} expected")
+            raise IntegrityError(
+                f"natural replica from rank {source}: {received.numel()} bytes arrived, {off} expected"
+            )
         check = recv_idx
     # Equal digests stand for equal bytes (my slot was hashed when it was sealed); what arrived is checked here.
     arr = rebuilt.numpy()
     for i in check:
         e = from_source.layout.entries[i]
-        if not digests_equal(from_source.digests[i], digest_bytes(arr[e.offset : e.offset + e.nbytes].data)):
+        if not digests_equal(
+            from_source.digests[i], digest_bytes(arr[e.offset : e.offset + e.nbytes].data)
+        ):
             raise IntegrityError(f"natural replica from rank {source}: tensor {i} digest mismatch")
     shards = _shard_indices(mine.skeleton)
     divergent = [i for i in (send_idx or []) if i in shards]
     if divergent:
-        log.warning("gemini natural replica: %d DTensor shard(s) differ from rank %d's at step %s (indices %s): "
-                    "the replicate group diverged; they were sent in full", len(divergent), target,
-                    mine.identity.get("step"), divergent[:8])
-    counters = {"sent_bytes": len(prefix) + packed.numel(), "sent_tensors": len(mine.layout.entries)
-                if send_idx is None else len(send_idx), "divergent_shards": len(divergent)}
+        log.warning(
+            "gemini natural replica: %d DTensor shard(s) differ from rank %d's at step %s (indices %s): "
+            "the replicate group diverged; they were sent in full",
+            len(divergent),
+            target,
+            mine.identity.get("step"),
+            divergent[:8],
+        )
+    counters = {
+        "sent_bytes": len(prefix) + packed.numel(),
+        "sent_tensors": len(mine.layout.entries) if send_idx is None else len(send_idx),
+        "divergent_shards": len(divergent),
+    }
     return (source_prefix, rebuilt), counters
 
 

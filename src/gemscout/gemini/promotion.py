@@ -36,7 +36,9 @@ def promotable_step(states: dict[int, TrustState], on_disk: Iterable[int]) -> in
     """The newest step > 0 that is RECOVERY_VERIFIED in ``states`` and has a file in ``on_disk``, and is newer than
     every DURABLE step; -1 when there is none. Step 0 (the attach-time capture) is never worth promoting."""
     newest_durable = max((s for s, st in states.items() if st == TrustState.DURABLE), default=0)
-    ready = [s for s in on_disk if s > newest_durable and states.get(s) == TrustState.RECOVERY_VERIFIED]
+    ready = [
+        s for s in on_disk if s > newest_durable and states.get(s) == TrustState.RECOVERY_VERIFIED
+    ]
     return max(ready, default=-1)
 
 
@@ -64,14 +66,19 @@ class Promoter:
         if not self.every:
             return
         self.certified_since_promotion += sum(1 for s in self._uncertified if 0 < s <= step)
-        self._uncertified = deque((s for s in self._uncertified if s > step), maxlen=self._uncertified.maxlen)
+        self._uncertified = deque(
+            (s for s in self._uncertified if s > step), maxlen=self._uncertified.maxlen
+        )
         if self.certified_since_promotion < self.every:
             return
         ck = self.ckpt
         mine = promotable_step(ck.ledger.states, store.list_steps(ck.paths.own))
         agreed = torch.tensor([mine], dtype=torch.int64)
-        comm.wait_all([dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ck.group, async_op=True)],
-                      ck.config.timeout, "promotion step agreement")
+        comm.wait_all(
+            [dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ck.group, async_op=True)],
+            ck.config.timeout,
+            "promotion step agreement",
+        )
         chosen = int(agreed.item())
         if chosen < 0:
             return  # no rank-wide certified file newer than the last promotion yet: keep counting
@@ -90,9 +97,17 @@ class Promoter:
         assert ck.durable is not None and ck.durable.group is not None
         try:
             path = store.step_file(ck.paths.own, step)
-            durable_sharded.promote_own_file(ck.durable, step, path, likes, check=ck.check_identity,
-                                             group=ck.durable.group, rank=ck.rank, timeout=ck.config.timeout,
-                                             replicated=() if ck.sharded else REPLICATED)
+            durable_sharded.promote_own_file(
+                ck.durable,
+                step,
+                path,
+                likes,
+                check=ck.check_identity,
+                group=ck.durable.group,
+                rank=ck.rank,
+                timeout=ck.config.timeout,
+                replicated=() if ck.sharded else REPLICATED,
+            )
             ck.ledger.mark(step, TrustState.DURABLE)
             ck.ledger.save()
         except Exception as exc:

@@ -23,7 +23,9 @@ Item = tuple[str, int, int]
 replica this rank holds for ``owner``, in memory / on disk)."""
 
 
-def propose(ck: Checkpointer, failed: dict[Item, str] | None = None) -> tuple[dict[str, Any], dict[Item, Any]]:
+def propose(
+    ck: Checkpointer, failed: dict[Item, str] | None = None
+) -> tuple[dict[str, Any], dict[Item, Any]]:
     """What this rank can load, and where each item lives (for the transfers). Total: never raises.
 
     Memory is listed first and, for a step it holds, the disk is not consulted. Files on disk are inventoried by
@@ -74,8 +76,12 @@ def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any],
             parsed = store.read_header(path)
             ck.check_identity(parsed.identity, where=str(path))
             if parsed.identity.get("owner") != ck.rank or parsed.identity.get("step") != step:
-                raise IntegrityError(f"identity {parsed.identity} is not rank {ck.rank}'s step {step}")
-        except Exception as exc:  # any failure: this file is unusable, the others are still proposed
+                raise IntegrityError(
+                    f"identity {parsed.identity} is not rank {ck.rank}'s step {step}"
+                )
+        except (
+            Exception
+        ) as exc:  # any failure: this file is unusable, the others are still proposed
             log.warning("gemini: %s is unusable: %s", path, exc)
             unusable.append(f"rank {ck.rank} own step {step}: {reason_of(exc)}")
             continue
@@ -94,7 +100,9 @@ def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any],
         unusable.append(f"rank {ck.rank} replicas folder: {reason_of(exc)}")
         owners = []
     for o in owners:
-        for step in _steps_in(ck.paths.replicas(o), f"rank {ck.rank} replicas of rank {o}", unusable):
+        for step in _steps_in(
+            ck.paths.replicas(o), f"rank {ck.rank} replicas of rank {o}", unusable
+        ):
             if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
                 continue  # the replica in memory is preferred
             path = store.step_file(ck.paths.replicas(o), step)
@@ -102,7 +110,9 @@ def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any],
                 parsed = store.read_header(path)
                 ck.check_identity(parsed.identity, where=str(path))
                 if parsed.identity.get("owner") != o or parsed.identity.get("step") != step:
-                    raise IntegrityError(f"identity {parsed.identity} is not rank {o}'s step {step}")
+                    raise IntegrityError(
+                        f"identity {parsed.identity} is not rank {o}'s step {step}"
+                    )
             except Exception as exc:
                 log.warning("gemini: replica %s is unusable: %s", path, exc)
                 unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {reason_of(exc)}")
@@ -111,7 +121,9 @@ def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any],
             where[("held", o, step)] = path
     try:
         durable = ck.durable.scan() if ck.durable else []
-    except Exception as exc:  # an unreadable durable folder: refused, like a promotion that does not verify
+    except (
+        Exception
+    ) as exc:  # an unreadable durable folder: refused, like a promotion that does not verify
         durable = [(-1, f"durable tier unreadable on rank {ck.rank}: {reason_of(exc)}")]
     proposal = {
         "rank": ck.rank,

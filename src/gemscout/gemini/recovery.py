@@ -113,10 +113,18 @@ def decide(
             continue
         why = "newest restorable step" + (f" ({'; '.join(skipped)})" if skipped else "")
         return RecoveryDecision(
-            failure_kind, RecoveryMode.RESTORE, step, f"{run_id}:{step}", sources, topology_digest, why
+            failure_kind,
+            RecoveryMode.RESTORE,
+            step,
+            f"{run_id}:{step}",
+            sources,
+            topology_digest,
+            why,
         )
     skipped += [f"refused {why}" for why in durable_refused]
-    history = bool(steps or rejected or durable_refused or any(p.get("unusable") for p in proposals))
+    history = bool(
+        steps or rejected or durable_refused or any(p.get("unusable") for p in proposals)
+    )
     detail = "; ".join(skipped) if skipped else "no checkpoint found"
     if durable_step is not None:
         return RecoveryDecision(
@@ -139,9 +147,17 @@ def decide(
             f"caller fallback ({detail})",
         )
     if not history:
-        return RecoveryDecision("none", RecoveryMode.FRESH, 0, None, {}, topology_digest, "no checkpoint: fresh start")
+        return RecoveryDecision(
+            "none", RecoveryMode.FRESH, 0, None, {}, topology_digest, "no checkpoint: fresh start"
+        )
     return RecoveryDecision(
-        failure_kind, RecoveryMode.STOP, None, None, {}, topology_digest, f"every source exhausted: {detail}"
+        failure_kind,
+        RecoveryMode.STOP,
+        None,
+        None,
+        {},
+        topology_digest,
+        f"every source exhausted: {detail}",
     )
 
 
@@ -154,9 +170,15 @@ def _sources_for(step: int, proposals: list[dict[str, Any]], world: int) -> dict
         elif step in mine["own"]:
             sources[rank] = "local"
         else:
-            holder = next((h for h in range(world) if step in proposals[h]["memory_held"].get(str(rank), [])), None)
+            holder = next(
+                (h for h in range(world) if step in proposals[h]["memory_held"].get(str(rank), [])),
+                None,
+            )
             if holder is None:
-                holder = next((h for h in range(world) if step in proposals[h]["held"].get(str(rank), [])), None)
+                holder = next(
+                    (h for h in range(world) if step in proposals[h]["held"].get(str(rank), [])),
+                    None,
+                )
             if holder is None:
                 return None
             sources[rank] = f"peer:{holder}"

@@ -36,7 +36,9 @@ class Placement:
             )
         span = self.nodes if self.nodes > 1 else self.world_size
         if self.world_size > 1 and not 1 <= self.jump < span:
-            raise ConfigError(f"replication_jump must be in 1..{span - 1} for this topology, got {self.jump}")
+            raise ConfigError(
+                f"replication_jump must be in 1..{span - 1} for this topology, got {self.jump}"
+            )
 
     @property
     def nodes(self) -> int:
@@ -71,7 +73,9 @@ class ReplicaBuffers:
     def __init__(self, keep: int = 2, memory: MemoryTier | None = None, owner: int = -1) -> None:
         self.keep = keep
         self.memory, self.owner = memory, owner
-        self.entries: list[tuple[int, bytes, torch.Tensor]] = []  # (step, prefix, data), newest first
+        self.entries: list[
+            tuple[int, bytes, torch.Tensor]
+        ] = []  # (step, prefix, data), newest first
         self._files: dict[int, ShmFile] = {}  # step -> its published file (memory tier)
         self._landing: ShmFile | None = None  # the unpublished file a transfer is landing in
 
@@ -108,7 +112,9 @@ class ReplicaBuffers:
                 self.memory.unpublish(f)  # out of view before the transfer overwrites it
                 self._landing = f
                 return f.data
-        self._landing = self.memory.new_file(self.memory.paths.replicas(self.owner), nbytes, prefix_nbytes)
+        self._landing = self.memory.new_file(
+            self.memory.paths.replicas(self.owner), nbytes, prefix_nbytes
+        )
         return self._landing.data
 
     def add(self, step: int, prefix: bytes, data: torch.Tensor) -> None:

@@ -60,7 +60,9 @@ def recover(
         proposals = comm.gather_json(proposal, group=ck.group, timeout=ck.config.timeout)
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
-        refused = list(dict.fromkeys(why for p in proposals for why in p.get("durable_refused", [])))
+        refused = list(
+            dict.fromkeys(why for p in proposals for why in p.get("durable_refused", []))
+        )
         decision = decide(
             proposals,
             run_id=ck.run_id,
@@ -84,8 +86,12 @@ def recover(
             why = None
             try:
                 restore_frame(ck, fetched.frame, owned=fetched.owned)
-            except Exception as exc:  # a frame that verifies but does not fit the live objects (crafted header)
-                log.error("gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc)
+            except (
+                Exception
+            ) as exc:  # a frame that verifies but does not fit the live objects (crafted header)
+                log.error(
+                    "gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc
+                )
                 why = f"{decision.sources[ck.rank]}: restore failed: {reason_of(exc)}"
             if _drop_failed(ck, decision, fetched, why, failed, "could not be restored"):
                 continue
@@ -99,10 +105,14 @@ def recover(
             if decision.mode == RecoveryMode.DURABLE:
                 assert ck.durable is not None and decision.step is not None
                 _together(
-                    ck, functools.partial(ck.durable.load, decision.step, ck.sources), f"durable step {decision.step}"
+                    ck,
+                    functools.partial(ck.durable.load, decision.step, ck.sources),
+                    f"durable step {decision.step}",
                 )
             elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
-                decision = _with_step(decision, _together(ck, fallback, "the caller's load_fallback"))
+                decision = _with_step(
+                    decision, _together(ck, fallback, "the caller's load_fallback")
+                )
         ck.ledger.last_decision = decision.to_dict()
         ck.ledger.save()
         return decision
@@ -110,7 +120,12 @@ def recover(
 
 
 def _drop_failed(
-    ck: Checkpointer, decision: RecoveryDecision, fetched: _Fetched, why: str | None, failed: dict[Item, str], what: str
+    ck: Checkpointer,
+    decision: RecoveryDecision,
+    fetched: _Fetched,
+    why: str | None,
+    failed: dict[Item, str],
+    what: str,
 ) -> bool:
     """Gather every rank's failure (``why``, None for success); mark each failed item on the rank that holds it.
     Returns True when some rank failed (the ranks then decide again). Collective."""
@@ -187,12 +202,16 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
     step = decision.step
     assert step is not None
     out = _Fetched()
-    peers = {o: int(src.split(":")[1]) for o, src in decision.sources.items() if src.startswith("peer:")}
+    peers = {
+        o: int(src.split(":")[1]) for o, src in decision.sources.items() if src.startswith("peer:")
+    }
     for owner in sorted(peers):
         holder = peers[owner]
         if ck.rank == holder:
             item: Item = (
-                ("memory_held", owner, step) if ("memory_held", owner, step) in where else ("held", owner, step)
+                ("memory_held", owner, step)
+                if ("memory_held", owner, step) in where
+                else ("held", owner, step)
             )
             out.mine[owner] = item
             try:
@@ -202,7 +221,12 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 out.send_errors[owner] = str(exc)
                 frame = (b"", torch.empty(0, dtype=torch.uint8))
             comm.exchange(
-                frame, owner, None, group=ck.group, chunk_bytes=ck.config.chunk_bytes, timeout=ck.config.timeout
+                frame,
+                owner,
+                None,
+                group=ck.group,
+                chunk_bytes=ck.config.chunk_bytes,
+                timeout=ck.config.timeout,
             )
         if ck.rank == owner:
             check = VerifyOnArrival()
@@ -259,13 +283,17 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
             copied = _copy_into_live_optimizer_state(ck.sources.optimizer, optimizer_state)
             state = _clone_tensors({**state, "optimizer": {**saved, "state": {}}})
             state["optimizer"]["state"] = {
-                idx: {k: v if (idx, k) in copied else _clone_tensors(v) for k, v in per_param.items()}
+                idx: {
+                    k: v if (idx, k) in copied else _clone_tensors(v) for k, v in per_param.items()
+                }
                 for idx, per_param in optimizer_state.items()
             }
     training_state.restore(ck.sources, state)
 
 
-def _copy_into_live_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[Any, Any]) -> set[tuple[Any, str]]:
+def _copy_into_live_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: dict[Any, Any]
+) -> set[tuple[Any, str]]:
     """Copy every saved optimizer state tensor into the live tensor of the same parameter and key when that tensor
     is a plain one of the same shape, dtype and device, and put the live tensor in its place in ``saved`` (so
     ``load_state_dict`` keeps it). Returns the (index, key) pairs done; the caller clones the others."""

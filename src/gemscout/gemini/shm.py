@@ -111,21 +111,33 @@ class ShmFile:
         self.total = total
         # Never through a link, never blocking on a FIFO: a file found here was left by another process and is
         # read like any other file of a checkpoint folder (gemscout.files).
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = (
+            os.O_RDWR
+            | os.O_NOFOLLOW
+            | os.O_NONBLOCK
+            | os.O_CLOEXEC
+            | (os.O_CREAT | os.O_EXCL if create else 0)
+        )
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise IntegrityError(f"{path} is a symbolic link; gemscout maps only regular files") from None
+                raise IntegrityError(
+                    f"{path} is a symbolic link; gemscout maps only regular files"
+                ) from None
             raise
         try:
             if not create:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise IntegrityError(f"{path} is not a regular file; gemscout maps only regular files")
+                    raise IntegrityError(
+                        f"{path} is not a regular file; gemscout maps only regular files"
+                    )
                 if st.st_size != total:
                     # Mapping past the end would turn the first read of a missing page into SIGBUS.
-                    raise IntegrityError(f"{path} is {st.st_size} bytes, its header declares {total}")
+                    raise IntegrityError(
+                        f"{path} is {st.st_size} bytes, its header declares {total}"
+                    )
             if create and total:
                 try:
                     # Allocates every page now: a full tmpfs fails here with ENOSPC, not later with SIGBUS when
@@ -138,7 +150,11 @@ class ShmFile:
                     if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                         raise _no_room(path.parent, total) from None
                     raise
-            self._mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if total else None
+            self._mm = (
+                mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if total
+                else None
+            )
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -151,7 +167,9 @@ class ShmFile:
 
     def write_prefix(self, prefix: bytes) -> None:
         if len(prefix) != self.data_offset:
-            raise ValueError(f"prefix of {len(prefix)} bytes for a data offset of {self.data_offset}")
+            raise ValueError(
+                f"prefix of {len(prefix)} bytes for a data offset of {self.data_offset}"
+            )
         if self._mm is not None:
             self._mm[: len(prefix)] = prefix
 
@@ -225,7 +243,11 @@ class MemoryTier:
         root = base / run_key(run_id, directory) / f"node-{node}" / f"rank-{rank}"
         anchor_path = disk_root / ANCHOR
         prev_owner = _read_json(root / OWNER)
-        if prev_owner is not None and owner_alive(prev_owner) and prev_owner.get("pid") != os.getpid():
+        if (
+            prev_owner is not None
+            and owner_alive(prev_owner)
+            and prev_owner.get("pid") != os.getpid()
+        ):
             raise ConfigError(
                 f"GEMINI memory folder {root} belongs to a live process (pid {prev_owner.get('pid')}) of this run and "
                 "rank; a rank runs once per job: stop the other job, or give this one another run_id or directory"
@@ -297,7 +319,12 @@ class MemoryTier:
                 continue
             try:
                 parsed = store.read_header(path)
-                f = ShmFile(path, parsed.data_offset + parsed.layout.data_nbytes, parsed.data_offset, create=False)
+                f = ShmFile(
+                    path,
+                    parsed.data_offset + parsed.layout.data_nbytes,
+                    parsed.data_offset,
+                    create=False,
+                )
                 prefix = f.prefix()
                 # The header kept is the mapping's own, parsed again: the file may have changed since it was read.
                 if parse_prefix(prefix) != parsed:
@@ -383,7 +410,11 @@ def _subdirs(path: Path, prefix: str = "") -> list[Path]:
     """Sub-folders of ``path``; a folder removed while we look (another job's cleanup) is just not there."""
     try:
         with os.scandir(path) as it:
-            return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+            return [
+                Path(e.path)
+                for e in it
+                if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+            ]
     except OSError:
         return []
 
@@ -391,7 +422,12 @@ def _subdirs(path: Path, prefix: str = "") -> list[Path]:
 def _rank_folders(base: Path) -> list[Path]:
     """Every ``<key>/node-*/rank-*`` folder under the memory directory, tolerant of concurrent removal (pathlib's
     glob raises when a folder vanishes mid-walk: found when two jobs started and ended side by side)."""
-    return [rank for key in _subdirs(base) for node in _subdirs(key, "node-") for rank in _subdirs(node, "rank-")]
+    return [
+        rank
+        for key in _subdirs(base)
+        for node in _subdirs(key, "node-")
+        for rank in _subdirs(node, "rank-")
+    ]
 
 
 def describe(directory: Path, rank_root: Path) -> dict[str, Any] | None:

@@ -58,7 +58,9 @@ class Slot:
 class SlotPool:
     """A fixed set of slots; a pinned slot is never handed out, so a replica in flight is never overwritten."""
 
-    def __init__(self, count: int, memory: shm.MemoryTier | None = None, *, files_expected: int = 0) -> None:
+    def __init__(
+        self, count: int, memory: shm.MemoryTier | None = None, *, files_expected: int = 0
+    ) -> None:
         self._slots = [Slot(i) for i in range(count)]
         self._cond = threading.Condition()
         self.memory = memory
@@ -74,12 +76,18 @@ class SlotPool:
             for slot, got in zip(self._slots, found, strict=False):
                 slot.file, slot.layout, slot.data = got.file, got.parsed.layout, got.file.data
                 slot.views = got.parsed.layout.views(slot.data)
-                slot.prefix, slot.identity, slot.step = got.prefix, dict(got.parsed.identity), got.parsed.identity["step"]
+                slot.prefix, slot.identity, slot.step = (
+                    got.prefix,
+                    dict(got.parsed.identity),
+                    got.parsed.identity["step"],
+                )
                 slot.ready.set()
-            for got in found[len(self._slots):]:
+            for got in found[len(self._slots) :]:
                 got.file.unlink()
 
-    def acquire(self, layout: Layout, *, timeout: timedelta, pinned: bool = False, header_hint: int = 0) -> Slot:
+    def acquire(
+        self, layout: Layout, *, timeout: timedelta, pinned: bool = False, header_hint: int = 0
+    ) -> Slot:
         """The oldest unpinned slot, resized for ``layout`` if needed. Blocks while every slot is pinned.
 
         With a memory tier the slot's file is taken out of view (renamed to a temp name) before it is written
@@ -117,9 +125,16 @@ class SlotPool:
             try:
                 memory.unpublish(slot.file)  # out of view before a byte of it changes
                 return
-            except FileNotFoundError:  # removed behind our back (its folder deleted): make a new one
+            except (
+                FileNotFoundError
+            ):  # removed behind our back (its folder deleted): make a new one
                 slot.file = None
-        if slot.file is None and slot.layout == layout and slot.data.is_pinned() == pinned and memory is None:
+        if (
+            slot.file is None
+            and slot.layout == layout
+            and slot.data.is_pinned() == pinned
+            and memory is None
+        ):
             return
         if slot.file is not None:
             slot.file.unlink()
@@ -146,7 +161,9 @@ class SlotPool:
         padded = shm.pad_header(header, slot.file.data_offset)
         if padded is None:
             assert slot.layout is not None
-            bigger = self.memory.new_file(self.memory.paths.own, slot.layout.data_nbytes, shm.reserve_for(len(header)))
+            bigger = self.memory.new_file(
+                self.memory.paths.own, slot.layout.data_nbytes, shm.reserve_for(len(header))
+            )
             bigger.data.copy_(slot.data)
             slot.file.unlink()
             slot.file, slot.data = bigger, bigger.data
@@ -218,8 +235,13 @@ class Capturer:
         self._stream: Any = None
         self.last_stall_s = 0.0
 
-    def capture(self, state: Any, identity: dict[str, Any], async_ptrs: set[int],
-                then: Callable[[Slot], None] | None = None) -> Future[Slot]:
+    def capture(
+        self,
+        state: Any,
+        identity: dict[str, Any],
+        async_ptrs: set[int],
+        then: Callable[[Slot], None] | None = None,
+    ) -> Future[Slot]:
         """Start capturing ``state`` (see :mod:`gemscout.state.training_state`) into a free slot.
 
         Blocks only for the synchronous part: waiting for a free slot, copying buffers / caller state / RNG.
@@ -231,8 +253,11 @@ class Capturer:
         skeleton, tensors = encode(state)
         layout = Layout.of(tensors)
         on_device = any(t.is_cuda for t in tensors)
-        hint = (_header_hint(skeleton, len(tensors), identity) if self.pool.memory is not None and not on_device
-                else 0)
+        hint = (
+            _header_hint(skeleton, len(tensors), identity)
+            if self.pool.memory is not None and not on_device
+            else 0
+        )
         slot = self.pool.acquire(layout, timeout=self.timeout, pinned=on_device, header_hint=hint)
         views = slot.views
         deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -260,8 +285,10 @@ class Capturer:
             finally:
                 copied.set_result(None)
             arr = slot.data.numpy()
-            digests = [hashed[i] if i in hashed else digest_bytes(arr[e.offset : e.offset + e.nbytes].data)
-                       for i, e in enumerate(layout.entries)]
+            digests = [
+                hashed[i] if i in hashed else digest_bytes(arr[e.offset : e.offset + e.nbytes].data)
+                for i, e in enumerate(layout.entries)
+            ]
             slot.identity = dict(identity)
             slot.step = int(identity["step"])
             slot.prefix = self.pool.seal(slot, build_header(layout, digests, skeleton, identity))
@@ -314,17 +341,29 @@ def _header_hint(skeleton: Any, count: int, identity: dict[str, Any]) -> int:
     """About how long the header of ``count`` tensors with this skeleton is (sizes a memory-tier slot's room)."""
     import json
 
-    return len(json.dumps(skeleton, separators=(",", ":"), default=str)) + 200 * count + 512 + len(str(identity))
+    return (
+        len(json.dumps(skeleton, separators=(",", ":"), default=str))
+        + 200 * count
+        + 512
+        + len(str(identity))
+    )
 
 
-def _copy_and_hash(data: torch.Tensor, layout: Layout, index: int, view: torch.Tensor, src: torch.Tensor) -> str:
+def _copy_and_hash(
+    data: torch.Tensor, layout: Layout, index: int, view: torch.Tensor, src: torch.Tensor
+) -> str:
     """Copy ``src`` into its place in the slot (``view``) and return the BLAKE3 digest of the copied bytes, chunk
     by chunk so each chunk is hashed while it is still in cache. Falls back to copy-then-hash for a tensor that is
     not a plain contiguous one."""
     entry = layout.entries[index]
     dst = data[entry.offset : entry.offset + entry.nbytes]
     arr = data.numpy()
-    if entry.nbytes <= _HASH_CHUNK or not src.is_contiguous() or src.dtype != view.dtype or type(src) is not torch.Tensor:
+    if (
+        entry.nbytes <= _HASH_CHUNK
+        or not src.is_contiguous()
+        or src.dtype != view.dtype
+        or type(src) is not torch.Tensor
+    ):
         view.copy_(src)
         return digest_bytes(arr[entry.offset : entry.offset + entry.nbytes].data)
     raw = src.detach().reshape(-1).view(torch.uint8)

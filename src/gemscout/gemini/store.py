@@ -197,8 +197,14 @@ class Spares:
             return len(self._by_folder)
 
 
-def write_checkpoint(path: Path, prefix: bytes, data: torch.Tensor, *, fsync: bool = True,
-                     spares: Spares | None = None) -> None:
+def write_checkpoint(
+    path: Path,
+    prefix: bytes,
+    data: torch.Tensor,
+    *,
+    fsync: bool = True,
+    spares: Spares | None = None,
+) -> None:
     """Publish ``prefix + data`` atomically at ``path``: written with ``pwrite`` straight from ``data``'s memory
     into a temp file (the folder's spare from ``spares`` when it has one, overwritten in place and cut to size),
     fsynced, renamed over ``path``, the folder fsynced. On any error the temp file is deleted."""
@@ -241,8 +247,14 @@ def _pwrite_all(fd: int, buf: bytes | memoryview, offset: int) -> int:
     return offset + done
 
 
-def prune_safe(folder: Path, frontier: int, keep: int, protect: Iterable[int] = (), *,
-               spares: Spares | None = None) -> None:
+def prune_safe(
+    folder: Path,
+    frontier: int,
+    keep: int,
+    protect: Iterable[int] = (),
+    *,
+    spares: Spares | None = None,
+) -> None:
     """Keep every step newer than ``frontier``, the ``keep`` newest steps at or below it and every step in
     ``protect``; delete the rest (or hand them to ``spares``)."""
     kept = set(protect)
@@ -290,7 +302,9 @@ def _read_prefix(fd: int, size: int, path: Path) -> tuple[bytes, Parsed]:
     if header_len + _HEAD.size + DIGEST_SIZE > size:
         raise IntegrityError(f"{path.name} is truncated inside its header")
     if header_len > MAX_HEADER_BYTES:
-        raise IntegrityError(f"{path.name}: header length {header_len} is over the {MAX_HEADER_BYTES}-byte cap")
+        raise IntegrityError(
+            f"{path.name}: header length {header_len} is over the {MAX_HEADER_BYTES}-byte cap"
+        )
     prefix = start + read_exactly(fd, _HEAD.size, header_len + DIGEST_SIZE, path)
     parsed = parse_prefix(prefix)
     _check_size(path, size, parsed)
@@ -308,7 +322,9 @@ def read_frame(path: Path) -> tuple[bytes, torch.Tensor]:
 def _read_whole(path: Path) -> tuple[bytes, Parsed, torch.Tensor]:
     with open_regular(path) as (fd, st):
         prefix, parsed = _read_prefix(fd, st.st_size, path)
-        prefix += read_exactly(fd, len(prefix), parsed.data_offset - len(prefix), path)  # the padding
+        prefix += read_exactly(
+            fd, len(prefix), parsed.data_offset - len(prefix), path
+        )  # the padding
         data = torch.empty(parsed.layout.data_nbytes, dtype=torch.uint8)
         if data.numel():
             view = data.numpy().data

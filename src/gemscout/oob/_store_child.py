@@ -30,11 +30,19 @@ import time
 from datetime import timedelta
 from typing import Any
 
-_PRESSURE = 0.9  # report when the store holds this fraction of its cap: the next flood may be refused
-_REPORT_EVERY_S = 0.25  # aggregate sweep reports: a sustained flood must not become a line per key to the parent
-_MIN_RESERVE = 8 << 20  # room above the cap for a sweep's reconnect and listing (a list of every key's name)
+_PRESSURE = (
+    0.9  # report when the store holds this fraction of its cap: the next flood may be refused
+)
+_REPORT_EVERY_S = (
+    0.25  # aggregate sweep reports: a sustained flood must not become a line per key to the parent
+)
+_MIN_RESERVE = (
+    8 << 20
+)  # room above the cap for a sweep's reconnect and listing (a list of every key's name)
 _LIFTED_DELETES = 16  # deletions under a lifted limit before it is lowered again
-_STUCK_S = 5.0  # sweeps failing even with the reserve for this long: the store exits (reported as lost)
+_STUCK_S = (
+    5.0  # sweeps failing even with the reserve for this long: the store exits (reported as lost)
+)
 
 
 def _vm_data() -> int:
@@ -49,7 +57,10 @@ def _say(line: str) -> None:
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-    except (BrokenPipeError, OSError):  # the parent stopped reading: it is gone or closing; the ppid check ends us
+    except (
+        BrokenPipeError,
+        OSError,
+    ):  # the parent stopped reading: it is gone or closing; the ppid check ends us
         pass
 
 
@@ -89,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     _say("ready")
     keep = re.compile(
-        re.escape(args.namespace) + r"/(0|[1-9][0-9]{0,8})/(" + "|".join(re.escape(k) for k in args.key) + r")\Z"
+        re.escape(args.namespace)
+        + r"/(0|[1-9][0-9]{0,8})/("
+        + "|".join(re.escape(k) for k in args.key)
+        + r")\Z"
     )
     sweeper = _Sweeper(host, port, keep, args.world_size, soft=soft, hard=hard)
     swept, reported_at, failing_since = 0, time.monotonic(), None
@@ -102,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             if now - failing_since >= _STUCK_S:
                 # Full to the cap and not even the reserve lets a sweep through (a flood that never pauses): a store
                 # that refuses everyone is worse than none, whose loss the watchdog reports.
-                _say(f"stuck: the store is full to its {args.cap_bytes >> 20} MiB cap and cannot be swept")
+                _say(
+                    f"stuck: the store is full to its {args.cap_bytes >> 20} MiB cap and cannot be swept"
+                )
                 os._exit(75)
             time.sleep(args.sweep_interval)
             continue
@@ -130,7 +146,9 @@ class _Sweeper:
     listing; the deletions then free far more than the reserve.
     """
 
-    def __init__(self, host: str, port: int, keep: re.Pattern[str], world_size: int, *, soft: int, hard: int) -> None:
+    def __init__(
+        self, host: str, port: int, keep: re.Pattern[str], world_size: int, *, soft: int, hard: int
+    ) -> None:
         self._host, self._port, self._keep, self._world_size = host, port, keep, world_size
         self._soft, self._hard = soft, hard
         self._store: Any = None
@@ -146,7 +164,9 @@ class _Sweeper:
             return self._sweep_once(lifted=True)
         except (MemoryError, RuntimeError) as exc:
             self._store = None
-            _say(f"sweep-failed {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            _say(
+                f"sweep-failed {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            )
             return None
         finally:
             resource.setrlimit(resource.RLIMIT_DATA, (self._soft, self._hard))
@@ -156,7 +176,11 @@ class _Sweeper:
 
         if self._store is None:
             self._store = TCPStore(
-                self._host, self._port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2)
+                self._host,
+                self._port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=2),
             )
         names = self._store.list_keys()
         removed = []

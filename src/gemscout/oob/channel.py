@@ -54,13 +54,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAC_DOMAIN = b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
+_MAC_DOMAIN = (
+    b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
+)
 _VERSION = 2
 _SEAL_DOMAIN = b"gemscout-oob-v2 payload sealing key"
 _GET_TIMEOUT = timedelta(milliseconds=500)
-_MAX_JSON_DEPTH = 32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
-_RECONNECT_TIMEOUT = timedelta(seconds=3)  # a store that is gone refuses at once; a busy one answers within this
-_RECONNECT_BACKOFF_S = 5.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
+_MAX_JSON_DEPTH = (
+    32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
+)
+_RECONNECT_TIMEOUT = timedelta(
+    seconds=3
+)  # a store that is gone refuses at once; a busy one answers within this
+_RECONNECT_BACKOFF_S = (
+    5.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
+)
 
 TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys", "store_lost"]
 _T = TypeVar("_T")
@@ -123,7 +131,9 @@ class TamperEvent:
         }
 
 
-def serve_store(host: str, port: int = 0, *, timeout: timedelta = timedelta(seconds=60)) -> TCPStore:
+def serve_store(
+    host: str, port: int = 0, *, timeout: timedelta = timedelta(seconds=60)
+) -> TCPStore:
     """Serve a ``TCPStore`` that listens on ``host``'s address only (port 0: the kernel picks one; read ``.port``).
 
     ``TCPStore(host_name, ...)`` ignores ``host_name`` on the server side and listens on every interface, so the
@@ -159,7 +169,9 @@ class OobChannel:
     Thread-safe: the progress publisher and a watchdog may share one channel object.
     """
 
-    def __init__(self, store: OobStore, *, config: OobConfig, reconnect: Callable[[], OobStore] | None = None) -> None:
+    def __init__(
+        self, store: OobStore, *, config: OobConfig, reconnect: Callable[[], OobStore] | None = None
+    ) -> None:
         """``reconnect``: makes a fresh connection to the same store, used once per operation when the server
         dropped this one (``DistNetworkError``); ``None``: such an error is raised."""
         self._store = store
@@ -183,7 +195,9 @@ class OobChannel:
         self._present: set[tuple[int, str]] = set()
         self._vanished: set[tuple[int, str]] = set()
         self._tamper: dict[tuple[int | None, str | None], TamperEvent] = {}
-        self._published = self._accepted = self._forged = self._replayed = self._deleted = self._swept = 0
+        self._published = self._accepted = self._forged = self._replayed = self._deleted = (
+            self._swept
+        ) = 0
 
     @classmethod
     def connect(
@@ -208,8 +222,12 @@ class OobChannel:
         def reconnect() -> OobStore:
             # TCPStore's client retries a refused connection until its timeout: ask the kernel first, so a store that
             # is gone fails the call at once instead of holding the publisher for seconds on every attempt.
-            socket.create_connection((host, port), timeout=_RECONNECT_TIMEOUT.total_seconds()).close()
-            fresh = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_RECONNECT_TIMEOUT)
+            socket.create_connection(
+                (host, port), timeout=_RECONNECT_TIMEOUT.total_seconds()
+            ).close()
+            fresh = TCPStore(
+                host, port, is_master=False, wait_for_workers=False, timeout=_RECONNECT_TIMEOUT
+            )
             fresh.set_timeout(timeout)
             return fresh
 
@@ -281,7 +299,9 @@ class OobChannel:
         )
         message = f"{self._mac(body.encode('utf-8'))}\n{body}"
         if len(message) > self._config.max_message_bytes:
-            raise ValueError(f"OOB message for {key!r} is {len(message)} bytes, above max_message_bytes")
+            raise ValueError(
+                f"OOB message for {key!r} is {len(message)} bytes, above max_message_bytes"
+            )
         slot = self.slot(rank, key)
         self._io(lambda store: store.set(slot, message))
         with self._lock:
@@ -341,7 +361,9 @@ class OobChannel:
             store, failed_at = self._store, self._reconnect_failed_at
         if failed_at is not None:
             if time.monotonic() - failed_at < _RECONNECT_BACKOFF_S:
-                raise DistNetworkError("the OOB store dropped this connection and could not be reached again")
+                raise DistNetworkError(
+                    "the OOB store dropped this connection and could not be reached again"
+                )
             return operation(self._replace(store))
         try:
             return operation(store)
@@ -395,7 +417,9 @@ class OobChannel:
             self._swept += count
         reason = f"{count} key(s) not of this job deleted" + (f"; {detail}" if detail else "")
         self._record_tamper(None, None, shown, "foreign_keys", reason)
-        logger.warning("OOB store: deleted %d key(s) that are not this job's slots (%s)", count, shown)
+        logger.warning(
+            "OOB store: deleted %d key(s) that are not this job's slots (%s)", count, shown
+        )
 
     def read_many(self, ranks: Iterable[int], key: str) -> dict[int, dict[str, Any]]:
         """The newest authentic payload under ``key`` of each of ``ranks`` that has one. Never blocks on absence."""
@@ -410,8 +434,12 @@ class OobChannel:
         # Confidentiality without a cipher library: the payload is XORed with a keystream that BLAKE3 in keyed mode
         # (a PRF with extendable output) derives from a random nonce. Integrity and authenticity come from the HMAC
         # over the whole body, checked before anything is unsealed (encrypt-then-MAC).
-        nonce = os.urandom(16)  # random per message: a repeat would reuse a keystream; 2**-64 odds at 2**32 messages
-        return base64.b64encode(nonce + _xor(plain, self._keystream(nonce, len(plain)))).decode("ascii")
+        nonce = os.urandom(
+            16
+        )  # random per message: a repeat would reuse a keystream; 2**-64 odds at 2**32 messages
+        return base64.b64encode(nonce + _xor(plain, self._keystream(nonce, len(plain)))).decode(
+            "ascii"
+        )
 
     def _unseal(self, sealed: object) -> bytes | None:
         if not isinstance(sealed, str):
@@ -469,15 +497,22 @@ class OobChannel:
                 self._last_seen[(rank, key)] = seq
                 self._accepted += 1
         if replayed:
-            self._reject(rank, key, raw, f"replayed sequence number {seq} < {last}", kind="replayed")
+            self._reject(
+                rank, key, raw, f"replayed sequence number {seq} < {last}", kind="replayed"
+            )
             return None
         return payload  # type: ignore[return-value]
 
-    def _open(self, rank: int, key: str, raw: bytes) -> tuple[int, dict[str, Any]] | tuple[TamperKind, str]:
+    def _open(
+        self, rank: int, key: str, raw: bytes
+    ) -> tuple[int, dict[str, Any]] | tuple[TamperKind, str]:
         """``(seq, payload)`` of an authentic envelope that belongs in this slot, or ``(tamper kind, reason)``."""
         cfg = self._config
         if len(raw) > cfg.max_message_bytes:
-            return "oversized", f"message of {len(raw)} bytes is above max_message_bytes={cfg.max_message_bytes}"
+            return (
+                "oversized",
+                f"message of {len(raw)} bytes is above max_message_bytes={cfg.max_message_bytes}",
+            )
         mac_hex, sep, body = raw.partition(b"\n")
         if not sep:
             return "forged", "malformed envelope"
@@ -490,11 +525,22 @@ class OobChannel:
             decoded = json.loads(body)
         except (ValueError, RecursionError):
             return "forged", "body is not JSON"
-        if not isinstance(decoded, dict) or decoded.get("v") != _VERSION or decoded.get("ns") != cfg.namespace:
+        if (
+            not isinstance(decoded, dict)
+            or decoded.get("v") != _VERSION
+            or decoded.get("ns") != cfg.namespace
+        ):
             return "forged", "envelope of another protocol version or namespace"
         if decoded.get("epoch") != cfg.epoch:
-            return "replayed", f"message of epoch {str(decoded.get('epoch'))[:64]!r}, not this run's {cfg.epoch!r}"
-        if decoded.get("rank") != rank or decoded.get("key") != key or type(decoded.get("seq")) is not int:
+            return (
+                "replayed",
+                f"message of epoch {str(decoded.get('epoch'))[:64]!r}, not this run's {cfg.epoch!r}",
+            )
+        if (
+            decoded.get("rank") != rank
+            or decoded.get("key") != key
+            or type(decoded.get("seq")) is not int
+        ):
             return "forged", "envelope does not match its slot"
         plain = self._unseal(decoded.get("sealed"))
         if plain is None or _depth(plain) > _MAX_JSON_DEPTH:
@@ -537,7 +583,14 @@ class OobChannel:
         return None
 
     def _record_tamper(
-        self, rank: int | None, key: str | None, slot: str, kind: TamperKind, reason: str, *, new: bool = True
+        self,
+        rank: int | None,
+        key: str | None,
+        slot: str,
+        kind: TamperKind,
+        reason: str,
+        *,
+        new: bool = True,
     ) -> None:
         now = time.monotonic()
         with self._lock:
@@ -555,7 +608,9 @@ class OobChannel:
 
 
 def _xor(data: bytes, stream: bytes) -> bytes:
-    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(
+        len(data), "little"
+    )
 
 
 def _depth(body: bytes) -> int:

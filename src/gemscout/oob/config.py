@@ -35,7 +35,9 @@ class OobConfig:
 
     def __post_init__(self) -> None:
         if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
-            raise ConfigError(f"OobConfig.rank must be an int >= 0 or None (observer), got {self.rank!r}")
+            raise ConfigError(
+                f"OobConfig.rank must be an int >= 0 or None (observer), got {self.rank!r}"
+            )
         if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
             raise ConfigError(
                 f"OobConfig.secret must hold at least {MIN_SECRET_BYTES} bytes, got {len(self.secret)}; "
@@ -51,6 +53,10 @@ class OobConfig:
                 f"OobConfig.namespace must be non-empty without leading/trailing '/', got {self.namespace!r}"
             )
         if not isinstance(self.epoch, str) or not _EPOCH.fullmatch(self.epoch):
-            raise ConfigError(f"OobConfig.epoch must be up to 64 characters of [0-9A-Za-z_.-], got {self.epoch!r}")
+            raise ConfigError(
+                f"OobConfig.epoch must be up to 64 characters of [0-9A-Za-z_.-], got {self.epoch!r}"
+            )
         if self.max_message_bytes < 1024:
-            raise ConfigError(f"OobConfig.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise ConfigError(
+                f"OobConfig.max_message_bytes must be >= 1024, got {self.max_message_bytes}"
+            )

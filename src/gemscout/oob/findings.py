@@ -65,7 +65,9 @@ class StallFinding:
                 f"StallFinding.recommendation must be one of {RECOMMENDATIONS}, got {self.recommendation!r}"
             )
         if list(self.ranks) != sorted(set(self.ranks)):
-            raise ConfigError(f"StallFinding.ranks must be ascending and unique, got {self.ranks!r}")
+            raise ConfigError(
+                f"StallFinding.ranks must be ascending and unique, got {self.ranks!r}"
+            )
         if self.confirmations < 1:
             raise ConfigError(f"StallFinding.confirmations must be >= 1, got {self.confirmations}")
         if self.kind == "tamper" and self.recommendation != "observe":

@@ -35,7 +35,9 @@ THROTTLE_SW_THERMAL = 0x20
 THROTTLE_HW_THERMAL = 0x40
 THROTTLE_HW_POWER_BRAKE = 0x80
 THROTTLE_THERMAL = THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL
-THROTTLE_NOTABLE = THROTTLE_SW_POWER_CAP | THROTTLE_HW_SLOWDOWN | THROTTLE_THERMAL | THROTTLE_HW_POWER_BRAKE
+THROTTLE_NOTABLE = (
+    THROTTLE_SW_POWER_CAP | THROTTLE_HW_SLOWDOWN | THROTTLE_THERMAL | THROTTLE_HW_POWER_BRAKE
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -136,7 +138,9 @@ class HealthThresholds:
 
     def __post_init__(self) -> None:
         if not self.temperature_degraded_c < self.temperature_fatal_c:
-            raise ConfigError("HealthThresholds.temperature_degraded_c must be < temperature_fatal_c")
+            raise ConfigError(
+                "HealthThresholds.temperature_degraded_c must be < temperature_fatal_c"
+            )
         if self.ecc_corrected_degraded < 1:
             raise ConfigError(
                 f"HealthThresholds.ecc_corrected_degraded must be >= 1, got {self.ecc_corrected_degraded}"
@@ -147,7 +151,9 @@ class HealthThresholds:
             )
 
 
-def classify(event: HealthEvent, thresholds: HealthThresholds | None = None) -> ClassifiedHealthEvent:
+def classify(
+    event: HealthEvent, thresholds: HealthThresholds | None = None
+) -> ClassifiedHealthEvent:
     """Give ``event`` a severity. Unknown kinds are ``degraded``: surfaced, but never enough to stop a job alone."""
     t = thresholds or HealthThresholds()
     kind, value = event.kind, event.value
@@ -160,7 +166,9 @@ def classify(event: HealthEvent, thresholds: HealthThresholds | None = None) -> 
     if kind == "ecc_corrected":
         total = event.total if event.total is not None else value
         if total >= t.ecc_corrected_degraded:
-            return result("degraded", f"{total:g} corrected ECC errors (>= {t.ecc_corrected_degraded})")
+            return result(
+                "degraded", f"{total:g} corrected ECC errors (>= {t.ecc_corrected_degraded})"
+            )
         return result("info", f"{total:g} corrected ECC errors")
     if kind == "xid":
         xid = int(value)

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.health import SEVERITIES, ClassifiedHealthEvent, HealthSource, HealthThresholds, Severity, classify
+from gemscout.oob.health import (
+    SEVERITIES,
+    ClassifiedHealthEvent,
+    HealthSource,
+    HealthThresholds,
+    Severity,
+    classify,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,9 @@ class HealthMonitor:
         """Start the polling thread (idempotent); return ``self``."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gemscout-health-monitor", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="gemscout-health-monitor", daemon=True
+                )
                 self._thread.start()
         return self
 

@@ -39,7 +39,11 @@ class NvmlHealthSource:
     """
 
     def __init__(
-        self, devices: Sequence[int] | None = None, *, temperature_report_c: float = 80.0, nvml: Any = None
+        self,
+        devices: Sequence[int] | None = None,
+        *,
+        temperature_report_c: float = 80.0,
+        nvml: Any = None,
     ) -> None:
         if nvml is None:
             if importlib.util.find_spec("pynvml") is None:
@@ -61,7 +65,9 @@ class NvmlHealthSource:
             count = nvml.nvmlDeviceGetCount()
             indices = list(range(count)) if devices is None else list(devices)
             if any(not 0 <= i < count for i in indices):
-                raise ConfigError(f"NvmlHealthSource devices must be in [0, {count}), got {indices}")
+                raise ConfigError(
+                    f"NvmlHealthSource devices must be in [0, {count}), got {indices}"
+                )
             self._handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
         except BaseException:
             nvml.nvmlShutdown()
@@ -76,7 +82,9 @@ class NvmlHealthSource:
         # Baseline the cumulative ECC counters so that the first poll reports only errors that happen from now on.
         for index in self._handles:
             for kind in (_MEMORY_ERROR_CORRECTED, _MEMORY_ERROR_UNCORRECTED):
-                count_now = self._call(index, f"ecc{kind}", nvml.nvmlDeviceGetTotalEccErrors, kind, _VOLATILE_ECC)
+                count_now = self._call(
+                    index, f"ecc{kind}", nvml.nvmlDeviceGetTotalEccErrors, kind, _VOLATILE_ECC
+                )
                 if count_now is not None:
                     self._ecc[(index, kind)] = int(count_now)
 
@@ -103,7 +111,9 @@ class NvmlHealthSource:
         self._nvml.nvmlShutdown()
 
     def _event(self, kind: str, index: int | None, value: float, **extra: Any) -> HealthEvent:
-        return HealthEvent(kind=kind, device=index, value=value, source=self.name, host=self._host, **extra)
+        return HealthEvent(
+            kind=kind, device=index, value=value, source=self.name, host=self._host, **extra
+        )
 
     def _poll_device(self, index: int) -> list[HealthEvent]:
         nvml, found = self._nvml, []
@@ -111,7 +121,13 @@ class NvmlHealthSource:
             (_MEMORY_ERROR_CORRECTED, "ecc_corrected"),
             (_MEMORY_ERROR_UNCORRECTED, "ecc_uncorrected"),
         ):
-            now = self._call(index, f"ecc{error_type}", nvml.nvmlDeviceGetTotalEccErrors, error_type, _VOLATILE_ECC)
+            now = self._call(
+                index,
+                f"ecc{error_type}",
+                nvml.nvmlDeviceGetTotalEccErrors,
+                error_type,
+                _VOLATILE_ECC,
+            )
             if now is None:
                 continue
             before = self._ecc.get((index, error_type), 0)
@@ -123,7 +139,11 @@ class NvmlHealthSource:
             hot = float(temp) >= self._report_c
             if hot != self._hot.get(index, False):
                 where = "above" if hot else "back below"
-                found.append(self._event("temperature", index, float(temp), detail=f"{where} {self._report_c:g} C"))
+                found.append(
+                    self._event(
+                        "temperature", index, float(temp), detail=f"{where} {self._report_c:g} C"
+                    )
+                )
             self._hot[index] = hot
         reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
             nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
@@ -133,7 +153,11 @@ class NvmlHealthSource:
             notable = int(reasons) & THROTTLE_NOTABLE
             if notable != self._reasons.get(index, 0):
                 kind = "thermal_throttle" if notable & THROTTLE_THERMAL else "clock_throttle"
-                found.append(self._event(kind, index, float(notable), detail=f"clock event reasons 0x{notable:x}"))
+                found.append(
+                    self._event(
+                        kind, index, float(notable), detail=f"clock event reasons 0x{notable:x}"
+                    )
+                )
             self._reasons[index] = notable
         if index in self._lost:
             found.append(self._event("gpu_lost", index, 1.0, detail="NVML reports the GPU is lost"))
@@ -191,5 +215,9 @@ class NvmlHealthSource:
                 index: int | None = int(nvml.nvmlDeviceGetIndex(data.device))
             except (nvml.NVMLError, AttributeError):
                 index = None
-            found.append(self._event("xid", index, float(data.eventData), detail=f"XID {int(data.eventData)}"))
+            found.append(
+                self._event(
+                    "xid", index, float(data.eventData), detail=f"XID {int(data.eventData)}"
+                )
+            )
         return found

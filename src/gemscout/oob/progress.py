@@ -41,11 +41,15 @@ class ProgressConfig:
 
     def __post_init__(self) -> None:
         if self.publish_interval <= timedelta(0):
-            raise ConfigError(f"ProgressConfig.publish_interval must be > 0, got {self.publish_interval}")
+            raise ConfigError(
+                f"ProgressConfig.publish_interval must be > 0, got {self.publish_interval}"
+            )
         if self.heartbeat_interval < self.publish_interval:
             raise ConfigError("ProgressConfig.heartbeat_interval must be >= publish_interval")
         if not 1 <= self.timing_history <= 1024:
-            raise ConfigError(f"ProgressConfig.timing_history must be in [1, 1024], got {self.timing_history}")
+            raise ConfigError(
+                f"ProgressConfig.timing_history must be in [1, 1024], got {self.timing_history}"
+            )
 
 
 class ProgressPublisher:
@@ -57,7 +61,9 @@ class ProgressPublisher:
 
     def __init__(self, channel: OobChannel, *, config: ProgressConfig | None = None) -> None:
         if channel.rank is None:
-            raise ConfigError("ProgressPublisher needs a channel with a rank (OobConfig.rank), not an observer")
+            raise ConfigError(
+                "ProgressPublisher needs a channel with a rank (OobConfig.rank), not an observer"
+            )
         self._channel = channel
         self._rank: int = channel.rank
         self._config = config or ProgressConfig()
@@ -90,13 +96,17 @@ class ProgressPublisher:
                 self._step = n
                 self._events += 1
 
-    def enter_collective(self, op: str, group: str = DEFAULT_GROUP, shapes: Sequence[Sequence[int]] = ()) -> None:
+    def enter_collective(
+        self, op: str, group: str = DEFAULT_GROUP, shapes: Sequence[Sequence[int]] = ()
+    ) -> None:
         """Record entry into collective ``op`` on ``group`` with tensor ``shapes``; call right before issuing it."""
         dims = tuple(tuple(int(d) for d in s) for s in shapes)
         with self._state:
             seq = self._group_seqs.get(group, 0) + 1
             self._group_seqs[group] = seq
-            self._collective = CollectiveFingerprint(op=op, group=group, shapes=dims, seq=seq, active=True)
+            self._collective = CollectiveFingerprint(
+                op=op, group=group, shapes=dims, seq=seq, active=True
+            )
             self._events += 1
 
     def exit_collective(self) -> None:
@@ -110,7 +120,9 @@ class ProgressPublisher:
                 self._events += 1
 
     @contextlib.contextmanager
-    def collective(self, op: str, group: str = DEFAULT_GROUP, shapes: Sequence[Sequence[int]] = ()) -> Iterator[None]:
+    def collective(
+        self, op: str, group: str = DEFAULT_GROUP, shapes: Sequence[Sequence[int]] = ()
+    ) -> Iterator[None]:
         """``enter_collective`` … ``exit_collective`` around a block (exit also on error)."""
         self.enter_collective(op, group, shapes)
         try:
@@ -132,7 +144,9 @@ class ProgressPublisher:
             if seconds is not None:
                 round_index = self._rounds.get(section, 0)
                 self._rounds[section] = round_index + 1
-                history = self._timings.setdefault(section, deque(maxlen=self._config.timing_history))
+                history = self._timings.setdefault(
+                    section, deque(maxlen=self._config.timing_history)
+                )
                 history.append((round_index, float(seconds), self._step))
 
     # -- background publishing -------------------------------------------------------------------------------------
@@ -156,8 +170,12 @@ class ProgressPublisher:
                 self._flush_requested += 1
                 target = self._flush_requested
                 self._cond.notify_all()
-                if not self._cond.wait_for(lambda: self._flush_done >= target, timeout.total_seconds()):
-                    raise CollectiveTimeout(f"progress flush of rank {self._rank} did not finish within {timeout}")
+                if not self._cond.wait_for(
+                    lambda: self._flush_done >= target, timeout.total_seconds()
+                ):
+                    raise CollectiveTimeout(
+                        f"progress flush of rank {self._rank} did not finish within {timeout}"
+                    )
         if not running:
             self._publish(force=True)
 
@@ -171,7 +189,9 @@ class ProgressPublisher:
         if thread is not None:
             thread.join(timeout.total_seconds())
             if thread.is_alive():
-                raise CollectiveTimeout(f"progress publisher of rank {self._rank} did not stop within {timeout}")
+                raise CollectiveTimeout(
+                    f"progress publisher of rank {self._rank} did not stop within {timeout}"
+                )
         with self._state:
             self._closed = True
         self._publish(force=True)
@@ -196,9 +216,13 @@ class ProgressPublisher:
         interval = self._config.publish_interval.total_seconds()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._flush_requested > self._flush_done, interval)
+                self._cond.wait_for(
+                    lambda: self._stopping or self._flush_requested > self._flush_done, interval
+                )
                 if self._stopping:
-                    self._flush_done = self._flush_requested  # release waiters; stop() publishes the last record
+                    self._flush_done = (
+                        self._flush_requested
+                    )  # release waiters; stop() publishes the last record
                     self._cond.notify_all()
                     return
                 target = self._flush_requested
@@ -218,7 +242,9 @@ class ProgressPublisher:
         record = self.snapshot()
         try:
             self._channel.publish(PROGRESS_KEY, record.to_payload())
-        except Exception as exc:  # the store may be gone at shutdown; never let publishing kill training
+        except (
+            Exception
+        ) as exc:  # the store may be gone at shutdown; never let publishing kill training
             if now - self._last_error_log > 10.0:
                 self._last_error_log = now
                 logger.warning("rank %d could not publish progress: %s", self._rank, exc)

@@ -65,7 +65,9 @@ class ProgressRecord:
             },
             "group_seqs": dict(self.group_seqs),
             "section": self.section,
-            "timings": {name: [list(entry) for entry in entries] for name, entries in self.timings.items()},
+            "timings": {
+                name: [list(entry) for entry in entries] for name, entries in self.timings.items()
+            },
         }
 
     @classmethod

@@ -66,7 +66,11 @@ def locate_root(
             evidence=evidence,
             reason=f"rank(s) {list(roots)} stopped publishing heartbeats: the process is gone or frozen",
         )
-    waiting = {r: rec.collective for r, rec in live.items() if rec.collective is not None and rec.collective.active}
+    waiting = {
+        r: rec.collective
+        for r, rec in live.items()
+        if rec.collective is not None and rec.collective.active
+    }
     if waiting:
         places = Counter((c.group, c.seq) for c in waiting.values())
         (group, seq), n_waiting = max(places.items(), key=lambda item: (item[1], item[0][1]))
@@ -78,7 +82,11 @@ def locate_root(
             if 2 * n_same <= len(at_ref)
             else [r for r in at_ref if (waiting[r].op, waiting[r].shapes) != (op, shapes)]
         )
-        members = sorted(live if group == DEFAULT_GROUP else (r for r, rec in live.items() if group in rec.group_seqs))
+        members = sorted(
+            live
+            if group == DEFAULT_GROUP
+            else (r for r, rec in live.items() if group in rec.group_seqs)
+        )
         behind = [r for r in members if r not in at_ref and live[r].group_seqs.get(group, 0) < seq]
         evidence["reference"] = {
             "group": group,
@@ -98,7 +106,9 @@ def locate_root(
                     f"where {n_waiting} of {len(members)} rank(s) wait"
                 )
             if desynced:
-                parts.append(f"rank(s) {desynced} entered #{seq} on {group!r} with a different op or shapes")
+                parts.append(
+                    f"rank(s) {desynced} entered #{seq} on {group!r} with a different op or shapes"
+                )
             return RootVerdict(
                 kind=_kind_of(live, roots),
                 ranks=roots,

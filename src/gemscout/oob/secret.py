@@ -32,7 +32,9 @@ def resolve_secret(secret: bytes | None, *, insecure_dev: bool = False) -> bytes
     """
     if secret is not None:
         if len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError(f"OobConfig.secret must hold at least {MIN_SECRET_BYTES} bytes; use generate_secret()")
+            raise ConfigError(
+                f"OobConfig.secret must hold at least {MIN_SECRET_BYTES} bytes; use generate_secret()"
+            )
         return secret
     from_env = os.environ.get(SECRET_ENV)
     if from_env:
@@ -43,7 +45,9 @@ def resolve_secret(secret: bytes | None, *, insecure_dev: bool = False) -> bytes
             )
         return encoded
     if insecure_dev:
-        logger.warning("OOB channel runs with the public development key (insecure_dev=True): messages can be forged")
+        logger.warning(
+            "OOB channel runs with the public development key (insecure_dev=True): messages can be forged"
+        )
         return _INSECURE_DEV_SECRET
     raise ConfigError(
         f"OobConfig.secret is unset and {SECRET_ENV} is empty: the launcher must give every rank the same per-job "

@@ -72,7 +72,9 @@ class InstrumentedLoader(Generic[T]):
     ``StopIteration`` and any exception from the loader are not rounds (they are reported with ``seconds=None``).
     """
 
-    def __init__(self, loader: Iterable[T], sink: SectionSink, *, section: str = DATALOADER_SECTION) -> None:
+    def __init__(
+        self, loader: Iterable[T], sink: SectionSink, *, section: str = DATALOADER_SECTION
+    ) -> None:
         if not section:
             raise ConfigError("InstrumentedLoader.section must be a non-empty name")
         self.loader = loader
@@ -131,9 +133,13 @@ class StallConfig:
 
     def __post_init__(self) -> None:
         if self.absolute_threshold <= timedelta(0):
-            raise ConfigError(f"StallConfig.absolute_threshold must be > 0, got {self.absolute_threshold}")
+            raise ConfigError(
+                f"StallConfig.absolute_threshold must be > 0, got {self.absolute_threshold}"
+            )
         if not self.relative_factor > 1.0:
-            raise ConfigError(f"StallConfig.relative_factor must be > 1.0, got {self.relative_factor}")
+            raise ConfigError(
+                f"StallConfig.relative_factor must be > 1.0, got {self.relative_factor}"
+            )
         if self.confirmations < 1:
             raise ConfigError(f"StallConfig.confirmations must be >= 1, got {self.confirmations}")
 
@@ -182,7 +188,9 @@ class StallDetector:
                 continue
             count = self._counts[key] = self._counts.get(key, 0) + 1
             recent = self._recent.setdefault(key, deque(maxlen=cfg.confirmations))
-            recent.append({"round": round_index, "seconds": seconds, "median_others": median_others})
+            recent.append(
+                {"round": round_index, "seconds": seconds, "median_others": median_others}
+            )
             if count == cfg.confirmations:
                 confirmed.append(rank)
                 evidence_rounds[str(rank)] = list(recent)

@@ -37,7 +37,6 @@ _CHILD = Path(__file__).with_name("_store_child.py")
 _TAIL_LINES = 20
 
 
-
 def listen_socket(host: str, port: int) -> tuple[socket.socket, str]:
     """A socket bound to ``host``'s address only and listening, and that address (``host`` is resolved once).
 
@@ -53,6 +52,7 @@ def listen_socket(host: str, port: int) -> tuple[socket.socket, str]:
         sock.close()
         raise
     return sock, str(address[0])
+
 
 class StoreServerError(GemscoutError):
     """The store process could not be started (it exited, or did not become ready in time)."""
@@ -84,7 +84,9 @@ class StoreServerConfig:
             )
         for name in ("start_timeout", "stop_timeout", "sweep_interval"):
             if getattr(self, name) <= timedelta(0):
-                raise ConfigError(f"StoreServerConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"StoreServerConfig.{name} must be > 0, got {getattr(self, name)}"
+                )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -112,7 +114,9 @@ class StoreHealth(Protocol):
 class StoreServer:
     """A ``TCPStore`` served by a child process on ``host``'s address only. Use :meth:`start`."""
 
-    def __init__(self, proc: subprocess.Popen[str], *, host: str, port: int, config: StoreServerConfig) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], *, host: str, port: int, config: StoreServerConfig
+    ) -> None:
         self._proc, self.host, self.port, self.config = proc, host, port, config
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -150,7 +154,14 @@ class StoreServer:
         sock, bound_host = listen_socket(host, port)
         try:
             bound_port = int(sock.getsockname()[1])
-            command = [cfg.python, str(_CHILD), "--fd", str(sock.fileno()), "--parent", str(os.getpid())]
+            command = [
+                cfg.python,
+                str(_CHILD),
+                "--fd",
+                str(sock.fileno()),
+                "--parent",
+                str(os.getpid()),
+            ]
             command += ["--host", bound_host, "--cap-bytes", str(cfg.memory_cap_bytes)]
             command += ["--namespace", namespace, "--world-size", str(world_size)]
             command += [arg for key in keys for arg in ("--key", key)]
@@ -222,13 +233,21 @@ class StoreServer:
 
     def _cause(self) -> str:
         code = self._proc.returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with {code}"
+        )
         cap = self.config.memory_cap_bytes >> 20
         near = f", having reached 90 % of its {cap} MiB cap (a flood?)" if self._pressure else ""
         if code == 75:
             how = "exited: it was full to its memory cap and could not be swept (a flood that never paused)"
-        last = " | ".join(line for line in self._tail if not line.startswith(("swept ", "pressure ")))[-600:]
-        return f"store process {self._proc.pid} {how}{near}" + (f"; its last output: {last}" if last else "")
+        last = " | ".join(
+            line for line in self._tail if not line.startswith(("swept ", "pressure "))
+        )[-600:]
+        return f"store process {self._proc.pid} {how}{near}" + (
+            f"; its last output: {last}" if last else ""
+        )
 
     def _read(self, stream: IO[str]) -> None:
         for raw in stream:
@@ -244,7 +263,9 @@ class StoreServer:
                     try:
                         self._swept += int(count)
                         self._sample = tuple(str(s) for s in json.loads(sample))
-                    except ValueError:  # a line cut by the child's death; its count comes again or never matters
+                    except (
+                        ValueError
+                    ):  # a line cut by the child's death; its count comes again or never matters
                         continue
                     self._swept_at = time.monotonic()
                 elif word == "pressure":

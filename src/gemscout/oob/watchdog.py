@@ -63,11 +63,15 @@ class WatchdogConfig:
 
     def __post_init__(self) -> None:
         if self.stall_threshold <= timedelta(0):
-            raise ConfigError(f"WatchdogConfig.stall_threshold must be > 0, got {self.stall_threshold}")
+            raise ConfigError(
+                f"WatchdogConfig.stall_threshold must be > 0, got {self.stall_threshold}"
+            )
         if not timedelta(0) < self.poll_interval < self.stall_threshold:
             raise ConfigError("WatchdogConfig.poll_interval must be > 0 and < stall_threshold")
         if self.confirmations < 1:
-            raise ConfigError(f"WatchdogConfig.confirmations must be >= 1, got {self.confirmations}")
+            raise ConfigError(
+                f"WatchdogConfig.confirmations must be >= 1, got {self.confirmations}"
+            )
         if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.poll_interval:
             raise ConfigError("WatchdogConfig.heartbeat_timeout must be > poll_interval (or None)")
 
@@ -102,7 +106,9 @@ class Watchdog:
         self._findings: list[StallFinding] = []
         self._started_at: float | None = None
         self._records: dict[int, ProgressRecord] = {}
-        self._seen: dict[int, tuple[int, float, int, float]] = {}  # rank -> (events, changed_at, heartbeat, beat_at)
+        self._seen: dict[
+            int, tuple[int, float, int, float]
+        ] = {}  # rank -> (events, changed_at, heartbeat, beat_at)
         self._fed_round: dict[str, int] = {}
         self._pending: tuple[str, tuple[int, ...]] | None = None
         self._agreeing = 0
@@ -134,7 +140,9 @@ class Watchdog:
         """Start polling on a daemon thread (idempotent); return ``self``."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gemscout-oob-watchdog", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="gemscout-oob-watchdog", daemon=True
+                )
                 self._thread.start()
         return self
 
@@ -207,14 +215,25 @@ class Watchdog:
         assert self._store is not None
         status = self._store.status()
         if status.swept > self._store_swept:
-            detail = "by the store process" + (", which reached 90 % of its memory cap" if status.pressure else "")
-            self._channel.note_foreign_keys(status.swept - self._store_swept, status.sample, detail=detail)
+            detail = "by the store process" + (
+                ", which reached 90 % of its memory cap" if status.pressure else ""
+            )
+            self._channel.note_foreign_keys(
+                status.swept - self._store_swept, status.sample, detail=detail
+            )
             self._store_swept = status.swept
         if status.lost is None or self._store_lost:
             return None
         self._store_lost = True
         logger.error("OOB store lost: %s", status.lost)
-        event = {"slot": None, "rank": None, "key": None, "kind": "store_lost", "reason": status.lost, "count": 1}
+        event = {
+            "slot": None,
+            "rank": None,
+            "key": None,
+            "kind": "store_lost",
+            "reason": status.lost,
+            "count": 1,
+        }
         return StallFinding(
             kind="tamper",
             ranks=(),
@@ -245,19 +264,29 @@ class Watchdog:
         return records
 
     def _check_sections(self, records: Mapping[int, ProgressRecord]) -> list[StallFinding]:
-        participants = [r for r in range(self._world_size) if not (r in records and records[r].closed)]
+        participants = [
+            r for r in range(self._world_size) if not (r in records and records[r].closed)
+        ]
         by_section: dict[str, dict[int, dict[int, tuple[float, int]]]] = {}
         for rank in participants:
             rec = records.get(rank)
             for section, entries in rec.timings.items() if rec else ():
-                by_section.setdefault(section, {})[rank] = {rd: (sec, st) for rd, sec, st in entries}
+                by_section.setdefault(section, {})[rank] = {
+                    rd: (sec, st) for rd, sec, st in entries
+                }
         found: list[StallFinding] = []
         hosts = {r: rec.host for r, rec in records.items()}
         for section, per_rank in sorted(by_section.items()):
-            newest = {r: max(per_rank[r], default=-1) if r in per_rank else -1 for r in participants}
+            newest = {
+                r: max(per_rank[r], default=-1) if r in per_rank else -1 for r in participants
+            }
             last_fed = self._fed_round.get(section, -1)
-            for rd in sorted({rd for rounds in per_rank.values() for rd in rounds if rd > last_fed}):
-                have = {r: per_rank[r][rd] for r in participants if r in per_rank and rd in per_rank[r]}
+            for rd in sorted(
+                {rd for rounds in per_rank.values() for rd in rounds if rd > last_fed}
+            ):
+                have = {
+                    r: per_rank[r][rd] for r in participants if r in per_rank and rd in per_rank[r]
+                }
                 if len(have) < len(participants) and not all(newest[r] >= rd for r in participants):
                     break  # some rank has not finished this round yet; compare it when it has
                 self._fed_round[section] = rd
@@ -289,7 +318,9 @@ class Watchdog:
             if now - self._tamper_at[ident] < window:
                 active[ident] = event
             else:
-                self._tamper_reported.discard(ident)  # quiet for a whole window: a new sign is a new episode
+                self._tamper_reported.discard(
+                    ident
+                )  # quiet for a whole window: a new sign is a new episode
         return active
 
     def _tamper_findings(
@@ -362,7 +393,9 @@ class Watchdog:
             return None
         if self._episode_reported:
             return None
-        verdict = locate_root({r: rec for r, rec in records.items() if r not in dead}, stuck=stuck, dead=dead)
+        verdict = locate_root(
+            {r: rec for r, rec in records.items() if r not in dead}, stuck=stuck, dead=dead
+        )
         signature = (verdict.kind, verdict.ranks)
         self._agreeing = self._agreeing + 1 if signature == self._pending else 1
         self._pending = signature
@@ -370,7 +403,9 @@ class Watchdog:
             return None
         self._episode_reported = True
         evidence = dict(verdict.evidence)
-        evidence["seconds_without_progress"] = {str(r): round(now - s[1], 3) for r, s in sorted(self._seen.items())}
+        evidence["seconds_without_progress"] = {
+            str(r): round(now - s[1], 3) for r, s in sorted(self._seen.items())
+        }
         evidence["stall_threshold_s"] = threshold
         if untrusted:
             evidence["tampered_slots"] = [tampered[(r, PROGRESS_KEY)].slot for r in untrusted]
@@ -405,5 +440,7 @@ class Watchdog:
                 self._poll_errors = 0
             except Exception:  # a store hiccup must not end the watchdog; the next poll retries
                 self._poll_errors += 1
-                if self._poll_errors == 1 or self._poll_errors % 60 == 0:  # a store that is gone fails every poll
+                if (
+                    self._poll_errors == 1 or self._poll_errors % 60 == 0
+                ):  # a store that is gone fails every poll
                     logger.exception("OOB watchdog poll failed (%d in a row)", self._poll_errors)

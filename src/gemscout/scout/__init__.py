@@ -13,7 +13,12 @@ from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
 from gemscout.scout.replay import ReplayContext, ReplayHook
 from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.rotation import RotationTracker
-from gemscout.scout.stragglers import CommStragglerDetector, ComputeStragglerDetector, GroupTiming, StragglerConfig
+from gemscout.scout.stragglers import (
+    CommStragglerDetector,
+    ComputeStragglerDetector,
+    GroupTiming,
+    StragglerConfig,
+)
 
 __all__ = [
     "C3Result",

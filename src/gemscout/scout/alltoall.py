@@ -47,8 +47,18 @@ from gemscout.scout.alltoall_plan import CASES, judge, payload, plan_cases, repo
 from gemscout.scout.digests import tensor_digest
 from gemscout.scout.reports import FaultReport
 
-__all__ = ["CASES", "AllToAllCheck", "AllToAllConfig", "AllToAllRecord", "AllToAllResult", "Installed", "judge", "payload",
-           "plan_cases", "reports_for"]
+__all__ = [
+    "CASES",
+    "AllToAllCheck",
+    "AllToAllConfig",
+    "AllToAllRecord",
+    "AllToAllResult",
+    "Installed",
+    "judge",
+    "payload",
+    "plan_cases",
+    "reports_for",
+]
 
 SendHook = Callable[[str, int, torch.Tensor], torch.Tensor | None]
 """``fn(case, step, send_buffer)`` runs after the sender digested its chunks, right before the AllToAll; it may
@@ -75,13 +85,24 @@ class AllToAllConfig:
         c = "AllToAllConfig"
         for name in ("interval", "max_records", "max_rows"):
             value = getattr(self, name)
-            require(type(value) is int and value >= 1, c, name, f"must be an int >= 1, got {value!r}")
-        require(isinstance(self.cases, tuple | list) and len(self.cases) > 0
-                and all(case in CASES for case in self.cases), c, "cases",
-                f"must be a non-empty tuple drawn from {CASES}, got {self.cases!r}")
+            require(
+                type(value) is int and value >= 1, c, name, f"must be an int >= 1, got {value!r}"
+            )
+        require(
+            isinstance(self.cases, tuple | list)
+            and len(self.cases) > 0
+            and all(case in CASES for case in self.cases),
+            c,
+            "cases",
+            f"must be a non-empty tuple drawn from {CASES}, got {self.cases!r}",
+        )
         object.__setattr__(self, "cases", tuple(case for case in CASES if case in self.cases))
-        require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",
-                f"must be a positive datetime.timedelta, got {self.timeout!r}")
+        require(
+            isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0,
+            c,
+            "timeout",
+            f"must be a positive datetime.timedelta, got {self.timeout!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +120,13 @@ class AllToAllRecord:
     """Rows this rank received from each group rank."""
 
     def to_json(self) -> list[Any]:
-        return [list(self.group), self.dtype, list(self.row_shape), list(self.input_splits), list(self.output_splits)]
+        return [
+            list(self.group),
+            self.dtype,
+            list(self.row_shape),
+            list(self.input_splits),
+            list(self.output_splits),
+        ]
 
 
 @dataclass(slots=True)
@@ -165,12 +192,19 @@ class _Recording:
                 cls.original = None
 
     @staticmethod
-    def wrapper(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
-                input_split_sizes: Sequence[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
+    def wrapper(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         for check in list(_Recording.active.get(threading.get_ident(), [])):
             check._note(output, input, output_split_sizes, input_split_sizes, group)
-        return _Recording.original(output, input, output_split_sizes, input_split_sizes, group=group,
-                                   async_op=async_op)
+        return _Recording.original(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
 
 
 class AllToAllCheck:
@@ -178,8 +212,11 @@ class AllToAllCheck:
     of them on every rank of each EP group. Every rank of a group must call :meth:`before_step` at the same steps
     (or :meth:`register_step_hook` once); ``on_report`` receives each :class:`FaultReport`."""
 
-    def __init__(self, config: AllToAllConfig | None = None,
-                 on_report: Callable[[FaultReport], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: AllToAllConfig | None = None,
+        on_report: Callable[[FaultReport], None] | None = None,
+    ) -> None:
         self.config = config if config is not None else AllToAllConfig()
         self.on_report = on_report
         self.records: list[tuple[AllToAllRecord, Any]] = []
@@ -201,7 +238,9 @@ class AllToAllCheck:
         post = module.register_forward_hook(lambda m, a, o: _Recording.exit(self), always_call=True)
         return Installed(pre, post)
 
-    def register_step_hook(self, optimizer: torch.optim.Optimizer, *, first_step: int = 1) -> RemovableHandle:
+    def register_step_hook(
+        self, optimizer: torch.optim.Optimizer, *, first_step: int = 1
+    ) -> RemovableHandle:
         """Run :meth:`before_step` from ``optimizer``'s step pre-hook, counting steps from ``first_step`` (the next
         optimizer step's number: ``resume_step + 1`` after a recovery). The check then sees the step's forward."""
         counter = {"step": first_step - 1}
@@ -209,6 +248,7 @@ class AllToAllCheck:
         def hook(opt: Any, args: Any, kwargs: Any) -> None:
             counter["step"] += 1
             self.before_step(counter["step"])
+
         return optimizer.register_step_pre_hook(hook)
 
     def register_send_hook(self, hook: SendHook) -> RemovableHandle:
@@ -217,19 +257,39 @@ class AllToAllCheck:
         self._send_hooks[handle.id] = hook
         return handle
 
-    def _note(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int] | None,
-              input_splits: Sequence[int] | None, group: Any) -> None:
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-            range(dist.get_world_size()))
+    def _note(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None,
+        input_splits: Sequence[int] | None,
+        group: Any,
+    ) -> None:
+        ranks = (
+            tuple(dist.get_process_group_ranks(group))
+            if group is not None
+            else tuple(range(dist.get_world_size()))
+        )
         width = len(ranks)
-        rows_in, rows_out = (input.shape[0] if input.dim() else 0), (output.shape[0] if output.dim() else 0)
+        rows_in, rows_out = (
+            (input.shape[0] if input.dim() else 0),
+            (output.shape[0] if output.dim() else 0),
+        )
         # Split sizes may come as a list, a tensor or a numpy array (Megatron's dispatcher): test for None and
         # length, never truthiness, which an array of several sizes refuses.
-        ins = tuple(int(n) for n in input_splits) if input_splits is not None and len(input_splits) \
+        ins = (
+            tuple(int(n) for n in input_splits)
+            if input_splits is not None and len(input_splits)
             else tuple([rows_in // width] * width)
-        outs = tuple(int(n) for n in output_splits) if output_splits is not None and len(output_splits) \
+        )
+        outs = (
+            tuple(int(n) for n in output_splits)
+            if output_splits is not None and len(output_splits)
             else tuple([rows_out // width] * width)
-        record = AllToAllRecord(ranks, str(input.dtype).removeprefix("torch."), tuple(input.shape[1:]), ins, outs)
+        )
+        record = AllToAllRecord(
+            ranks, str(input.dtype).removeprefix("torch."), tuple(input.shape[1:]), ins, outs
+        )
         self.records.append((record, group))
         self._devices[ranks] = input.device
         # Per group, so every member of a group keeps the same calls whatever its other groups recorded.
@@ -257,16 +317,23 @@ class AllToAllCheck:
             groups.setdefault(record.group, group)
         known = gather_json(sorted(list(g) for g in groups), group=self._control, timeout=timeout)
         for ranks in sorted({tuple(g) for listed in known for g in listed}):
-            if ranks not in self._gloo:  # every rank calls new_group for every group, in the same order
+            if (
+                ranks not in self._gloo
+            ):  # every rank calls new_group for every group, in the same order
                 self._gloo[ranks] = dist.new_group(sorted(ranks), backend="gloo", timeout=timeout)
         mine = [(ranks, groups[ranks]) for ranks in sorted(groups)]  # the same order on every rank
-        by_group = {ranks: [r.to_json() for r, _ in self.records if r.group == ranks] for ranks, _ in mine}
+        by_group = {
+            ranks: [r.to_json() for r, _ in self.records if r.group == ranks] for ranks, _ in mine
+        }
         self.records = []
         results = [self._check(step, ranks, group, by_group[ranks]) for ranks, group in mine]
         self.last_results = results
         flag = torch.tensor([int(any(r.verdict == "mismatch" for r in results))], dtype=torch.int64)
-        wait_all([dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control, async_op=True)], timeout,
-                 "alltoall job verdict")
+        wait_all(
+            [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control, async_op=True)],
+            timeout,
+            "alltoall job verdict",
+        )
         self.job_mismatch = bool(flag.item())
         for result in results:
             for report in result.reports:
@@ -280,39 +347,91 @@ class AllToAllCheck:
         order = sorted(ranks)
         return [by_sorted[order.index(rank)] for rank in ranks]
 
-    def _check(self, step: int, ranks: tuple[int, ...], group: Any, records: list[list[Any]]) -> AllToAllResult:
+    def _check(
+        self, step: int, ranks: tuple[int, ...], group: Any, records: list[list[Any]]
+    ) -> AllToAllResult:
         start = time.perf_counter()
         timeout = self.config.timeout
-        plan = plan_cases(ranks, self._gather(ranks, records), self.config.cases, self.config.max_rows)
+        plan = plan_cases(
+            ranks, self._gather(ranks, records), self.config.cases, self.config.max_rows
+        )
         if isinstance(plan, str):
-            return AllToAllResult(step=step, group=ranks, verdict="inconclusive", reason=plan,
-                                  seconds=time.perf_counter() - start)
+            return AllToAllResult(
+                step=step,
+                group=ranks,
+                verdict="inconclusive",
+                reason=plan,
+                seconds=time.perf_counter() - start,
+            )
         matrices, dtype_name, row_shape = plan
         dtype = getattr(torch, dtype_name)
         me = ranks.index(dist.get_rank())
         device = self._devices.get(ranks, torch.device("cpu"))
         digests: dict[str, dict[str, list[str]]] = {}
         for case, matrix in matrices.items():
-            sends = [payload(step=step, case=case, src=ranks[me], dst=ranks[j], rows=matrix[me][j],
-                             row_shape=row_shape, dtype=dtype) for j in range(len(ranks))]
-            expected = [payload(step=step, case=case, src=ranks[i], dst=ranks[me], rows=matrix[i][me],
-                                row_shape=row_shape, dtype=dtype) for i in range(len(ranks))]
+            sends = [
+                payload(
+                    step=step,
+                    case=case,
+                    src=ranks[me],
+                    dst=ranks[j],
+                    rows=matrix[me][j],
+                    row_shape=row_shape,
+                    dtype=dtype,
+                )
+                for j in range(len(ranks))
+            ]
+            expected = [
+                payload(
+                    step=step,
+                    case=case,
+                    src=ranks[i],
+                    dst=ranks[me],
+                    rows=matrix[i][me],
+                    row_shape=row_shape,
+                    dtype=dtype,
+                )
+                for i in range(len(ranks))
+            ]
             buffer = torch.cat(sends).to(device)
-            entry = {"sent": [tensor_digest(t) for t in sends], "expected_in": [tensor_digest(t) for t in expected]}
+            entry = {
+                "sent": [tensor_digest(t) for t in sends],
+                "expected_in": [tensor_digest(t) for t in expected],
+            }
             for hook in list(self._send_hooks.values()):
                 replaced = hook(case, step, buffer)
                 buffer = replaced if replaced is not None else buffer
             out_splits = [matrix[i][me] for i in range(len(ranks))]
             received = torch.empty((sum(out_splits), *row_shape), dtype=dtype, device=device)
-            work = _Recording.original if _Recording.original is not None else dist.all_to_all_single
-            wait_all([work(received, buffer.contiguous(), out_splits, list(matrix[me]), group=group, async_op=True)],
-                     timeout, f"alltoall replay ({case})")
+            work = (
+                _Recording.original if _Recording.original is not None else dist.all_to_all_single
+            )
+            wait_all(
+                [
+                    work(
+                        received,
+                        buffer.contiguous(),
+                        out_splits,
+                        list(matrix[me]),
+                        group=group,
+                        async_op=True,
+                    )
+                ],
+                timeout,
+                f"alltoall replay ({case})",
+            )
             entry["received"] = [tensor_digest(t) for t in received.split(out_splits)]
             digests[case] = entry
         everyone = self._gather(ranks, digests)
         mismatches = judge(ranks, matrices, everyone)
         reports = reports_for(step, ranks, mismatches)
-        return AllToAllResult(step=step, group=ranks, verdict="mismatch" if mismatches else "clean",
-                              reason="" if not mismatches else reports[0].reason if reports else "mismatch",
-                              cases=matrices, mismatches=mismatches, reports=reports,
-                              seconds=time.perf_counter() - start)
+        return AllToAllResult(
+            step=step,
+            group=ranks,
+            verdict="mismatch" if mismatches else "clean",
+            reason="" if not mismatches else reports[0].reason if reports else "mismatch",
+            cases=matrices,
+            mismatches=mismatches,
+            reports=reports,
+            seconds=time.perf_counter() - start,
+        )

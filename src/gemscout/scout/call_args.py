@@ -32,7 +32,10 @@ class Unreplayable(Exception):
 
 
 def encode(
-    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], tensors: dict[str, torch.Tensor]
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    tensors: dict[str, torch.Tensor],
 ) -> tuple[list[Any], dict[str, Any]]:
     """Specs of ``module(*args, **kwargs)``; tensor copies go into ``tensors`` under ``arg.<i>[.<j>...]`` /
     ``kwarg.<name>[.<j>...]``. Raises :class:`Unreplayable`."""
@@ -99,7 +102,9 @@ class _Encoder:
                 raise Unreplayable(
                     f"recipe input {key} is a dict with a {type(bad).__name__} key; SCOUT sends str keys only"
                 )
-            return {"dict": [[k, self.spec(f"{key}.{i}", v)] for i, (k, v) in enumerate(value.items())]}
+            return {
+                "dict": [[k, self.spec(f"{key}.{i}", v)] for i, (k, v) in enumerate(value.items())]
+            }
         if _is_transformers_cache(value):
             return _cache_spec(self.module, key, value)
         raise Unreplayable(
@@ -111,7 +116,10 @@ class _Encoder:
 
 def _is_transformers_cache(value: Any) -> bool:
     # By name, so gemscout never imports transformers: a subclass of transformers.cache_utils.Cache.
-    return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils" for c in type(value).__mro__)
+    return any(
+        c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils"
+        for c in type(value).__mro__
+    )
 
 
 _CONSTRUCTIBLE: dict[str, str | None] = {}
@@ -165,7 +173,9 @@ def _seq_length(cache: Any, layer_idx: int) -> int:
         return 0  # a lazily grown cache has no entry for this layer yet
     get: Callable[..., Any] | None = getattr(cache, "get_seq_length", None)
     if get is None:
-        raise Unreplayable(f"a {type(cache).__qualname__} without get_seq_length(); SCOUT cannot tell if it is empty")
+        raise Unreplayable(
+            f"a {type(cache).__qualname__} without get_seq_length(); SCOUT cannot tell if it is empty"
+        )
     return int(get(layer_idx))
 
 

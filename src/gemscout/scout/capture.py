@@ -35,7 +35,15 @@ from torch.utils.hooks import RemovableHandle
 from gemscout.scout.call_args import Unreplayable, encode
 from gemscout.scout.recipes import Recipe
 
-__all__ = ["CaptureHooks", "Captured", "capture_optimizer", "expand_flat", "flatten_slice", "pack", "unpack"]
+__all__ = [
+    "CaptureHooks",
+    "Captured",
+    "capture_optimizer",
+    "expand_flat",
+    "flatten_slice",
+    "pack",
+    "unpack",
+]
 
 WIRE_VERSION = 1
 _ALIGN = 64  # payload offsets are aligned so every tensor can be viewed in place with its own dtype
@@ -60,7 +68,9 @@ def to_json_value(value: Any, what: str) -> Any:
     """A JSON form of a hyper-parameter or argument; tuples are tagged so they come back as tuples."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    if isinstance(value, tuple | list) and all(v is None or isinstance(v, bool | int | float | str) for v in value):
+    if isinstance(value, tuple | list) and all(
+        v is None or isinstance(v, bool | int | float | str) for v in value
+    ):
         return {"tuple": list(value)} if isinstance(value, tuple) else list(value)
     raise TypeError(f"{what} is a {type(value).__name__}, which SCOUT cannot send to its peers")
 
@@ -83,7 +93,9 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
 class CaptureHooks:
     """Module hooks that capture armed forward recipes of one model. Not thread-safe: one training thread."""
 
-    def __init__(self, modules: Mapping[str, list[nn.Module]], recipes: Mapping[str, Recipe]) -> None:
+    def __init__(
+        self, modules: Mapping[str, list[nn.Module]], recipes: Mapping[str, Recipe]
+    ) -> None:
         self.paused = False
         """While True (during replay) every hook does nothing, so a replay never overwrites a capture."""
         self._armed: dict[str, int] = {}
@@ -93,7 +105,9 @@ class CaptureHooks:
             if not recipe.has_module:
                 continue
             first, last = modules[name][0], modules[name][-1]
-            self._handles.append(first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(
+                first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
+            )
             self._handles.append(last.register_forward_hook(self._post_hook(name)))
 
     def arm(self, step: int, names: set[str]) -> None:
@@ -106,17 +120,28 @@ class CaptureHooks:
         captured = self._captures.get(name)
         if captured is None:
             why = "armed" if self._armed.get(name) == step else "not armed"
-            return Captured(step=step, error=f"no forward of step {step} reached {name!r} on this rank ({why})")
+            return Captured(
+                step=step, error=f"no forward of step {step} reached {name!r} on this rank ({why})"
+            )
         if captured.step != step:
-            return Captured(step=step, error=f"{name!r} was captured for step {captured.step}, not {step}")
+            return Captured(
+                step=step, error=f"{name!r} was captured for step {captured.step}, not {step}"
+            )
         if captured.error is not None:
             return captured  # the capture's own reason (an input SCOUT cannot replay), never "did not return"
         if "grad_outputs" not in captured.meta:
-            return Captured(step=step, error=f"the forward of {name!r} at step {step} did not return")
-        missing = [k for k in captured.meta["grad_outputs"] if f"grad_output.{k}" not in captured.tensors]
+            return Captured(
+                step=step, error=f"the forward of {name!r} at step {step} did not return"
+            )
+        missing = [
+            k for k in captured.meta["grad_outputs"] if f"grad_output.{k}" not in captured.tensors
+        ]
         if missing:
             # Forward-only replay would silently drop half of the check; say so instead.
-            return Captured(step=step, error=f"backward of step {step} never reached the outputs {missing} of {name!r}")
+            return Captured(
+                step=step,
+                error=f"backward of step {step} never reached the outputs {missing} of {name!r}",
+            )
         return captured
 
     def remove(self) -> None:
@@ -138,20 +163,35 @@ class CaptureHooks:
                 captured.tensors["rng.cpu"] = torch.get_rng_state()
                 if device.type == "cuda":
                     captured.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-                captured.meta.update(args=specs, kwargs=kw, training=module.training,
-                                     autocast=_autocast_state(device.type))
+                captured.meta.update(
+                    args=specs,
+                    kwargs=kw,
+                    training=module.training,
+                    autocast=_autocast_state(device.type),
+                )
             except Unreplayable as exc:
                 captured = Captured(step=step, error=str(exc), meta={"unreplayable": True})
-            except Exception as exc:  # the live forward must never fail because of SCOUT; the cycle reports it
-                captured = Captured(step=step, error=f"capturing the inputs failed: {type(exc).__name__}: {exc}")
-            self._captures[name] = captured  # a later micro-batch replaces an earlier one: last forward wins
+            except (
+                Exception
+            ) as exc:  # the live forward must never fail because of SCOUT; the cycle reports it
+                captured = Captured(
+                    step=step, error=f"capturing the inputs failed: {type(exc).__name__}: {exc}"
+                )
+            self._captures[name] = (
+                captured  # a later micro-batch replaces an earlier one: last forward wins
+            )
 
         return hook
 
     def _post_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             captured = self._captures.get(name)
-            if self.paused or captured is None or captured.error or self._armed.get(name) != captured.step:
+            if (
+                self.paused
+                or captured is None
+                or captured.error
+                or self._armed.get(name) != captured.step
+            ):
                 return
             grads: list[str] = []
             for key, tensor in output_tensors(output).items():
@@ -195,7 +235,11 @@ def _collect(value: Any, key: str, found: dict[str, torch.Tensor]) -> None:
 
 
 def capture_optimizer(
-    recipe: Recipe, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, step: int, *,
+    recipe: Recipe,
+    params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    *,
     flat: bool = False,
 ) -> Captured:
     """The optimizer recipe's inputs, read from the live optimizer before its update (no copy: :func:`pack` copies).
@@ -227,14 +271,21 @@ def capture_optimizer(
             if isinstance(value, torch.Tensor):
                 captured.tensors[f"state.{name}#{key}"] = value.detach()
             else:
-                state_values.setdefault(name, {})[key] = to_json_value(value, f"optimizer state {name}.{key}")
+                state_values.setdefault(name, {})[key] = to_json_value(
+                    value, f"optimizer state {name}.{key}"
+                )
     if flat:
         flatten_slice(captured, recipe.params)
     # Replay runs where the live update ran (a faulty accelerator is only exercised on itself); keys listed here
     # go back to the peer's own accelerator, the rest (e.g. AdamW's CPU ``step`` counter) stay on the CPU.
     on_device = sorted(k for k, t in captured.tensors.items() if t.device.type != "cpu")
-    captured.meta.update(optimizer=type(optimizer).__qualname__, hyper=hyper, state_values=state_values,
-                         params=list(recipe.params), on_device=on_device)
+    captured.meta.update(
+        optimizer=type(optimizer).__qualname__,
+        hyper=hyper,
+        state_values=state_values,
+        params=list(recipe.params),
+        on_device=on_device,
+    )
     return captured
 
 
@@ -254,7 +305,11 @@ def flatten_slice(captured: Captured, names: Sequence[str]) -> None:
     for kind, keys in kinds.items():
         members = [tensors.get(k) for k in keys]
         present = [t for t in members if t is not None]
-        if len(present) != len(keys) or len({t.dtype for t in present}) != 1 or not all(t.is_cpu for t in present):
+        if (
+            len(present) != len(keys)
+            or len({t.dtype for t in present}) != 1
+            or not all(t.is_cpu for t in present)
+        ):
             continue
         # One C++ call for the whole kind; it returns a view for a single member, which is copied: the flat tensor
         # must never alias the live one (the engine's replay updates what it received in place).
@@ -268,7 +323,9 @@ def flatten_slice(captured: Captured, names: Sequence[str]) -> None:
         captured.meta["flat"] = layout
 
 
-def expand_flat(tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def expand_flat(
+    tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """Inverse of :func:`flatten_slice` on ``tensors``: each ``flat.<kind>`` becomes views of its members, by key.
     Raises ``ValueError`` when a flat tensor does not hold exactly its members' elements."""
     out = {k: t for k, t in tensors.items() if k not in layout}
@@ -279,15 +336,18 @@ def expand_flat(tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Any]) 
             numel = 1
             for size in shape:
                 numel *= size
-            out[key] = flat[offset:offset + numel].view(shape)
+            out[key] = flat[offset : offset + numel].view(shape)
             offset += numel
         if offset != flat.numel():
             raise ValueError(f"{flat_key} holds {flat.numel()} elements, its members {offset}")
     return out
 
 
-def pack(step: int, captures: Mapping[str, Captured],
-         out: Callable[[int, int], torch.Tensor] | None = None) -> tuple[bytes, torch.Tensor]:
+def pack(
+    step: int,
+    captures: Mapping[str, Captured],
+    out: Callable[[int, int], torch.Tensor] | None = None,
+) -> tuple[bytes, torch.Tensor]:
     """Serialize captures to ``(header JSON bytes, flat uint8 payload)``; tensors are copied into the payload.
 
     ``out(header_bytes, payload_bytes)``: where the payload goes — a uint8 tensor of ``payload_bytes`` elements (the
@@ -309,17 +369,28 @@ def pack(step: int, captures: Mapping[str, Captured],
             # reshape copies a strided view into row-major order and is free on a contiguous tensor.
             flat = tensor.reshape(-1).view(torch.uint8)
             nbytes = flat.numel()
-            table.append([key, _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype), list(tensor.shape), offset, nbytes])
+            table.append(
+                [
+                    key,
+                    _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype),
+                    list(tensor.shape),
+                    offset,
+                    nbytes,
+                ]
+            )
             parts.append(flat)
             padded = -(-nbytes // _ALIGN) * _ALIGN
             if padded > nbytes:  # zeroed: the alignment padding is sent (and digested) too
                 parts.append(_ZEROS[: padded - nbytes])
             offset += padded
         entries[name] = {"error": captured.error, "meta": captured.meta, "tensors": table}
-    header = json.dumps({"version": WIRE_VERSION, "step": step, "recipes": entries}, sort_keys=True,
-                        allow_nan=False).encode()
+    header = json.dumps(
+        {"version": WIRE_VERSION, "step": step, "recipes": entries}, sort_keys=True, allow_nan=False
+    ).encode()
     # One copy of everything: a copy per tensor costs more than the bytes when an optimizer slice holds hundreds.
-    payload = out(len(header), offset) if out is not None else torch.empty(offset, dtype=torch.uint8)
+    payload = (
+        out(len(header), offset) if out is not None else torch.empty(offset, dtype=torch.uint8)
+    )
     if parts:
         torch.cat(parts, out=payload)
     return header, payload
@@ -332,8 +403,10 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
     """
     doc = json.loads(header)
     if doc.get("version") != WIRE_VERSION or doc.get("step") != step:
-        raise ValueError(f"capture header is version {doc.get('version')} for step {doc.get('step')}, "
-                         f"expected version {WIRE_VERSION} for step {step}")
+        raise ValueError(
+            f"capture header is version {doc.get('version')} for step {doc.get('step')}, "
+            f"expected version {WIRE_VERSION} for step {step}"
+        )
     out: dict[str, Captured] = {}
     raw = payload.numpy().data
     total = payload.numel()
@@ -351,7 +424,9 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
         for key, dtype_name, shape, offset, nbytes in entry["tensors"]:
             dtype = _DTYPES.get(dtype_name)
             if dtype is None or offset < 0 or offset % _ALIGN or offset + nbytes > total:
-                raise ValueError(f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})")
+                raise ValueError(
+                    f"capture entry {name}/{key} is malformed ({dtype_name}, offset {offset})"
+                )
             size = dtype.itemsize
             seen = typed.get(dtype)
             if seen is None:
@@ -359,7 +434,9 @@ def unpack(header: bytes, payload: torch.Tensor, step: int) -> dict[str, Capture
                 seen = typed[dtype] = (whole, int(whole.storage_offset()))
             view, base = seen
             # as_strided counts from the start of the storage, not of the view: add where the view begins.
-            captured.tensors[key] = view.as_strided(shape, _contiguous_strides(shape), base + offset // size)
+            captured.tensors[key] = view.as_strided(
+                shape, _contiguous_strides(shape), base + offset // size
+            )
             if key.startswith("rng."):
                 continue
             if run_start >= 0 and offset == -(-run_end // _ALIGN) * _ALIGN:
@@ -387,7 +464,9 @@ def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
     for size in reversed(shape):
         strides.append(running)
         running *= max(size, 1)
-    if len(_STRIDES) >= 4096:  # a cycle sees the same few shapes; bound what odd workloads could add
+    if (
+        len(_STRIDES) >= 4096
+    ):  # a cycle sees the same few shapes; bound what odd workloads could add
         _STRIDES.clear()
     _STRIDES[key] = out = tuple(reversed(strides))
     return out

@@ -59,7 +59,12 @@ class CommProbeConfig:
 
     def __post_init__(self) -> None:
         c = "CommProbeConfig"
-        require(isinstance(self.interval, int) and self.interval >= 1, c, "interval", "must be an int >= 1")
+        require(
+            isinstance(self.interval, int) and self.interval >= 1,
+            c,
+            "interval",
+            "must be an int >= 1",
+        )
         require(isinstance(self.numel, int) and self.numel >= 1, c, "numel", "must be an int >= 1")
 
 
@@ -79,8 +84,7 @@ class CommProbe:
             pg = dist.new_group([a, b], backend="gloo", timeout=config.timeout)
             self.groups[f"pair-{a}-{b}"] = (frozenset((a, b)), pg if self.rank in (a, b) else None)
         self.detector = CommStragglerDetector(config.stragglers)
-        hosts = gather_json(host_name(), group=self._world,
-                            timeout=config.timeout)
+        hosts = gather_json(host_name(), group=self._world, timeout=config.timeout)
         self.rank_to_host = dict(zip(self.ranks, hosts, strict=True))
         self._before: OrderedDict[int, Callable[[str], None]] = OrderedDict()
 
@@ -98,17 +102,27 @@ class CommProbe:
         mine: dict[str, float] = {}
         payload = torch.ones(self.config.numel, dtype=torch.float32)
         for name, (_members, pg) in self.groups.items():
-            wait_all([dist.barrier(group=self._world, async_op=True)], self.config.timeout, "probe barrier")
+            wait_all(
+                [dist.barrier(group=self._world, async_op=True)],
+                self.config.timeout,
+                "probe barrier",
+            )
             if pg is None:
                 continue
             t0 = time.perf_counter()
             for fn in list(self._before.values()):
                 fn(name)
-            wait_all([dist.all_reduce(payload, group=pg, async_op=True)], self.config.timeout, f"probe {name}")
+            wait_all(
+                [dist.all_reduce(payload, group=pg, async_op=True)],
+                self.config.timeout,
+                f"probe {name}",
+            )
             mine[name] = time.perf_counter() - t0
         gathered = gather_json(mine, group=self._world, timeout=self.config.timeout)
-        timings = {name: GroupTiming(members, max(g.get(name, 0.0) for g in gathered))
-                   for name, (members, _) in self.groups.items()}
+        timings = {
+            name: GroupTiming(members, max(g.get(name, 0.0) for g in gathered))
+            for name, (members, _) in self.groups.items()
+        }
         return self.detector.observe(step, timings, self.rank_to_host)
 
 
@@ -125,16 +139,22 @@ class JobCollectiveTimer:
     has a comm hook (DDP takes one). :meth:`take` returns this rank's summed wait since the last call.
     """
 
-    def __init__(self, ddp: torch.nn.Module, *, group: dist.ProcessGroup, timeout: timedelta) -> None:
+    def __init__(
+        self, ddp: torch.nn.Module, *, group: dist.ProcessGroup, timeout: timedelta
+    ) -> None:
         pg = getattr(ddp, "process_group", None) or dist.group.WORLD
-        assert isinstance(pg, dist.ProcessGroup)  # DDP always has one; WORLD exists once the job is initialized
+        assert isinstance(
+            pg, dist.ProcessGroup
+        )  # DDP always has one; WORLD exists once the job is initialized
         self.process_group: dist.ProcessGroup = pg
         self.rank_to_host = gather_hosts(group, timeout)
         self._lock = threading.Lock()
         self._wait_s = 0.0
         self._buckets = 0
         self._before: OrderedDict[int, Callable[[int], None]] = OrderedDict()
-        self._around: OrderedDict[int, tuple[Callable[[list[int]], None], Callable[[], None]]] = OrderedDict()
+        self._around: OrderedDict[int, tuple[Callable[[list[int]], None], Callable[[], None]]] = (
+            OrderedDict()
+        )
         timer = self
 
         # No annotations: DDP compares them literally, and this module's are strings (postponed evaluation).
@@ -164,11 +184,15 @@ class JobCollectiveTimer:
 
         register = getattr(ddp, "register_comm_hook", None)
         if register is None:
-            raise ConfigError("time_job_collectives: the model is not a DistributedDataParallel module")
+            raise ConfigError(
+                "time_job_collectives: the model is not a DistributedDataParallel module"
+            )
         try:
             register(self.process_group, hook)
         except RuntimeError as exc:
-            raise ConfigError(f"time_job_collectives: DDP already has a comm hook ({exc}); it takes only one") from exc
+            raise ConfigError(
+                f"time_job_collectives: DDP already has a comm hook ({exc}); it takes only one"
+            ) from exc
 
     def register_before_collective(self, fn: Callable[[int], None]) -> RemovableHandle:
         """Fault-injection seam: ``fn(bucket_index)`` runs on this rank right before it enters a bucket's
@@ -177,8 +201,9 @@ class JobCollectiveTimer:
         self._before[handle.id] = fn
         return handle
 
-    def register_around_collective(self, enter: Callable[[list[int]], None],
-                                   leave: Callable[[], None]) -> RemovableHandle:
+    def register_around_collective(
+        self, enter: Callable[[list[int]], None], leave: Callable[[], None]
+    ) -> RemovableHandle:
         """Observers of each bucket's all-reduce: ``enter(shape)`` as this rank enters it, ``leave()`` when it has
         completed (on the backend's thread). How the out-of-band watch fingerprints DDP's collectives when this
         timer holds DDP's one comm hook."""
@@ -194,8 +219,9 @@ class JobCollectiveTimer:
         return waited if buckets else None
 
 
-def lateness_timings(waits: Mapping[int, float | None],
-                     groups: Sequence[Sequence[int]] | None = None) -> dict[str, GroupTiming] | None:
+def lateness_timings(
+    waits: Mapping[int, float | None], groups: Sequence[Sequence[int]] | None = None
+) -> dict[str, GroupTiming] | None:
     """One timing per rank from the ranks' summed waits in the same collectives: how much later than the most
     punctual rank of its group it arrived (the group's longest wait minus its own). ``groups``: the groups that ran
     the collectives (FSDP's shard groups); None: one group of every rank (DDP). None unless every rank has a finite
@@ -205,27 +231,49 @@ def lateness_timings(waits: Mapping[int, float | None],
     out = {}
     for group in groups if groups is not None else (tuple(waits),):
         longest = max(waits[r] or 0.0 for r in group)
-        out.update({f"rank-{r}-late": GroupTiming(frozenset((r,)), max(0.0, longest - (waits[r] or 0.0)))
-                    for r in group})
+        out.update(
+            {
+                f"rank-{r}-late": GroupTiming(
+                    frozenset((r,)), max(0.0, longest - (waits[r] or 0.0))
+                )
+                for r in group
+            }
+        )
     return out
 
 
-def job_comm_report(detector: CommStragglerDetector, step: int, by_rank: Mapping[int, Mapping[str, object]],
-                    rank_to_host: Mapping[int, str], groups: Sequence[Sequence[int]] | None = None,
-                    source: str = "DDP gradient all-reduce") -> FaultReport | None:
+def job_comm_report(
+    detector: CommStragglerDetector,
+    step: int,
+    by_rank: Mapping[int, Mapping[str, object]],
+    rank_to_host: Mapping[int, str],
+    groups: Sequence[Sequence[int]] | None = None,
+    source: str = "DDP gradient all-reduce",
+) -> FaultReport | None:
     """The communication-straggler report (or None) from one cycle's gathered entries, whose ``"comm_s"`` hold each
     rank's wait in the job's own collectives (``groups``: see :func:`lateness_timings`). A round where some rank has
     no wait (no collective ran) is skipped."""
     waits = {r: entry.get("comm_s") for r, entry in by_rank.items()}
-    timings = lateness_timings({r: float(w) if isinstance(w, int | float) else None for r, w in waits.items()},
-                               groups)
+    timings = lateness_timings(
+        {r: float(w) if isinstance(w, int | float) else None for r, w in waits.items()}, groups
+    )
     if timings is None:
         return None
     report = detector.observe(step, timings, rank_to_host)
     if report is None:
         return None
-    evidence = {**report.evidence, "source": f"job collectives ({source}, lateness per rank)",
-                "wait_s": {str(r): w for r, w in waits.items()}}
-    return FaultReport(kind=report.kind, scope=report.scope, ranks=report.ranks, step=report.step, evidence=evidence,
-                       confirmations=report.confirmations, reason="late to the job's collectives: " + report.reason,
-                       host=report.host)
+    evidence = {
+        **report.evidence,
+        "source": f"job collectives ({source}, lateness per rank)",
+        "wait_s": {str(r): w for r, w in waits.items()},
+    }
+    return FaultReport(
+        kind=report.kind,
+        scope=report.scope,
+        ranks=report.ranks,
+        step=report.step,
+        evidence=evidence,
+        confirmations=report.confirmations,
+        reason="late to the job's collectives: " + report.reason,
+        host=report.host,
+    )

@@ -97,53 +97,139 @@ class ScoutConfig:
 
     def __post_init__(self) -> None:
         c = "ScoutConfig"
-        require(self.interval is None or (_is_int(self.interval) and self.interval >= 1), c, "interval",
-                f"must be None (chosen by enable_resiliency) or an int >= 1, got {self.interval!r}")
-        require(isinstance(self.recipe_intervals, Mapping), c, "recipe_intervals",
-                f"must be a mapping of recipe kind to int, got {type(self.recipe_intervals).__name__}")
+        require(
+            self.interval is None or (_is_int(self.interval) and self.interval >= 1),
+            c,
+            "interval",
+            f"must be None (chosen by enable_resiliency) or an int >= 1, got {self.interval!r}",
+        )
+        require(
+            isinstance(self.recipe_intervals, Mapping),
+            c,
+            "recipe_intervals",
+            f"must be a mapping of recipe kind to int, got {type(self.recipe_intervals).__name__}",
+        )
         for kind, every in self.recipe_intervals.items():
-            require(kind in RECIPE_KINDS, c, "recipe_intervals", f"unknown kind {kind!r}; use one of {RECIPE_KINDS}")
-            require(_is_int(every) and every >= 1, c, "recipe_intervals",
-                    f"[{kind!r}] must be an int >= 1, got {every!r}")
-        object.__setattr__(self, "recipe_intervals", types.MappingProxyType(dict(self.recipe_intervals)))
-        require(type(self.rotate_kinds) is bool, c, "rotate_kinds", f"must be True or False, got {self.rotate_kinds!r}")
-        require(not (self.rotate_kinds and self.recipe_intervals), c, "rotate_kinds",
-                "cannot be combined with recipe_intervals (one cadence, the kinds in turn); drop one of them")
-        require(isinstance(self.recipes, tuple | list) and len(self.recipes) > 0, c, "recipes",
-                f"must be a non-empty tuple drawn from {RECIPE_KINDS}, got {self.recipes!r}")
+            require(
+                kind in RECIPE_KINDS,
+                c,
+                "recipe_intervals",
+                f"unknown kind {kind!r}; use one of {RECIPE_KINDS}",
+            )
+            require(
+                _is_int(every) and every >= 1,
+                c,
+                "recipe_intervals",
+                f"[{kind!r}] must be an int >= 1, got {every!r}",
+            )
+        object.__setattr__(
+            self, "recipe_intervals", types.MappingProxyType(dict(self.recipe_intervals))
+        )
+        require(
+            type(self.rotate_kinds) is bool,
+            c,
+            "rotate_kinds",
+            f"must be True or False, got {self.rotate_kinds!r}",
+        )
+        require(
+            not (self.rotate_kinds and self.recipe_intervals),
+            c,
+            "rotate_kinds",
+            "cannot be combined with recipe_intervals (one cadence, the kinds in turn); drop one of them",
+        )
+        require(
+            isinstance(self.recipes, tuple | list) and len(self.recipes) > 0,
+            c,
+            "recipes",
+            f"must be a non-empty tuple drawn from {RECIPE_KINDS}, got {self.recipes!r}",
+        )
         unknown = [kind for kind in self.recipes if kind not in RECIPE_KINDS]
-        require(not unknown, c, "recipes", f"unknown kind(s) {unknown}; use kinds from {RECIPE_KINDS}")
-        require(len(set(self.recipes)) == len(self.recipes), c, "recipes", f"lists a kind twice: {self.recipes!r}")
+        require(
+            not unknown, c, "recipes", f"unknown kind(s) {unknown}; use kinds from {RECIPE_KINDS}"
+        )
+        require(
+            len(set(self.recipes)) == len(self.recipes),
+            c,
+            "recipes",
+            f"lists a kind twice: {self.recipes!r}",
+        )
         # Canonical order: the cycle's replay order (and so every rank's) never depends on how the user listed them.
-        object.__setattr__(self, "recipes", tuple(kind for kind in RECIPE_KINDS if kind in self.recipes))
+        object.__setattr__(
+            self, "recipes", tuple(kind for kind in RECIPE_KINDS if kind in self.recipes)
+        )
         for name in ("hidden_per_cycle", "optimizer_slices_per_cycle"):
             value = getattr(self, name)
-            require(value is None or (_is_int(value) and value >= 1), c, name,
-                    f"must be None (all) or an int >= 1, got {value!r}")
-        require(_is_int(self.optimizer_slice_numel) and self.optimizer_slice_numel >= 1, c, "optimizer_slice_numel",
-                f"must be an int >= 1 (e.g. 65536), got {self.optimizer_slice_numel!r}")
+            require(
+                value is None or (_is_int(value) and value >= 1),
+                c,
+                name,
+                f"must be None (all) or an int >= 1, got {value!r}",
+            )
+        require(
+            _is_int(self.optimizer_slice_numel) and self.optimizer_slice_numel >= 1,
+            c,
+            "optimizer_slice_numel",
+            f"must be an int >= 1 (e.g. 65536), got {self.optimizer_slice_numel!r}",
+        )
         for name in ("embedding", "blocks", "norm", "head"):
             value = getattr(self, name)
-            require(value is None or (isinstance(value, str) and value.strip() != ""), c, name,
-                    f"must be None (discover) or a module path such as 'model.layers', got {value!r}")
+            require(
+                value is None or (isinstance(value, str) and value.strip() != ""),
+                c,
+                name,
+                f"must be None (discover) or a module path such as 'model.layers', got {value!r}",
+            )
         dims = self.data_parallel_dims
-        require(dims is None or (isinstance(dims, tuple | list) and len(dims) > 0
-                                 and all(isinstance(d, str) and d for d in dims)), c, "data_parallel_dims",
-                f"must be None (from fully_shard) or a non-empty tuple of mesh dim names such as ('dp',), got {dims!r}")
-        require(self.mesh is None or (hasattr(self.mesh, "mesh_dim_names") and hasattr(self.mesh, "mesh")), c, "mesh",
-                f"must be None or a torch DeviceMesh (init_device_mesh(...)), got {type(self.mesh).__name__}")
+        require(
+            dims is None
+            or (
+                isinstance(dims, tuple | list)
+                and len(dims) > 0
+                and all(isinstance(d, str) and d for d in dims)
+            ),
+            c,
+            "data_parallel_dims",
+            f"must be None (from fully_shard) or a non-empty tuple of mesh dim names such as ('dp',), got {dims!r}",
+        )
+        require(
+            self.mesh is None
+            or (hasattr(self.mesh, "mesh_dim_names") and hasattr(self.mesh, "mesh")),
+            c,
+            "mesh",
+            f"must be None or a torch DeviceMesh (init_device_mesh(...)), got {type(self.mesh).__name__}",
+        )
         if dims is not None:
             object.__setattr__(self, "data_parallel_dims", tuple(dims))
-        require(self.stage_order in ("loop", "v"), c, "stage_order",
-                f"must be 'loop' (interleaved / looped schedules) or 'v' (ZBV, DualPipeV), got {self.stage_order!r}")
-        require(isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0, c, "timeout",
-                f"must be a positive datetime.timedelta, got {self.timeout!r}")
-        require(self.stragglers is None or isinstance(self.stragglers, StragglerConfig), c, "stragglers",
-                f"must be a StragglerConfig or None, got {type(self.stragglers).__name__}")
-        require(type(self.job_collectives) is bool, c, "job_collectives",
-                f"must be True or False, got {self.job_collectives!r}")
-        require(not self.job_collectives or self.stragglers is not None, c, "job_collectives",
-                "needs stragglers=StragglerConfig(...) (its margins judge who is late); stragglers is None")
+        require(
+            self.stage_order in ("loop", "v"),
+            c,
+            "stage_order",
+            f"must be 'loop' (interleaved / looped schedules) or 'v' (ZBV, DualPipeV), got {self.stage_order!r}",
+        )
+        require(
+            isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0,
+            c,
+            "timeout",
+            f"must be a positive datetime.timedelta, got {self.timeout!r}",
+        )
+        require(
+            self.stragglers is None or isinstance(self.stragglers, StragglerConfig),
+            c,
+            "stragglers",
+            f"must be a StragglerConfig or None, got {type(self.stragglers).__name__}",
+        )
+        require(
+            type(self.job_collectives) is bool,
+            c,
+            "job_collectives",
+            f"must be True or False, got {self.job_collectives!r}",
+        )
+        require(
+            not self.job_collectives or self.stragglers is not None,
+            c,
+            "job_collectives",
+            "needs stragglers=StragglerConfig(...) (its margins judge who is late); stragglers is None",
+        )
 
     @property
     def cadence(self) -> int:

@@ -82,8 +82,10 @@ class C3Result:
         """True when at least two peers (of one peer group) produced different digests."""
         if not self.peer_groups:
             return len(set(self.digests_by_rank.values())) > 1
-        return any(len({self.digests_by_rank[r] for r in group if r in self.digests_by_rank}) > 1
-                   for group in self.peer_groups)
+        return any(
+            len({self.digests_by_rank[r] for r in group if r in self.digests_by_rank}) > 1
+            for group in self.peer_groups
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (rank keys as strings), suitable as report evidence."""
@@ -146,7 +148,9 @@ def validate_c3_inputs(
     if type(step) is not int or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if not isinstance(digests_by_rank, Mapping):
-        raise ValueError(f"digests_by_rank must be a mapping of rank to digest, got {type(digests_by_rank).__name__}")
+        raise ValueError(
+            f"digests_by_rank must be a mapping of rank to digest, got {type(digests_by_rank).__name__}"
+        )
     if not digests_by_rank and not allow_empty:
         raise ValueError("digests_by_rank must hold at least one peer's digest")
     for rank, digest in digests_by_rank.items():

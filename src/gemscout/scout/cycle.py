@@ -24,7 +24,14 @@ from gemscout.scout.recipes import Recipe
 from gemscout.scout.reports import FaultKind, FaultReport
 from gemscout.scout.rotation import is_sdc
 
-__all__ = ["CycleResult", "combine_groups", "inconclusive", "judge_gathered", "param_digest", "precondition_for"]
+__all__ = [
+    "CycleResult",
+    "combine_groups",
+    "inconclusive",
+    "judge_gathered",
+    "param_digest",
+    "precondition_for",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,14 +79,20 @@ class CycleResult:
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (rank keys as strings); the topology fields only when the cycle ran on a mesh."""
         out = {
-            "step": self.step, "source_rank": self.source_rank, "peers": list(self.peers),
+            "step": self.step,
+            "source_rank": self.source_rank,
+            "peers": list(self.peers),
             "results": {name: result.to_dict() for name, result in self.results.items()},
             "replay_s": _by_rank(self.replay_s),
-            "reports": [report.to_dict() for report in self.reports], "certified_step": self.certified_step,
+            "reports": [report.to_dict() for report in self.reports],
+            "certified_step": self.certified_step,
         }
         if len(self.peer_groups) > 1 or self.gather_s or self.collective_s:
-            out.update(peer_groups=[list(g) for g in self.peer_groups], gather_s=_by_rank(self.gather_s),
-                       collective_s=_by_rank(self.collective_s))
+            out.update(
+                peer_groups=[list(g) for g in self.peer_groups],
+                gather_s=_by_rank(self.gather_s),
+                collective_s=_by_rank(self.collective_s),
+            )
         return out
 
 
@@ -100,7 +113,9 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def precondition_for(recipe: Recipe, step: int, captured: Captured, own_param_digest: str) -> Precondition:
+def precondition_for(
+    recipe: Recipe, step: int, captured: Captured, own_param_digest: str
+) -> Precondition:
     """This peer's precondition record for replaying ``captured`` (the inputs as received from the source).
 
     ``rng_digest`` covers the RNG state and the replay context (autocast, train/eval): each changes the numbers.
@@ -110,15 +125,22 @@ def precondition_for(recipe: Recipe, step: int, captured: Captured, own_param_di
     context = {k: captured.meta.get(k) for k in ("autocast", "training")}
     meta = {k: v for k, v in captured.meta.items() if k not in context}
     return Precondition(
-        step=step, recipe=recipe.name, shapes=tuple(tuple(inputs[k].shape) for k in sorted(inputs)),
+        step=step,
+        recipe=recipe.name,
+        shapes=tuple(tuple(inputs[k].shape) for k in sorted(inputs)),
         input_digest=_combine(captured.received_digest or digest_many(inputs), _canonical(meta)),
         rng_digest=_combine(digest_many(rng), _canonical(context)),
         param_digest=own_param_digest,
     )
 
 
-def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[str, torch.Tensor],
-                 optimizer: torch.optim.Optimizer, gathered: Mapping[str, torch.Tensor] | None = None) -> str:
+def param_digest(
+    recipe: Recipe,
+    modules: Sequence[nn.Module],
+    params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    gathered: Mapping[str, torch.Tensor] | None = None,
+) -> str:
     """Digest of this peer's *own* copy of what the replay depends on besides its inputs.
 
     Forward recipes: the parameters and buffers of the recipe's modules. Optimizer slices: the live pre-update
@@ -133,7 +155,9 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
         for path, module in zip(recipe.modules, modules, strict=True):
             # Attribute names, not state_dict keys: a checkpoint wrapper's state_dict drops its
             # "_checkpoint_wrapped_module." prefix, and ``gathered`` (which must replace every DTensor shard) uses these.
-            named.update({f"{path}.{n}": t for n, t in [*module.named_parameters(), *module.named_buffers()]})
+            named.update(
+                {f"{path}.{n}": t for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            )
         named.update(gathered or {})
         return digest_many(named)
     if gathered is not None:
@@ -143,20 +167,34 @@ def param_digest(recipe: Recipe, modules: Sequence[nn.Module], params: Mapping[s
     group = optimizer.param_groups[recipe.group_index]
     hyper = {k: v for k, v in group.items() if k != "params"}
     own.update({f"hyper.{k}": v.detach() for k, v in hyper.items() if isinstance(v, torch.Tensor)})
-    described = {"class": type(optimizer).__qualname__,
-                 "hyper": {k: to_json_value(v, f"hyper-parameter {k!r}") for k, v in hyper.items()
-                           if not isinstance(v, torch.Tensor)}}
+    described = {
+        "class": type(optimizer).__qualname__,
+        "hyper": {
+            k: to_json_value(v, f"hyper-parameter {k!r}")
+            for k, v in hyper.items()
+            if not isinstance(v, torch.Tensor)
+        },
+    }
     return _combine(digest_many(own), _canonical(described))
 
 
 def inconclusive(due: Sequence[Recipe], step: int, reason: str) -> dict[str, C3Result]:
     """Every due recipe INCONCLUSIVE with ``reason`` and ``preconditions_ok=False`` (nothing was compared)."""
-    return {r.name: C3Result(verdict=Verdict.INCONCLUSIVE, recipe=r.name, step=step, reason=reason,
-                             preconditions_ok=False) for r in due}
+    return {
+        r.name: C3Result(
+            verdict=Verdict.INCONCLUSIVE,
+            recipe=r.name,
+            step=step,
+            reason=reason,
+            preconditions_ok=False,
+        )
+        for r in due
+    }
 
 
-def judge_gathered(name: str, step: int, peers: Sequence[int],
-                   gathered: Sequence[Mapping[str, Any]]) -> tuple[C3Result, dict[int, float]]:
+def judge_gathered(
+    name: str, step: int, peers: Sequence[int], gathered: Sequence[Mapping[str, Any]]
+) -> tuple[C3Result, dict[int, float]]:
     """The verdict for recipe ``name`` from every peer's gathered record, and the replay times by rank.
 
     ``gathered[i]`` is peer ``peers[i]``'s ``{"threads": n, "records": {recipe: record}}``. INCONCLUSIVE (not
@@ -165,27 +203,47 @@ def judge_gathered(name: str, step: int, peers: Sequence[int],
     """
     by_rank = {peers[i]: entry["records"].get(name) for i, entry in enumerate(gathered)}
     digests = {r: rec["digest"] for r, rec in by_rank.items() if rec and rec.get("digest")}
-    times = {r: float(rec["replay_s"]) for r, rec in by_rank.items() if rec and rec.get("replay_s") is not None}
-    failed = {r: (rec or {}).get("error") or "no record" for r, rec in by_rank.items() if not rec or rec["error"]}
+    times = {
+        r: float(rec["replay_s"])
+        for r, rec in by_rank.items()
+        if rec and rec.get("replay_s") is not None
+    }
+    failed = {
+        r: (rec or {}).get("error") or "no record"
+        for r, rec in by_rank.items()
+        if not rec or rec["error"]
+    }
     threads = {peers[i]: entry["threads"] for i, entry in enumerate(gathered)}
     reason = None
     if failed:
-        reason = "replay did not run on every peer (" + "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        reason = "replay did not run on every peer (" + "; ".join(
+            f"rank {r}: {e}" for r, e in failed.items()
+        )
         reason += "); outputs were not compared"
     elif len(set(threads.values())) > 1:
-        reason = (f"intra-op thread counts differ across peers {threads}; replay is bitwise equal only with equal "
-                  "counts; outputs were not compared")
+        reason = (
+            f"intra-op thread counts differ across peers {threads}; replay is bitwise equal only with equal "
+            "counts; outputs were not compared"
+        )
     if reason is None:
         try:
             records = {r: Precondition.from_dict(rec["precondition"]) for r, rec in by_rank.items()}
             return judge(records, digests, recipe=name, step=step), times
         except (EvidenceError, TypeError) as exc:
             reason = f"a precondition record is malformed: {exc}; outputs were not compared"
-    return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests, reason=reason,
-                    preconditions_ok=False), times
+    return C3Result(
+        verdict=Verdict.INCONCLUSIVE,
+        recipe=name,
+        step=step,
+        digests_by_rank=digests,
+        reason=reason,
+        preconditions_ok=False,
+    ), times
 
 
-def combine_groups(name: str, step: int, judged: Sequence[tuple[Sequence[int], C3Result]]) -> C3Result:
+def combine_groups(
+    name: str, step: int, judged: Sequence[tuple[Sequence[int], C3Result]]
+) -> C3Result:
     """One verdict for recipe ``name`` from the verdicts of every peer group, identical on every rank of the job.
 
     Peer groups on a mesh replay different things (other inputs, other TP shards), so digests are compared inside a
@@ -210,18 +268,44 @@ def combine_groups(name: str, step: int, judged: Sequence[tuple[Sequence[int], C
     sdc = [(g, r) for g, r in judged if is_sdc(r)]
     if sdc:
         if all(r.verdict is Verdict.ATTRIBUTED for _, r in sdc):
-            return C3Result(verdict=Verdict.ATTRIBUTED, recipe=name, step=step,
-                            ranks=tuple(rank for _, r in sdc for rank in r.ranks), digests_by_rank=digests(sdc),
-                            reason=said(sdc), peer_groups=groups(sdc))
-        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests(sdc),
-                        reason=said(sdc), peer_groups=groups(sdc))
+            return C3Result(
+                verdict=Verdict.ATTRIBUTED,
+                recipe=name,
+                step=step,
+                ranks=tuple(rank for _, r in sdc for rank in r.ranks),
+                digests_by_rank=digests(sdc),
+                reason=said(sdc),
+                peer_groups=groups(sdc),
+            )
+        return C3Result(
+            verdict=Verdict.INCONCLUSIVE,
+            recipe=name,
+            step=step,
+            digests_by_rank=digests(sdc),
+            reason=said(sdc),
+            peer_groups=groups(sdc),
+        )
     failed = [(g, r) for g, r in judged if not r.preconditions_ok]
     if failed:
-        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, digests_by_rank=digests(judged),
-                        reason=said(failed), preconditions_ok=False, peer_groups=groups(judged))
+        return C3Result(
+            verdict=Verdict.INCONCLUSIVE,
+            recipe=name,
+            step=step,
+            digests_by_rank=digests(judged),
+            reason=said(failed),
+            preconditions_ok=False,
+            peer_groups=groups(judged),
+        )
     undecided = [(g, r) for g, r in judged if r.verdict is not Verdict.AGREE]
     if undecided:
-        return C3Result(verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=said(undecided))
-    return C3Result(verdict=Verdict.AGREE, recipe=name, step=step, digests_by_rank=digests(judged),
-                    reason="every peer group agrees: " + ", ".join(str(list(g)) for g, _ in judged),
-                    peer_groups=groups(judged))
+        return C3Result(
+            verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=said(undecided)
+        )
+    return C3Result(
+        verdict=Verdict.AGREE,
+        recipe=name,
+        step=step,
+        digests_by_rank=digests(judged),
+        reason="every peer group agrees: " + ", ".join(str(list(g)) for g, _ in judged),
+        peer_groups=groups(judged),
+    )

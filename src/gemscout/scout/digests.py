@@ -43,7 +43,9 @@ def _cpu_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.layout is not torch.strided:
         raise TypeError(f"tensor_digest needs a dense (strided) tensor, got layout {tensor.layout}")
     if tensor.is_quantized:
-        raise TypeError("tensor_digest does not support quantized tensors; dequantize or digest int_repr() instead")
+        raise TypeError(
+            "tensor_digest does not support quantized tensors; dequantize or digest int_repr() instead"
+        )
     if tensor.device.type == "meta":
         raise TypeError("tensor_digest cannot digest a meta tensor: it has no data")
     values = tensor.detach()
@@ -114,7 +116,9 @@ def digest_many(named: Mapping[str, torch.Tensor]) -> str:
     a string or a value is not a tensor that :func:`tensor_digest` accepts.
     """
     if not isinstance(named, Mapping):
-        raise TypeError(f"digest_many needs a mapping of str to tensors, got {type(named).__name__}")
+        raise TypeError(
+            f"digest_many needs a mapping of str to tensors, got {type(named).__name__}"
+        )
     for name, tensor in named.items():
         if not isinstance(name, str):
             raise TypeError(f"digest_many needs str names, got {type(name).__name__} {name!r}")

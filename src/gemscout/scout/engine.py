@@ -108,7 +108,9 @@ class Scout(ReplaySeams):
         the model has no boundary for an enabled recipe, the mesh cannot be read, or attach is called twice.
         """
         if self._attached or self._closed:
-            raise ConfigError("Scout.attach: this Scout is already attached (or closed); create a new one")
+            raise ConfigError(
+                "Scout.attach: this Scout is already attached (or closed); create a new one"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("Scout.attach: call torch.distributed.init_process_group() first")
         root = unwrap(model)
@@ -121,7 +123,12 @@ class Scout(ReplaySeams):
                 "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)"
             )
         if group is None and topology is None:
-            topology = discover(root, data_dims=self.config.data_parallel_dims, rank=self.rank, mesh=self.config.mesh)
+            topology = discover(
+                root,
+                data_dims=self.config.data_parallel_dims,
+                rank=self.rank,
+                mesh=self.config.mesh,
+            )
         # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0); an
         # nn.ModuleList of stage modules (several stages per rank) names each module's recipes by its own stage.
         stage = topology.stage_label if topology is not None else ""
@@ -130,21 +137,29 @@ class Scout(ReplaySeams):
             if topology and stage and isinstance(root, nn.ModuleList)
             else ()
         )
-        self.catalog: Catalog = build_catalog(root, optimizer, self.config, stage=stage, chunk_labels=chunks)
+        self.catalog: Catalog = build_catalog(
+            root, optimizer, self.config, stage=stage, chunk_labels=chunks
+        )
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
         self.disabled_reason: str | None = None
         """Why SCOUT cannot compare on this topology (no data-parallel peers), or None."""
         self._mesh: MeshCycle | None = None
         if topology is None:
-            self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+            self._group = (
+                group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+            )
             self.peers: tuple[int, ...] = tuple(dist.get_process_group_ranks(self._group))
             self.peer_groups: tuple[tuple[int, ...], ...] = (self.peers,)
         elif not topology.comparable:
             self.disabled_reason = topology.reason
             self._group = None
             self.peers, self.peer_groups = (self.rank,), topology.peer_groups
-            log.warning("gemscout: SCOUT cannot compare on this %s topology: %s", topology.kind, topology.reason)
+            log.warning(
+                "gemscout: SCOUT cannot compare on this %s topology: %s",
+                topology.kind,
+                topology.reason,
+            )
         else:
             domain, self._group = create_groups(topology, timeout)
             self.peers, self.peer_groups = topology.peers, topology.peer_groups
@@ -152,7 +167,9 @@ class Scout(ReplaySeams):
         self._exchange: PeerExchange | None = None
         if self._group is not None:
             self._exchange = PeerExchange(self._group, self.peers, self.rank, timeout)
-        self._modules = {r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes}
+        self._modules = {
+            r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes
+        }
         self._params = optimizer_params(root, optimizer)
         self._fingerprint = self.catalog.fingerprint()
         if self._mesh is not None:
@@ -169,7 +186,9 @@ class Scout(ReplaySeams):
             mesh=self._mesh,
             mark=self._mark_replay,
         )
-        self.rotation = RotationTracker(self._mesh.job_names if self._mesh is not None else self.catalog.names)
+        self.rotation = RotationTracker(
+            self._mesh.job_names if self._mesh is not None else self.catalog.names
+        )
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
         self._job_timer: JobCollectiveTimer | FsdpCollectiveTimer | None = None
@@ -266,9 +285,13 @@ class Scout(ReplaySeams):
             if disagreement is not None:
                 return self._stopped(step, due, source, disagreement)
             slices = {
-                r.name: mesh.gather_slice(r, self._params, self._optimizer, step) for r in due if not r.has_module
+                r.name: mesh.gather_slice(r, self._params, self._optimizer, step)
+                for r in due
+                if not r.has_module
             }
-        received, wire_error, in_step = self._send_inputs(step, due, source, {k: c for k, (c, _) in slices.items()})
+        received, wire_error, in_step = self._send_inputs(
+            step, due, source, {k: c for k, (c, _) in slices.items()}
+        )
         if not in_step and mesh is None:
             return self._stopped(step, due, source, str(wire_error))
         blocked = mesh.blocked(due, received, wire_error) if mesh is not None else {}
@@ -276,7 +299,9 @@ class Scout(ReplaySeams):
         for recipe in due:
             params, seconds = None, None
             if mesh is not None and recipe.has_module:
-                params, seconds = mesh.materializer.gather_modules(recipe.modules, self._modules[recipe.name])
+                params, seconds = mesh.materializer.gather_modules(
+                    recipe.modules, self._modules[recipe.name]
+                )
             elif recipe.name in slices:
                 seconds = slices[recipe.name][1]
             own = slices[recipe.name][0] if recipe.name in slices else None
@@ -292,7 +317,9 @@ class Scout(ReplaySeams):
             )
             if seconds is not None:
                 records[recipe.name]["gather_s"] = seconds
-        assert self._exchange is not None  # only a topology without peers has none, and it never gets here
+        assert (
+            self._exchange is not None
+        )  # only a topology without peers has none, and it never gets here
         names = [r.name for r in due]
         comm_s = self._job_timer.take() if self._job_timer is not None else None
         if mesh is not None and mesh.topology.stage_dims:
@@ -310,14 +337,22 @@ class Scout(ReplaySeams):
         for name in mesh.judged_names(due, by_rank) if mesh is not None else names:
             judged = []
             times[name] = {}
-            for group in mesh.holding(name, self.peer_groups, by_rank) if mesh is not None else self.peer_groups:
+            for group in (
+                mesh.holding(name, self.peer_groups, by_rank)
+                if mesh is not None
+                else self.peer_groups
+            ):
                 result, group_times = judge_gathered(name, step, group, [by_rank[r] for r in group])
                 judged.append((group, result))
                 times[name].update(group_times)
             results[name] = combine_groups(name, step, judged)
         self._name_unreplayable(step, received, results)
-        reports = [report for result in results.values() if (report := result.fault_report()) is not None]
-        reports += compute_reports(self._detectors, self.config.stragglers, step, results, times, len(ranks))
+        reports = [
+            report for result in results.values() if (report := result.fault_report()) is not None
+        ]
+        reports += compute_reports(
+            self._detectors, self.config.stragglers, step, results, times, len(ranks)
+        )
         timer = self._job_timer
         if (
             timer is not None
@@ -328,7 +363,9 @@ class Scout(ReplaySeams):
                     by_rank,
                     timer.rank_to_host,
                     getattr(timer, "groups", None),
-                    "FSDP2 all-gather / reduce-scatter" if mesh is not None else "DDP gradient all-reduce",
+                    "FSDP2 all-gather / reduce-scatter"
+                    if mesh is not None
+                    else "DDP gradient all-reduce",
                 )
             )
             is not None
@@ -355,7 +392,9 @@ class Scout(ReplaySeams):
             **extra,
         )
 
-    def _name_unreplayable(self, step: int, received: Mapping[str, Captured], results: dict[str, Any]) -> None:
+    def _name_unreplayable(
+        self, step: int, received: Mapping[str, Captured], results: dict[str, Any]
+    ) -> None:
         """A recipe whose inputs SCOUT cannot reproduce (the source's capture says which and why) is INCONCLUSIVE
         with that reason alone, not the per-rank replay errors it caused; it is logged the first time and counted
         in :attr:`unreplayable`. Every peer received the same header, so every peer rewrites the same verdicts."""
@@ -365,7 +404,11 @@ class Scout(ReplaySeams):
                 continue
             reason = f"SCOUT cannot replay {name!r}: {got.error}; outputs were not compared"
             results[name] = C3Result(
-                verdict=Verdict.INCONCLUSIVE, recipe=name, step=step, reason=reason, preconditions_ok=False
+                verdict=Verdict.INCONCLUSIVE,
+                recipe=name,
+                step=step,
+                reason=reason,
+                preconditions_ok=False,
             )
             if name not in self.unreplayable and self.rank == min(self.peers):
                 log.warning(
@@ -391,7 +434,9 @@ class Scout(ReplaySeams):
     def _cannot_compare(self, step: int, due: Sequence[Recipe]) -> CycleResult:
         """A due step on a topology without peers: no collective, every recipe INCONCLUSIVE with the reason."""
         results = inconclusive(
-            due, step, f"SCOUT cannot compare on this topology: {self.disabled_reason}; nothing was replayed"
+            due,
+            step,
+            f"SCOUT cannot compare on this topology: {self.disabled_reason}; nothing was replayed",
         )
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
@@ -414,7 +459,10 @@ class Scout(ReplaySeams):
         captures = None
         if self.rank == source:
             try:
-                captures = {r.name: slices[r.name] if r.name in slices else self._capture_source(r, step) for r in due}
+                captures = {
+                    r.name: slices[r.name] if r.name in slices else self._capture_source(r, step)
+                    for r in due
+                }
             except Exception as exc:  # the source still sends: a header that carries the error
                 failed = Captured(step=step, error=f"capture failed: {type(exc).__name__}: {exc}")
                 captures = {r.name: failed for r in due}
@@ -443,7 +491,14 @@ class Scout(ReplaySeams):
     ) -> dict[str, Any]:
         """Replay ``recipe`` on this rank and return its record (:meth:`LocalReplay.record`)."""
         return self._local.record(
-            recipe, step, source, captured, wire_error, params=params, own_slice=own_slice, blocked=blocked
+            recipe,
+            step,
+            source,
+            captured,
+            wire_error,
+            params=params,
+            own_slice=own_slice,
+            blocked=blocked,
         )
 
     def _mark_replay(self, ctx: ReplayContext | None) -> None:

@@ -55,10 +55,14 @@ def record_row_bytes(recipes: int) -> int:
 
 def _raw(digest: Any) -> bytes | None:
     """The 32 raw bytes of a ``"blake3:<64 hex>"`` digest, or None for anything else."""
-    if not isinstance(digest, str) or not digest.startswith(_DIGEST_PREFIX) or len(digest) != len(_DIGEST_PREFIX) + 64:
+    if (
+        not isinstance(digest, str)
+        or not digest.startswith(_DIGEST_PREFIX)
+        or len(digest) != len(_DIGEST_PREFIX) + 64
+    ):
         return None
     try:
-        return bytes.fromhex(digest[len(_DIGEST_PREFIX):])
+        return bytes.fromhex(digest[len(_DIGEST_PREFIX) :])
     except ValueError:
         return None
 
@@ -70,8 +74,12 @@ def _shapes_digest(shapes: Any) -> bytes:
     return hasher.digest()
 
 
-def encode_records(names: Sequence[str], threads: int, records: Mapping[str, Mapping[str, Any]],
-                   comm_s: float | None = None) -> bytes:
+def encode_records(
+    names: Sequence[str],
+    threads: int,
+    records: Mapping[str, Mapping[str, Any]],
+    comm_s: float | None = None,
+) -> bytes:
     """This peer's fixed-size row for ``records`` (recipe name → record as built by the engine), in ``names`` order,
     with ``comm_s``, the seconds it waited in the job's own collectives since the last cycle (None: not timed).
 
@@ -102,8 +110,13 @@ def encode_records(names: Sequence[str], threads: int, records: Mapping[str, Map
                     digests[i] = raw or empty
                 digests[4] = _shapes_digest(pre["shapes"])
                 needs_json |= pre["recipe"] != name
-            for i, (key, bit) in enumerate((("replay_s", _HAS_REPLAY), ("gather_s", _HAS_GATHER),
-                                            ("collective_s", _HAS_COLLECTIVE))):
+            for i, (key, bit) in enumerate(
+                (
+                    ("replay_s", _HAS_REPLAY),
+                    ("gather_s", _HAS_GATHER),
+                    ("collective_s", _HAS_COLLECTIVE),
+                )
+            ):
                 if rec.get(key) is not None:
                     flags, times[i] = flags | bit, float(rec[key])
         parts.append(_RECIPE.pack(flags, step, *times, *digests))
@@ -121,15 +134,19 @@ def _needs_json(rows: Sequence[bytes]) -> bool:
         return True
     recipes = (len(rows[0]) - _ROW_HEAD.size) // _RECIPE.size
     for i in range(recipes):
-        shapes = {_RECIPE.unpack_from(row, _ROW_HEAD.size + i * _RECIPE.size)[9] for row in rows
-                  if _RECIPE.unpack_from(row, _ROW_HEAD.size + i * _RECIPE.size)[0] & _HAS_PRECONDITION}
+        shapes = {
+            _RECIPE.unpack_from(row, _ROW_HEAD.size + i * _RECIPE.size)[9]
+            for row in rows
+            if _RECIPE.unpack_from(row, _ROW_HEAD.size + i * _RECIPE.size)[0] & _HAS_PRECONDITION
+        }
         if len(shapes) > 1:
             return True
     return False
 
 
-def decode_records(names: Sequence[str], row: bytes,
-                   own: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def decode_records(
+    names: Sequence[str], row: bytes, own: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
     """One peer's gathered entry ``{"threads": n, "records": {...}}`` from its row, equal to what the JSON path
     would have delivered. ``own``: this peer's records, whose input shapes stand in for the peer's (the caller has
     checked that the shape digests agree). Pure."""
@@ -137,15 +154,26 @@ def decode_records(names: Sequence[str], row: bytes,
     records: dict[str, Any] = {}
     for i, name in enumerate(names):
         flags, step, replay, gather, collective, out, inp, rng, par, _ = _RECIPE.unpack_from(
-            row, _ROW_HEAD.size + i * _RECIPE.size)
-        rec: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
+            row, _ROW_HEAD.size + i * _RECIPE.size
+        )
+        rec: dict[str, Any] = {
+            "error": None,
+            "precondition": None,
+            "digest": None,
+            "replay_s": None,
+        }
         if flags & _HAS_DIGEST:
             rec["digest"] = _DIGEST_PREFIX + out.hex()
         if flags & _HAS_PRECONDITION:
             mine = own[name]["precondition"]
-            rec["precondition"] = {"step": step, "recipe": name, "shapes": mine["shapes"],
-                                   "input_digest": _DIGEST_PREFIX + inp.hex(), "rng_digest": _DIGEST_PREFIX + rng.hex(),
-                                   "param_digest": _DIGEST_PREFIX + par.hex()}
+            rec["precondition"] = {
+                "step": step,
+                "recipe": name,
+                "shapes": mine["shapes"],
+                "input_digest": _DIGEST_PREFIX + inp.hex(),
+                "rng_digest": _DIGEST_PREFIX + rng.hex(),
+                "param_digest": _DIGEST_PREFIX + par.hex(),
+            }
         if flags & _HAS_REPLAY:
             rec["replay_s"] = replay
         if flags & _HAS_GATHER:
@@ -162,7 +190,9 @@ def decode_records(names: Sequence[str], row: bytes,
 class PeerExchange:
     """The collectives of SCOUT cycles on one process group. ``ranks``: the group's global ranks, in group order."""
 
-    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], rank: int, timeout: timedelta) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, ranks: Sequence[int], rank: int, timeout: timedelta
+    ) -> None:
         self.group, self.ranks, self.rank, self.timeout = group, tuple(ranks), rank, timeout
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self.json_fallbacks = 0
@@ -175,8 +205,9 @@ class PeerExchange:
             self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8)
         return self._buffer[:nbytes]
 
-    def send_inputs(self, step: int, fingerprint: int, source: int,
-                    captures: Mapping[str, Captured] | None) -> tuple[dict[str, Captured], str | None, bool]:
+    def send_inputs(
+        self, step: int, fingerprint: int, source: int, captures: Mapping[str, Captured] | None
+    ) -> tuple[dict[str, Captured], str | None, bool]:
         """Hello, then the source's captures to every peer. ``captures``: what the source sends (None elsewhere).
 
         Returns ``(captures by recipe, error for all recipes, peers in step)``; peers out of step (or on another
@@ -197,11 +228,19 @@ class PeerExchange:
             header_n, payload_n = len(header), payload.numel()
         hello = torch.tensor([step, fingerprint, header_n, payload_n], dtype=torch.int64)
         hellos = [torch.empty(4, dtype=torch.int64) for _ in self.ranks]
-        wait_all([dist.all_gather(hellos, hello, group=self.group, async_op=True)], self.timeout, "scout hello")
+        wait_all(
+            [dist.all_gather(hellos, hello, group=self.group, async_op=True)],
+            self.timeout,
+            "scout hello",
+        )
         steps = {r: int(h[0]) for r, h in zip(self.ranks, hellos, strict=True)}
         if len(set(steps.values())) > 1 or len({int(h[1]) for h in hellos}) > 1:
             what = "step" if len(set(steps.values())) > 1 else "recipe catalog"
-            return {}, f"peers disagree on the {what} (steps by rank {steps}); nothing was replayed", False
+            return (
+                {},
+                f"peers disagree on the {what} (steps by rank {steps}); nothing was replayed",
+                False,
+            )
         header_n, payload_n = (int(v) for v in hellos[self.ranks.index(source)][2:])
         start = -(-header_n // _ALIGN) * _ALIGN
         # On the source this is the buffer the payload was packed into (same size, so the same memory).
@@ -209,15 +248,25 @@ class PeerExchange:
         if self.rank == source:
             wire[:header_n].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
             wire[header_n:start].zero_()
-        wait_all([dist.broadcast(wire, source, group=self.group, async_op=True)], self.timeout, "scout inputs")
+        wait_all(
+            [dist.broadcast(wire, source, group=self.group, async_op=True)],
+            self.timeout,
+            "scout inputs",
+        )
         try:
             return unpack(bytes(wire[:header_n].numpy()), wire[start:], step), None, True
         except (ValueError, KeyError, TypeError) as exc:
             return {}, f"the inputs from source rank {source} could not be read: {exc}", True
 
-    def gather_records(self, names: Sequence[str], records: Mapping[str, Mapping[str, Any]], *,
-                       comm_s: float | None = None, group: dist.ProcessGroup | None = None,
-                       ranks: Sequence[int] | None = None) -> dict[int, Mapping[str, Any]]:
+    def gather_records(
+        self,
+        names: Sequence[str],
+        records: Mapping[str, Mapping[str, Any]],
+        *,
+        comm_s: float | None = None,
+        group: dist.ProcessGroup | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> dict[int, Mapping[str, Any]]:
         """Every peer's ``{"threads": n, "records": {...}}`` (and ``"comm_s"`` when given) by global rank, the same
         on every peer.
 
@@ -231,7 +280,9 @@ class PeerExchange:
         row = encode_records(names, threads, records, comm_s)
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
         out = [torch.empty(len(row), dtype=torch.uint8) for _ in ranks]
-        wait_all([dist.all_gather(out, mine, group=group, async_op=True)], self.timeout, "scout records")
+        wait_all(
+            [dist.all_gather(out, mine, group=group, async_op=True)], self.timeout, "scout records"
+        )
         rows = [o.numpy().tobytes() for o in out]
         if _needs_json(rows):
             self.json_fallbacks += 1

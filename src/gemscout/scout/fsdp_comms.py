@@ -49,12 +49,20 @@ class FsdpCollectiveTimer:
     module with several parameter groups, from a per-parameter mesh). :meth:`take` returns this rank's summed wait
     since the last call."""
 
-    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup, groups: Sequence[Sequence[int]],
-                 timeout: timedelta) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: dist.ProcessGroup,
+        groups: Sequence[Sequence[int]],
+        timeout: timedelta,
+    ) -> None:
         modules = fsdp_modules(model)
         if not modules:
-            raise ConfigError("time_job_collectives: the model has no fully_shard module (FSDP2); "
-                              "job-collective timing covers DDP and FSDP2 models")
+            raise ConfigError(
+                "time_job_collectives: the model has no fully_shard module (FSDP2); "
+                "job-collective timing covers DDP and FSDP2 models"
+            )
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
         self.rank_to_host = gather_hosts(group, timeout)
         self._lock = threading.Lock()
@@ -67,8 +75,10 @@ class FsdpCollectiveTimer:
             state = module._get_fsdp_state()  # type: ignore[operator]
             param_groups = list(state._fsdp_param_groups)
             if len(param_groups) > 1:
-                raise ConfigError("time_job_collectives: a fully_shard module with several parameter groups (a "
-                                  "per-parameter mesh) takes no custom comm; turn ScoutConfig.job_collectives off")
+                raise ConfigError(
+                    "time_job_collectives: a fully_shard module with several parameter groups (a "
+                    "per-parameter mesh) takes no custom comm; turn ScoutConfig.job_collectives off"
+                )
             for pg in param_groups:
                 self._installed.append((pg, pg._all_gather_comm, pg._reduce_scatter_comm))
                 pg._all_gather_comm = gather_cls(pg._all_gather_comm)
@@ -116,20 +126,32 @@ class FsdpCollectiveTimer:
         return work
 
 
-def build_job_timer(model: nn.Module, exchange: Any, mesh: Any,
-                    config: Any) -> JobCollectiveTimer | FsdpCollectiveTimer:
+def build_job_timer(
+    model: nn.Module, exchange: Any, mesh: Any, config: Any
+) -> JobCollectiveTimer | FsdpCollectiveTimer:
     """The timer of the job's own collectives for a SCOUT engine: DDP's comm hook on a replicated model (``mesh``
     None), FSDP2's comms on a sharded one (shard groups from the mesh topology). Collective (gathers host names).
     Raises ``ConfigError`` for a model with neither, for pipeline stages, or with ``config.stragglers`` None."""
     stages = mesh is not None and bool(mesh.topology.stage_dims)
-    if exchange is None or config.stragglers is None or stages or (mesh is not None and not mesh.topology.shard_dims):
-        raise ConfigError("Scout.time_job_collectives: needs a DDP or FSDP2 model (no pipeline stages) and "
-                          "ScoutConfig.stragglers")
+    if (
+        exchange is None
+        or config.stragglers is None
+        or stages
+        or (mesh is not None and not mesh.topology.shard_dims)
+    ):
+        raise ConfigError(
+            "Scout.time_job_collectives: needs a DDP or FSDP2 model (no pipeline stages) and "
+            "ScoutConfig.stragglers"
+        )
     if mesh is None:
         return JobCollectiveTimer(model, group=exchange.group, timeout=config.timeout)
     topology = mesh.topology
-    return FsdpCollectiveTimer(model, group=mesh.domain, groups=topology.groups_along(topology.shard_dims),
-                               timeout=config.timeout)
+    return FsdpCollectiveTimer(
+        model,
+        group=mesh.domain,
+        groups=topology.groups_along(topology.shard_dims),
+        timeout=config.timeout,
+    )
 
 
 def _wrapper_classes(timer: FsdpCollectiveTimer) -> tuple[type, type]:
@@ -143,9 +165,13 @@ def _wrapper_classes(timer: FsdpCollectiveTimer) -> tuple[type, type]:
         def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
-            return timer._timed("all_gather", lambda: self.inner(output_tensor, input_tensor, group,
-                                                                 async_op=async_op))
+        def __call__(
+            self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
+        ) -> Any:
+            return timer._timed(
+                "all_gather",
+                lambda: self.inner(output_tensor, input_tensor, group, async_op=async_op),
+            )
 
     class TimedReduceScatter(ReduceScatter):
         def __init__(self, inner: Any) -> None:
@@ -154,8 +180,12 @@ def _wrapper_classes(timer: FsdpCollectiveTimer) -> tuple[type, type]:
         def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
-            return timer._timed("reduce_scatter", lambda: self.inner(output_tensor, input_tensor, group, op,
-                                                                     async_op=async_op))
+        def __call__(
+            self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
+            return timer._timed(
+                "reduce_scatter",
+                lambda: self.inner(output_tensor, input_tensor, group, op, async_op=async_op),
+            )
 
     return TimedAllGather, TimedReduceScatter

@@ -55,7 +55,9 @@ class LocalReplay:
         self._optimizer = optimizer
         self._capture = capture
         self._hooks = hooks
-        self._collective_hooks = collective_hooks  # read at each replay: hooks registered after attach count
+        self._collective_hooks = (
+            collective_hooks  # read at each replay: hooks registered after attach count
+        )
         self._mesh = mesh
         self._mark = mark
 
@@ -75,7 +77,12 @@ class LocalReplay:
         model (replayed on instead of the live shards, and digested for the precondition); ``own_slice``: this
         rank's own gathered optimizer slice; ``blocked``: why the replay must not run on any rank. Blocks on the
         replay's own collectives only (TP all-reduces of a TP-sharded block); never raises."""
-        record: dict[str, Any] = {"error": None, "precondition": None, "digest": None, "replay_s": None}
+        record: dict[str, Any] = {
+            "error": None,
+            "precondition": None,
+            "digest": None,
+            "replay_s": None,
+        }
         try:
             if wire_error is not None:
                 raise RuntimeError(wire_error)
@@ -94,14 +101,22 @@ class LocalReplay:
                 }
             elif own_slice is not None and own_slice.error is None:
                 gathered = own_slice.tensors
-            own = param_digest(recipe, self._modules[recipe.name], self._params, self._optimizer, gathered)
+            own = param_digest(
+                recipe, self._modules[recipe.name], self._params, self._optimizer, gathered
+            )
             record["precondition"] = precondition_for(recipe, step, captured, own).to_dict()
             ctx = ReplayContext(
-                recipe=recipe.name, kind=recipe.kind.value, step=step, rank=self._rank, source_rank=source
+                recipe=recipe.name,
+                kind=recipe.kind.value,
+                step=step,
+                rank=self._rank,
+                source_rank=source,
             )
             timer = None
             if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
-                timer = CollectiveTimer([functools.partial(hook, ctx) for hook in self._collective_hooks.values()])
+                timer = CollectiveTimer(
+                    [functools.partial(hook, ctx) for hook in self._collective_hooks.values()]
+                )
             self._mark(ctx)
             self._capture.paused = True
             queued, window = run_queue_seconds(), time.perf_counter()
@@ -109,10 +124,14 @@ class LocalReplay:
                 if recipe.has_module:
                     modules = self._modules[recipe.name]
                     with (
-                        without_wrapper_hooks(modules) if params is not None else contextlib.nullcontext(),
+                        without_wrapper_hooks(modules)
+                        if params is not None
+                        else contextlib.nullcontext(),
                         timer if timer is not None else contextlib.nullcontext(),
                     ):
-                        outcome = replay_forward(modules, recipe.modules, captured, ctx, self._hooks, params=params)
+                        outcome = replay_forward(
+                            modules, recipe.modules, captured, ctx, self._hooks, params=params
+                        )
                 else:
                     # The received inputs are views of the exchange's buffer, read by no one after this replay.
                     # A view over several torch optimizers (TorchTitan's container) names the class that updates.

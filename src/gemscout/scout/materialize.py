@@ -38,8 +38,14 @@ from gemscout._tensors import is_dtensor
 from gemscout.gemini.comm import wait_all
 from gemscout.scout.topology import Topology, mesh_dims
 
-__all__ = ["CollectiveTimer", "Materializer", "local_tensor", "param_model_dims", "uses_model_dims",
-           "without_wrapper_hooks"]
+__all__ = [
+    "CollectiveTimer",
+    "Materializer",
+    "local_tensor",
+    "param_model_dims",
+    "uses_model_dims",
+    "without_wrapper_hooks",
+]
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
@@ -94,14 +100,25 @@ class Materializer:
         assert isinstance(tensor, DTensor)
         mesh = tensor.device_mesh
         names = mesh_dims(mesh)
-        target = [Replicate() if name in self.data_dims else p for name, p in zip(names, tensor.placements, strict=True)]
+        target = [
+            Replicate() if name in self.data_dims else p
+            for name, p in zip(names, tensor.placements, strict=True)
+        ]
         with torch.no_grad():
-            whole = tensor.redistribute(mesh, target) if list(tensor.placements) != target else tensor
+            whole = (
+                tensor.redistribute(mesh, target) if list(tensor.placements) != target else tensor
+            )
             local = whole.to_local().detach()
-            kept = [(name, p) for name, p in zip(names, tensor.placements, strict=True) if name not in self.data_dims]
+            kept = [
+                (name, p)
+                for name, p in zip(names, tensor.placements, strict=True)
+                if name not in self.data_dims
+            ]
             if kept:
                 sub = mesh[tuple(name for name, _ in kept)] if len(kept) > 1 else mesh[kept[0][0]]
-                out: torch.Tensor = DTensor.from_local(local, sub, [p for _, p in kept], run_check=False)
+                out: torch.Tensor = DTensor.from_local(
+                    local, sub, [p for _, p in kept], run_check=False
+                )
             else:
                 out = local
         return out.detach().requires_grad_(tensor.requires_grad)
@@ -123,7 +140,9 @@ class Materializer:
             else:
                 batches.setdefault(key, []).append(index)
         for (_, _, dim, _, _), indices in batches.items():
-            for index, whole in zip(indices, self._gather_batch([tensors[i] for i in indices], dim), strict=True):
+            for index, whole in zip(
+                indices, self._gather_batch([tensors[i] for i in indices], dim), strict=True
+            ):
                 out[index] = whole
         return [t for t in out if t is not None]
 
@@ -134,14 +153,23 @@ class Materializer:
 
         mesh = tensor.device_mesh  # type: ignore[attr-defined]
         names = mesh_dims(mesh)
-        sharded = [(n, p) for n, p in zip(names, tensor.placements, strict=True)  # type: ignore[attr-defined]
-                   if not p.is_replicate()]
+        sharded = [
+            (n, p)
+            for n, p in zip(names, tensor.placements, strict=True)  # type: ignore[attr-defined]
+            if not p.is_replicate()
+        ]
         if not set(names) <= self.data_dims or len(sharded) != 1:
             return None
         name, placement = sharded[0]
         if type(placement) is not Shard or placement.dim != 0 or tensor.dim() == 0:
             return None
-        return (names, tuple(mesh.mesh.flatten().tolist()), name, str(tensor.dtype), tensor.device.type)
+        return (
+            names,
+            tuple(mesh.mesh.flatten().tolist()),
+            name,
+            str(tensor.dtype),
+            tensor.device.type,
+        )
 
     def _gather_batch(self, tensors: Sequence[torch.Tensor], dim: str) -> list[torch.Tensor]:
         from torch.distributed.tensor import Shard
@@ -149,40 +177,55 @@ class Materializer:
         mesh = tensors[0].device_mesh  # type: ignore[attr-defined]
         index = mesh_dims(mesh).index(dim)
         size, me = mesh.size(index), mesh.get_local_rank(index)
-        rows = [[Shard.local_shard_size_and_offset(t.shape[0], size, i)[0] for i in range(size)] for t in tensors]
+        rows = [
+            [Shard.local_shard_size_and_offset(t.shape[0], size, i)[0] for i in range(size)]
+            for t in tensors
+        ]
         per_row = [math.prod(t.shape[1:]) for t in tensors]
         lengths = [sum(r[i] * n for r, n in zip(rows, per_row, strict=True)) for i in range(size)]
         locals_ = [t.to_local().detach().reshape(-1) for t in tensors]  # type: ignore[attr-defined]
-        assert [x.numel() for x in locals_] == [r[me] * n for r, n in zip(rows, per_row, strict=True)]
+        assert [x.numel() for x in locals_] == [
+            r[me] * n for r, n in zip(rows, per_row, strict=True)
+        ]
         width = max(lengths)
         mine = torch.zeros(width, dtype=tensors[0].dtype, device=tensors[0].device)
         if locals_:
             torch.cat(locals_, out=mine[: lengths[me]])
         received = [torch.empty_like(mine) for _ in range(size)]
-        wait_all([dist.all_gather(received, mine, group=mesh.get_group(index), async_op=True)], self.timeout,
-                 "scout parameter gather")
+        wait_all(
+            [dist.all_gather(received, mine, group=mesh.get_group(index), async_op=True)],
+            self.timeout,
+            "scout parameter gather",
+        )
         out, offsets = [], [0] * size
         for tensor, r, n in zip(tensors, rows, per_row, strict=True):
             pieces = []
             for i in range(size):
-                pieces.append(received[i][offsets[i]: offsets[i] + r[i] * n])
+                pieces.append(received[i][offsets[i] : offsets[i] + r[i] * n])
                 offsets[i] += r[i] * n
             whole = torch.cat(pieces).reshape(tensor.shape)
             out.append(whole.requires_grad_(tensor.requires_grad))
         return out
 
-    def gather_modules(self, paths: Sequence[str],
-                       modules: Sequence[nn.Module]) -> tuple[list[dict[str, torch.Tensor]], float]:
+    def gather_modules(
+        self, paths: Sequence[str], modules: Sequence[nn.Module]
+    ) -> tuple[list[dict[str, torch.Tensor]], float]:
         """Every parameter of ``modules`` gathered, one name→tensor dict per module, and the seconds it took."""
         start = time.perf_counter()
-        named = [(i, name, p) for i, module in enumerate(modules) for name, p in module.named_parameters()]
+        named = [
+            (i, name, p)
+            for i, module in enumerate(modules)
+            for name, p in module.named_parameters()
+        ]
         gathered = self.gather_all([p for _, _, p in named])
         out: list[dict[str, torch.Tensor]] = [{} for _ in modules]
         for (i, name, _), tensor in zip(named, gathered, strict=True):
             out[i][name] = tensor
         return out, time.perf_counter() - start
 
-    def gather_named(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    def gather_named(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], float]:
         """Every tensor of ``tensors`` gathered, in sorted key order (so every rank gathers in the same order)."""
         start = time.perf_counter()
         keys = sorted(tensors)
@@ -197,7 +240,9 @@ def _owned_by_fsdp(hook: Any) -> bool:
     Every link is looked at: FSDP decorates those methods itself, and ``inspect.unwrap`` of a bound method follows
     its function's ``__wrapped__`` to the plain function, which has no ``__self__`` left to recognize."""
     candidate, seen = hook, 0
-    while candidate is not None and seen < 16:  # each link of the __wrapped__ chain, bound methods included
+    while (
+        candidate is not None and seen < 16
+    ):  # each link of the __wrapped__ chain, bound methods included
         owner = getattr(candidate, "__self__", None)
         if owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp"):
             return True
@@ -206,8 +251,9 @@ def _owned_by_fsdp(hook: Any) -> bool:
 
 
 @contextmanager
-def without_wrapper_hooks(modules: Sequence[nn.Module],
-                          owned_by: Callable[[Any], bool] | None = None) -> Iterator[None]:
+def without_wrapper_hooks(
+    modules: Sequence[nn.Module], owned_by: Callable[[Any], bool] | None = None
+) -> Iterator[None]:
     """Detach a sharding wrapper's forward hooks from ``modules`` (and their submodules) for the replay, then put them
     back in order. ``owned_by(hook)`` says which hooks are the wrapper's (default: FSDP2's).
 
@@ -257,7 +303,11 @@ class CollectiveTimer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "namespace", "") not in _COLLECTIVE_NAMESPACES:
-            pending = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, self._async) and not t.completed]
+            pending = [
+                t
+                for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, self._async) and not t.completed
+            ]
             if pending:
                 # The first op on a collective's result waits for the collective inside the subclass's dispatch,
                 # where this mode does not see it; wait here instead, timed as the collective it is.
@@ -276,4 +326,3 @@ class CollectiveTimer(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
-

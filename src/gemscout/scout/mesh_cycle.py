@@ -73,22 +73,31 @@ class MeshCycle:
         collectives on part of the mesh)."""
         self.job_names = catalog.names
         if self.topology.stage_dims and catalog.config.rotate_kinds:
-            raise ConfigError("ScoutConfig.rotate_kinds: pipeline stages hold different recipe kinds, so a kind's "
-                              "turn would be due on some stages only; leave rotate_kinds off with pipelining")
+            raise ConfigError(
+                "ScoutConfig.rotate_kinds: pipeline stages hold different recipe kinds, so a kind's "
+                "turn would be due on some stages only; leave rotate_kinds off with pipelining"
+            )
         if self.topology.stage_dims:
             cadences = sorted({catalog.config.interval_of(r.kind.value) for r in catalog.recipes})
-            everyone = gather_json({"names": list(catalog.names), "cadences": cadences}, group=self.domain,
-                                   timeout=self.timeout)
+            everyone = gather_json(
+                {"names": list(catalog.names), "cadences": cadences},
+                group=self.domain,
+                timeout=self.timeout,
+            )
             if len({tuple(doc["cadences"]) for doc in everyone}) > 1:
-                raise ConfigError("ScoutConfig.recipe_intervals: pipeline stages hold different recipe kinds, and with "
-                                  f"these cadences they would be due at different steps ({[d['cadences'] for d in everyone]}"
-                                  "); give every recipe kind the same interval")
+                raise ConfigError(
+                    "ScoutConfig.recipe_intervals: pipeline stages hold different recipe kinds, and with "
+                    f"these cadences they would be due at different steps ({[d['cadences'] for d in everyone]}"
+                    "); give every recipe kind the same interval"
+                )
             self.job_names = tuple(dict.fromkeys(name for doc in everyone for name in doc["names"]))
         for recipe in catalog.recipes:
             params = [p for m in modules[recipe.name] for p in m.parameters()]
             if recipe.has_module and uses_model_dims(params, self.topology):
                 names = set().union(*(param_model_dims(p, self.topology) for p in params))
-                self._model_dims[recipe.name] = tuple(d for d in self.topology.model_dims if d in names)
+                self._model_dims[recipe.name] = tuple(
+                    d for d in self.topology.model_dims if d in names
+                )
         self.collective_recipes = frozenset(self._model_dims)
 
     def gather_records(self, records: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
@@ -96,11 +105,16 @@ class MeshCycle:
 
         JSON, not the fixed-size rows of :class:`~gemscout.scout.exchange.PeerExchange`: a row's layout is the
         recipe list, and stages record different recipes."""
-        gathered = gather_json({"threads": torch.get_num_threads(), "records": dict(records)}, group=self.domain,
-                               timeout=self.timeout)
+        gathered = gather_json(
+            {"threads": torch.get_num_threads(), "records": dict(records)},
+            group=self.domain,
+            timeout=self.timeout,
+        )
         return dict(zip(self.domain_ranks, gathered, strict=True))
 
-    def judged_names(self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    def judged_names(
+        self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]]
+    ) -> list[str]:
         """The recipes this cycle judges: those due here and, with pipeline stages, every recipe any rank recorded
         (the other stages'), in :attr:`job_names` order. Pure, from the gathered records: equal on every rank."""
         if not self.topology.stage_dims:
@@ -108,8 +122,9 @@ class MeshCycle:
         recorded = {name for entry in by_rank.values() for name in entry["records"]}
         return [name for name in self.job_names if name in recorded]
 
-    def holding(self, name: str, groups: Sequence[Sequence[int]],
-                by_rank: Mapping[int, Mapping[str, Any]]) -> list[Sequence[int]]:
+    def holding(
+        self, name: str, groups: Sequence[Sequence[int]], by_rank: Mapping[int, Mapping[str, Any]]
+    ) -> list[Sequence[int]]:
         """The peer groups that replayed ``name`` (some member recorded it): another stage's groups never did."""
         if not self.topology.stage_dims:
             return list(groups)
@@ -127,7 +142,11 @@ class MeshCycle:
         different catalogs). Every rank computes the same answer from the same gathered values."""
         mine = torch.tensor([step, fingerprint], dtype=torch.int64)
         everyone = [torch.zeros(2, dtype=torch.int64) for _ in self.domain_ranks]
-        wait_all([dist.all_gather(everyone, mine, group=self.domain, async_op=True)], self.timeout, "scout mesh hello")
+        wait_all(
+            [dist.all_gather(everyone, mine, group=self.domain, async_op=True)],
+            self.timeout,
+            "scout mesh hello",
+        )
         steps = {rank: int(t[0]) for rank, t in zip(self.domain_ranks, everyone, strict=True)}
         prints = {rank: int(t[1]) for rank, t in zip(self.domain_ranks, everyone, strict=True)}
         if len(set(steps.values())) > 1:
@@ -137,8 +156,13 @@ class MeshCycle:
                 return f"peers disagree on the recipe catalog (peer group {list(group)}); nothing was replayed"
         return None
 
-    def gather_slice(self, recipe: Recipe, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                     step: int) -> tuple[Captured, float]:
+    def gather_slice(
+        self,
+        recipe: Recipe,
+        params: Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        step: int,
+    ) -> tuple[Captured, float]:
         """Collective: this rank's optimizer-slice inputs gathered whole along the shard dims, and the seconds.
 
         Every rank gathers (a gather is collective), so every peer also holds what the source sends; the source's
@@ -153,8 +177,9 @@ class MeshCycle:
         live.tensors = {key: local_tensor(tensor).detach() for key, tensor in gathered.items()}
         return live, seconds
 
-    def blocked(self, due: Sequence[Recipe], received: Mapping[str, Captured],
-                wire_error: str | None) -> dict[str, str]:
+    def blocked(
+        self, due: Sequence[Recipe], received: Mapping[str, Captured], wire_error: str | None
+    ) -> dict[str, str]:
         """Collective when a due recipe replays with collectives: which of those no rank may replay, and why.
 
         A rank without inputs would skip the replay and leave its TP partners (in another peer group) waiting in
@@ -162,33 +187,56 @@ class MeshCycle:
         names = [r.name for r in due if r.name in self.collective_recipes]
         if not names:
             return {}
-        ready = torch.tensor([int(wire_error is None and (c := received.get(n)) is not None and c.error is None)
-                              for n in names], dtype=torch.int64)
+        ready = torch.tensor(
+            [
+                int(wire_error is None and (c := received.get(n)) is not None and c.error is None)
+                for n in names
+            ],
+            dtype=torch.int64,
+        )
         everyone = [torch.zeros(len(names), dtype=torch.int64) for _ in self.domain_ranks]
-        wait_all([dist.all_gather(everyone, ready, group=self.domain, async_op=True)], self.timeout,
-                 "scout replay readiness")
+        wait_all(
+            [dist.all_gather(everyone, ready, group=self.domain, async_op=True)],
+            self.timeout,
+            "scout replay readiness",
+        )
         out = {}
         for i, name in enumerate(names):
-            missing = [rank for rank, flags in zip(self.domain_ranks, everyone, strict=True) if not int(flags[i])]
+            missing = [
+                rank
+                for rank, flags in zip(self.domain_ranks, everyone, strict=True)
+                if not int(flags[i])
+            ]
             if missing:
-                out[name] = (f"not replayed on any rank: ranks {missing} have no inputs for it, and its replay runs "
-                             f"collectives along {list(self._model_dims[name])} across peer groups")
+                out[name] = (
+                    f"not replayed on any rank: ranks {missing} have no inputs for it, and its replay runs "
+                    f"collectives along {list(self._model_dims[name])} across peer groups"
+                )
         return out
 
     # -- evidence (pure, from the gathered records) -----------------------------------------------------------------
-    def side_times(self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]],
-                   key: str) -> dict[str, dict[int, float]]:
+    def side_times(
+        self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]], key: str
+    ) -> dict[str, dict[int, float]]:
         """``key`` ("gather_s" or "collective_s") per recipe per rank, for the ranks that recorded it."""
         out: dict[str, dict[int, float]] = {}
         for recipe in due:
-            found = {rank: float(rec[key]) for rank, entry in by_rank.items()
-                     if (rec := entry["records"].get(recipe.name)) and rec.get(key) is not None}
+            found = {
+                rank: float(rec[key])
+                for rank, entry in by_rank.items()
+                if (rec := entry["records"].get(recipe.name)) and rec.get(key) is not None
+            }
             if found:
                 out[recipe.name] = found
         return out
 
-    def comm_reports(self, step: int, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]],
-                     config: StragglerConfig | None) -> list[FaultReport]:
+    def comm_reports(
+        self,
+        step: int,
+        due: Sequence[Recipe],
+        by_rank: Mapping[int, Mapping[str, Any]],
+        config: StragglerConfig | None,
+    ) -> list[FaultReport]:
         """Communication-straggler reports from this cycle's gather and replay-collective times.
 
         One detector per channel (gathers along the shard dims; replay collectives along each set of model dims).
@@ -200,8 +248,14 @@ class MeshCycle:
         collectives = self.side_times(due, by_rank, "collective_s")
         rounds: dict[tuple[str, tuple[str, ...]], dict[tuple[int, ...], float]] = {}
         for recipe in due:
-            channels = (("gather", self.topology.shard_dims, gathers.get(recipe.name, {})),
-                        ("collective", self._model_dims.get(recipe.name, ()), collectives.get(recipe.name, {})))
+            channels = (
+                ("gather", self.topology.shard_dims, gathers.get(recipe.name, {})),
+                (
+                    "collective",
+                    self._model_dims.get(recipe.name, ()),
+                    collectives.get(recipe.name, {}),
+                ),
+            )
             for channel, dims, seconds in channels:
                 if not dims or set(seconds) != set(self.domain_ranks):
                     continue  # nothing ran along this channel, or some rank did not get that far
@@ -213,7 +267,10 @@ class MeshCycle:
             if len(totals) < 2:
                 continue  # one group (e.g. pure FSDP's single shard group): nothing to compare it with
             name = f"{channel}[{','.join(dims)}]"
-            timings = {f"{name}:{'-'.join(map(str, g))}": GroupTiming(frozenset(g), t) for g, t in totals.items()}
+            timings = {
+                f"{name}:{'-'.join(map(str, g))}": GroupTiming(frozenset(g), t)
+                for g, t in totals.items()
+            }
             detector = self._detectors.setdefault(name, CommStragglerDetector(config))
             report = detector.observe(step, timings)
             if report is not None:

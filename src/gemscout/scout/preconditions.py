@@ -35,7 +35,14 @@ __all__ = [
 
 # Checked in this order; the first field that disagrees is the one a reason names. Cheap identity fields come first
 # because a peer on another step also has other inputs, and "step" is the more useful thing to be told.
-PRECONDITION_FIELDS: tuple[str, ...] = ("step", "recipe", "shapes", "input_digest", "rng_digest", "param_digest")
+PRECONDITION_FIELDS: tuple[str, ...] = (
+    "step",
+    "recipe",
+    "shapes",
+    "input_digest",
+    "rng_digest",
+    "param_digest",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,10 +72,14 @@ class Precondition:
         try:
             shapes = tuple(tuple(shape) for shape in self.shapes)
         except TypeError:
-            raise ValueError(f"Precondition.shapes must be a sequence of shapes, got {self.shapes!r}") from None
+            raise ValueError(
+                f"Precondition.shapes must be a sequence of shapes, got {self.shapes!r}"
+            ) from None
         for shape in shapes:
             if any(type(size) is not int or size < 0 for size in shape):
-                raise ValueError(f"Precondition.shapes must hold non-negative int sizes, got {shape!r}")
+                raise ValueError(
+                    f"Precondition.shapes must hold non-negative int sizes, got {shape!r}"
+                )
         object.__setattr__(self, "shapes", shapes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,14 +104,22 @@ class Precondition:
         Raises :class:`~gemscout.errors.EvidenceError` for a non-mapping, missing or unknown keys, or invalid values.
         """
         if not isinstance(data, Mapping):
-            raise EvidenceError(f"precondition record must be a JSON object, got {type(data).__name__}")
+            raise EvidenceError(
+                f"precondition record must be a JSON object, got {type(data).__name__}"
+            )
         missing = sorted(set(PRECONDITION_FIELDS) - set(data))
         unknown = sorted(set(data) - set(PRECONDITION_FIELDS))
         if missing or unknown:
-            raise EvidenceError(f"precondition record keys do not match: missing {missing}, unknown {unknown}")
+            raise EvidenceError(
+                f"precondition record keys do not match: missing {missing}, unknown {unknown}"
+            )
         shapes = data["shapes"]
-        if not isinstance(shapes, list | tuple) or not all(isinstance(shape, list | tuple) for shape in shapes):
-            raise EvidenceError(f"precondition record 'shapes' must be a list of lists, got {shapes!r}")
+        if not isinstance(shapes, list | tuple) or not all(
+            isinstance(shape, list | tuple) for shape in shapes
+        ):
+            raise EvidenceError(
+                f"precondition record 'shapes' must be a list of lists, got {shapes!r}"
+            )
         try:
             return cls(**{name: data[name] for name in PRECONDITION_FIELDS})
         except ValueError as exc:
@@ -137,21 +156,27 @@ class PreconditionMismatch:
         )
 
 
-def find_precondition_mismatch(records_by_rank: Mapping[int, Precondition]) -> PreconditionMismatch | None:
+def find_precondition_mismatch(
+    records_by_rank: Mapping[int, Precondition],
+) -> PreconditionMismatch | None:
     """Return the first field (in :data:`PRECONDITION_FIELDS` order) on which the records differ, or None.
 
     Raises ``TypeError`` when a value is not a :class:`Precondition`.
     """
     for rank, record in records_by_rank.items():
         if not isinstance(record, Precondition):
-            raise TypeError(f"records_by_rank[{rank!r}] must be a Precondition, got {type(record).__name__}")
+            raise TypeError(
+                f"records_by_rank[{rank!r}] must be a Precondition, got {type(record).__name__}"
+            )
     for name in PRECONDITION_FIELDS:
         by_value: dict[Any, list[int]] = {}
         for rank in sorted(records_by_rank):
             by_value.setdefault(getattr(records_by_rank[rank], name), []).append(rank)
         if len(by_value) == 1:
             continue
-        groups = sorted((tuple(ranks) for ranks in by_value.values()), key=lambda group: (-len(group), group[0]))
+        groups = sorted(
+            (tuple(ranks) for ranks in by_value.values()), key=lambda group: (-len(group), group[0])
+        )
         if len(groups[0]) > len(groups[1]):
             disagreeing = tuple(sorted(rank for group in groups[1:] for rank in group))
         else:
@@ -167,7 +192,9 @@ def check_preconditions(records_by_rank: Mapping[int, Precondition]) -> str | No
     return None if mismatch is None else mismatch.reason
 
 
-def _inconclusive(recipe: str, step: int, digests_by_rank: Mapping[int, str], reason: str) -> C3Result:
+def _inconclusive(
+    recipe: str, step: int, digests_by_rank: Mapping[int, str], reason: str
+) -> C3Result:
     return C3Result(
         verdict=Verdict.INCONCLUSIVE,
         recipe=recipe,
@@ -230,8 +257,13 @@ def judge(
     return c3(digests_by_rank, recipe=recipe, step=step)
 
 
-def _diverged(records_by_rank: Mapping[int, Precondition], mismatch: PreconditionMismatch, *, recipe: str,
-              step: int) -> C3Result:
+def _diverged(
+    records_by_rank: Mapping[int, Precondition],
+    mismatch: PreconditionMismatch,
+    *,
+    recipe: str,
+    step: int,
+) -> C3Result:
     """Peers agree on everything they replay from (step, recipe, shapes, inputs, RNG) but hold different parameters.
 
     Peers are replicas: their own parameters (and buffers, and for an optimizer slice its hyper-parameters) must be
@@ -239,12 +271,20 @@ def _diverged(records_by_rank: Mapping[int, Precondition], mismatch: Preconditio
     earlier. It is judged like an output, by strict majority over the parameter digests: the odd rank is named, and
     with no majority (two peers, a tie) the corruption is detected without a culprit. The outputs are not compared
     (they differ because the parameters do). The result's digests are the parameter digests."""
-    result = c3({rank: record.param_digest for rank, record in records_by_rank.items()}, recipe=recipe, step=step)
+    result = c3(
+        {rank: record.param_digest for rank, record in records_by_rank.items()},
+        recipe=recipe,
+        step=step,
+    )
     split = " | ".join(str(list(group)) for group in mismatch.groups)
     if result.verdict is Verdict.ATTRIBUTED:
-        reason = (f"parameters diverged: ranks {list(result.ranks)} hold parameters of {recipe!r} that differ from the "
-                  f"majority's (ranks by parameter digest: {split}); outputs were not compared")
+        reason = (
+            f"parameters diverged: ranks {list(result.ranks)} hold parameters of {recipe!r} that differ from the "
+            f"majority's (ranks by parameter digest: {split}); outputs were not compared"
+        )
     else:
-        reason = (f"parameters diverged without a strict majority (ranks by parameter digest: {split}): detection "
-                  "without a culprit; outputs were not compared")
+        reason = (
+            f"parameters diverged without a strict majority (ranks by parameter digest: {split}): detection "
+            "without a culprit; outputs were not compared"
+        )
     return dataclasses.replace(result, reason=reason)

@@ -93,7 +93,9 @@ def _inside(name: str, container: str | None) -> bool:
 def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
     if config.blocks is not None:
         if not isinstance(_resolve(model, config.blocks, "blocks"), nn.ModuleList | nn.ModuleDict):
-            raise ConfigError(f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList (or ModuleDict) of blocks")
+            raise ConfigError(
+                f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList (or ModuleDict) of blocks"
+            )
         return config.blocks
     best: tuple[int, str] | None = None
     for name, module in model.named_modules():
@@ -101,8 +103,14 @@ def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
             continue  # a ModuleDict: TorchTitan keeps its blocks in one ("layers": {"0": ..., "1": ...})
         # Repeated identical blocks: one type, and the same parameter shapes in each (not a list of assorted heads).
         children = list(module.children())
-        shapes = {tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in children}
-        if len({type(child) for child in children}) != 1 or len(shapes) != 1 or not next(iter(shapes)):
+        shapes = {
+            tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in children
+        }
+        if (
+            len({type(child) for child in children}) != 1
+            or len(shapes) != 1
+            or not next(iter(shapes))
+        ):
             continue
         size = sum(p.numel() for p in module.parameters())
         if best is None or size > best[0]:
@@ -110,7 +118,9 @@ def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
     return None if best is None else best[1]
 
 
-def _find_last(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None) -> str | None:
+def _find_last(
+    model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None
+) -> str | None:
     found = None
     for name, module in model.named_modules():
         if isinstance(module, types) and not _inside(name, exclude):
@@ -121,7 +131,9 @@ def _find_last(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: st
 def _is_norm(module: nn.Module) -> bool:
     # Model code often brings its own norm class (transformers' LlamaRMSNorm, Qwen2RMSNorm, T5LayerNorm): known by
     # its name, so the output recipe covers the final norm of those models too, not the head alone.
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(
+        ("LayerNorm", "RMSNorm")
+    )
 
 
 def _find_last_norm(model: nn.Module, exclude: str | None) -> str | None:
@@ -132,7 +144,9 @@ def _find_last_norm(model: nn.Module, exclude: str | None) -> str | None:
     return found
 
 
-def _find_first(model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None) -> str | None:
+def _find_first(
+    model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None
+) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, types) and not _inside(name, exclude):
             return name
@@ -143,12 +157,19 @@ def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """The optimizer's parameters by stable name, in optimizer order: the model's name for the parameter, else
     ``group<g>.param<i>`` (a parameter the optimizer holds but the model does not)."""
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
-    return {names.get(id(p), f"group{g}.param{i}"): p
-            for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+    return {
+        names.get(id(p), f"group{g}.param{i}"): p
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+    }
 
 
-def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound: int,
-                      owner: Callable[[str], str] | None = None) -> list[Recipe]:
+def _optimizer_slices(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    bound: int,
+    owner: Callable[[str], str] | None = None,
+) -> list[Recipe]:
     """Slices of whole parameters in optimizer order, named ``optimizer.<j>``; with ``owner`` (parameter name →
     stage label) a slice never spans two owners and is named ``<owner>.optimizer.<j>``, ``j`` counted per owner."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -160,8 +181,14 @@ def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound:
     def close() -> None:
         if current:
             j = count[label] = count.get(label, -1) + 1
-            slices.append(Recipe(name=f"{label}.optimizer.{j}" if label else f"optimizer.{j}",
-                                 kind=RecipeKind.OPTIMIZER, params=tuple(current), group_index=group))
+            slices.append(
+                Recipe(
+                    name=f"{label}.optimizer.{j}" if label else f"optimizer.{j}",
+                    kind=RecipeKind.OPTIMIZER,
+                    params=tuple(current),
+                    group_index=group,
+                )
+            )
 
     for name, param in optimizer_params(model, optimizer).items():
         g = group_of[id(param)]
@@ -177,8 +204,13 @@ def _optimizer_slices(model: nn.Module, optimizer: torch.optim.Optimizer, bound:
     return slices
 
 
-def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig,
-                  stage: str = "", chunk_labels: Sequence[str] = ()) -> Catalog:
+def build_catalog(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ScoutConfig,
+    stage: str = "",
+    chunk_labels: Sequence[str] = (),
+) -> Catalog:
     """Find the recipe boundaries in ``model`` (DDP's ``.module`` is unwrapped) and list every recipe.
 
     ``stage``: this rank's pipeline stage label (``Topology.stage_label``); non-empty means ``model`` is one stage:
@@ -192,38 +224,60 @@ def build_catalog(model: nn.Module, optimizer: torch.optim.Optimizer | None, con
     model = unwrap(model)
     if chunk_labels:
         if not isinstance(model, nn.ModuleList) or len(model) != len(chunk_labels):
-            raise ConfigError(f"SCOUT: {len(chunk_labels)} stages on this rank need an nn.ModuleList of that many "
-                              f"stage modules; got {type(model).__name__}")
+            raise ConfigError(
+                f"SCOUT: {len(chunk_labels)} stages on this rank need an nn.ModuleList of that many "
+                f"stage modules; got {type(model).__name__}"
+            )
         recipes = _chunk_recipes(model, optimizer, config, chunk_labels)
     else:
         recipes = _recipes(model, optimizer, config, stage)
     if stage and not recipes:
-        raise ConfigError(f"ScoutConfig.recipes: pipeline stage {stage} holds none of the recipe kinds "
-                          f"{list(config.recipes)}; enable 'optimizer' (every stage has parameters)")
+        raise ConfigError(
+            f"ScoutConfig.recipes: pipeline stage {stage} holds none of the recipe kinds "
+            f"{list(config.recipes)}; enable 'optimizer' (every stage has parameters)"
+        )
     return Catalog(tuple(recipes), config)
 
 
-def _chunk_recipes(model: nn.ModuleList, optimizer: torch.optim.Optimizer | None, config: ScoutConfig,
-                   labels: Sequence[str]) -> list[Recipe]:
+def _chunk_recipes(
+    model: nn.ModuleList,
+    optimizer: torch.optim.Optimizer | None,
+    config: ScoutConfig,
+    labels: Sequence[str],
+) -> list[Recipe]:
     """Every stage module's forward recipes (paths through ``model``), then the optimizer slices, per stage."""
     paths = {id(m): name for name, m in model.named_modules()}
     recipes: list[Recipe] = []
     for chunk, label in zip(model, labels, strict=True):
         inner = unwrap(chunk)
         prefix = paths[id(inner)] + "."
-        recipes += [dataclasses.replace(r, modules=tuple(prefix + m for m in r.modules))
-                    for r in _recipes(inner, None, config, label, optimizer_kind=False)]
+        recipes += [
+            dataclasses.replace(r, modules=tuple(prefix + m for m in r.modules))
+            for r in _recipes(inner, None, config, label, optimizer_kind=False)
+        ]
     if "optimizer" in config.recipes:
         if optimizer is None:
-            raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
+            raise ConfigError(
+                "ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it"
+            )
         owner = {n: labels[int(n.split(".", 1)[0])] for n, _ in model.named_parameters()}
-        recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel,
-                                     owner=lambda name: owner.get(name, labels[0]))
+        recipes += _optimizer_slices(
+            model,
+            optimizer,
+            config.optimizer_slice_numel,
+            owner=lambda name: owner.get(name, labels[0]),
+        )
     return recipes
 
 
-def _recipes(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ScoutConfig, stage: str,
-             *, optimizer_kind: bool = True) -> list[Recipe]:
+def _recipes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ScoutConfig,
+    stage: str,
+    *,
+    optimizer_kind: bool = True,
+) -> list[Recipe]:
     enabled = set(config.recipes)
     if not optimizer_kind:
         enabled.discard("optimizer")
@@ -250,30 +304,48 @@ def _recipes(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: 
     if "embedding" in enabled:
         path = config.embedding or _find_first(model, (nn.Embedding,), blocks)
         if path is None:
-            raise ConfigError("ScoutConfig.embedding: no nn.Embedding found in the model; name the embedding module "
-                              "(e.g. embedding='tok_embeddings') or drop 'embedding' from ScoutConfig.recipes")
+            raise ConfigError(
+                "ScoutConfig.embedding: no nn.Embedding found in the model; name the embedding module "
+                "(e.g. embedding='tok_embeddings') or drop 'embedding' from ScoutConfig.recipes"
+            )
         _resolve(model, path, "embedding")
         recipes.append(Recipe(name="embedding", kind=RecipeKind.EMBEDDING, modules=(path,)))
     if "hidden" in enabled:
         if blocks is None:
-            raise ConfigError("ScoutConfig.blocks: no nn.ModuleList of identical blocks found in the model; name it "
-                              "(e.g. blocks='layers') or drop 'hidden' from ScoutConfig.recipes")
-        keys = [key for key, _ in model.get_submodule(blocks).named_children()]  # "0", "1", ... (list or dict)
-        recipes += [Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{key}",))
-                    for i, key in enumerate(keys)]
+            raise ConfigError(
+                "ScoutConfig.blocks: no nn.ModuleList of identical blocks found in the model; name it "
+                "(e.g. blocks='layers') or drop 'hidden' from ScoutConfig.recipes"
+            )
+        keys = [
+            key for key, _ in model.get_submodule(blocks).named_children()
+        ]  # "0", "1", ... (list or dict)
+        recipes += [
+            Recipe(name=f"hidden.{i}", kind=RecipeKind.HIDDEN, modules=(f"{blocks}.{key}",))
+            for i, key in enumerate(keys)
+        ]
     if "output" in enabled:
         head = config.head or _find_last(model, (nn.Linear,), blocks)
         if head is None:
-            raise ConfigError("ScoutConfig.head: no nn.Linear head found outside the blocks; name the head "
-                              "(e.g. head='lm_head') or drop 'output' from ScoutConfig.recipes")
+            raise ConfigError(
+                "ScoutConfig.head: no nn.Linear head found outside the blocks; name the head "
+                "(e.g. head='lm_head') or drop 'output' from ScoutConfig.recipes"
+            )
         _resolve(model, head, "head")
         norm = config.norm or _find_last_norm(model, blocks)
         if norm is not None:
             _resolve(model, norm, "norm")
-        recipes.append(Recipe(name="output", kind=RecipeKind.OUTPUT, modules=(head,) if norm is None else (norm, head)))
+        recipes.append(
+            Recipe(
+                name="output",
+                kind=RecipeKind.OUTPUT,
+                modules=(head,) if norm is None else (norm, head),
+            )
+        )
     if "optimizer" in enabled:
         if optimizer is None:
-            raise ConfigError("ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it")
+            raise ConfigError(
+                "ScoutConfig.recipes: 'optimizer' needs the optimizer; pass it to attach() or drop it"
+            )
         recipes += _optimizer_slices(model, optimizer, config.optimizer_slice_numel)
     if stage:
         recipes = [dataclasses.replace(r, name=f"{stage}.{r.name}") for r in recipes]
@@ -302,7 +374,9 @@ class Catalog:
 
     def fingerprint(self) -> int:
         """A signed 64-bit fingerprint of the recipe ids, modules and slices; equal on peers with equal catalogs."""
-        text = json.dumps([[r.name, list(r.modules), list(r.params), r.group_index] for r in self.recipes])
+        text = json.dumps(
+            [[r.name, list(r.modules), list(r.params), r.group_index] for r in self.recipes]
+        )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
     def due(self, step: int) -> tuple[Recipe, ...]:
@@ -330,8 +404,10 @@ class Catalog:
     def _take(self, kind: RecipeKind, turn: int) -> tuple[Recipe, ...]:
         """The members of ``kind`` replayed at its ``turn``-th due step (every member with no per-cycle limit)."""
         members = self._by_kind[kind]
-        take = {RecipeKind.HIDDEN: self.config.hidden_per_cycle,
-                RecipeKind.OPTIMIZER: self.config.optimizer_slices_per_cycle}.get(kind)
+        take = {
+            RecipeKind.HIDDEN: self.config.hidden_per_cycle,
+            RecipeKind.OPTIMIZER: self.config.optimizer_slices_per_cycle,
+        }.get(kind)
         if take is None or take >= len(members):
             return tuple(members)
         return tuple(members[(turn * take + j) % len(members)] for j in range(take))

@@ -35,7 +35,14 @@ from torch.utils.hooks import RemovableHandle
 from gemscout.scout.call_args import decode
 from gemscout.scout.capture import Captured, expand_flat, from_json_value, output_tensors
 
-__all__ = ["ReplayContext", "ReplayHook", "ReplayHooks", "ReplayOutcome", "replay_forward", "replay_optimizer"]
+__all__ = [
+    "ReplayContext",
+    "ReplayHook",
+    "ReplayHooks",
+    "ReplayOutcome",
+    "replay_forward",
+    "replay_optimizer",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,8 +86,9 @@ class ReplayHooks:
         return handle
 
     @staticmethod
-    def run(registry: OrderedDict[int, ReplayHook], ctx: ReplayContext,
-            tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(
+        registry: OrderedDict[int, ReplayHook], ctx: ReplayContext, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         for hook in list(registry.values()):
             replaced = hook(ctx, dict(tensors))
             if replaced is not None:
@@ -122,7 +130,9 @@ def _train_mode(modules: Sequence[nn.Module], training: bool) -> Iterator[None]:
 
 
 def _private(module: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = {name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()}
+    tensors = {
+        name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()
+    }
     tensors.update(dict(module.named_buffers()))
     return tensors
 
@@ -138,13 +148,18 @@ def _tensor_specs(spec: Any) -> Iterator[Mapping[str, Any]]:
     if isinstance(spec, dict):
         if "tensor" in spec:
             yield spec
-        for nested in (spec.get("tuple") or spec.get("list") or [s for _, s in spec.get("dict", ())]):
+        for nested in spec.get("tuple") or spec.get("list") or [s for _, s in spec.get("dict", ())]:
             yield from _tensor_specs(nested)
 
 
 def replay_forward(
-    modules: Sequence[nn.Module], paths: Sequence[str], captured: Captured, ctx: ReplayContext, hooks: ReplayHooks,
-    *, params: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    modules: Sequence[nn.Module],
+    paths: Sequence[str],
+    captured: Captured,
+    ctx: ReplayContext,
+    hooks: ReplayHooks,
+    *,
+    params: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> ReplayOutcome:
     """Run ``modules`` in sequence on the captured inputs, then backward from the captured output gradients.
 
@@ -159,10 +174,15 @@ def replay_forward(
     device = next((p.device for p in modules[0].parameters()), torch.device("cpu"))
     inputs = {k: t for k, t in tensors.items() if k.startswith(("arg.", "kwarg."))}
     inputs = ReplayHooks.run(hooks.inputs, ctx, inputs)
-    wants_grad = {spec["tensor"]: spec["grad"] for top in [*meta["args"], *meta["kwargs"].values()]
-                  for spec in _tensor_specs(top)}
-    leaves = {k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
-              for k, t in inputs.items()}
+    wants_grad = {
+        spec["tensor"]: spec["grad"]
+        for top in [*meta["args"], *meta["kwargs"].values()]
+        for spec in _tensor_specs(top)
+    }
+    leaves = {
+        k: t.detach().to(device).requires_grad_(wants_grad.get(k, False) and t.is_floating_point())
+        for k, t in inputs.items()
+    }
     # An activation-checkpoint wrapper (TorchTitan's SelectiveAC / full AC) would recompute the forward during the
     # backward below, after functional_call has put the live (sharded) parameters back: replay what it wraps. Its
     # parameter names are the wrapped module's already (the wrapper strips its prefix).
@@ -170,14 +190,22 @@ def replay_forward(
     if params is None:
         private = [_private(module) for module in modules]
     else:
-        private = [{**{n: t.detach().requires_grad_(t.requires_grad) for n, t in given.items()},
-                    **dict(module.named_buffers())} for given, module in zip(params, modules, strict=True)]
+        private = [
+            {
+                **{n: t.detach().requires_grad_(t.requires_grad) for n, t in given.items()},
+                **dict(module.named_buffers()),
+            }
+            for given, module in zip(params, modules, strict=True)
+        ]
     autocast = meta["autocast"]
     with (
         _replay_rng(tensors, device),
         _train_mode(modules, bool(meta["training"])),
-        torch.autocast(autocast["device_type"], dtype=getattr(torch, autocast["dtype"].split(".")[-1]),
-                       enabled=bool(autocast["enabled"])),
+        torch.autocast(
+            autocast["device_type"],
+            dtype=getattr(torch, autocast["dtype"].split(".")[-1]),
+            enabled=bool(autocast["enabled"]),
+        ),
         torch.enable_grad(),
     ):
         # A cache argument is rebuilt fresh and empty here (call_args): the live one is never handed to the replay.
@@ -188,22 +216,39 @@ def replay_forward(
             out = functional_call(module, named, (out,))
     outs = output_tensors(out)
     results = {key: _local(tensor.detach()) for key, tensor in outs.items()}
-    pairs = [(outs[k], tensors[f"grad_output.{k}"].to(device)) for k in meta["grad_outputs"]
-             if k in outs and outs[k].requires_grad and f"grad_output.{k}" in tensors]
+    pairs = [
+        (outs[k], tensors[f"grad_output.{k}"].to(device))
+        for k in meta["grad_outputs"]
+        if k in outs and outs[k].requires_grad and f"grad_output.{k}" in tensors
+    ]
     if pairs:
-        wrt = [(f"grad.input.{k}", leaf) for k, leaf in sorted(leaves.items()) if leaf.requires_grad]
+        wrt = [
+            (f"grad.input.{k}", leaf) for k, leaf in sorted(leaves.items()) if leaf.requires_grad
+        ]
         for path, named in zip(paths, private, strict=True):
             wrt += [(f"grad.param.{path}.{n}", t) for n, t in named.items() if t.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt], grad_outputs=[g for _, g in pairs],
-                                    allow_unused=True)
-        results.update({name: _local(g) for (name, _), g in zip(wrt, grads, strict=True) if g is not None})
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs],
+            [t for _, t in wrt],
+            grad_outputs=[g for _, g in pairs],
+            allow_unused=True,
+        )
+        results.update(
+            {name: _local(g) for (name, _), g in zip(wrt, grads, strict=True) if g is not None}
+        )
     results = ReplayHooks.run(hooks.outputs, ctx, results)
     return ReplayOutcome(results, time.perf_counter() - start)
 
 
 def replay_optimizer(
-    optimizer_cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], captured: Captured,
-    ctx: ReplayContext, hooks: ReplayHooks, device: torch.device | None = None, *, consume: bool = False,
+    optimizer_cls: type[torch.optim.Optimizer],
+    defaults: Mapping[str, Any],
+    captured: Captured,
+    ctx: ReplayContext,
+    hooks: ReplayHooks,
+    device: torch.device | None = None,
+    *,
+    consume: bool = False,
 ) -> ReplayOutcome:
     """Run one update of ``optimizer_cls`` on private copies of the captured slice.
 
@@ -224,9 +269,15 @@ def replay_optimizer(
     # returned) is copied so the update cannot reach it.
     owned = {k for k, t in inputs.items() if consume and captured.tensors.get(k) is t}
     flat = meta.get("flat") or {}
-    updated_in_place = {k: inputs[k] for k in flat if k in owned}  # received flat tensors the update writes into
-    if flat:  # a flattened slice (capture_optimizer(flat=True)): per-parameter views of its flat tensors
-        owned |= {key for flat_key, members in flat.items() if flat_key in owned for key, _ in members}
+    updated_in_place = {
+        k: inputs[k] for k in flat if k in owned
+    }  # received flat tensors the update writes into
+    if (
+        flat
+    ):  # a flattened slice (capture_optimizer(flat=True)): per-parameter views of its flat tensors
+        owned |= {
+            key for flat_key, members in flat.items() if flat_key in owned for key, _ in members
+        }
         inputs = expand_flat(inputs, flat)
 
     def private(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -238,10 +289,10 @@ def replay_optimizer(
     hyper_tensors: dict[str, torch.Tensor] = {}
     for key, tensor in inputs.items():
         if key.startswith("state."):
-            name, _, field = key[len("state."):].partition("#")
+            name, _, field = key[len("state.") :].partition("#")
             states.setdefault(name, {})[field] = private(key, tensor)
         elif key.startswith("hyper."):
-            hyper_tensors[key[len("hyper."):]] = tensor.clone()
+            hyper_tensors[key[len("hyper.") :]] = tensor.clone()
     copies: dict[str, torch.Tensor] = {}
     for name in meta["params"]:
         key = f"param.{name}"
@@ -274,8 +325,9 @@ def replay_optimizer(
     return ReplayOutcome(results, time.perf_counter() - start)
 
 
-def _flatten_outputs(results: dict[str, torch.Tensor], names: list[str],
-                     updated_in_place: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _flatten_outputs(
+    results: dict[str, torch.Tensor], names: list[str], updated_in_place: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``param.<name>`` → ``flat.param`` and ``state.<name>#<key>`` → ``flat.state#<key>`` (values in ``names``
     order), for each kind every parameter has in one dtype; other outputs stay as they are. When the members are
     still, in order, the received flat tensor the update wrote into (``updated_in_place``), that tensor is the
@@ -290,8 +342,11 @@ def _flatten_outputs(results: dict[str, torch.Tensor], names: list[str],
         if len(present) != len(keys) or len({(t.dtype, t.device) for t in present}) != 1:
             continue
         target = updated_in_place.get(f"flat.{kind}")
-        out[f"flat.{kind}"] = target if target is not None and _tiles(present, target) else \
-            _flatten_dense_tensors(present)
+        out[f"flat.{kind}"] = (
+            target
+            if target is not None and _tiles(present, target)
+            else _flatten_dense_tensors(present)
+        )
         for k in keys:
             del out[k]
     return out

@@ -41,7 +41,9 @@ class Scope(enum.StrEnum):
     """How precisely the fault is localized."""
 
     RANK = "rank"  # the named ranks are the culprits
-    PEER_GROUP = "peer_group"  # something in this group of peers is wrong, but no culprit can be named
+    PEER_GROUP = (
+        "peer_group"  # something in this group of peers is wrong, but no culprit can be named
+    )
     NODE = "node"  # the fault belongs to a host; ``host`` names it and ``ranks`` are the ranks seen on it
 
 
@@ -71,11 +73,15 @@ def _canonical_evidence(evidence: Mapping[str, Any]) -> Mapping[str, Any]:
     only after serialization).
     """
     if not isinstance(evidence, Mapping):
-        raise ValueError(f"FaultReport.evidence must be a mapping of str to JSON values, got {type(evidence).__name__}")
+        raise ValueError(
+            f"FaultReport.evidence must be a mapping of str to JSON values, got {type(evidence).__name__}"
+        )
     try:
         text = json.dumps(_thaw(evidence), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"FaultReport.evidence must be JSON-serializable without NaN/inf: {exc}") from exc
+        raise ValueError(
+            f"FaultReport.evidence must be JSON-serializable without NaN/inf: {exc}"
+        ) from exc
     return _freeze(json.loads(text))  # type: ignore[no-any-return]
 
 
@@ -132,17 +138,25 @@ class FaultReport:
         if type(self.step) is not int or self.step < 0:
             raise ValueError(f"FaultReport.step must be an int >= 0, got {self.step!r}")
         if type(self.confirmations) is not int or self.confirmations < 1:
-            raise ValueError(f"FaultReport.confirmations must be an int >= 1, got {self.confirmations!r}")
+            raise ValueError(
+                f"FaultReport.confirmations must be an int >= 1, got {self.confirmations!r}"
+            )
         if not isinstance(self.reason, str) or not self.reason:
             raise ValueError("FaultReport.reason must be a non-empty string")
         if self.recipe is not None and (not isinstance(self.recipe, str) or not self.recipe):
-            raise ValueError(f"FaultReport.recipe must be a non-empty string or None, got {self.recipe!r}")
+            raise ValueError(
+                f"FaultReport.recipe must be a non-empty string or None, got {self.recipe!r}"
+            )
         if self.host is not None and (not isinstance(self.host, str) or not self.host):
-            raise ValueError(f"FaultReport.host must be a non-empty string or None, got {self.host!r}")
+            raise ValueError(
+                f"FaultReport.host must be a non-empty string or None, got {self.host!r}"
+            )
         if self.scope is Scope.NODE and self.host is None:
             raise ValueError("FaultReport.host must name the node when scope is 'node'")
         if isinstance(self.timestamp, bool) or not isinstance(self.timestamp, int | float):
-            raise ValueError(f"FaultReport.timestamp must be a number of seconds, got {self.timestamp!r}")
+            raise ValueError(
+                f"FaultReport.timestamp must be a number of seconds, got {self.timestamp!r}"
+            )
         if not math.isfinite(self.timestamp):
             raise ValueError(f"FaultReport.timestamp must be finite, got {self.timestamp!r}")
         object.__setattr__(self, "timestamp", float(self.timestamp))
@@ -181,7 +195,9 @@ class FaultReport:
         missing = sorted(expected - set(data))
         unknown = sorted(set(data) - expected)
         if missing or unknown:
-            raise EvidenceError(f"fault report keys do not match: missing {missing}, unknown {unknown}")
+            raise EvidenceError(
+                f"fault report keys do not match: missing {missing}, unknown {unknown}"
+            )
         if data["version"] != REPORT_VERSION:
             raise EvidenceError(
                 f"fault report version {data['version']!r} is not supported (expected {REPORT_VERSION})"

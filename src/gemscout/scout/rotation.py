@@ -34,7 +34,11 @@ def is_sdc(result: C3Result) -> bool:
     """True when the result shows corrupted output: attributed, or outputs differ with no majority (two peers)."""
     if result.verdict is Verdict.ATTRIBUTED:
         return True
-    return result.verdict is Verdict.INCONCLUSIVE and result.preconditions_ok and result.outputs_disagree
+    return (
+        result.verdict is Verdict.INCONCLUSIVE
+        and result.preconditions_ok
+        and result.outputs_disagree
+    )
 
 
 class RotationTracker:
@@ -43,8 +47,14 @@ class RotationTracker:
     def __init__(self, catalog: Iterable[str]) -> None:
         """``catalog``: every recipe id of the rotation (non-empty, no duplicates); raises ``ValueError`` otherwise."""
         names = tuple(catalog)
-        if not names or any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
-            raise ValueError(f"RotationTracker needs a non-empty list of distinct recipe ids, got {names!r}")
+        if (
+            not names
+            or any(not isinstance(n, str) or not n for n in names)
+            or len(set(names)) != len(names)
+        ):
+            raise ValueError(
+                f"RotationTracker needs a non-empty list of distinct recipe ids, got {names!r}"
+            )
         self.catalog = names
         self._last_clean: dict[str, int] = {}
         self._last_step: int | None = None
@@ -88,12 +98,18 @@ class RotationTracker:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"steps must increase: got {step} after {self._last_step}; reset() after a rewind")
+            raise ValueError(
+                f"steps must increase: got {step} after {self._last_step}; reset() after a rewind"
+            )
         for name, result in results.items():
             if name not in self.catalog:
-                raise ValueError(f"recipe {name!r} is not in the rotation catalog {list(self.catalog)}")
+                raise ValueError(
+                    f"recipe {name!r} is not in the rotation catalog {list(self.catalog)}"
+                )
             if not isinstance(result, C3Result):
-                raise TypeError(f"results[{name!r}] must be a C3Result, got {type(result).__name__}")
+                raise TypeError(
+                    f"results[{name!r}] must be a C3Result, got {type(result).__name__}"
+                )
         self._last_step = step
         if any(is_sdc(result) for result in results.values()):
             # Clean passes of this very step do not count either: the SDC may already be in what they vouched for.

@@ -20,7 +20,9 @@ class ReplaySeams:
 
     def __init__(self) -> None:
         self._hooks = ReplayHooks()
-        self._collective_hooks: OrderedDict[int, Callable[[ReplayContext, str], None]] = OrderedDict()
+        self._collective_hooks: OrderedDict[int, Callable[[ReplayContext, str], None]] = (
+            OrderedDict()
+        )
         self._current: ReplayContext | None = None
 
     @property
@@ -33,7 +35,9 @@ class ReplaySeams:
         precondition digests are taken before it runs. For fault injection and instrumentation."""
         return ReplayHooks.add(self._hooks.inputs, hook)
 
-    def register_replay_collective_hook(self, hook: Callable[[ReplayContext, str], None]) -> RemovableHandle:
+    def register_replay_collective_hook(
+        self, hook: Callable[[ReplayContext, str], None]
+    ) -> RemovableHandle:
         """Call ``hook(ctx, op)`` on this rank right before each collective a replay issues (the TP all-reduces of a
         TP-sharded block); ``op`` names the collective. For fault injection: a delayed collective."""
         if not callable(hook):

@@ -78,7 +78,9 @@ class Topology:
         if len(self.dims) != len(self.shape) or len(set(self.dims)) != len(self.dims):
             raise ValueError(f"Topology: dims {self.dims} and shape {self.shape} do not match")
         if math.prod(self.shape) != len(self.ranks) or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"Topology: {len(self.ranks)} ranks do not fill a mesh of shape {self.shape}")
+            raise ValueError(
+                f"Topology: {len(self.ranks)} ranks do not fill a mesh of shape {self.shape}"
+            )
         for name in ("data_dims", "shard_dims", "peer_dims", "stage_dims"):
             unknown = [d for d in getattr(self, name) if d not in self.dims]
             if unknown:
@@ -106,15 +108,19 @@ class Topology:
         stages ``c`` and ``2n - 1 - c`` (``pp0``, ``pp3``). Raises ``ConfigError`` unless the mesh has exactly one
         stage dim, or for a V order of other than two stages."""
         if len(self.stage_dims) != 1:
-            raise ConfigError(f"SCOUT: several stage modules per rank need exactly one pipeline dim on the mesh; "
-                              f"ScoutConfig.mesh has stage dims {list(self.stage_dims)}")
+            raise ConfigError(
+                f"SCOUT: several stage modules per rank need exactly one pipeline dim on the mesh; "
+                f"ScoutConfig.mesh has stage dims {list(self.stage_dims)}"
+            )
         dim = self.stage_dims[0]
         axis = self.dims.index(dim)
         coord, size = self._coords()[axis], self.shape[axis]
         if order == "v":
             if count != 2:
-                raise ConfigError(f"SCOUT: ScoutConfig.stage_order='v' holds two stages per rank (c and 2n - 1 - c); "
-                                  f"this rank gave an nn.ModuleList of {count}")
+                raise ConfigError(
+                    f"SCOUT: ScoutConfig.stage_order='v' holds two stages per rank (c and 2n - 1 - c); "
+                    f"this rank gave an nn.ModuleList of {count}"
+                )
             return (f"{dim}{coord}", f"{dim}{2 * size - 1 - coord}")
         return tuple(f"{dim}{coord + k * size}" for k in range(count))
 
@@ -160,7 +166,7 @@ class Topology:
         ``dims``). ``dims=()`` gives every rank alone; all dims give one group. Pure."""
         along = [self.dims.index(d) for d in self.dims if d in dims]
         fixed = [i for i in range(len(self.dims)) if i not in along]
-        strides = [math.prod(self.shape[i + 1:]) for i in range(len(self.shape))]
+        strides = [math.prod(self.shape[i + 1 :]) for i in range(len(self.shape))]
         groups = []
         for outer in itertools.product(*(range(self.shape[i]) for i in fixed)):
             group = []
@@ -178,20 +184,32 @@ class Topology:
     def reason(self) -> str:
         """One sentence: who the peers are and why, or why SCOUT cannot compare here."""
         if not self.peer_dims and self.stage_dims:
-            return (f"no data-parallel dim in mesh {self._mesh_text()} (pipeline stages along {list(self.stage_dims)}): "
-                    "each rank runs its own stage and no other rank holds it, so no rank has a peer whose computation "
-                    "it can replay; SCOUT cannot compare here (replicate the pipeline along a dp dim)")
+            return (
+                f"no data-parallel dim in mesh {self._mesh_text()} (pipeline stages along {list(self.stage_dims)}): "
+                "each rank runs its own stage and no other rank holds it, so no rank has a peer whose computation "
+                "it can replay; SCOUT cannot compare here (replicate the pipeline along a dp dim)"
+            )
         if not self.peer_dims:
-            return (f"no data-parallel dim in mesh {self._mesh_text()} (every dim is model-parallel: "
-                    f"{list(self.model_dims)}): each rank holds its own shard and sees the same data as its partners, "
-                    "so no rank has a peer whose computation it can replay; SCOUT cannot compare here")
-        text = (f"peers {list(self.peers)} vary along {list(self.peer_dims)} of mesh {self._mesh_text()}"
-                + (f", keeping this rank's {list(self.model_dims)} coordinate" if self.model_dims else ""))
+            return (
+                f"no data-parallel dim in mesh {self._mesh_text()} (every dim is model-parallel: "
+                f"{list(self.model_dims)}): each rank holds its own shard and sees the same data as its partners, "
+                "so no rank has a peer whose computation it can replay; SCOUT cannot compare here"
+            )
+        text = (
+            f"peers {list(self.peers)} vary along {list(self.peer_dims)} of mesh {self._mesh_text()}"
+            + (
+                f", keeping this rank's {list(self.model_dims)} coordinate"
+                if self.model_dims
+                else ""
+            )
+        )
         if self.replicate_dims:
             text += "; they hold independent replicas of the same parameters"
         if self.shard_dims and not self.replicate_dims:
-            text += (f"; parameters are sharded along {list(self.shard_dims)} with no replica, so SCOUT gathers them "
-                     "before replay and a corrupted shard itself is outside what the peers can outvote")
+            text += (
+                f"; parameters are sharded along {list(self.shard_dims)} with no replica, so SCOUT gathers them "
+                "before replay and a corrupted shard itself is outside what the peers can outvote"
+            )
         elif self.shard_dims:
             text += f"; each peer gathers its own replica's shards along {list(self.shard_dims)} before replay"
         if len(self.peers) == 2:
@@ -205,20 +223,41 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, for reports and evidence."""
-        return {"kind": self.kind, "dims": list(self.dims), "shape": list(self.shape), "ranks": list(self.ranks),
-                "data_dims": list(self.data_dims), "shard_dims": list(self.shard_dims),
-                "model_dims": list(self.model_dims), "peer_dims": list(self.peer_dims), "rank": self.rank,
-                "peers": list(self.peers), "peer_groups": [list(g) for g in self.peer_groups], "reason": self.reason,
-                "stage_dims": list(self.stage_dims), "stage_label": self.stage_label}
+        return {
+            "kind": self.kind,
+            "dims": list(self.dims),
+            "shape": list(self.shape),
+            "ranks": list(self.ranks),
+            "data_dims": list(self.data_dims),
+            "shard_dims": list(self.shard_dims),
+            "model_dims": list(self.model_dims),
+            "peer_dims": list(self.peer_dims),
+            "rank": self.rank,
+            "peers": list(self.peers),
+            "peer_groups": [list(g) for g in self.peer_groups],
+            "reason": self.reason,
+            "stage_dims": list(self.stage_dims),
+            "stage_label": self.stage_label,
+        }
 
 
-def derive(*, dims: Sequence[str], shape: Sequence[int], ranks: Sequence[int], data_dims: Sequence[str],
-           shard_dims: Sequence[str], rank: int, stage_dims: Sequence[str] = ()) -> Topology:
+def derive(
+    *,
+    dims: Sequence[str],
+    shape: Sequence[int],
+    ranks: Sequence[int],
+    data_dims: Sequence[str],
+    shard_dims: Sequence[str],
+    rank: int,
+    stage_dims: Sequence[str] = (),
+) -> Topology:
     """The topology of a mesh for ``rank``, from its dim names, shape, row-major ranks, the data-parallel dims, the
     data dims some parameter is sharded over and the pipeline stage dims (model dims along which modules differ).
     Pure; raises ``ValueError`` for inconsistent inputs (a stage dim that is also data-parallel)."""
     if any(d in data_dims for d in stage_dims):
-        raise ValueError(f"stage dims {list(stage_dims)} overlap the data-parallel dims {list(data_dims)}")
+        raise ValueError(
+            f"stage dims {list(stage_dims)} overlap the data-parallel dims {list(data_dims)}"
+        )
     data = tuple(d for d in dims if d in data_dims)
     shard = tuple(d for d in data if d in shard_dims)
     replicate = tuple(d for d in data if d not in shard)
@@ -226,9 +265,17 @@ def derive(*, dims: Sequence[str], shape: Sequence[int], ranks: Sequence[int], d
     model = [d for d in dims if d not in data]
     part = "" if not data else ("hsdp" if shard and replicate else "fsdp" if shard else "dp")
     kind = "+".join(([part] if part else []) + model) or "dp"
-    return Topology(kind=kind, dims=tuple(dims), shape=tuple(int(n) for n in shape), ranks=tuple(ranks),
-                    data_dims=data, shard_dims=shard, peer_dims=peer_dims, rank=rank,
-                    stage_dims=tuple(d for d in dims if d in stage_dims))
+    return Topology(
+        kind=kind,
+        dims=tuple(dims),
+        shape=tuple(int(n) for n in shape),
+        ranks=tuple(ranks),
+        data_dims=data,
+        shard_dims=shard,
+        peer_dims=peer_dims,
+        rank=rank,
+        stage_dims=tuple(d for d in dims if d in stage_dims),
+    )
 
 
 UNNAMED_DIM = "dp"
@@ -243,26 +290,51 @@ def mesh_dims(mesh: Any) -> tuple[str, ...]:
         return tuple(names)
     if mesh.ndim == 1:
         return (UNNAMED_DIM,)
-    raise ConfigError("SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
-                      "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    raise ConfigError(
+        "SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
+        "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+    )
 
 
 def _mesh_facts(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-    return mesh_dims(mesh), tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return (
+        mesh_dims(mesh),
+        tuple(mesh.mesh.shape),
+        tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+    )
 
 
-def from_mesh(mesh: Any, *, data_dims: Sequence[str], shard_dims: Sequence[str] = (),
-              rank: int | None = None, stage_dims: Sequence[str] = ()) -> Topology:
+def from_mesh(
+    mesh: Any,
+    *,
+    data_dims: Sequence[str],
+    shard_dims: Sequence[str] = (),
+    rank: int | None = None,
+    stage_dims: Sequence[str] = (),
+) -> Topology:
     """The topology of an explicit DeviceMesh: ``data_dims`` name the data-parallel dims, ``shard_dims`` those of
     them over which parameters are sharded, ``stage_dims`` the pipeline dims. Raises ``ConfigError`` for a name that
     is not a mesh dim."""
     names, shape, ranks = _mesh_facts(mesh)
-    for field, value in (("data_dims", data_dims), ("shard_dims", shard_dims), ("stage_dims", stage_dims)):
+    for field, value in (
+        ("data_dims", data_dims),
+        ("shard_dims", shard_dims),
+        ("stage_dims", stage_dims),
+    ):
         unknown = [d for d in value if d not in names]
         if unknown:
-            raise ConfigError(f"SCOUT topology: {field} {unknown} are not dims of the mesh {list(names)}")
-    return derive(dims=names, shape=shape, ranks=ranks, data_dims=data_dims, shard_dims=shard_dims,
-                  rank=dist.get_rank() if rank is None else rank, stage_dims=stage_dims)
+            raise ConfigError(
+                f"SCOUT topology: {field} {unknown} are not dims of the mesh {list(names)}"
+            )
+    return derive(
+        dims=names,
+        shape=shape,
+        ranks=ranks,
+        data_dims=data_dims,
+        shard_dims=shard_dims,
+        rank=dist.get_rank() if rank is None else rank,
+        stage_dims=stage_dims,
+    )
 
 
 def has_dtensor_params(model: nn.Module) -> bool:
@@ -285,17 +357,24 @@ def _fsdp_data_dims(model: nn.Module) -> set[str] | None:
             groups = module._get_fsdp_state()._fsdp_param_groups
             meshes = [group.mesh_info.mesh for group in groups]
         except AttributeError as exc:
-            raise ConfigError("SCOUT could not read the mesh of a fully_shard module from this torch version "
-                              f"({exc}); set ScoutConfig.data_parallel_dims to the data-parallel mesh dim "
-                              "names") from None
+            raise ConfigError(
+                "SCOUT could not read the mesh of a fully_shard module from this torch version "
+                f"({exc}); set ScoutConfig.data_parallel_dims to the data-parallel mesh dim "
+                "names"
+            ) from None
         found = found if found is not None else set()
         for mesh in meshes:
             found.update(mesh_dims(mesh))
     return found
 
 
-def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: int | None = None,
-             mesh: Any = None) -> Topology | None:
+def discover(
+    model: nn.Module,
+    *,
+    data_dims: Sequence[str] | None = None,
+    rank: int | None = None,
+    mesh: Any = None,
+) -> Topology | None:
     """The topology of ``model`` from its DTensor parameters, or None when it has none (DDP or a plain module:
     every rank is a replica, the classic case).
 
@@ -323,37 +402,55 @@ def discover(model: nn.Module, *, data_dims: Sequence[str] | None = None, rank: 
         if root is None:
             root = this_root
         elif this_root is not root and _mesh_facts(this_root) != _mesh_facts(root):
-            raise ConfigError(f"SCOUT: parameter {name!r} lives on another device mesh than the others; one mesh "
-                              "per model is supported")
+            raise ConfigError(
+                f"SCOUT: parameter {name!r} lives on another device mesh than the others; one mesh "
+                "per model is supported"
+            )
         names, _, _ = _mesh_facts(param_mesh)
         placements.append((names, param.placements))
     if mesh is not None and root is None:
         names, _, _ = _mesh_facts(mesh)
         data = tuple(data_dims or ())
-        return from_mesh(mesh, data_dims=data, rank=rank, stage_dims=[d for d in names if d not in data])
+        return from_mesh(
+            mesh, data_dims=data, rank=rank, stage_dims=[d for d in names if d not in data]
+        )
     if root is None:
         return None
     if mesh is not None and _mesh_facts(mesh) != _mesh_facts(root):
-        raise ConfigError(f"ScoutConfig.mesh {list(_mesh_facts(mesh)[0])} is not the mesh the model's DTensor "
-                          f"parameters live on ({list(_mesh_facts(root)[0])}): pass the root mesh the stage was "
-                          "sharded from, or leave ScoutConfig.mesh unset")
+        raise ConfigError(
+            f"ScoutConfig.mesh {list(_mesh_facts(mesh)[0])} is not the mesh the model's DTensor "
+            f"parameters live on ({list(_mesh_facts(root)[0])}): pass the root mesh the stage was "
+            "sharded from, or leave ScoutConfig.mesh unset"
+        )
     if data_dims is None:
         found = _fsdp_data_dims(model)
         data_dims = tuple(sorted(found)) if found else ()
     if unnamed and UNNAMED_DIM not in data_dims:
         # An unnamed 1-D mesh that fully_shard does not shard along (TP, say): its dim is no data-parallel dim, and
         # the label would make SCOUT compare shards that differ by design.
-        raise ConfigError("SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
-                          "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+        raise ConfigError(
+            "SCOUT needs named mesh dims to find the data-parallel ones: build the mesh with "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
     for names, kinds in placements:
-        sharded.update(n for n, p in zip(names, kinds, strict=True) if not p.is_replicate() and n in data_dims)
+        sharded.update(
+            n for n, p in zip(names, kinds, strict=True) if not p.is_replicate() and n in data_dims
+        )
     # Sharded pipeline stages (FSDP2 or TP inside each stage): the dims no parameter lives on are the stage dims.
     used = {n for names, _ in placements for n in names}
-    stages = [d for d in _mesh_facts(root)[0] if d not in used and d not in data_dims] if mesh is not None else []
-    return from_mesh(root, data_dims=data_dims, shard_dims=sorted(sharded), rank=rank, stage_dims=stages)
+    stages = (
+        [d for d in _mesh_facts(root)[0] if d not in used and d not in data_dims]
+        if mesh is not None
+        else []
+    )
+    return from_mesh(
+        root, data_dims=data_dims, shard_dims=sorted(sharded), rank=rank, stage_dims=stages
+    )
 
 
-def create_groups(topology: Topology, timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def create_groups(
+    topology: Topology, timeout: timedelta
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Create SCOUT's gloo groups for ``topology``: (the domain — every mesh rank —, this rank's peer group).
 
     Collective over the default group: every rank calls it with an equal topology, and every rank creates every
@@ -363,8 +460,10 @@ def create_groups(topology: Topology, timeout: timedelta) -> tuple[dist.ProcessG
     """
     world = dist.get_world_size()
     if sorted(topology.ranks) != list(range(world)):
-        raise ConfigError(f"SCOUT needs one device mesh over every rank: the mesh holds {sorted(topology.ranks)}, "
-                          f"the job has {world} ranks")
+        raise ConfigError(
+            f"SCOUT needs one device mesh over every rank: the mesh holds {sorted(topology.ranks)}, "
+            f"the job has {world} ranks"
+        )
     domain = dist.new_group(backend="gloo", timeout=timeout)
     groups = topology.peer_groups
     if len(groups) == 1:

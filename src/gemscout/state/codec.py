@@ -60,7 +60,9 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, tuple | list):
-        if all(type(v) in _PLAIN for v in obj):  # fast path: e.g. param-group index lists, RNG words
+        if all(
+            type(v) in _PLAIN for v in obj
+        ):  # fast path: e.g. param-group index lists, RNG words
             items: list[Any] = list(obj)
         else:
             items = [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
@@ -72,7 +74,9 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
         items = []
         for k, v in obj.items():
             if not isinstance(k, str | int | float | bool):
-                raise ConfigError(f"{path} has a key of type {type(k).__name__}; use str or int keys")
+                raise ConfigError(
+                    f"{path} has a key of type {type(k).__name__}; use str or int keys"
+                )
             items.append([k, _encode(v, tensors, f"{path}[{k!r}]")])
         return {_DICT: items}
     raise ConfigError(

@@ -51,7 +51,9 @@ def use_key(raw: bytes | str | None) -> None:
         try:
             raw = bytes.fromhex(raw.strip())
         except ValueError:
-            raise ConfigError("CheckpointConfig.integrity_key: give bytes or a hex string") from None
+            raise ConfigError(
+                "CheckpointConfig.integrity_key: give bytes or a hex string"
+            ) from None
     with _lock:
         _explicit, _explicit_set = (derive(raw), True) if raw is not None else (None, False)
 
@@ -67,14 +69,18 @@ def current_key() -> bytes | None:
         try:
             raw = Path(path).read_bytes().strip()
         except OSError as exc:
-            raise ConfigError(f"{ENV_KEY_FILE}={path}: cannot read the key file ({exc.strerror})") from None
+            raise ConfigError(
+                f"{ENV_KEY_FILE}={path}: cannot read the key file ({exc.strerror})"
+            ) from None
         return derive(raw)
     text = os.environ.get(ENV_KEY)
     if text:
         try:
             return derive(bytes.fromhex(text.strip()))
         except ValueError:
-            raise ConfigError(f"{ENV_KEY} must be hex digits (e.g. `openssl rand -hex 32`)") from None
+            raise ConfigError(
+                f"{ENV_KEY} must be hex digits (e.g. `openssl rand -hex 32`)"
+            ) from None
     return None
 
 

@@ -98,7 +98,9 @@ class Layout:
         for e in self.entries:
             raw = data[e.offset : e.offset + e.nbytes]
             out.append(
-                raw.view(_DTYPES[e.dtype]).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+                raw.view(_DTYPES[e.dtype]).view(e.shape)
+                if e.nbytes
+                else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
             )
         return out
 
@@ -109,7 +111,9 @@ def tensor_digests(layout: Layout, data: torch.Tensor) -> list[str]:
     return [digest_bytes(arr[e.offset : e.offset + e.nbytes].data) for e in layout.entries]
 
 
-def build_header(layout: Layout, digests: list[str], skeleton: Any, identity: dict[str, Any]) -> bytes:
+def build_header(
+    layout: Layout, digests: list[str], skeleton: Any, identity: dict[str, Any]
+) -> bytes:
     """Serialize the header JSON for a data region with the given per-tensor digests."""
     doc = {
         "format": 1,
@@ -117,7 +121,13 @@ def build_header(layout: Layout, digests: list[str], skeleton: Any, identity: di
         "skeleton": skeleton,
         "data_nbytes": layout.data_nbytes,
         "tensors": [
-            {"dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes, "digest": d}
+            {
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "offset": e.offset,
+                "nbytes": e.nbytes,
+                "digest": d,
+            }
             for e, d in zip(layout.entries, digests, strict=True)
         ],
     }
@@ -130,7 +140,11 @@ def frame_prefix(header: bytes) -> bytes:
     :data:`MAGIC_KEYED`."""
     key = integrity.current_key()
     mac = digest_bytes(header) if key is None else integrity.keyed_digest(header, key)
-    head = _PREFIX.pack(MAGIC if key is None else MAGIC_KEYED, len(header)) + header + bytes.fromhex(mac)
+    head = (
+        _PREFIX.pack(MAGIC if key is None else MAGIC_KEYED, len(header))
+        + header
+        + bytes.fromhex(mac)
+    )
     return head + b"\0" * (align(len(head)) - len(head))
 
 
@@ -181,7 +195,9 @@ def parse_prefix(buf: memoryview | bytes) -> Parsed:
         raise IntegrityError("checkpoint is truncated inside its header")
     header = bytes(buf[_PREFIX.size : end])
     stored = bytes(buf[end : end + DIGEST_SIZE]).hex()
-    if not digests_equal(stored, digest_bytes(header) if key is None else integrity.keyed_digest(header, key)):
+    if not digests_equal(
+        stored, digest_bytes(header) if key is None else integrity.keyed_digest(header, key)
+    ):
         raise IntegrityError(
             "header digest mismatch"
             if key is None
@@ -212,7 +228,8 @@ def check_header(doc: Any) -> tuple[Layout, tuple[str, ...]]:
         raise _refuse(f"format {doc.get('format')!r} is not 1")
     identity, tensors, data_nbytes = doc.get("identity"), doc.get("tensors"), doc.get("data_nbytes")
     if not isinstance(identity, dict) or not all(
-        isinstance(k, str) and (v is None or isinstance(v, str | int | float)) for k, v in identity.items()
+        isinstance(k, str) and (v is None or isinstance(v, str | int | float))
+        for k, v in identity.items()
     ):
         raise _refuse("identity is not an object of scalars")
     for key in ("step", "owner"):
@@ -226,25 +243,41 @@ def check_header(doc: Any) -> tuple[Layout, tuple[str, ...]]:
     for i, t in enumerate(tensors):
         if not isinstance(t, dict):
             raise _refuse(f"tensor {i} is not an object")
-        dtype, shape, off, nbytes, digest = (t.get(k) for k in ("dtype", "shape", "offset", "nbytes", "digest"))
+        dtype, shape, off, nbytes, digest = (
+            t.get(k) for k in ("dtype", "shape", "offset", "nbytes", "digest")
+        )
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise _refuse(f"tensor {i} has an unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) for d in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(_is_int(d) for d in shape)
+        ):
             raise _refuse(f"tensor {i} shape {shape!r} is not a list of non-negative integers")
         numel = 1
         for d in shape:
             numel *= d
         if not _is_int(nbytes) or nbytes != numel * _DTYPES[dtype].itemsize:
-            raise _refuse(f"tensor {i} nbytes {nbytes!r} is not numel × itemsize ({numel} × {_DTYPES[dtype].itemsize})")
+            raise _refuse(
+                f"tensor {i} nbytes {nbytes!r} is not numel × itemsize ({numel} × {_DTYPES[dtype].itemsize})"
+            )
         if not _is_int(off) or off != offset:
-            raise _refuse(f"tensor {i} offset {off!r} is not {offset} (aligned, after the previous tensor)")
-        if not isinstance(digest, str) or len(digest) != 2 * DIGEST_SIZE or not set(digest) <= _HEX64:
+            raise _refuse(
+                f"tensor {i} offset {off!r} is not {offset} (aligned, after the previous tensor)"
+            )
+        if (
+            not isinstance(digest, str)
+            or len(digest) != 2 * DIGEST_SIZE
+            or not set(digest) <= _HEX64
+        ):
             raise _refuse(f"tensor {i} digest is not {2 * DIGEST_SIZE} hex digits")
         entries.append(TensorEntry(dtype, tuple(shape), off, nbytes))
         digests.append(digest)
         offset = align(off + nbytes)
     if data_nbytes != offset:
-        raise _refuse(f"data_nbytes {data_nbytes} is not the aligned end of the last tensor ({offset})")
+        raise _refuse(
+            f"data_nbytes {data_nbytes} is not the aligned end of the last tensor ({offset})"
+        )
     check_skeleton(doc.get("skeleton"), len(entries))
     return Layout(tuple(entries), data_nbytes), tuple(digests)
 
@@ -259,7 +292,9 @@ def check_skeleton(skeleton: Any, n_tensors: int) -> None:
 
     def claim(index: Any) -> None:
         if not _is_int(index) or index >= n_tensors or index in seen:
-            raise _refuse(f"skeleton references tensor {index!r} twice or outside 0..{n_tensors - 1}")
+            raise _refuse(
+                f"skeleton references tensor {index!r} twice or outside 0..{n_tensors - 1}"
+            )
         seen.add(index)
 
     while stack:
@@ -289,7 +324,8 @@ def check_skeleton(skeleton: Any, n_tensors: int) -> None:
                 stack.append((value, depth + 1))
             else:
                 if not isinstance(value, list) or not all(
-                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str | int | float) for p in value
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str | int | float)
+                    for p in value
                 ):
                     raise _refuse("a dict marker does not hold [key, value] pairs")
                 stack.extend((p[1], depth + 1) for p in value)
@@ -300,7 +336,11 @@ def check_skeleton(skeleton: Any, n_tensors: int) -> None:
 def verify_data(parsed: Parsed, data: torch.Tensor) -> None:
     """Check every tensor digest over ``data`` (the data region). Raises IntegrityError naming the first mismatch."""
     if data.numel() < parsed.layout.data_nbytes:
-        raise IntegrityError(f"data region is truncated: {data.numel()} of {parsed.layout.data_nbytes} bytes present")
-    for i, (want, got) in enumerate(zip(parsed.digests, tensor_digests(parsed.layout, data), strict=True)):
+        raise IntegrityError(
+            f"data region is truncated: {data.numel()} of {parsed.layout.data_nbytes} bytes present"
+        )
+    for i, (want, got) in enumerate(
+        zip(parsed.digests, tensor_digests(parsed.layout, data), strict=True)
+    ):
         if not digests_equal(want, got):
             raise IntegrityError(f"tensor {i} digest mismatch")

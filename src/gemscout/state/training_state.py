@@ -46,7 +46,9 @@ class StateSources:
         (it all-gathers into separate buffers)."""
         ptrs = {_local(p).data_ptr() for p in _unwrap(self.model).parameters()}
         # The optimizer's own parameters: the model's again under DDP/FSDP; DeepSpeed ZeRO's fp32 master partitions.
-        ptrs.update(_local(p).data_ptr() for group in self.optimizer.param_groups for p in group["params"])
+        ptrs.update(
+            _local(p).data_ptr() for group in self.optimizer.param_groups for p in group["params"]
+        )
         for state in self.optimizer.state.values():
             ptrs.update(_local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
         return ptrs
@@ -54,7 +56,9 @@ class StateSources:
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream training may draw from: torch CPU, CUDA (when initialised), Python, NumPy."""
-    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))  # (name, words, pos, has_gauss, cached)
+    np_state = cast(
+        tuple[Any, ...], np.random.get_state(legacy=True)
+    )  # (name, words, pos, has_gauss, cached)
     version, words, gauss_next = random.getstate()
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -102,8 +106,14 @@ def _as_dtensor(shard: LocalShard, like: Any) -> Any:
     """Rebuild a DTensor on ``like``'s mesh and placements from a stored local shard."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(shard.local.clone(), like.device_mesh, like.placements, run_check=False,
-                              shape=torch.Size(shard.shape), stride=shard.stride)
+    return DTensor.from_local(
+        shard.local.clone(),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=torch.Size(shard.shape),
+        stride=shard.stride,
+    )
 
 
 def _rebuild_shards(sources: StateSources, state: dict[str, Any]) -> None:
@@ -139,8 +149,10 @@ def restore(sources: StateSources, state: dict[str, Any]) -> None:
     missing = sorted(set(sources.stateful) - set(saved))
     if missing:
         # Loading the rest would resume with, e.g., the data position of a fresh loader: samples seen twice.
-        raise ConfigError(f"enable_resiliency.stateful: the checkpoint of step {state['step']} holds no state for "
-                          f"{missing} (it has {sorted(saved)}); pass the same names as the run that wrote it")
+        raise ConfigError(
+            f"enable_resiliency.stateful: the checkpoint of step {state['step']} holds no state for "
+            f"{missing} (it has {sorted(saved)}); pass the same names as the run that wrote it"
+        )
     for name, obj in sources.stateful.items():
         obj.load_state_dict(saved[name])
     if sources.load_extra_state_fn is not None and state["extra"] is not None:

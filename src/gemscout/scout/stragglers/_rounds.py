@@ -15,7 +15,12 @@ def check_round(step: int, last_step: int | None) -> None:
 
 
 def check_seconds(what: str, seconds: object) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
 
 

@@ -30,9 +30,13 @@ class GroupTiming:
         try:
             members = frozenset(self.members)
         except TypeError:
-            raise ValueError(f"GroupTiming.members must be an iterable of ranks, got {self.members!r}") from None
+            raise ValueError(
+                f"GroupTiming.members must be an iterable of ranks, got {self.members!r}"
+            ) from None
         if not members or any(type(rank) is not int or rank < 0 for rank in members):
-            raise ValueError(f"GroupTiming.members must be a non-empty set of non-negative int ranks, got {members!r}")
+            raise ValueError(
+                f"GroupTiming.members must be a non-empty set of non-negative int ranks, got {members!r}"
+            )
         object.__setattr__(self, "members", members)
         check_seconds("GroupTiming.seconds", self.seconds)
 
@@ -83,7 +87,9 @@ class CommStragglerDetector:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"group names must be non-empty strings, got {name!r}")
             if not isinstance(timing, GroupTiming):
-                raise ValueError(f"timings[{name!r}] must be a GroupTiming, got {type(timing).__name__}")
+                raise ValueError(
+                    f"timings[{name!r}] must be a GroupTiming, got {type(timing).__name__}"
+                )
         self._last_step = step
         cfg = self.config
         if len(timings) < 2:
@@ -91,7 +97,9 @@ class CommStragglerDetector:
             return None
 
         reference = min(timing.seconds for timing in timings.values())
-        slow = sorted(name for name, timing in timings.items() if cfg.past_margins(timing.seconds, reference))
+        slow = sorted(
+            name for name, timing in timings.items() if cfg.past_margins(timing.seconds, reference)
+        )
         fast = sorted(name for name in timings if name not in slow)
         suspects: set[int] = set()
         if slow:
@@ -101,7 +109,9 @@ class CommStragglerDetector:
                 suspects -= timings[name].members
         self._consecutive = {rank: self._consecutive.get(rank, 0) + 1 for rank in suspects}
 
-        confirmed = sorted(rank for rank, count in self._consecutive.items() if count >= cfg.confirmations)
+        confirmed = sorted(
+            rank for rank, count in self._consecutive.items() if count >= cfg.confirmations
+        )
         if not confirmed:
             return None
         counts = {rank: self._consecutive[rank] for rank in confirmed}

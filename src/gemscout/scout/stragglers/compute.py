@@ -28,7 +28,9 @@ from gemscout.scout.stragglers.config import StragglerConfig
 
 __all__ = ["ComputeStragglerDetector", "compute_reports"]
 
-_MAD_TO_SIGMA = 1.4826  # MAD x this estimates a normal spread's standard deviation, ignoring the heavy tail
+_MAD_TO_SIGMA = (
+    1.4826  # MAD x this estimates a normal spread's standard deviation, ignoring the heavy tail
+)
 
 
 class ComputeStragglerDetector:
@@ -59,7 +61,11 @@ class ComputeStragglerDetector:
         """The absolute margin in force now: ``absolute_margin_s`` or ``noise_factor`` x :meth:`noise`."""
         noise = self.noise()
         cfg = self.config
-        return max(cfg.absolute_margin_s, cfg.noise_factor * noise) if noise is not None else cfg.absolute_margin_s
+        return (
+            max(cfg.absolute_margin_s, cfg.noise_factor * noise)
+            if noise is not None
+            else cfg.absolute_margin_s
+        )
 
     def consecutive(self, rank: int) -> int:
         """How many consecutive rounds up to now ``rank`` has been slow."""
@@ -119,7 +125,9 @@ class ComputeStragglerDetector:
                 reasons.append("own_baseline")
             if reasons:
                 criteria[rank] = reasons
-        self._excess.append([seconds - median for rank, seconds in times.items() if rank not in criteria])
+        self._excess.append(
+            [seconds - median for rank, seconds in times.items() if rank not in criteria]
+        )
 
         # Consecutive means consecutive rounds observed: a rank missing from this round loses its count too.
         self._consecutive = {rank: self._consecutive.get(rank, 0) + 1 for rank in criteria}
@@ -128,13 +136,19 @@ class ComputeStragglerDetector:
                 # Only healthy rounds teach the baseline, so a persistent straggler never learns that slow is normal.
                 self._history.setdefault(rank, deque(maxlen=cfg.baseline_window)).append(seconds)
 
-        confirmed = [rank for rank, count in self._consecutive.items() if count >= cfg.compute_confirmations]
+        confirmed = [
+            rank for rank, count in self._consecutive.items() if count >= cfg.compute_confirmations
+        ]
         if not confirmed:
             return None
         return self._report(step, times, median, baselines, criteria, confirmed, hosts, margin)
 
     def _slow_against_own_baseline(
-        self, rank: int, times: Mapping[int, float], baselines: Mapping[int, float | None], margin: float
+        self,
+        rank: int,
+        times: Mapping[int, float],
+        baselines: Mapping[int, float | None],
+        margin: float,
     ) -> bool:
         cfg = self.config
         own = baselines[rank]
@@ -145,7 +159,9 @@ class ComputeStragglerDetector:
             return False
         # "While peers are not": if the peers slowed down too, the work changed, not the rank.
         peer_ratios = [
-            times[peer] / base for peer, base in baselines.items() if peer != rank and base is not None and base > 0
+            times[peer] / base
+            for peer, base in baselines.items()
+            if peer != rank and base is not None and base > 0
         ]
         return bool(peer_ratios) and statistics.median(peer_ratios) <= cfg.relative_margin
 
@@ -214,7 +230,9 @@ def compute_reports(
     for name, result in results.items():
         # Every rank of the job replayed the same recipe at the same shapes: compare them all, across groups.
         if result.preconditions_ok and len(times[name]) == ranks:
-            report = detectors.setdefault(name, ComputeStragglerDetector(config)).observe(step, times[name])
+            report = detectors.setdefault(name, ComputeStragglerDetector(config)).observe(
+                step, times[name]
+            )
             if report is not None:
                 reports.append(dataclasses.replace(report, recipe=name))
     return reports

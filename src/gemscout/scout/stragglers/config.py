@@ -48,7 +48,9 @@ class StragglerConfig:
         for name in ("relative_margin", "baseline_margin"):
             value = getattr(self, name)
             if not _is_number(value) or value <= 1.0:
-                raise ConfigError(f"StragglerConfig.{name} must be a finite number > 1.0 (e.g. 1.1), got {value!r}")
+                raise ConfigError(
+                    f"StragglerConfig.{name} must be a finite number > 1.0 (e.g. 1.1), got {value!r}"
+                )
         if not _is_number(self.absolute_margin_s) or self.absolute_margin_s < 0:
             raise ConfigError(
                 f"StragglerConfig.absolute_margin_s must be a finite number of seconds >= 0 (e.g. 0.002), "
@@ -63,14 +65,21 @@ class StragglerConfig:
                 f"StragglerConfig.noise_factor must be a finite number >= 0 (e.g. 6), got {self.noise_factor!r}"
             )
         if not _is_count(self.noise_window) or self.noise_window < 2:
-            raise ConfigError(f"StragglerConfig.noise_window must be an int >= 2, got {self.noise_window!r}")
-        if not _is_count(self.baseline_min_samples) or not 1 <= self.baseline_min_samples <= self.baseline_window:
+            raise ConfigError(
+                f"StragglerConfig.noise_window must be an int >= 2, got {self.noise_window!r}"
+            )
+        if (
+            not _is_count(self.baseline_min_samples)
+            or not 1 <= self.baseline_min_samples <= self.baseline_window
+        ):
             raise ConfigError(
                 f"StragglerConfig.baseline_min_samples must be an int in [1, baseline_window={self.baseline_window}], "
                 f"got {self.baseline_min_samples!r}"
             )
 
-    def past_margins(self, seconds: float, reference: float, absolute_s: float | None = None) -> bool:
+    def past_margins(
+        self, seconds: float, reference: float, absolute_s: float | None = None
+    ) -> bool:
         """True when ``seconds`` is past both the relative and the absolute margin over ``reference``
         (``absolute_s``: a noise-scaled absolute margin instead of ``absolute_margin_s``)."""
         margin = self.absolute_margin_s if absolute_s is None else absolute_s
