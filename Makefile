@@ -44,8 +44,9 @@ CAMPAIGNS ?= quickstart
 evidence: $(STAMP)  ## from a clean clone at HEAD: run CAMPAIGNS, verify, copy to docs/evidence/, re-render the docs
 	PYTHON=$(BIN)/python scripts/regenerate_evidence.sh $(CAMPAIGNS)
 
-lint: $(STAMP)
-	$(BIN)/ruff check src qualification tests
+lint: $(STAMP)  ## ruff check, and ruff format's layout (line length 100) on every Python file
+	$(BIN)/ruff check src qualification tests scripts examples
+	$(BIN)/ruff format --check src qualification tests scripts examples
 
 types: $(STAMP)
 	$(BIN)/mypy src/gemscout
