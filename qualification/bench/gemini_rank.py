@@ -247,7 +247,7 @@ def side_by_side(
     """``--quiet-captures`` rounds of one quiet capture followed by each reference on the same bytes and by
     ``comm.exchange`` of the frame just captured (GEMINI's transport alone). Returns the rounds and the
     references' medians."""
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
 
     ckpt = session.checkpointer
     peer = (dist.get_rank() + 1) % dist.get_world_size()
@@ -320,7 +320,8 @@ def restart_from_memory(
     verify every digest and restore it into the live objects. Process start and process-group setup are not
     timed: every way of recovering pays them. The restored state must be the state it was taken from, bit for
     bit (the quiet captures did not change it)."""
-    from gemscout.gemini import comm, shm
+    from gemscout import _dist as comm
+    from gemscout.gemini import shm
     from gemscout.gemini.restore import restore_frame
 
     ck = session.checkpointer
@@ -362,7 +363,7 @@ def recover_from_peer(
     group: dist.ProcessGroup,
     timeout: timedelta,
 ) -> dict[str, Any]:
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
     from gemscout.gemini.arrival import VerifyOnArrival
     from gemscout.gemini.restore import restore_frame
 

@@ -7,7 +7,7 @@ Recovery runs inside ``enable_resiliency``. While :func:`armed` is active on the
 - ``recover-restore``: while its chosen frame is being loaded into the live objects (``load_extra_state_fn`` runs in
   the middle of the restore: model and optimizer loaded, RNG not yet).
 
-Transfers are seen by wrapping ``gemscout.gemini.comm.exchange``, which recovery calls for every peer transfer.
+Transfers are seen by wrapping ``gemscout._dist.exchange``, which recovery calls for every peer transfer.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callab
     def _die() -> None:
         sigkill_self(out, rank=rank, step=None, phase=phase)
 
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
 
     real = comm.exchange
 

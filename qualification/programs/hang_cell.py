@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gemscout.oob import generate_secret
+from gemscout.watch import generate_secret
 from qualification.launch import free_port
 from qualification.programs._contract import cell_main, measured
 

@@ -18,8 +18,8 @@ from gemscout.errors import (
 )
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
+from gemscout.reports import FaultReport
 from gemscout.scout.config import ScoutConfig
-from gemscout.scout.reports import FaultReport
 from gemscout.watch import WatchConfig
 
 __version__ = "0.1.0"

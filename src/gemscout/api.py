@@ -31,18 +31,18 @@ from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.gemini.replication import Placement
-from gemscout.oob import (
+from gemscout.health import (
     ClassifiedHealthEvent,
     HealthMonitor,
     HealthMonitorConfig,
     HealthSource,
     NvmlHealthSource,
 )
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import DEFAULT_MIN_CADENCE, ScoutConfig
 from gemscout.scout.engine import Scout
 from gemscout.scout.fsdp_comms import fsdp_modules
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.session import LIVE, Session
 from gemscout.state.training_state import StateSources
 from gemscout.watch import Watch, WatchConfig
@@ -83,7 +83,7 @@ def _resolve_run_id(
     explicit = config.run_id or os.environ.get("GEMSCOUT_RUN_ID")
     if explicit:
         return explicit, True
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
 
     recorded = recorded_run_id(
         config.directory
@@ -122,7 +122,7 @@ def _topology_digest(
 
     Every rank's, not this rank's own: pipeline stages hold different modules, and a rank checks the replicas it
     holds for its peers against its own digest, so the digest must be the same on every rank."""
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
 
     # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
     shapes = [
@@ -400,7 +400,7 @@ def _start_health(
         if not torch.cuda.is_available():
             raise ConfigError(
                 "enable_resiliency.health: no health source given and no GPU for NVML; pass "
-                "health_sources=[...] (e.g. gemscout.oob.InjectedHealthSource()) or leave health unset"
+                "health_sources=[...] (e.g. gemscout.watch.InjectedHealthSource()) or leave health unset"
             )
         sources = [NvmlHealthSource()]
 

@@ -77,7 +77,7 @@ def read_reports(folder: Path) -> list[dict[str, Any]]:
     """:func:`read`, keeping only whole, valid reports: :meth:`FaultReport.from_dict` accepts the line (a string
     timestamp, a missing field, a bad kind are not a report) and ``reported_by``, when present, is a rank. Each in
     its canonical dict form. Never raises."""
-    from gemscout.scout.reports import (
+    from gemscout.reports import (
         FaultReport,
     )  # the report type is SCOUT's; only this reader needs it
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gemscout.config import TrustState
-from gemscout.scout.reports import FaultKind
+from gemscout.reports import FaultKind
 
 if TYPE_CHECKING:
     from gemscout.session import Session

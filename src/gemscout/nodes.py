@@ -16,8 +16,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from gemscout._dist import gather_json
 from gemscout.errors import ConfigError
-from gemscout.gemini.comm import gather_json
 
 HOST_ENV = "GEMSCOUT_HOSTNAME"
 """Overrides the host name a rank reports (tests simulate several hosts on one machine with it)."""

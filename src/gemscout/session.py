@@ -32,13 +32,13 @@ from gemscout.errors import ConfigError
 from gemscout.faultlog import FILE_NAME, FaultLog
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
-from gemscout.oob import HealthMonitor
+from gemscout.health import HealthMonitor
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.alltoall import AllToAllCheck, AllToAllConfig
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.state.training_state import StateSources
 from gemscout.watch import Watch
 

@@ -38,7 +38,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, Dataset
 
-    from gemscout.oob import (
+    from gemscout.watch import (
         InstrumentedLoader,
         OobChannel,
         OobConfig,
@@ -113,7 +113,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
 def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
     import torch.distributed as dist
 
-    from gemscout.oob import (
+    from gemscout.watch import (
         OobChannel,
         OobConfig,
         StallConfig,
@@ -122,8 +122,8 @@ def test_stalls_and_hang_localized_to_their_ranks(tmp_path: Path) -> None:
         WatchdogConfig,
         generate_secret,
     )
-    from gemscout.oob.records import PROGRESS_KEY
-    from gemscout.oob.secret import SECRET_ENV
+    from gemscout.watch.records import PROGRESS_KEY
+    from gemscout.watch.secret import SECRET_ENV
 
     master = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)

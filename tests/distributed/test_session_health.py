@@ -14,7 +14,7 @@ PROGRAM = r"""
 import json, os, sys, time, torch, torch.distributed as dist
 from datetime import timedelta
 import gemscout
-from gemscout.oob import HealthEvent, HealthMonitorConfig, InjectedHealthSource
+from gemscout.health import HealthEvent, HealthMonitorConfig, InjectedHealthSource
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))

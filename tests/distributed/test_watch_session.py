@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gemscout.inventory import inventory
-from gemscout.oob import generate_secret
+from gemscout.watch import generate_secret
 from qualification.launch import free_port
 
 

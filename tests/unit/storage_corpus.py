@@ -17,7 +17,7 @@ from gemscout.config import TrustState
 from gemscout.faultlog import FILE_NAME, FaultLog
 from gemscout.gemini import store
 from gemscout.gemini.lifecycle import TrustLedger
-from gemscout.scout.reports import FaultReport
+from gemscout.reports import FaultReport
 from gemscout.state.codec import encode
 from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
 

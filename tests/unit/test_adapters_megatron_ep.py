@@ -21,7 +21,7 @@ import torch
 
 from gemscout import ConfigError
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 
 pytestmark = [
     pytest.mark.timeout(60),

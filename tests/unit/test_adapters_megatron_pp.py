@@ -14,7 +14,7 @@ from torch import nn
 from gemscout import ConfigError, ScoutConfig
 from gemscout.adapters.megatron import _scout_config
 from gemscout.scout.recipes import build_catalog
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 
 pytestmark = pytest.mark.timeout(60)
 

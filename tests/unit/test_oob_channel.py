@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from gemscout.errors import ConfigError
-from gemscout.oob.channel import OobChannel, OobConfig, OobStore
-from gemscout.oob.secret import SECRET_ENV, generate_secret
+from gemscout.watch.channel import OobChannel, OobConfig, OobStore
+from gemscout.watch.secret import SECRET_ENV, generate_secret
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,7 +107,7 @@ def test_forged_mac_is_rejected_logged_and_counted(
     at = body.index(b'"sealed":"') + 20
     flipped = body[:at] + (b"A" if body[at : at + 1] != b"A" else b"B") + body[at + 1 :]
     master.set(writer.slot(1, "progress"), (mac + b"\n" + flipped).decode())
-    with caplog.at_level(logging.WARNING, logger="gemscout.oob.channel"):
+    with caplog.at_level(logging.WARNING, logger="gemscout.watch.channel"):
         assert reader.read(1, "progress") is None
         assert (
             reader.read(1, "progress") is None

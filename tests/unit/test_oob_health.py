@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.health import (
+from gemscout.health.events import (
     THROTTLE_HW_SLOWDOWN,
     THROTTLE_HW_THERMAL,
     THROTTLE_SW_POWER_CAP,
@@ -26,8 +26,8 @@ from gemscout.oob.health import (
     InjectedHealthSource,
     classify,
 )
-from gemscout.oob.monitor import HealthMonitor, HealthMonitorConfig
-from gemscout.oob.nvml import NvmlHealthSource
+from gemscout.health.monitor import HealthMonitor, HealthMonitorConfig
+from gemscout.health.nvml import NvmlHealthSource
 
 pytestmark = pytest.mark.timeout(30)
 

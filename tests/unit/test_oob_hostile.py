@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from gemscout.oob import (
+from gemscout.watch import (
     OobChannel,
     OobConfig,
     ProgressConfig,
@@ -44,8 +44,8 @@ from gemscout.oob import (
     WatchdogConfig,
     serve_store,
 )
-from gemscout.oob.records import PROGRESS_KEY
-from gemscout.watch import WatchConfig, finding_to_report
+from gemscout.watch.records import PROGRESS_KEY
+from gemscout.watch.service import WatchConfig, finding_to_report
 
 pytestmark = pytest.mark.timeout(60)
 

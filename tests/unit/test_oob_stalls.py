@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from gemscout.errors import ConfigError
-from gemscout.oob.channel import OobChannel, OobConfig
-from gemscout.oob.findings import StallFinding
-from gemscout.oob.progress import ProgressPublisher
-from gemscout.oob.stalls import (
+from gemscout.watch.channel import OobChannel, OobConfig
+from gemscout.watch.findings import StallFinding
+from gemscout.watch.progress import ProgressPublisher
+from gemscout.watch.stalls import (
     InstrumentedLoader,
     RecordingSink,
     SectionSink,

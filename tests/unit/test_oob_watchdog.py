@@ -9,13 +9,13 @@ import pytest
 import torch.distributed as dist
 
 from gemscout.errors import ConfigError
-from gemscout.oob.channel import OobChannel, OobConfig
-from gemscout.oob.findings import StallFinding
-from gemscout.oob.progress import ProgressPublisher
-from gemscout.oob.records import PROGRESS_KEY, CollectiveFingerprint, ProgressRecord
-from gemscout.oob.rootcause import locate_root
-from gemscout.oob.stalls import StallConfig
-from gemscout.oob.watchdog import Watchdog, WatchdogConfig
+from gemscout.watch.channel import OobChannel, OobConfig
+from gemscout.watch.findings import StallFinding
+from gemscout.watch.progress import ProgressPublisher
+from gemscout.watch.records import PROGRESS_KEY, CollectiveFingerprint, ProgressRecord
+from gemscout.watch.rootcause import locate_root
+from gemscout.watch.stalls import StallConfig
+from gemscout.watch.watchdog import Watchdog, WatchdogConfig
 
 pytestmark = pytest.mark.timeout(30)
 

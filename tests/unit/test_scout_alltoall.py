@@ -16,7 +16,7 @@ from gemscout.scout.alltoall import (
     plan_cases,
     reports_for,
 )
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 
 G = (4, 5)
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator, Mapping
 import pytest
 import torch
 
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.consensus import C3Result, Verdict, c3
 from gemscout.scout.digests import tensor_digest
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
 
 GOOD = "blake3:" + "a" * 64
 BAD = "blake3:" + "b" * 64

@@ -11,7 +11,7 @@ import torch
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.recipes import RecipeKind, build_catalog
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 from qualification.workloads.pipeline import block_split, build_stage
 
 
@@ -214,7 +214,7 @@ def test_fsdp_sharded_stages_take_the_pipeline_dim_from_the_mesh(one_rank: None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gemscout.scout.topology import discover
+    from gemscout.topology import discover
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
     stage = build_stage("three-block", seed=0, stage=0, n_stages=2)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gemscout.errors import EvidenceError
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
 
 
 def make(**overrides: Any) -> FaultReport:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gemscout.errors import ConfigError
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.stragglers import (
     CommStragglerDetector,
     ComputeStragglerDetector,

@@ -8,7 +8,7 @@ import pytest
 from gemscout.scout.consensus import C3Result, Verdict, c3
 from gemscout.scout.cycle import combine_groups
 from gemscout.scout.rotation import is_sdc
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 
 
 def mesh(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
-from gemscout.scout.topology import Topology, derive
+from gemscout.topology import Topology, derive
 
 
 def megatron_mesh(tp: int, cp: int = 1) -> Topology:

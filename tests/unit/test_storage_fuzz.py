@@ -26,7 +26,7 @@ from gemscout.gemini.durable import SIDECAR, DurableTier
 from gemscout.gemini.durable_sharded import tensor_entries
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.inventory import inventory
-from gemscout.scout.reports import FaultReport
+from gemscout.reports import FaultReport
 from gemscout.state.codec import decode
 
 SEED = 15

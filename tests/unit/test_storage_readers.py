@@ -161,7 +161,7 @@ def test_an_unsendable_gather_part_is_an_error_on_every_rank_not_a_dead_rank(
 
     import torch.distributed as dist
 
-    from gemscout.gemini import comm
+    from gemscout import _dist as comm
 
     assert comm.gather_json({"a": [1]}, group=dist.group.WORLD, timeout=timedelta(seconds=10)) == [
         {"a": [1]}

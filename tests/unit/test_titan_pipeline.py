@@ -20,7 +20,7 @@ from torch import nn
 from gemscout.adapters.torchtitan import _scout_config, _stage_order, pipeline_topology
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
-from gemscout.scout.topology import derive
+from gemscout.topology import derive
 
 pytestmark = pytest.mark.timeout(120)
 

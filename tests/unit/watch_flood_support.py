@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gemscout.oob import StoreServerConfig
-from gemscout.watch import Watch, WatchConfig
+from gemscout.watch import StoreServerConfig, Watch, WatchConfig
 
 STEP_S = 0.02
 

@@ -282,7 +282,7 @@ class DdpBuckets:
         return rebuilt
 
     def _replay(self, group: dist.ProcessGroup, timeout: timedelta) -> list[str]:
-        from gemscout.gemini import comm
+        from gemscout import _dist as comm
 
         every = comm.gather_json(self._restored, group=group, timeout=timeout)
         rebuilt = []

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.errors import ConfigError
+from gemscout.reports import FaultReport
 from gemscout.scout.capture import Captured, to_json_value
 from gemscout.scout.consensus import C3Result
 from gemscout.scout.cycle import CycleResult, judge_gathered, precondition_for
@@ -49,7 +50,6 @@ from gemscout.scout.digests import digest_many
 from gemscout.scout.engine import Scout
 from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
 from gemscout.scout.replay import ReplayContext, replay_optimizer
-from gemscout.scout.reports import FaultReport
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.stragglers import ComputeStragglerDetector
 

@@ -35,7 +35,7 @@ from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
 from gemscout.scout.materialize import without_wrapper_hooks
 from gemscout.scout.recipes import Recipe
-from gemscout.scout.topology import Topology
+from gemscout.topology import Topology
 
 __all__ = ["Zero3Scout"]
 

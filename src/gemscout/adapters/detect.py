@@ -22,7 +22,7 @@ from torch import nn
 
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
-from gemscout.scout.topology import Topology
+from gemscout.topology import Topology
 
 __all__ = ["Framework", "Target", "detect", "resolve"]
 

@@ -63,7 +63,7 @@ from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.adapters.megatron_topology import _class_names, megatron_topology, moe_layers
 from gemscout.errors import ConfigError, RunMismatchError
-from gemscout.scout.topology import Topology
+from gemscout.topology import Topology
 
 __all__ = [
     "MegatronOptimizerView",

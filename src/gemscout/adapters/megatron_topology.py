@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout.errors import ConfigError
-from gemscout.scout.topology import Topology, derive
+from gemscout.topology import Topology, derive
 
 __all__ = ["megatron_topology", "moe_layers"]
 

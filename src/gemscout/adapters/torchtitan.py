@@ -47,7 +47,7 @@ from torch import nn
 
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.errors import ConfigError
-from gemscout.scout.topology import Topology, _fsdp_data_dims, from_mesh
+from gemscout.topology import Topology, _fsdp_data_dims, from_mesh
 
 __all__ = [
     "OptimizersView",

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout import _dist as comm
 from gemscout._tensors import is_dtensor
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
-from gemscout.gemini import comm, shm, store
+from gemscout.gemini import shm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig

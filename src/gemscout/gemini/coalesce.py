@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gemscout.gemini import comm
+from gemscout import _dist as comm
 from gemscout.gemini.snapshot import SlotPool
 
 

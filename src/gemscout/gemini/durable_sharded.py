@@ -34,10 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout import _dist as comm
 from gemscout._modules import unwrap
 from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
-from gemscout.gemini import comm, store
+from gemscout.gemini import store
 from gemscout.gemini.store import _fsync_dir, atomic_writer
 from gemscout.state import integrity, training_state
 from gemscout.state.codec import decode

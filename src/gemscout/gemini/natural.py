@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gemscout import _dist as comm
 from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError
-from gemscout.gemini import comm
 from gemscout.gemini.replication import Placement
 from gemscout.state.digest import digest_bytes, digests_equal
 from gemscout.state.layout import Parsed, parse_prefix

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gemscout import _dist as comm
 from gemscout.config import TrustState
-from gemscout.gemini import comm, durable_sharded, store
+from gemscout.gemini import durable_sharded, store
 
 if TYPE_CHECKING:
     from gemscout.gemini.checkpointer import Checkpointer

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gemscout import _dist as comm
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
-from gemscout.gemini import comm, store
+from gemscout.gemini import store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.proposal import Item, propose, reason_of
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide

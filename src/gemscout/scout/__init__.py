@@ -3,6 +3,7 @@
 A plain re-export list of the package's main names; every module stays reachable by its own path.
 """
 
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.consensus import C3Result, Verdict, c3
 from gemscout.scout.cycle import CycleResult
@@ -11,7 +12,6 @@ from gemscout.scout.engine import Scout
 from gemscout.scout.preconditions import Precondition, check_preconditions, judge
 from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
 from gemscout.scout.replay import ReplayContext, ReplayHook
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.stragglers import (
     CommStragglerDetector,

@@ -41,11 +41,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gemscout._dist import gather_json, wait_all
 from gemscout.config import require, strict_fields
-from gemscout.gemini.comm import gather_json, wait_all
+from gemscout.reports import FaultReport
 from gemscout.scout.alltoall_plan import CASES, judge, payload, plan_cases, reports_for
 from gemscout.scout.digests import tensor_digest
-from gemscout.scout.reports import FaultReport
 
 __all__ = [
     "CASES",

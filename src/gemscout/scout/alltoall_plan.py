@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
 
 __all__ = ["CASES", "judge", "payload", "plan_cases", "reports_for"]
 

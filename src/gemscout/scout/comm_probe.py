@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from gemscout._dist import gather_json, wait_all
 from gemscout.config import require, strict_fields
 from gemscout.errors import ConfigError
-from gemscout.gemini.comm import gather_json, wait_all
 from gemscout.nodes import host_name
-from gemscout.scout.reports import FaultReport
+from gemscout.reports import FaultReport
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
 
 

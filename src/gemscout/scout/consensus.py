@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
 
 __all__ = ["C3Result", "Verdict", "c3", "validate_c3_inputs"]
 

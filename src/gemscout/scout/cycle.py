@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from gemscout.errors import EvidenceError
+from gemscout.reports import FaultKind, FaultReport
 from gemscout.scout.capture import Captured, to_json_value
 from gemscout.scout.consensus import C3Result, Verdict
 from gemscout.scout.digests import digest_many
 from gemscout.scout.preconditions import Precondition, judge
 from gemscout.scout.recipes import Recipe
-from gemscout.scout.reports import FaultKind, FaultReport
 from gemscout.scout.rotation import is_sdc
 
 __all__ = [

@@ -18,7 +18,7 @@ a collective alone; local failures become records that everyone sees). The colle
    recipe with the same pure function (:func:`~gemscout.scout.preconditions.judge`): the same verdicts everywhere.
 
 On a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) there is one peer group per model-parallel coordinate or HSDP shard
-(:mod:`~gemscout.scout.topology`); :class:`~gemscout.scout.mesh_cycle.MeshCycle` adds what crosses groups: a
+(:mod:`~gemscout.topology`); :class:`~gemscout.scout.mesh_cycle.MeshCycle` adds what crosses groups: a
 mesh-wide step agreement, parameter gathers before replay, a readiness check before replays that run TP collectives,
 and the records gathered over the whole mesh so every rank judges every group.
 """
@@ -59,7 +59,7 @@ from gemscout.scout.stragglers import (
     ComputeStragglerDetector,
     compute_reports,
 )
-from gemscout.scout.topology import Topology, create_groups, discover, has_dtensor_params
+from gemscout.topology import Topology, create_groups, discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
 
@@ -98,10 +98,10 @@ class Scout(ReplaySeams):
 
         Peers: with neither ``group`` nor ``topology``, SCOUT reads the model. Plain parameters (DDP): every rank is a
         peer, over a new gloo group. DTensor parameters (FSDP2, HSDP, TP, FSDP2 x TP): the peer groups come from
-        their DeviceMesh (:func:`~gemscout.scout.topology.discover`; ``ScoutConfig.data_parallel_dims`` names the
+        their DeviceMesh (:func:`~gemscout.topology.discover`; ``ScoutConfig.data_parallel_dims`` names the
         data-parallel dims when there is no ``fully_shard``), and a topology without data-parallel peers (pure TP)
         leaves SCOUT attached but unable to compare: every due step is INCONCLUSIVE with the reason
-        (``disabled_reason``). ``topology``: an explicit one (:func:`~gemscout.scout.topology.from_mesh`).
+        (``disabled_reason``). ``topology``: an explicit one (:func:`~gemscout.topology.from_mesh`).
         ``group``: a ready-made peer group of replicas (not for sharded models). Collective: every rank must call
         attach (it creates process groups). ``first_step``: the number of the next optimizer step
         (``resume_step + 1`` after a recovery). Raises ``ConfigError`` when the process group is not initialized,

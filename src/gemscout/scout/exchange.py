@@ -14,7 +14,7 @@ A cycle runs three collectives on the peer group in the healthy case, always the
 
 A row cannot carry text: when any peer's record holds an error, a digest of another form, or input shapes that
 differ from the others', that peer says so in its row, every peer sees it, and all of them run one more collective
-— the JSON all-gather of the full records (:func:`gemscout.gemini.comm.gather_json`) — so the reasons still name
+— the JSON all-gather of the full records (:func:`gemscout._dist.gather_json`) — so the reasons still name
 what went wrong. That costs two collectives more, on the rare cycle that is not healthy anyway.
 """
 
@@ -29,7 +29,7 @@ import blake3
 import torch
 import torch.distributed as dist
 
-from gemscout.gemini.comm import gather_json, wait_all
+from gemscout._dist import gather_json, wait_all
 from gemscout.scout.capture import Captured, pack, unpack
 from gemscout.scout.digests import DIGEST_ALGORITHM
 

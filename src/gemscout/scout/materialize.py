@@ -34,9 +34,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gemscout._dist import wait_all
 from gemscout._tensors import is_dtensor
-from gemscout.gemini.comm import wait_all
-from gemscout.scout.topology import Topology, mesh_dims
+from gemscout.topology import Topology, mesh_dims
 
 __all__ = [
     "CollectiveTimer",

@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gemscout._dist import gather_json, wait_all
 from gemscout.errors import ConfigError
-from gemscout.gemini.comm import gather_json, wait_all
+from gemscout.reports import FaultReport
 from gemscout.scout.capture import Captured, capture_optimizer
 from gemscout.scout.materialize import Materializer, local_tensor, param_model_dims, uses_model_dims
 from gemscout.scout.recipes import Catalog, Recipe
-from gemscout.scout.reports import FaultReport
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
-from gemscout.scout.topology import Topology
+from gemscout.topology import Topology
 
 __all__ = ["MeshCycle"]
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.stragglers._rounds import check_hosts, check_round, check_seconds, ms
 from gemscout.scout.stragglers.config import StragglerConfig
 

@@ -1,6 +1,6 @@
 """What the out-of-band detectors conclude: :class:`StallFinding`.
 
-The SCOUT session turns each finding into a ``gemscout.scout.reports.FaultReport`` (same kind, ``scope="rank"``, the
+The SCOUT session turns each finding into a ``gemscout.reports.FaultReport`` (same kind, ``scope="rank"``, the
 finding's ranks, step, evidence, confirmations, reason and host; the session adds the recipe and its own timestamp
 policy). Keeping this small type here lets the OOB package stand alone: it imports nothing from ``scout``.
 """

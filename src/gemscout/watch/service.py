@@ -7,7 +7,7 @@ thread's help and reports a stall — naming the root rank where the evidence al
 conservative ``RecoveryDecision``.
 
 The store rank 0 serves listens on ``MASTER_ADDR``'s address only (loopback for a local job), not on every interface.
-It is served by a child process of rank 0 with a memory cap of its own (:mod:`gemscout.oob.store_server`), so what
+It is served by a child process of rank 0 with a memory cap of its own (:mod:`gemscout.watch.store_server`), so what
 anyone sends to it never grows the training process; that process deletes any key that is not a rank's slot, exits
 with rank 0, and its loss is a ``tamper`` finding (``store_lost``), never a hang or a crash. Every attach draws a fresh random epoch that rank 0 gives
 the others over the process group (not the store): messages of an earlier attach, replayed into the store, are
@@ -31,24 +31,15 @@ import torch
 import torch.distributed as dist
 
 from gemscout.config import require, strict_fields
-from gemscout.oob import (
-    InstrumentedLoader,
-    OobChannel,
-    OobConfig,
-    ProgressConfig,
-    ProgressPublisher,
-    StallConfig,
-    StallFinding,
-    StoreServer,
-    StoreServerConfig,
-    StoreServerError,
-    Watchdog,
-    WatchdogConfig,
-    checkpoint_io,
-)
-from gemscout.oob.config import DEFAULT_NAMESPACE
-from gemscout.oob.records import PROGRESS_KEY
-from gemscout.scout.reports import FaultKind, FaultReport, Scope
+from gemscout.reports import FaultKind, FaultReport, Scope
+from gemscout.watch.channel import OobChannel
+from gemscout.watch.config import DEFAULT_NAMESPACE, OobConfig
+from gemscout.watch.findings import StallFinding
+from gemscout.watch.progress import ProgressConfig, ProgressPublisher
+from gemscout.watch.records import PROGRESS_KEY
+from gemscout.watch.stalls import InstrumentedLoader, StallConfig, checkpoint_io
+from gemscout.watch.store_server import StoreServer, StoreServerConfig, StoreServerError
+from gemscout.watch.watchdog import Watchdog, WatchdogConfig
 
 log = logging.getLogger("gemscout.watch")
 _COLLECTIVES = (

@@ -23,9 +23,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gemscout.oob.findings import StallKind
-from gemscout.oob.records import DEFAULT_GROUP, ProgressRecord
-from gemscout.oob.stalls import section_kind
+from gemscout.watch.findings import StallKind
+from gemscout.watch.records import DEFAULT_GROUP, ProgressRecord
+from gemscout.watch.stalls import section_kind
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

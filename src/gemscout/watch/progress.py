@@ -2,7 +2,7 @@
 
 The training thread only touches memory: :meth:`ProgressPublisher.step`, :meth:`~ProgressPublisher.enter_collective`
 and friends update a few fields under an uncontended lock. A background thread publishes a :class:`ProgressRecord`
-through the :class:`~gemscout.oob.channel.OobChannel` at most every ``publish_interval`` when something changed, and at
+through the :class:`~gemscout.watch.channel.OobChannel` at most every ``publish_interval`` when something changed, and at
 least every ``heartbeat_interval`` regardless. So a training thread blocked inside a collective still has a live
 heartbeat, and its record shows exactly where it stopped; a dead process's heartbeat stops.
 """
@@ -20,8 +20,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.channel import OobChannel
-from gemscout.oob.records import DEFAULT_GROUP, PROGRESS_KEY, CollectiveFingerprint, ProgressRecord
+from gemscout.watch.channel import OobChannel
+from gemscout.watch.records import (
+    DEFAULT_GROUP,
+    PROGRESS_KEY,
+    CollectiveFingerprint,
+    ProgressRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ class ProgressConfig:
 class ProgressPublisher:
     """Hot-path progress tracking for one rank, published by a background thread.
 
-    Implements the ``SectionSink`` protocol of :mod:`gemscout.oob.stalls`, so an ``InstrumentedLoader`` or
+    Implements the ``SectionSink`` protocol of :mod:`gemscout.watch.stalls`, so an ``InstrumentedLoader`` or
     ``checkpoint_io`` can report into it directly.
     """
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gemscout.errors import ConfigError
-from gemscout.oob.health import THROTTLE_NOTABLE, THROTTLE_THERMAL, HealthEvent
+from gemscout.health.events import THROTTLE_NOTABLE, THROTTLE_THERMAL, HealthEvent
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _MAX_XIDS_PER_POLL = 64
 
 
 class NvmlHealthSource:
-    """A :class:`~gemscout.oob.health.HealthSource` over NVML for local GPUs ``devices`` (default: all).
+    """A :class:`~gemscout.health.events.HealthSource` over NVML for local GPUs ``devices`` (default: all).
 
     Reports: increases of the volatile corrected/uncorrected ECC counts; XID critical errors (when the driver allows
     event registration); temperature crossing ``temperature_report_c`` in either direction; changes of the notable

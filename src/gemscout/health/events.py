@@ -2,8 +2,8 @@
 
 A :class:`HealthSource` returns the events that happened since its last ``poll()``. :class:`InjectedHealthSource` is
 the source for machines without NVIDIA GPUs and for tests; the NVML source is
-:class:`gemscout.oob.nvml.NvmlHealthSource` (``pynvml`` is imported only when one is made). :func:`classify` assigns
-a severity; :class:`gemscout.oob.monitor.HealthMonitor` polls sources on a thread and delivers classified events.
+:class:`gemscout.health.nvml.NvmlHealthSource` (``pynvml`` is imported only when one is made). :func:`classify` assigns
+a severity; :class:`gemscout.health.monitor.HealthMonitor` polls sources on a thread and delivers classified events.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def resolve_secret(secret: bytes | None, *, insecure_dev: bool = False) -> bytes
         encoded = from_env.encode("utf-8")
         if len(encoded) < MIN_SECRET_BYTES:
             raise ConfigError(
-                f"{SECRET_ENV} must hold at least {MIN_SECRET_BYTES} bytes; use gemscout.oob.generate_secret()"
+                f"{SECRET_ENV} must hold at least {MIN_SECRET_BYTES} bytes; use gemscout.watch.generate_secret()"
             )
         return encoded
     if insecure_dev:
@@ -51,6 +51,6 @@ def resolve_secret(secret: bytes | None, *, insecure_dev: bool = False) -> bytes
         return _INSECURE_DEV_SECRET
     raise ConfigError(
         f"OobConfig.secret is unset and {SECRET_ENV} is empty: the launcher must give every rank the same per-job "
-        "secret (export GEMSCOUT_OOB_SECRET=$(python -c 'import gemscout.oob as o; print(o.generate_secret())')), "
+        "secret (export GEMSCOUT_OOB_SECRET=$(python -c 'import gemscout.watch as o; print(o.generate_secret())')), "
         "or pass insecure_dev=True for a local experiment"
     )

@@ -1,6 +1,6 @@
 """The store process: serves the out-of-band ``TCPStore`` on a listening socket its parent made, under a memory cap.
 
-Run by :class:`gemscout.oob.store_server.StoreServer` as ``python <this file> ...`` (by path, so that nothing of
+Run by :class:`gemscout.watch.store_server.StoreServer` as ``python <this file> ...`` (by path, so that nothing of
 ``gemscout`` is imported: this process holds only the standard library and torch). It
 
 - ignores SIGINT (a Ctrl-C at the terminal is the training process's to handle) and exits when its parent is gone

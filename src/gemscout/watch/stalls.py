@@ -6,7 +6,7 @@ in a data-parallel job every rank runs the same rounds, so round n can be compar
 
 :class:`StallDetector` takes one round's per-rank seconds and flags a rank that is above both the absolute threshold
 and ``relative_factor`` times the median of the other ranks; the same rank flagged in ``confirmations`` consecutive
-rounds of a section yields a :class:`~gemscout.oob.findings.StallFinding`.
+rounds of a section yields a :class:`~gemscout.watch.findings.StallFinding`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from gemscout.errors import ConfigError
-from gemscout.oob.findings import StallFinding, StallKind
+from gemscout.watch.findings import StallFinding, StallKind
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@
 a flood of keys from anyone who reaches the port grows that process until the kernel kills it. A sweeper cannot bound
 that: one client writes faster than another can list and delete. So rank 0 binds and listens on the job's address
 itself (the port is known at once; clients queue in the backlog) and hands the listening descriptor to a child
-process (:mod:`gemscout.oob._store_child`) that adopts it and caps its own memory (``RLIMIT_DATA``): past the cap the
+process (:mod:`gemscout.watch._store_child`) that adopts it and caps its own memory (``RLIMIT_DATA``): past the cap the
 store refuses the message that would grow it (the sending connection is dropped), and the training process holds
 nothing of the store at all. The child sweeps foreign keys itself, at once while it keeps finding some, and exits when
 its parent dies or :meth:`StoreServer.close` stops it. Its death is reported through :meth:`StoreServer.status`, which

@@ -14,14 +14,14 @@ the watchdog turns tamper events into ``tamper`` findings instead of verdicts.
 A ``TCPStore`` has no authentication: anyone who reaches its port can read, write and delete keys. So the server is
 bound to one address (the job's own address, loopback for a local job) instead of every interface. The ``TCPStore``
 server has no size or key cap: the watch serves it from a child process with a memory cap of its own
-(:mod:`gemscout.oob.store_server`), never inside training; :func:`serve_store` serves one in this process (tests,
+(:mod:`gemscout.watch.store_server`), never inside training; :func:`serve_store` serves one in this process (tests,
 experiments). :meth:`OobChannel.sweep` deletes keys that are not the job's slots (leftovers; it cannot bound memory: one
 writer floods faster than a reader lists and deletes). A client connection the server dropped (it refuses a message
 past its cap by closing the connection) is replaced once per operation when the channel was made by
 :meth:`OobChannel.connect`.
 
 The secret comes from the launcher (:attr:`OobConfig.secret` or ``GEMSCOUT_OOB_SECRET``; see
-:mod:`gemscout.oob.secret` for why it is never sent through the store). Without one the channel refuses to start,
+:mod:`gemscout.watch.secret` for why it is never sent through the store). Without one the channel refuses to start,
 unless ``insecure_dev=True``, which uses a fixed public key: messages are still checked for shape and replay, but
 anyone can forge them.
 """
@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 import blake3
 from torch.distributed import DistNetworkError, DistStoreError
 
-from gemscout.oob.config import OobConfig
-from gemscout.oob.secret import resolve_secret
-from gemscout.oob.store_server import listen_socket
+from gemscout.watch.config import OobConfig
+from gemscout.watch.secret import resolve_secret
+from gemscout.watch.store_server import listen_socket
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore

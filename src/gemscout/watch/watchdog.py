@@ -1,12 +1,12 @@
 """The out-of-band watchdog: reads every rank's progress from the store and reports stalls.
 
 It runs on its own thread (in any rank, or outside the job) and needs nothing from the training threads: it only reads
-authenticated progress records through an :class:`~gemscout.oob.channel.OobChannel`. Staleness is measured on the
+authenticated progress records through an :class:`~gemscout.watch.channel.OobChannel`. Staleness is measured on the
 watchdog's own monotonic clock (when it last *saw* a rank's counters change), so clock skew between hosts is harmless.
-Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.oob.stalls.StallDetector`, and
+Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.watch.stalls.StallDetector`, and
 when a rank made no progress for ``stall_threshold`` (or its heartbeat stopped) names the root with
-:func:`~gemscout.oob.rootcause.locate_root`; one verdict on ``confirmations`` consecutive polls becomes a
-:class:`~gemscout.oob.findings.StallFinding`, once per episode, delivered to callbacks (a raising callback is logged).
+:func:`~gemscout.watch.rootcause.locate_root`; one verdict on ``confirmations`` consecutive polls becomes a
+:class:`~gemscout.watch.findings.StallFinding`, once per episode, delivered to callbacks (a raising callback is logged).
 
 Only authenticated messages are evidence. A slot the channel saw forged, replayed, deleted or oversized is *tampered*
 for ``heartbeat_timeout`` after the last sign of it: its rank's staleness is unknown (the forger may be hiding its
@@ -15,7 +15,7 @@ stopped (a rank that was never seen, e.g. because its slot is deleted as fast as
 root but never start one). Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
 finding naming the slot, recommendation ``observe``: an outsider can make noise, never a verdict or a restart.
 
-Given the :class:`~gemscout.oob.store_server.StoreServer` that serves the store, each poll first reads its status:
+Given the :class:`~gemscout.watch.store_server.StoreServer` that serves the store, each poll first reads its status:
 keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
 ``tamper`` finding of kind ``store_lost`` naming the cause, after which the watchdog reads nothing more (there is
 nothing to read; training goes on, its process group has a store of its own). While foreign keys were swept within the
@@ -35,12 +35,12 @@ from datetime import timedelta
 from torch.distributed import DistNetworkError
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.channel import OobChannel, TamperEvent
-from gemscout.oob.findings import StallFinding
-from gemscout.oob.records import PROGRESS_KEY, ProgressRecord
-from gemscout.oob.rootcause import locate_root
-from gemscout.oob.stalls import StallConfig, StallDetector
-from gemscout.oob.store_server import StoreHealth
+from gemscout.watch.channel import OobChannel, TamperEvent
+from gemscout.watch.findings import StallFinding
+from gemscout.watch.records import PROGRESS_KEY, ProgressRecord
+from gemscout.watch.rootcause import locate_root
+from gemscout.watch.stalls import StallConfig, StallDetector
+from gemscout.watch.store_server import StoreHealth
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.oob.health import (
+from gemscout.health.events import (
     SEVERITIES,
     ClassifiedHealthEvent,
     HealthSource,

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from gemscout.errors import ConfigError
-from gemscout.oob.secret import MIN_SECRET_BYTES
+from gemscout.watch.secret import MIN_SECRET_BYTES
 
 _EPOCH = re.compile(r"[0-9A-Za-z_.-]{0,64}")
 DEFAULT_NAMESPACE = "gemscout/oob"
@@ -41,7 +41,7 @@ class OobConfig:
         if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
             raise ConfigError(
                 f"OobConfig.secret must hold at least {MIN_SECRET_BYTES} bytes, got {len(self.secret)}; "
-                "use gemscout.oob.generate_secret()"
+                "use gemscout.watch.generate_secret()"
             )
         if (
             not self.namespace
