@@ -9,7 +9,7 @@ JOBS ?= 2
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev,qualify,deepspeed,megatron]'
+	$(BIN)/pip install -q -e '.[dev,qualify,deepspeed,megatron,torchft]'
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install gemscout with its harness and dev tools (torch==2.13.0 CPU)
@@ -37,7 +37,7 @@ test-torchtitan: $(STAMP) $(TT)/.installed  ## TorchTitan Trainer.train() on CPU
 bench: $(STAMP)  ## GEMINI benchmarks vs memcpy, raw gloo and DCP; JSON in bench-results/
 	$(BIN)/python -m qualification.bench.gemini --out bench-results/gemini.json
 
-bench-goodput: $(STAMP)  ## goodput under a SIGKILL schedule: gemscout vs DCP async_save (Young/Daly); JSON in bench-results/
+bench-goodput: $(STAMP)  ## goodput under a SIGKILL schedule: gemscout vs DCP async_save (Young/Daly) vs torchft; JSON in bench-results/
 	$(BIN)/python -m qualification.bench.goodput --out bench-results/goodput.json
 
 CAMPAIGNS ?= quickstart

@@ -9,7 +9,10 @@ every ``--fail-every`` steps, killed inside the step). Measured side by side, on
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` every N steps, restart from the newest complete save. N comes
   from the Young/Daly rule, ``sqrt(2 x C x MTBF)``, with C the measured blocking cost of one save (a calibration
   launch) and MTBF the schedule's time between failures.
-- ``torchft``: not run (see ``skipped`` in the JSON).
+- ``torchft``: the same job as two replica groups under torchft (a lighthouse, a ``Manager`` per replica, live
+  recovery from the healthy replica; :mod:`qualification.bench.goodput_torchft`), when torchft is installed (the
+  ``torchft`` extra); otherwise ``skipped`` in the JSON says why. Its survivor trains on alone through a failure, so
+  its final state is not the uninterrupted run's: its goodput counts the batches it actually trained.
 
 Per arm: wall time, goodput (the ideal run's useful step time over the arm's wall time), and wasted time per failure
 ((wall - ideal wall) / failures: lost steps, restarts and checkpoint cost together). Every arm's final state must
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qualification.bench import goodput_torchft
 from qualification.errors import QualificationError, UsageError
 from qualification.launch import free_port
 
@@ -167,12 +171,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dcp_every = max(1, min(args.steps, round(interval / t_step)))
     gem = torchrun(args, "gemscout", scratch / "gemscout", fails=args.fail_steps)
     dcp = torchrun(args, "dcp", scratch / "dcp", fails=args.fail_steps, dcp_every=dcp_every)
-    shutil.rmtree(scratch, ignore_errors=True)
     failures = len(args.fail_steps)
     arms = [arm_summary("gemscout", gem, ideal, failures), arm_summary("dcp", dcp, ideal, failures)]
+    skipped = {}
+    why_not = goodput_torchft.unavailable()
+    if why_not is None:
+        ft = goodput_torchft.run_arm(args, scratch / "torchft", fails=args.fail_steps)
+        arms.append(goodput_torchft.summary(ft, ideal, failures, args.steps))
+    else:
+        skipped["torchft"] = why_not
+    shutil.rmtree(scratch, ignore_errors=True)
     wasted = {a["arm"]: a["wasted_per_failure_s"] for a in arms}
     ratio = wasted["gemscout"] / wasted["dcp"] if wasted["dcp"] and wasted["dcp"] > 0 else None
-    bitwise = all(a["bitwise_equal_to_ideal"] for a in arms)
+    # torchft's survivor trains on alone: its trajectory differs by design, so it is not part of this check.
+    bitwise = all(a["bitwise_equal_to_ideal"] for a in arms if a["arm"] != "torchft")
     return {
         "benchmark": "goodput",
         "host": platform.node(),
@@ -188,10 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "every_steps": dcp_every,
         },
         "arms": arms,
-        "skipped": {
-            "torchft": "torchft 0.2.0 is on the package index and installs here, but its arm (a lighthouse, "
-            "a Manager per replica group, live recovery from a healthy replica) is not written yet"
-        },
+        "skipped": skipped,
         # The shape bench_cell reads: one "size" with its ratios and targets.
         "sizes": [
             {
@@ -200,6 +209,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "wasted_ratio": round(ratio, 4) if ratio is not None else None,
                     "goodput_gemscout": arms[0]["goodput"],
                     "goodput_dcp": arms[1]["goodput"],
+                    **{
+                        f"{a['arm']}_{k}": a[k]
+                        for a in arms[2:]
+                        for k in ("goodput", "wasted_per_failure_s")
+                    },
                 },
                 "met": {
                     "wasted_ratio": ratio is not None and ratio <= TARGET_WASTED_RATIO and bitwise
@@ -231,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
             f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}"
         )
+        if arm["arm"] == "torchft":
+            print(
+                f"{'':9s} trained {arm['replica_steps_trained']} of {arm['replica_steps_wanted']} replica-steps; "
+                f"{len(arm['steps_one_replica_alone'])} steps by one replica alone"
+            )
+    for arm, why in doc["skipped"].items():
+        print(f"{arm:9s} skipped: {why}")
     ratio = doc["sizes"][0]["ratios"]["wasted_ratio"]
     print(
         f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); JSON: {args.out}"

@@ -4,7 +4,7 @@ in the cell directory, so the evidence bundle seals the figures with the commit 
 ``params``: ``bench`` (``gemini``, default: 2 CPU ranks; ``gemini_cuda``: the capture on one GPU vs the raw pinned
 copy, ``device`` "cuda" or "cpu" for a dry run), ``sizes_mib`` (default "64"; "256,1024" for ``gemini_cuda``),
 ``quick`` (bool: a ~4 MiB smoke run of ``gemini``), ``steps``; ``goodput``: ``steps``, ``fail_every``, ``state_mib``. Observed: every ratio the
-benchmark computes, and ``targets_met`` / ``targets_total`` (how many of its targets this run met), and ``targets``
+benchmark computes, ``skipped_arms`` (goodput: the arms it could not run here), and ``targets_met`` / ``targets_total`` (how many of its targets this run met), and ``targets``
 (each met or missed). The cell is MEASURED, never PASSED, when the program ran and produced every ratio: each target
 is reported met or missed, and a claim the cell backs holds only when all were met — figures from a shared 2-core
 machine are evidence to read, not a gate, and a missed one must never read as a pass.
@@ -86,6 +86,10 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         }
     doc = json.loads(out.read_text())
     observed: dict[str, Any] = {"targets_met": 0, "targets_total": 0}
+    if (
+        "skipped" in doc
+    ):  # arms the benchmark could not run here (e.g. torchft not installed), by name
+        observed["skipped_arms"] = sorted(doc["skipped"])
     targets: list[dict[str, Any]] = []
     for size in doc["sizes"]:
         tag = f"{size['state_mib']}MiB"
@@ -106,7 +110,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         "cell_id": cell["id"],
         "status": "passed",
         "observed": observed,
-        "metrics": {"benchmark": bench, "sizes": [s["state_mib"] for s in doc["sizes"]]},
+        "metrics": {
+            "benchmark": bench,
+            "sizes": [s["state_mib"] for s in doc["sizes"]],
+            # goodput: each arm's row and what could not run, for the report's table and charts
+            **{k: doc[k] for k in ("arms", "skipped") if k in doc},
+        },
         "timeline": timeline,
         "message": "",
     }

@@ -21,6 +21,7 @@ from qualification.errors import UsageError
 from qualification.evidence.manifest import MANIFEST_NAME, sha256_file
 from qualification.evidence.verdict import headline, scope_text
 from qualification.evidence.verify import VerificationResult
+from qualification.report._goodput import goodput_view, is_goodput_cell
 from qualification.report._load import RunRecord, load_run
 from qualification.report._perf import is_performance_cell, performance_view
 from qualification.report.svg import EVENT_COLOURS, TimelineMark, timeline_strip
@@ -108,6 +109,7 @@ def render_html(
         scope=scope_text(run.scope) if run.scope is not None else None,
         campaigns=_cell_tables(cells),
         performance=[performance_view(cell) for cell in cells if is_performance_cell(cell)],
+        goodput=[goodput_view(cell) for cell in cells if is_goodput_cell(cell)],
         details=[_cell_details(index, cell) for index, cell in enumerate(cells)],
         event_colours=EVENT_COLOURS,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),

@@ -217,3 +217,31 @@ def timeline_strip(marks: Sequence[TimelineMark], end_s: float | None = None) ->
         f'<text x="{_LABEL_W + plot_w}" y="{_num(axis_y)}" text-anchor="end" class="axis">{last:.2f} s</text>'
     )
     return _svg(axis_y + 6, "timeline of fault, detection, decision and recovery", body)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueBar:
+    label: str
+    value: float
+    note: str
+
+
+def value_chart(bars: Sequence[ValueBar], *, unit: str, label: str) -> Markup:
+    """Horizontal bars of one quantity per row, from zero, each with its value and a note on the right."""
+    scale_max = max([1e-9, *(b.value for b in bars if math.isfinite(b.value))]) * 1.1
+    row_h, top, value_w = 22.0, 8.0, 230
+    plot_w = _WIDTH - _LABEL_W - value_w - 10
+    body = []
+    for i, bar in enumerate(bars):
+        y = top + i * row_h
+        value = bar.value if math.isfinite(bar.value) else 0.0
+        width = max(value / scale_max * plot_w, 1.0)
+        body.append(
+            f'<text x="{_LABEL_W - 8}" y="{_num(y + 15)}" text-anchor="end">{escape(bar.label)}</text>'
+            f'<rect x="{_LABEL_W}" y="{_num(y + 4)}" width="{_num(width)}" height="14" '
+            f'fill="{NEUTRAL_COLOUR}"><title>{escape(bar.label)}: {bar.value:.3g} {escape(unit)}'
+            f"</title></rect>"
+            f'<text x="{_WIDTH - 8}" y="{_num(y + 15)}" text-anchor="end" class="value">'
+            f"{bar.value:.3g} {escape(unit)} {escape(bar.note)}</text>"
+        )
+    return _svg(top + row_h * len(bars) + 8, label, body)

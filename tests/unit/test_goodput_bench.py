@@ -49,3 +49,43 @@ def test_the_schedule_and_bad_arguments() -> None:
     ):
         with pytest.raises(UsageError):
             goodput.parse(bad)
+
+
+def _replica(*attempts: list[tuple[int, int, bool]], done: str | None = "d") -> dict:
+    """One torchft replica's events: per attempt, its steps as (step, participants, committed)."""
+    events: list[dict] = []
+    for attempt, steps in enumerate(attempts):
+        events.append({"event": "start", "attempt": attempt, "t": 0.0})
+        events += [
+            {"event": "step", "step": s, "participants": p, "committed": c, "t": 0.0}
+            for s, p, c in steps
+        ]
+    if done is not None:
+        events.append({"event": "done", "digest": done, "t": 0.0})
+    return {"events": events, "digest": done}
+
+
+def test_torchft_goodput_counts_the_batches_trained_not_the_steps() -> None:
+    from qualification.bench import goodput_torchft
+
+    # Replica 0 is killed in step 3 and rejoins at step 6 (healed from replica 1, which took 3-5 alone).
+    survivor = _replica([(s, 2 if s < 3 or s > 5 else 1, True) for s in range(1, 9)])
+    victim = _replica([(1, 2, True), (2, 2, True)], [(6, 2, True), (7, 2, True), (8, 2, True)])
+    run = {"wall_s": 40.0, "replicas": [victim, survivor], "fired": 1}
+    ideal = {"wall_s": 20.0, "useful_s": 16.0, "digest": "d"}
+    arm = goodput_torchft.summary(run, ideal, failures=1, steps=8)
+    assert arm["replica_steps_trained"] == 13 and arm["replica_steps_wanted"] == 16
+    assert arm["steps_one_replica_alone"] == [3, 4, 5] and arm["resume_steps"] == [5]
+    assert arm["goodput"] == round(16.0 * 13 / 16 / 40.0, 4)
+    assert arm["wasted_per_failure_s"] == 20.0 and arm["failures_fired"] == 1
+
+
+def test_a_torchft_failure_waits_for_a_whole_quorum_and_fires_once(tmp_path) -> None:
+    from qualification.bench.goodput_torchft_rank import pending
+
+    assert pending(tmp_path, [5, 10], 4) is None
+    assert (
+        pending(tmp_path, [5, 10], 7) == 5
+    )  # due at 5, not fired yet: fires at the next whole step
+    (tmp_path / "fired-5").touch()
+    assert pending(tmp_path, [5, 10], 9) is None and pending(tmp_path, [5, 10], 12) == 10

@@ -1,0 +1,52 @@
+"""The goodput benchmark in the report: per arm its wall time, goodput and wasted time per failure, as a table and
+two bar charts, from a ``bench_cell`` whose ``metrics`` hold ``arms`` (:mod:`qualification.bench.goodput`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from qualification.report.svg import ValueBar, value_chart
+
+
+def _float(value: Any) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else math.nan
+
+
+def is_goodput_cell(cell: dict[str, Any]) -> bool:
+    arms = cell["metrics"].get("arms")
+    return isinstance(arms, list) and any(isinstance(a, dict) for a in arms)
+
+
+def goodput_view(cell: dict[str, Any]) -> dict[str, Any]:
+    arms = [a for a in cell["metrics"]["arms"] if isinstance(a, dict)]
+    rows = []
+    for arm in arms:
+        bitwise = arm.get("bitwise_equal_to_ideal")
+        rows.append(
+            {
+                "arm": str(arm.get("arm", "?")),
+                "wall": _float(arm.get("wall_s")),
+                "goodput": _float(arm.get("goodput")),
+                "wasted": _float(arm.get("wasted_per_failure_s")),
+                "resumed": ", ".join(map(str, arm.get("resume_steps") or [])) or "–",
+                "bitwise": "yes" if bitwise else "no" if bitwise is False else "–",
+            }
+        )
+    skipped = cell["metrics"].get("skipped")
+    return {
+        "id": cell["id"],
+        "rows": rows,
+        "skipped": dict(skipped) if isinstance(skipped, dict) else {},
+        "goodput_svg": value_chart(
+            [ValueBar(r["arm"], r["goodput"], "") for r in rows],
+            unit="",
+            label="goodput per arm (useful step time over wall time)",
+        ),
+        "wasted_svg": value_chart(
+            [ValueBar(r["arm"], r["wasted"], "per failure") for r in rows],
+            unit="s",
+            label="wasted time per failure per arm",
+        ),
+    }
