@@ -214,12 +214,10 @@ def enable_resiliency(
         raise ConfigError("enable_resiliency.scout: pass a gemscout.ScoutConfig(...)")
     if scout is not None:
         scout = dataclasses.replace(scout, interval=_scout_cadence(scout.interval, interval))
-    from gemscout.adapters.detect import (
-        resolve,
-    )  # here, not at the top: importing gemscout loads no adapter
+    from gemscout.adapters.registry import resolve  # here: importing gemscout loads no adapter
 
-    # Framework detection: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer and its
-    # counters as extra state; plain PyTorch passes through; the type checks of model and optimizer live there.
+    # The adapter registry picks the framework's adapter (a DeepSpeed engine becomes its module, a step-hooked view
+    # of its ZeRO optimizer and its counters as extra state; plain PyTorch passes through, type-checked there).
     target = resolve(
         model,
         optimizer,
@@ -247,7 +245,7 @@ def enable_resiliency(
         extra_state_fn, load_extra_state_fn = buckets.wrap_state(
             extra_state_fn, load_extra_state_fn
         )
-    # DeepSpeed ZeRO: each rank's partition is its own, so the durable tier promotes collectively (every rank's).
+    # Rank-local state (an adapter says so: ZeRO partitions) makes the durable tier promote every rank's.
     sources = StateSources(
         model,
         optimizer,
@@ -255,7 +253,7 @@ def enable_resiliency(
         load_extra_state_fn,
         tuple(schedulers),
         stateful=stateful,
-        rank_local=target.framework.value == "deepspeed",
+        rank_local=target.rank_local,
     )
     checkpointer = None
     if checkpoint is not None:

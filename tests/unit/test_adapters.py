@@ -21,7 +21,7 @@ from gemscout.adapters.deepspeed import (
     resolve_engine,
     restore_engine,
 )
-from gemscout.adapters.detect import Framework, detect, resolve
+from gemscout.adapters.registry import detect, resolve
 from gemscout.state.codec import decode, encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,22 +125,20 @@ def _resolve_ds(engine: DeepSpeedEngine, **kw: Any) -> Any:
 def test_detect_by_class_module_and_name() -> None:
     torch_model = nn.Linear(2, 2)
     opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
-    assert detect(DeepSpeedEngine()) is Framework.DEEPSPEED
-    assert detect(Trainer()) is Framework.TORCHTITAN
-    assert detect([GPTModel(), GPTModel()]) is Framework.MEGATRON
-    assert detect(GPTModel(), opt) is Framework.MEGATRON
-    assert detect(torch_model, DistributedOptimizer()) is Framework.MEGATRON
-    assert detect(torch_model, opt) is Framework.TORCH
-    assert (
-        detect([torch_model]) is Framework.TORCH
-    )  # a list, but not Megatron's: resolve refuses it
+    assert detect(DeepSpeedEngine()).name == "deepspeed"
+    assert detect(Trainer()).name == "torchtitan"
+    assert detect([GPTModel(), GPTModel()]).name == "megatron"
+    assert detect(GPTModel(), opt).name == "megatron"
+    assert detect(torch_model, DistributedOptimizer()).name == "megatron"
+    assert detect(torch_model, opt).name == "torch"
+    assert detect([torch_model]).name == "torch"  # a list, but not Megatron's: resolve refuses it
 
 
 def test_torch_passes_through_unchanged() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     target = resolve(model, opt)
-    assert target.framework is Framework.TORCH and target.model is model and target.optimizer is opt
+    assert target.framework == "torch" and target.model is model and target.optimizer is opt
 
 
 @pytest.mark.parametrize(
@@ -223,7 +221,7 @@ def test_deepspeed_argument_rules() -> None:
         target = resolve(
             engine, accepted, scout=ScoutConfig(recipes=("embedding", "hidden", "output"))
         )
-        assert target.framework is Framework.DEEPSPEED and target.model is engine.module
+        assert target.framework == "deepspeed" and target.model is engine.module
         assert isinstance(target.optimizer, EngineOptimizer)
 
 

@@ -38,7 +38,10 @@ from torch import nn
 
 from gemscout.adapters import deepspeed_layout
 from gemscout.adapters._step_hooks import EngineStepView
+from gemscout.adapters.classes import class_names
+from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError, RunMismatchError
+from gemscout.scout.config import ScoutConfig
 from gemscout.state.codec import encode
 
 __all__ = [
@@ -52,10 +55,6 @@ __all__ = [
 SUPPORTED_STAGES = (1, 2, 3)
 FORMAT = deepspeed_layout.FORMAT
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-
-
-def _class_names(obj: Any) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
 
 
 class EngineOptimizer(EngineStepView):
@@ -178,7 +177,7 @@ class EngineParts:
 
 def _check_engine(engine: Any) -> None:
     """Refuse what the adapter has not been built for, naming the setting to change."""
-    names = _class_names(engine)
+    names = class_names(engine)
     for unsupported in ("PipelineEngine", "DeepSpeedHybridEngine"):
         if unsupported in names:
             raise ConfigError(
@@ -207,7 +206,7 @@ def _check_engine(engine: Any) -> None:
         check_zero3(engine)
         return
     zero = engine.optimizer
-    if "DeepSpeedZeroOptimizer" not in _class_names(zero) or not isinstance(
+    if "DeepSpeedZeroOptimizer" not in class_names(zero) or not isinstance(
         getattr(zero, "optimizer", None), torch.optim.Optimizer
     ):
         raise ConfigError(
@@ -338,4 +337,29 @@ def resolve_engine(
         extra_state_fn=extra,
         load_extra_state_fn=load_extra,
         scout_factory=scout_factory,
+    )
+
+
+def adapt(engine: Any, optimizer: Any, request: Request) -> Target:
+    """The registry's entry point: a DeepSpeed engine becomes its module, a step-hooked view of its ZeRO optimizer
+    and its counters as extra state."""
+    parts = resolve_engine(
+        engine,
+        optimizer,
+        extra_state_fn=request.extra_state_fn,
+        load_extra_state_fn=request.load_extra_state_fn,
+        schedulers=request.schedulers,
+        scout=request.scout if isinstance(request.scout, ScoutConfig) else None,
+    )
+    # EngineOptimizer offers exactly the optimizer interface the session, GEMINI and SCOUT's forward recipes use.
+    return Target(
+        framework="deepspeed",
+        model=parts.model,
+        optimizer=cast(torch.optim.Optimizer, parts.optimizer),
+        extra_state_fn=parts.extra_state_fn,
+        load_extra_state_fn=parts.load_extra_state_fn,
+        schedulers=tuple(request.schedulers),
+        scout=request.scout,
+        scout_factory=parts.scout_factory,
+        rank_local=True,  # each rank's ZeRO partition is its own
     )

@@ -53,7 +53,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,7 +61,9 @@ from torch import nn
 from gemscout._modules import unwrap
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters._step_hooks import Hook, StepHooks
-from gemscout.adapters.megatron_topology import _class_names, megatron_topology, moe_layers
+from gemscout.adapters.classes import class_names
+from gemscout.adapters.megatron_topology import megatron_topology, moe_layers
+from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.topology import Topology
 
@@ -345,7 +347,7 @@ def resolve_megatron(
         view = optimizer
     elif all(
         hasattr(optimizer, a) for a in ("step", "optimizer", "state_dict", "load_state_dict")
-    ) and "MegatronOptimizer" in _class_names(optimizer):
+    ) and "MegatronOptimizer" in class_names(optimizer):
         view = MegatronOptimizerView(optimizer)
         if any(not isinstance(inner, torch.optim.Optimizer) for inner in view.inner):
             raise ConfigError(
@@ -361,11 +363,11 @@ def resolve_megatron(
 
     # Megatron's OptimizerParamScheduler is stepped with an increment: a replay wrapper records it (see its module).
     replays = [
-        ParamSchedulerReplay(s) for s in schedulers if "OptimizerParamScheduler" in _class_names(s)
+        ParamSchedulerReplay(s) for s in schedulers if "OptimizerParamScheduler" in class_names(s)
     ]
     wrapped = iter(replays)
     schedulers = tuple(
-        next(wrapped) if "OptimizerParamScheduler" in _class_names(s) else s for s in schedulers
+        next(wrapped) if "OptimizerParamScheduler" in class_names(s) else s for s in schedulers
     )
     if group is not None:
         raise ConfigError(
@@ -420,4 +422,29 @@ def resolve_megatron(
         topology=topology,
         install_hooks=install_hooks,
         schedulers=schedulers,
+    )
+
+
+def adapt(model: Any, optimizer: Any, request: Request) -> Target:
+    """The registry's entry point: Megatron Core model chunks and optimizer, with parallel_state's topology."""
+    mc = resolve_megatron(
+        model,
+        optimizer,
+        extra_state_fn=request.extra_state_fn,
+        load_extra_state_fn=request.load_extra_state_fn,
+        schedulers=request.schedulers,
+        scout=request.scout,
+        group=request.group,
+    )
+    # MegatronOptimizerView offers the optimizer interface the session, GEMINI and SCOUT use (see its docstring).
+    return Target(
+        framework="megatron",
+        model=mc.model,
+        optimizer=cast(torch.optim.Optimizer, mc.optimizer),
+        extra_state_fn=mc.extra_state_fn,
+        load_extra_state_fn=mc.load_extra_state_fn,
+        schedulers=mc.schedulers,
+        scout=mc.scout,
+        scout_topology=mc.topology,
+        install_hooks=mc.install_hooks,
     )

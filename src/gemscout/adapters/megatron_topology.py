@@ -11,14 +11,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from gemscout.adapters.classes import class_names
 from gemscout.errors import ConfigError
 from gemscout.topology import Topology, derive
 
 __all__ = ["megatron_topology", "moe_layers"]
-
-
-def _class_names(obj: Any) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
 
 
 def megatron_topology(rank: int | None = None) -> Topology:
@@ -106,4 +103,4 @@ def moe_layers(model: Any) -> list[nn.Module]:
     ``session.check_alltoall`` records the token dispatch of (the alltoall dispatcher calls ``all_to_all_single``
     inside the layer's forward)."""
     chunks = list(model) if isinstance(model, list | tuple) else [model]
-    return [m for chunk in chunks for m in chunk.modules() if "MoELayer" in _class_names(m)]
+    return [m for chunk in chunks for m in chunk.modules() if "MoELayer" in class_names(m)]

@@ -40,12 +40,13 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from gemscout.adapters._optim_view import InnerOptimizers
+from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError
 from gemscout.topology import Topology, _fsdp_data_dims, from_mesh
 
@@ -406,4 +407,27 @@ def resolve_trainer(
         schedulers=(trainer.lr_schedulers,),
         scout=scout,
         topology=topology,
+    )
+
+
+def adapt(trainer: Any, optimizer: Any, request: Request) -> Target:
+    """The registry's entry point: a TorchTitan Trainer becomes its model parts, optimizers and schedulers."""
+    tt = resolve_trainer(
+        trainer,
+        optimizer,
+        extra_state_fn=request.extra_state_fn,
+        load_extra_state_fn=request.load_extra_state_fn,
+        schedulers=request.schedulers,
+        scout=request.scout,
+        group=request.group,
+    )
+    return Target(
+        framework="torchtitan",
+        model=tt.model,
+        optimizer=cast(torch.optim.Optimizer, tt.optimizer),
+        extra_state_fn=tt.extra_state_fn,
+        load_extra_state_fn=tt.load_extra_state_fn,
+        schedulers=tt.schedulers,
+        scout=tt.scout,
+        scout_topology=tt.topology,
     )

@@ -1,0 +1,55 @@
+"""What every framework adapter is given and what it returns: the caller's :class:`Request` in, a :class:`Target`
+out — the objects a session attaches to, whatever framework built them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gemscout.scout.config import ScoutConfig
+from gemscout.topology import Topology
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """What the caller passed to ``enable_resiliency`` besides the model and optimizer, for the adapter to wrap."""
+
+    extra_state_fn: Callable[[], Any] | None = None
+    load_extra_state_fn: Callable[[Any], None] | None = None
+    schedulers: Sequence[Any] = ()
+    scout: ScoutConfig | None = None
+    group: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """What a session attaches to, whatever framework the caller used."""
+
+    framework: str
+    """The name of the adapter that claimed the objects (its registry entry)."""
+    model: nn.Module
+    """The module that owns the parameters (its ``state_dict`` is captured; SCOUT hooks its submodules)."""
+    optimizer: torch.optim.Optimizer
+    """Where the step hooks go and whose ``state_dict`` is captured: the caller's optimizer, or an adapter object
+    offering the same subset of the interface (see :class:`gemscout.adapters.deepspeed.EngineOptimizer`)."""
+    extra_state_fn: Callable[[], Any] | None
+    """Caller state to capture (an adapter wraps the caller's with the framework's own counters)."""
+    load_extra_state_fn: Callable[[Any], None] | None
+    """The inverse of ``extra_state_fn``."""
+    schedulers: tuple[Any, ...]
+    """LR schedulers the loop steps after the optimizer step (captured, replayed once on restore)."""
+    scout: ScoutConfig | None = None
+    """The ScoutConfig to attach with (an adapter may fill in its framework's module paths)."""
+    scout_topology: Topology | None = None
+    """SCOUT's peers when the framework defines them (Megatron's parallel_state); None: SCOUT reads the model."""
+    install_hooks: Callable[[], list[Any]] | None = None
+    """The adapter's own step hooks, registered right before the session's (so they run first); returns handles."""
+    scout_factory: Callable[[ScoutConfig], Any] | None = None
+    """The Scout class to attach when the framework needs its own (DeepSpeed ZeRO's optimizer recipe); None: Scout."""
+    rank_local: bool = False
+    """Every rank's model and optimizer state is its own partition (DeepSpeed ZeRO), so the durable tier promotes
+    every rank's, not one copy of replicated state."""
