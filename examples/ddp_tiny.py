@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,26 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def crash(out: Path, *, rank: int, step: int) -> None:
+    """The demo's crash: write when it happens to ``<out>/kill.json`` (fsynced, before the signal, since nothing
+    runs after it), then SIGKILL this process. examples/run_kill.py measures the recovery from that record."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "event": "sigkill",
+        "wall": time.time(),
+        "rank": rank,
+        "step": step,
+        "pid": os.getpid(),
+    }
+    fd = os.open(out / "kill.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, json.dumps(record).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -184,8 +205,8 @@ def main() -> None:
             # The demo's crash. It waits for this step's capture to land first only so that the restart point is
             # known in advance (examples/check_resume.py asserts it); a real crash takes whatever had landed.
             session.checkpointer.drain()
-            os.kill(
-                os.getpid(), signal.SIGKILL
+            crash(
+                args.out, rank=rank, step=step
             )  # no flush, no cleanup, no goodbye to the other rank
 
     decision = session.last_decision.to_dict() if session.last_decision is not None else None

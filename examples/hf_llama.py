@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import gemscout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_tiny import SampleLog, Tokens, state_digest  # noqa: E402  (the same dataset, sample log and digest)
+from ddp_tiny import SampleLog, Tokens, crash, state_digest  # noqa: E402  (the same dataset, sample log and digest)
 
 
 def main() -> None:
@@ -115,7 +113,7 @@ def main() -> None:
         optimizer.step()
         if rank == args.kill_rank and step == args.kill_step and first_run:
             session.checkpointer.drain()  # the demo's crash, after this step's capture landed (a known restart point)
-            os.kill(os.getpid(), signal.SIGKILL)
+            crash(args.out, rank=rank, step=step)
 
     metrics = session.metrics()
     if metrics["scout.unreplayable_recipes"] or not metrics["scout.cycles"]:

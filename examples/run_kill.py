@@ -1,7 +1,9 @@
 """Crash a gemscout job and prove it resumed exactly: the driver behind ``make example-ddp`` / ``make example-hf``.
 
 1. an uninterrupted run of the example (``torchrun``, its own checkpoint folder): the reference;
-2. the same job with one rank SIGKILLed right after ``--kill-step``; torchrun stops the other rank and exits;
+2. the same job with one rank SIGKILLed right after ``--kill-step``; torchrun stops the other rank and exits. The
+   killed rank first writes ``<work>/crashed/kill.json`` (its wall time, fsynced, then the signal): a crashed run
+   that left no record died of something else, and the driver stops there;
 3. the job started again on the same checkpoint folder — one run per ``--restore`` mode, each on its own copy of the
    folder the crash left — which resumes from the checkpoint and trains to the end;
 4. ``examples/check_resume.py`` compares every rank bit for bit with the reference (parameters, optimizer state,
@@ -17,12 +19,14 @@ the new group reads the previous attempt's addresses).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,6 +50,16 @@ def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout_s: fl
             ).returncode
         except subprocess.TimeoutExpired:
             return 124
+
+
+def _kill_record(out: Path) -> dict[str, Any] | None:
+    """The killed rank's ``kill.json`` (examples/ddp_tiny.py ``crash``), or None when there is none."""
+    try:
+        record = json.loads((out / "kill.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("wall"), int | float)
+    return record if ok else None
 
 
 def main() -> int:
@@ -104,6 +118,18 @@ def main() -> int:
     ):
         print("run_kill: the crashed run exited 0: the kill did not happen", file=sys.stderr)
         return 1
+    kill = _kill_record(args.work / "crashed")
+    if kill is None:
+        print(
+            "run_kill: the crashed run left no kill record (crashed/kill.json): it did not die by the demo's "
+            f"SIGKILL; see {args.work / 'logs'}",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"run_kill: rank {kill['rank']} SIGKILLed itself after step {kill['step']} "
+        f"(recorded at {time.strftime('%H:%M:%S', time.gmtime(kill['wall']))} UTC)"
+    )
     for mode in modes:
         shutil.copytree(args.work / "ckpt-crashed", args.work / f"ckpt-resumed-{mode}")
         if run(f"resumed-{mode}", ["--restore", mode]) != 0:
@@ -112,6 +138,10 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 1
+        print(
+            f"run_kill: resumed-{mode} finished {time.time() - kill['wall']:.1f} s after the SIGKILL "
+            "(this driver starts each restart itself, one after the other)"
+        )
     check = [
         sys.executable,
         str(HERE / "check_resume.py"),

@@ -53,6 +53,7 @@ from qualification.errors import (  # noqa: E402  (the path above must come firs
     QualificationError,
     UsageError,
 )
+from qualification.evidence.freshness import evidence_only  # noqa: E402
 from qualification.evidence.manifest import (  # noqa: E402
     MANIFEST_NAME,
     MAX_FILE_BYTES,
@@ -78,7 +79,12 @@ class Evidence:
     predicate: dict[str, Any]
     summary: dict[str, Any] | None
     current_commit: bool
-    """Made from the commit this page is about (``--expected-commit``)."""
+    """Made from the commit this page is about (``--expected-commit``), or from one that differs from it only in
+    evidence files (then ``evidence_only``)."""
+    evidence_only: bool = False
+    """Made from an ancestor of the page's commit, which changes nothing since but evidence files
+    (:func:`qualification.evidence.freshness.evidence_only`): committed evidence, one commit behind by
+    construction, still describes the code of the commit holding it."""
 
     @property
     def commit(self) -> str:
@@ -106,7 +112,7 @@ class Evidence:
             self.current_commit
             and self.verification.exit_code == 0
             and self.ran_cells > 0
-            and str(self.verification.freshness.state) == "CURRENT"
+            and self.verification.freshness.covers_head
             and self.partial is None
         )
 
@@ -131,17 +137,23 @@ class Evidence:
                 else ""
             )
             return f"historical: evidence for commit {short}{behind}, not for the commit this page describes"
-        if state == "CURRENT":
+        if state in ("CURRENT", "CURRENT-EVIDENCE-ONLY"):
             result = self.predicate["result"]
+            where = (
+                f"commit {short} is the head of {freshness.main_ref}"
+                if state == "CURRENT"
+                else f"{freshness.main_ref} is {freshness.commits_behind} commit(s) past commit {short}, "
+                "changing only evidence files"
+            )
             if result == "PASSED-WITH-SKIPS":
                 return (
-                    f"current, PASSED-WITH-SKIPS: commit {short} is the head of {freshness.main_ref}; "
+                    f"current, PASSED-WITH-SKIPS: {where}; "
                     f"{self.predicate['summary']['skipped']} cell(s) skipped, and the claims they back are not "
                     "validated"
                 )
             if result == "MEASURED":
-                return f"current, MEASURED: commit {short} is the head of {freshness.main_ref}; read each target"
-            return f"current qualification: commit {short} is the head of {freshness.main_ref}"
+                return f"current, MEASURED: {where}; read each target"
+            return f"current qualification: {where}"
         if state == "STALE":
             return (
                 f"stale: {freshness.main_ref} is {freshness.commits_behind} commit(s) past {short}"
@@ -204,9 +216,12 @@ def load_evidence(
     with _bundle_dir(bundle) as root:
         claimed = _claimed_commit(root)
         current_commit = claimed == expected_commit.lower()
+        evidence_only = not current_commit and _changes_only_evidence(
+            repo, claimed, expected_commit
+        )
         result = verify_bundle(
             root,
-            expected_commit=expected_commit if current_commit else claimed,
+            expected_commit=claimed if evidence_only or not current_commit else expected_commit,
             trust=trust,
             repo=repo,
             main_ref=main_ref,
@@ -223,8 +238,23 @@ def load_evidence(
         verification=result,
         predicate=document["predicate"],
         summary=summary,
-        current_commit=current_commit,
+        current_commit=current_commit or evidence_only,
+        evidence_only=evidence_only,
     )
+
+
+def _changes_only_evidence(repo: Path, old: str, new: str) -> bool:
+    """``new`` descends from ``old`` and the two trees differ only in evidence files."""
+    try:
+        ancestor = subprocess.run(
+            ["git", "-C", str(repo), "merge-base", "--is-ancestor", old, new],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        return ancestor.returncode == 0 and evidence_only(repo, old, new) == []
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _check_summary_agrees(summary: dict[str, Any], predicate: dict[str, Any]) -> None:
@@ -452,9 +482,16 @@ def render(evidence: Sequence[Evidence], *, commit: str) -> str:
                 f"and passed, except that {', '.join(measured)} {verb} (MEASURED: read each target, met or missed)"
             )
         )
+        ran_at = sorted({e.commit[:12] for e in current})
+        since = (
+            f"`{commit[:12]}`, the head of main"
+            if ran_at == [commit[:12]]
+            else f"{', '.join(f'`{c}`' for c in ran_at)}, from which `{commit[:12]}`, the head of main, "
+            "differs only in evidence files"
+        )
         lines += [
-            f"**Status: current qualification.** Every campaign below was run at `{commit[:12]}`, the head of "
-            f"main, from a clean tree, {outcome}; each claim holds only within its boundaries.",
+            f"**Status: current qualification.** Every campaign below was run at {since}, from a clean tree, "
+            f"{outcome}; each claim holds only within its boundaries.",
             "",
         ]
     else:
@@ -590,7 +627,9 @@ def _behind_head(repo: Path, commit: str) -> int | None:
     )
 
 
-def block_body(evidence: Evidence, bundle: str, *, behind: int | None) -> str:
+def block_body(
+    evidence: Evidence, bundle: str, *, behind: int | None, evidence_only_since: bool = False
+) -> str:
     """The Markdown of a generated figures block: what the bundle says, with its commit, and nothing typed by hand."""
     p = evidence.predicate
     commit = evidence.commit
@@ -599,6 +638,9 @@ def block_body(evidence: Evidence, bundle: str, *, behind: int | None) -> str:
     when = (
         "historical: sealed at the HEAD this block was rendered at; later commits are not covered"
         if behind == 0
+        else f"historical: HEAD was {behind} commit(s) past it when this block was rendered, changing only "
+        "evidence files; a later change to anything else is not covered"
+        if behind is not None and evidence_only_since
         else f"historical: HEAD was {behind} commit(s) past it when this block was rendered"
         if behind is not None
         else "historical: its commit is not an ancestor of HEAD"
@@ -643,7 +685,12 @@ def update_blocks(
             text = replace_body(
                 text,
                 block.bundle,
-                block_body(evidence, block.bundle, behind=_behind_head(repo, evidence.commit)),
+                block_body(
+                    evidence,
+                    block.bundle,
+                    behind=_behind_head(repo, evidence.commit),
+                    evidence_only_since=_changes_only_evidence(repo, evidence.commit, "HEAD"),
+                ),
             )
             written.append(f"{path}:{block.line}: {block.bundle} ({evidence.commit[:12]})")
         _write_atomic(path, text)

@@ -6,8 +6,20 @@ has moved past. The states, in the order they are decided:
 * UNKNOWN: no repository, git missing, main ref or commit not in the clone (shallow?), or the bundle was sealed from
   a dirty tree (its contents match no commit, so nothing can make it current).
 * CURRENT: the commit is main's head.
-* STALE: the commit is an ancestor of main's head; ``commits_behind`` says by how much.
+* CURRENT-EVIDENCE-ONLY: the commit is an ancestor of main's head, and the two trees differ only in evidence files
+  (:func:`evidence_only`): the code, tests, campaigns and prose at main's head are exactly those the bundle ran.
+  This is how committed evidence always stands: a bundle sealed at X is committed in X+1, which adds only evidence.
+  ``commits_behind`` still says how far main has moved; ``non_evidence`` is empty.
+* STALE: the commit is an ancestor of main's head and something else changed since; ``commits_behind`` says by how
+  much, ``non_evidence`` names the first paths that are not evidence.
 * NOT-ON-MAIN: anything else (a side branch, unmerged work, or main was rewritten).
+
+Evidence files, exactly (:data:`EVIDENCE_DIRS`, :data:`EVIDENCE_FILES`): anything under ``docs/evidence/``;
+``docs/validation.md``; and a Markdown file (``*.md``, anywhere) whose text is the same at both commits once the body
+and the recorded digest of every generated figures block (:mod:`qualification.report.docblocks`) are set aside, so a
+re-rendered README block passes and one word of prose outside a block does not. The comparison is between the two
+trees (``git diff X HEAD``), not commit by commit: the evidence describes a tree, so a change made and reverted in
+between leaves it exact. A rename, a mode change or a deleted file counts like any other change to its paths.
 
 The verifier never fetches: run ``git fetch`` first and pass ``--main-ref origin/main`` to judge against the remote.
 """
@@ -29,8 +41,15 @@ GIT_TIMEOUT = timedelta(seconds=30)
 _GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY")
 
 
+EVIDENCE_DIRS = ("docs/evidence/",)
+EVIDENCE_FILES = ("docs/validation.md",)
+MAX_LISTED = 5
+"""Non-evidence paths named in a STALE reason (the rest are counted)."""
+
+
 class Freshness(StrEnum):
     CURRENT = "CURRENT"
+    CURRENT_EVIDENCE_ONLY = "CURRENT-EVIDENCE-ONLY"
     STALE = "STALE"
     NOT_ON_MAIN = "NOT-ON-MAIN"
     UNKNOWN = "UNKNOWN"
@@ -45,6 +64,13 @@ class FreshnessReport:
     main_ref: str
     main_head: str | None
     reason: str
+    non_evidence: tuple[str, ...] = ()
+    """STALE only: the paths changed since the commit that are not evidence files (all of them, sorted)."""
+
+    @property
+    def covers_head(self) -> bool:
+        """The bundle describes main's head: CURRENT, or CURRENT-EVIDENCE-ONLY."""
+        return self.state in (Freshness.CURRENT, Freshness.CURRENT_EVIDENCE_ONLY)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,10 +225,75 @@ def check_freshness(
     except subprocess.TimeoutExpired:
         return unknown(f"git did not answer within {timeout.total_seconds():.0f} s")
     behind = int(count.stdout.strip())
+    try:
+        changed = evidence_only(repo, commit, head, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return unknown(f"git did not answer within {timeout.total_seconds():.0f} s", head)
+    if changed is None:
+        return unknown(f"git could not diff {commit[:12]} against {main_ref}", head)
+    ahead = f"{main_ref} is {behind} commit(s) ahead of {commit[:12]} (now at {head[:12]})"
+    listed = ", ".join(changed[:MAX_LISTED]) + (
+        f" and {len(changed) - MAX_LISTED} more" if len(changed) > MAX_LISTED else ""
+    )
     return FreshnessReport(
-        state=Freshness.STALE,
+        state=Freshness.STALE if changed else Freshness.CURRENT_EVIDENCE_ONLY,
         commits_behind=behind,
         main_ref=main_ref,
         main_head=head,
-        reason=f"{main_ref} is {behind} commit(s) ahead of {commit[:12]} (now at {head[:12]})",
+        reason=f"{ahead} and changes more than evidence: {listed}"
+        if changed
+        else f"{ahead}, and they change only evidence files (docs/evidence/, docs/validation.md, "
+        "generated blocks)",
+        non_evidence=tuple(changed),
     )
+
+
+def evidence_only(
+    repo: Path, old: str, new: str, *, timeout: timedelta = GIT_TIMEOUT
+) -> list[str] | None:
+    """The paths that differ between commits ``old`` and ``new`` and are not evidence files (see the module
+    docstring), sorted; empty when only evidence changed; None when git cannot say. Raises TimeoutExpired."""
+    diff = _git(repo, "diff", "--name-only", "--no-renames", "-z", old, new, timeout=timeout)
+    if diff.returncode != 0:
+        return None
+    others = []
+    for path in sorted(p for p in diff.stdout.split("\0") if p):
+        if path in EVIDENCE_FILES or path.startswith(EVIDENCE_DIRS):
+            continue
+        if path.endswith(".md") and _same_outside_blocks(repo, old, new, path, timeout):
+            continue
+        others.append(path)
+    return others
+
+
+def _same_outside_blocks(repo: Path, old: str, new: str, path: str, timeout: timedelta) -> bool:
+    """``path`` exists at both commits and reads the same once generated blocks' bodies are set aside."""
+    texts = []
+    for commit in (old, new):
+        shown = _git(repo, "show", f"{commit}:{path}", timeout=timeout)
+        if shown.returncode != 0:
+            return False  # added or deleted: a change of the prose itself
+        texts.append(_outside_blocks(shown.stdout))
+    return texts[0] is not None and texts[0] == texts[1]
+
+
+def _outside_blocks(text: str) -> list[str] | None:
+    """The lines of ``text`` with each generated block's body removed and its marker reduced to the bundle it names
+    (its digest covers only the body); None for an unterminated block (not something a renderer wrote)."""
+    # Here, not at the top: qualification.report imports the verifier, which imports this module.
+    from qualification.report.docblocks import BEGIN, END
+
+    kept: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        match = BEGIN.match(line)
+        if inside:
+            inside = line != END
+            if not inside:
+                kept.append(line)
+        elif match:
+            kept.append(f"<!-- BEGIN GENERATED figures bundle={match['bundle']} -->")
+            inside = True
+        else:
+            kept.append(line)
+    return None if inside else kept

@@ -1,14 +1,15 @@
 """One verdict for a bundle, the same everywhere it is shown (``verify``, the HTML banner, docs/validation.md).
 
 A bundle has four dimensions: its validity (VALID, INVALID, or not verified / not sealed), the run's result (PASSED,
-PASSED-WITH-SKIPS, MEASURED, FAILED), its scope (the whole campaign or PARTIAL) and its freshness (CURRENT, STALE,
-NOT-ON-MAIN, UNKNOWN). Shown apart, a green PASSED can sit next to a red INVALID. The headline puts the worst first,
+PASSED-WITH-SKIPS, MEASURED, FAILED), its scope (the whole campaign or PARTIAL) and its freshness (CURRENT,
+CURRENT-EVIDENCE-ONLY, STALE, NOT-ON-MAIN, UNKNOWN). Shown apart, a green PASSED can sit next to a red INVALID. The headline puts the worst first,
 in words and in tone, so that nothing reads as a pass that is not one:
 
     INVALID > FAILED > NOT SEALED / NOT VERIFIED > STALE / NOT-ON-MAIN / UNKNOWN > PARTIAL > PASSED-WITH-SKIPS
     > MEASURED > PASSED
 
-Only VALID + CURRENT + a complete campaign + PASSED is ``passed`` (green).
+Only VALID + CURRENT (or CURRENT-EVIDENCE-ONLY: main moved on by evidence files alone) + a complete campaign +
+PASSED is ``passed`` (green).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 TONES = ("passed", "warning", "failed", "neutral")
+COVERS_HEAD = ("CURRENT", "CURRENT-EVIDENCE-ONLY")
+"""Freshness states whose bundle describes main's head (see :mod:`qualification.evidence.freshness`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +74,7 @@ def headline(
         )
     if validity != "VALID":
         return Headline(word=validity, text=f"{validity}: {tail}", tone="neutral")
-    if freshness != "CURRENT":
+    if freshness not in COVERS_HEAD:
         return Headline(word=str(freshness), text=f"{freshness}: {tail}", tone="warning")
     if partial is not None:
         word = "PARTIAL" if scope is not None else "SCOPE UNKNOWN"
@@ -82,4 +85,4 @@ def headline(
         return Headline(
             word=result, text=f"{result}: measurement cells only; read each target", tone="neutral"
         )
-    return Headline(word=result, text=f"{result}, CURRENT, complete", tone="passed")
+    return Headline(word=result, text=f"{result}, {freshness}, complete", tone="passed")

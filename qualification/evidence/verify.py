@@ -144,6 +144,8 @@ class VerificationResult:
             "commits_behind": self.freshness.commits_behind,
             "main_ref": self.freshness.main_ref,
             "main_head": self.freshness.main_head,
+            "freshness_reason": self.freshness.reason,
+            "non_evidence_changes": list(self.freshness.non_evidence),
             "manifest_sha256": self.manifest_sha256,
         }
 
@@ -236,6 +238,8 @@ def _verdict(
         )
     if state is Freshness.CURRENT:
         return EXIT_OK, f"valid, {what} and CURRENT: {freshness.reason}"
+    if state is Freshness.CURRENT_EVIDENCE_ONLY:
+        return EXIT_OK, f"valid, {what} and CURRENT-EVIDENCE-ONLY: {freshness.reason}"
     if state is Freshness.STALE:
         return (
             EXIT_OK if allow_stale else EXIT_STALE

@@ -16,8 +16,10 @@ without gemscout), ``peer_groups``, ``model_dims``, ``sdc_reports`` (SCOUT recip
 ``fault_step_rejected``, ``certified_after``, ``a2a_checks`` / ``a2a_clean`` (AllToAll checks run / clean, over every
 rank and step), ``a2a_pairs`` (the [sender, receiver] pairs named, job-wide), ``a2a_step``, ``a2a_step_gated`` (that step not captured, and an ``alltoall`` RecoveryDecision naming an older step), ``resume_step``,
 ``killed_exit_code``, ``ranks_agree`` (trust ledgers equal on every rank); ``sigkill`` also ``kill`` (the killed rank's own
-record of its SIGKILL, :mod:`qualification.programs._kills`; none is an error) and ``fault_to_detection_s``. Timeline:
-``fault`` at that record's time, ``detection`` when the launcher saw the exit, ``relaunch``.
+record of its SIGKILL, :mod:`qualification.programs._kills`; none is an error), ``fault_to_detection_s``,
+``fault_to_recovery_s`` and ``fault_to_first_step_s``. Timeline: ``fault`` at that record's time, ``detection`` when
+the launcher saw the exit, ``relaunch``, ``recovery`` (state restored on every rank) and ``first-step`` (every rank
+trained the first step after it; :mod:`qualification.programs._recovery_times`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 from qualification.launch import launch
 from qualification.programs import _kills
 from qualification.programs._contract import cell_main
+from qualification.programs._recovery_times import recovery_events
 
 
 def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dict[str, Any]]]:
@@ -215,6 +218,14 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         obs["kill"] = kill_record
         if res_killed_detected is not None:
             obs["fault_to_detection_s"] = round(res_killed_detected - kill_record["wall"], 3)
+        events, times = recovery_events(
+            ranks,
+            kill_wall=kill_record["wall"],
+            wall0=wall0,
+            resume_step=int(ranks[0]["resume_step"]),
+        )
+        timeline += events
+        obs.update(times)
     a2a_s = sorted(
         res_["seconds"] for r in ranks for results in r["a2a"].values() for res_ in results
     )

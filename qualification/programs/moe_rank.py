@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
+from qualification.programs._recovery_times import Stamps
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import lm_loss, synthetic_batch
 from qualification.workloads.cp import build_cp, seq_chunk
@@ -176,6 +177,8 @@ def main() -> None:
         on_fault_report=lambda r: reports.append(r.to_dict()),
         on_recovery_decision=lambda d: decisions.append(d.to_dict()),
     )
+    stamps = Stamps()
+    stamps.restored()
     assert session.scout is not None and session.checkpointer is not None
     start = session.resume_step + 1
     a2a: dict[int, list[dict[str, Any]]] = {}
@@ -202,6 +205,7 @@ def main() -> None:
     cycles: dict[int, dict[str, Any]] = {}
     for step in range(start, args.steps + 1):
         job.step(model, opt, step, losses)
+        stamps.stepped()
         if (
             check is not None
         ):  # the session checked this step's recorded AllToAlls before its update
@@ -216,6 +220,7 @@ def main() -> None:
     doc: dict[str, Any] = {
         "rank": rank,
         "resume_step": session.resume_step,
+        "times": stamps.times,
         "losses": {str(k): v for k, v in sorted(losses.items())},
         "reports": reports,
         "decisions": decisions,

@@ -28,7 +28,9 @@ Observed: ``bitwise_equal`` (every rank's parameter shards, AdamW state, lr sche
 run trained equal the reference's; under ``pp`` only the last stage logs a loss, the others log -1), ``final_step``,
 ``model_parts`` (per rank: the stages it holds), ``errors`` (checkpoint errors, every rank); for ``sigkill``:
 ``killed_exit_code``, ``recovered_step`` (every rank's, or null when they differ), ``source`` (the weakest source any
-rank restored from), ``killed_rank_source`` (the killed rank's, e.g. ``peer:0``); for ``replay``: ``sdc_reports``
+rank restored from), ``killed_rank_source`` (the killed rank's, e.g. ``peer:0``), ``kill``, ``fault_to_detection_s``,
+``fault_to_recovery_s`` and ``fault_to_first_step_s`` (from the SIGKILL's own record; timeline events ``fault``,
+``detection``, ``relaunch``, ``decision``, ``recovery`` and ``first-step``); for ``replay``: ``sdc_reports``
 (rank 0's), ``scope`` / ``group_ranks`` / ``localized_ranks`` / ``detected_step`` / ``recipe`` (its first SDC
 report), ``unexpected_verdicts`` (verdicts other than AGREE, every rank and step, besides the injected one),
 ``peer_groups``, ``stages`` (the pipeline stages whose recipes every rank judged, e.g. ``["pp0", "pp1"]``; empty
@@ -55,6 +57,7 @@ from qualification.frameworks import titan_env
 from qualification.launch import LaunchResult, launch
 from qualification.programs import _kills
 from qualification.programs._contract import cell_main
+from qualification.programs._recovery_times import recovery_events
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = {
@@ -364,6 +367,14 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             f"{decisions[0].get('mode')} step {decisions[0].get('step')} from "
             f"{decisions[0].get('sources')}: {decisions[0].get('reason')}",
         )
+        events, times = recovery_events(
+            run,
+            kill_wall=observed["kill"]["wall"],
+            wall0=job.wall0,
+            resume_step=int(run[0]["resume_step"]),
+        )
+        job.timeline = sorted(job.timeline + events, key=lambda e: e["t"])
+        observed.update(times)
     if kind == "none" and scout:
         observed.update(_scout_healthy(run))
         job.event(

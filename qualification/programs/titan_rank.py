@@ -38,6 +38,7 @@ import torch
 from qualification.frameworks import torchtitan_cpu
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
+from qualification.programs._recovery_times import Stamps
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -237,6 +238,11 @@ def main() -> None:
                     sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
 
             trainer.optimizers.register_step_post_hook(kill)  # after the session's post-hook
+    stamps = Stamps()
+    if session is not None:
+        stamps.restored()
+        # After the session's hooks: the step (its checkpoint included) is done.
+        trainer.optimizers.register_step_post_hook(lambda opt, a, k: stamps.stepped())
     resume = {
         "resume_step": session.resume_step if session else 0,
         "resume_state": state(trainer) if session and session.resume_step else None,
@@ -255,6 +261,7 @@ def main() -> None:
     result = {
         "rank": rank,
         **resume,
+        "times": stamps.times,
         "train_wall_s": wall,
         "train_cpu_s": cpu,
         "model_parts": len(trainer.model_parts),

@@ -25,8 +25,18 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
   again from scratch without gemscout after the run, one launch fewer, for the CI test).
 
 Observed: ``torchrun_exit`` (each agent's), ``attempts``, ``recovered_step``, ``recovered_step_expected``, ``mode``,
-``sources`` (per rank: local / peer:N), ``bitwise_equal``, ``losses_equal``, ``replicas_equal``, ``final_step``; STOP
-cells: ``stop_exit_codes``, ``stop_lines`` (distinct lines printed), ``stop_line``, ``stop_record``, ``stop_attempt_s``.
+``sources`` (per rank: memory / local / peer:N), ``held`` (what each rank held when the recovering attempt began,
+read from the checkpoint directories before any rank attached), ``held_step`` and ``held_sources`` (from ``held``:
+the newest step every rank held and where each rank's copy was; see :func:`held_restore` — a cell expects
+``recovered_step`` and ``sources`` to equal them), ``bitwise_equal``, ``losses_equal``, ``replicas_equal``, ``final_step``; STOP
+cells: ``stop_exit_codes``, ``stop_lines`` (distinct lines printed), ``stop_line``, ``stop_record``, ``stop_attempt_s``,
+``held_step_exists`` (some step was held by every rank when the first relaunch began: then a STOP would be wrong).
+Two-node cells: ``node1_sources`` (the replaced node's ranks' sources). Recovered cells also
+``fault_to_recovery_s`` and ``fault_to_first_step_s``, from the SIGKILL's own record.
+
+Timeline: ``launch`` / ``start``, ``fault`` (the SIGKILL's record), ``node-loss``, ``relaunch`` (one node: the first
+rank of torchrun's relaunched attempt started; two nodes: the replacement agent started), ``recovery`` (state
+restored on every rank), ``first-step`` (every rank trained the first step after it), ``finish``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 from qualification.programs import _kills
 from qualification.programs import _torchrun as tr
 from qualification.programs._contract import cell_main
+from qualification.programs._recovery_times import recovery_events
 from qualification.programs._torchrun import Agent
 
 PHASES = (
@@ -76,6 +87,44 @@ def _expected_steps(step: int, phase: str) -> list[int]:
     return list(range(max(0, step - 2), newest + 1))
 
 
+_OWN_TIERS = (("memory", "memory"), ("own", "local"))
+_PEER_TIERS = ("memory_replica", "replica")
+
+
+def held_restore(
+    held: dict[str, dict[str, dict[str, list[int]]]], world: int
+) -> tuple[int | None, list[str | None]]:
+    """From what each rank held when recovery began (``held``, see :mod:`qualification.programs.torchrun_rank`):
+    the newest step every rank held a copy of, and for each rank where that copy was — its own memory slot
+    (``memory``), else its own file (``local``), else a peer's replica (``peer:N``, a replica in memory before one on
+    disk, the lowest such rank first). ``(None, [None, ...])`` when no step was held by every rank: then the only
+    correct outcome is no restore, and a recovered step must not match."""
+
+    def copy_of(rank: int, step: int) -> str | None:
+        mine = held.get(str(rank), {})
+        for kind, name in _OWN_TIERS:
+            if step in mine.get(kind, {}).get(str(rank), []):
+                return name
+        for kind in _PEER_TIERS:
+            for peer in range(world):
+                if step in held.get(str(peer), {}).get(kind, {}).get(str(rank), []):
+                    return f"peer:{peer}"
+        return None
+
+    steps = {
+        s
+        for tiers in held.values()
+        for owners in tiers.values()
+        for v in owners.values()
+        for s in v
+    }
+    for step in sorted(steps, reverse=True):
+        where = [copy_of(r, step) for r in range(world)]
+        if all(where):
+            return step, where
+    return None, [None] * world
+
+
 def _compare(
     observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]] | None
 ) -> None:
@@ -96,6 +145,11 @@ def _compare(
     )
     observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
     observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
+    held: dict[str, dict[str, dict[str, list[int]]]] = {}
+    for r in ranks:  # each node's local rank 0 reported its node's ranks
+        held.update(r.get("held") or {})
+    observed["held"] = held
+    observed["held_step"], observed["held_sources"] = held_restore(held, len(ranks))
     observed["local_world_size"] = sorted({r.get("local_world_size", 0) for r in ranks})
 
 
@@ -239,6 +293,12 @@ def _single_node(
             "gemscout: RecoveryError: "
         )
         observed["stop_attempt_s"] = _attempt_spans(celldir / "run", later)
+        # What the ranks held when the first relaunch began: a STOP is right only when no step was held by all.
+        held = {
+            k: v for rec in later.get(1, {}).values() for k, v in (rec.get("held") or {}).items()
+        }
+        observed["held"] = held
+        observed["held_step_exists"] = held_restore(held, world)[0] is not None
         return _result(
             cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
         )
@@ -248,12 +308,37 @@ def _single_node(
             cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log"
         )
     _compare(observed, ranks, reference)
+    starts = [r["started"] for a, recs in by_attempt.items() if a >= 1 for r in recs.values()]
+    if starts:
+        timeline.append(
+            {
+                "t": round(min(starts) - wall0, 3),
+                "event": "relaunch",
+                "detail": "torchrun relaunched",
+            }
+        )
+    _recovered(observed, ranks, timeline, kills[-1]["wall"], wall0)
     observed["recovered_step_expected"] = observed["recovered_step"] in _expected_steps(step, phase)
     observed["killed_source"] = observed["sources"][rank]
     observed["other_sources"] = sorted({v for r, v in enumerate(observed["sources"]) if r != rank})
     return _result(
         cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
     )
+
+
+def _recovered(
+    observed: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    timeline: list[dict[str, Any]],
+    kill_wall: float,
+    wall0: float,
+) -> None:
+    """The ``recovery`` and ``first-step`` events and their times from the SIGKILL (:mod:`._recovery_times`)."""
+    events, times = recovery_events(
+        ranks, kill_wall=kill_wall, wall0=wall0, resume_step=int(observed["recovered_step"] or 0)
+    )
+    observed.update(times)
+    timeline[:] = sorted(timeline + events, key=lambda e: e["t"])
 
 
 def _attempt_spans(out: Path, later: dict[int, dict[int, dict[str, Any]]]) -> list[float]:
@@ -370,6 +455,8 @@ def _two_nodes(
             )
         return _result(cell, "failed", observed, timeline, f"agents exited {codes}; see logs/")
     _compare(observed, ranks, reference)
+    observed["node1_sources"] = observed["sources"][per:]
+    _recovered(observed, ranks, timeline, kill["wall"], wall0)
     return _result(
         cell, "passed", observed, timeline, "", {"duration_s": round(time.monotonic() - t0, 3)}
     )

@@ -12,6 +12,15 @@ fault names the attempt it happens in:
 - ``--lose-nodes N,M --lose-attempt A``: at the start of attempt A, before anything else, rank ``N * ranks-per-node``
   deletes ``<ckpt>/node-N`` (the node's disk is gone; the process is the replacement's).
 
+What each rank held when recovery began is observed from outside the runtime: after the group is up and before any
+rank attaches, local rank 0 of each node reads its node's checkpoint directory with :func:`gemscout.inventory.inventory`
+(every rank's memory-tier slots and replicas, through the anchor its killed predecessor left, and its files on disk,
+headers checked), and a barrier holds every rank until it is done, so nothing it reads changes under it. The ranks of
+the previous attempt are dead by then (torchrun stops every worker before it relaunches), so this is also what the
+kill left behind. ``held`` in the results (local rank 0's only) maps each rank of the node to
+``{kind: {owner: [steps]}}``, kinds ``memory`` / ``own`` (its own slots / files) and ``memory_replica`` /
+``replica`` (what it holds for ``owner``); the driver derives the step and per-rank sources recovery must choose.
+
 Writes ``<out>/attempts/rank<r>-attempt<a>.json`` when an attempt starts, and how it ended when it ends with a gemscout
 error (the one line, the exit code); ``<out>/rank<r>.json`` as train_rank does when the run completes.
 """
@@ -35,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qualification.programs._kills import sigkill_self, sigkill_self_later
 from qualification.programs._rank import finish
+from qualification.programs._recovery_times import Stamps
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
@@ -89,6 +99,32 @@ def _lose_nodes(args: argparse.Namespace, rank: int, attempt: int) -> None:
             shutil.rmtree(args.ckpt / f"node-{node}", ignore_errors=True)
 
 
+def _held(args: argparse.Namespace, world: int) -> dict[str, dict[str, dict[str, list[int]]]]:
+    """What every rank with a folder in this node's checkpoint directory holds now (see the module docstring); empty
+    when the directory holds no checkpoint yet. Collective: every rank calls it, local rank 0 reads."""
+    from gemscout.errors import ConfigError
+    from gemscout.inventory import inventory
+
+    held: dict[str, dict[str, dict[str, list[int]]]] = {}
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and args.ckpt is not None and args.ckpt.is_dir():
+        try:
+            found = inventory(args.ckpt, world_size=world)
+        except (
+            ConfigError
+        ):  # nothing checkpointed yet (a first attempt, a replacement node's empty disk)
+            found = None
+        for entry in found.ranks if found else []:
+            if entry.node is None:
+                continue  # no folder here: another node's rank, or a rank whose node was lost
+            tiers: dict[str, dict[str, list[int]]] = {}
+            for f in entry.files:
+                if f.status != "unusable":
+                    tiers.setdefault(f.kind, {}).setdefault(str(f.owner), []).append(f.step)
+            held[str(entry.rank)] = tiers
+    dist.barrier()  # no rank attaches (and adopts, sweeps or writes) before the read is done
+    return held
+
+
 def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer, Any]:
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
     model = build_model(args.workload, seed=args.seed)
@@ -122,9 +158,15 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
     torch.set_num_threads(1)
     gemscout.init_process_group("gloo", timeout=timeout)
     world = dist.get_world_size()
+    held = _held(args, world) if args.ckpt is not None else {}
+    if held:
+        _record(
+            args, rank, attempt, {"held": held}
+        )  # before attaching: a STOP attempt keeps it too
     model, ddp, opt, sched = _build(args)
     losses: dict[int, float] = {}
     killer = rank == args.kill_rank and attempt == args.kill_attempt
+    stamps = Stamps()
     session = None
     decision = None
     if args.ckpt is not None:
@@ -160,8 +202,14 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
             extra_state_fn=extra,
             load_extra_state_fn=load_extra,
         )
+        stamps.restored()
         decision = session.last_decision.to_dict() if session.last_decision else None
-        _record(args, rank, attempt, {"decision": decision, "resume_step": session.resume_step})
+        _record(
+            args,
+            rank,
+            attempt,
+            {"decision": decision, "resume_step": session.resume_step},
+        )
         if (
             killer
             and args.kill_phase in ("persist", "replicate", "persist_replica")
@@ -196,6 +244,7 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
                 sigkill_self_later(
                     args.out, delay, rank=rank, step=step, phase=args.kill_phase, attempt=attempt
                 )
+        stamps.stepped()
         (args.out / "progress").mkdir(parents=True, exist_ok=True)
         (args.out / "progress" / f"rank{rank}").write_text(
             str(step)
@@ -211,6 +260,8 @@ def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
         "attempt": attempt,
         "resume_step": session.resume_step if session else 0,
         "decision": decision,
+        "held": held,
+        "times": stamps.times,
         "losses": {str(k): v for k, v in sorted(losses.items())},
         "state_digest": digest,
         "replicas_equal": len(set(digests)) == 1,

@@ -252,5 +252,5 @@ def _verification_view(
             0, "this verification result is for another manifest than the one in this directory"
         )
         return {"status": "INVALID", "tone": "failed", "lines": lines}
-    tone = "passed" if str(freshness.state) == "CURRENT" else "warning"
+    tone = "passed" if freshness.covers_head else "warning"
     return {"status": "VALID", "tone": tone, "freshness": str(freshness.state), "lines": lines}

@@ -68,6 +68,8 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
         out
     )  # the two modes really differ
     assert "check_resume: all ranks resumed bitwise" in out
+    # The demo's crash recorded its own time before the signal (examples/ddp_tiny.py crash).
+    assert "run_kill: rank 1 SIGKILLed itself after step 7 (recorded at " in out, out
     assert out.count("from ['local'] (restore)") == 4, (
         out
     )  # a whole-job restart: every rank from its own files

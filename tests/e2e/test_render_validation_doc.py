@@ -200,6 +200,40 @@ def test_a_bundle_of_an_older_commit_is_historical(tmp_path: Path) -> None:
     assert refused.returncode == 6 and not (tmp_path / "strict.md").exists()
 
 
+def test_a_bundle_followed_only_by_evidence_commits_is_current(tmp_path: Path) -> None:
+    # docs/evidence/ is committed in the commit after the one it was sealed at: the page for that next commit (the
+    # head of main) is still current qualification, and says from which commit the evidence comes.
+    repo, sealed_at = _repo(tmp_path)
+    bundle = _bundle(tmp_path, repo, PASSING)
+    (repo / "docs" / "evidence" / "demo").mkdir(parents=True)
+    (repo / "docs" / "evidence" / "demo" / "summary.json").write_text("{}\n")
+    (repo / "docs" / "validation.md").write_text("# Validation\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "evidence")
+    head = _git(repo, "rev-parse", "HEAD")
+    page = tmp_path / "validation.md"
+    done = _render(bundle, "--repo", repo, "--out", page, "--require-current")
+    assert done.returncode == 0, done.stderr
+    text = page.read_text()
+    assert f"Commit: `{head}`." in text and "**Status: current qualification.**" in text
+    assert (
+        f"was run at `{sealed_at[:12]}`, from which `{head[:12]}`, the head of main, differs only in "
+        "evidence files" in text
+    )
+    assert (
+        f"current qualification: main is 1 commit(s) past commit {sealed_at[:12]}, changing only "
+        "evidence files" in text
+    )
+    assert "Historical evidence" not in text
+    # One more commit that changes anything else, and the same bundle is historical again.
+    (repo / "campaigns" / "demo.toml").write_text('name = "demo"\ntier = "gpu"\n')
+    _git(repo, "commit", "-q", "-am", "campaign change")
+    refused = _render(bundle, "--repo", repo, "--out", tmp_path / "strict.md", "--require-current")
+    assert refused.returncode == 6 and not (tmp_path / "strict.md").exists()
+    assert _render(bundle, "--repo", repo, "--out", page).returncode == 0
+    assert "## Historical evidence" in page.read_text()
+
+
 def test_a_dirty_tree_is_labelled_and_never_current(tmp_path: Path) -> None:
     repo, commit = _repo(tmp_path)
     (repo / "uncommitted.txt").write_text("work in progress\n")

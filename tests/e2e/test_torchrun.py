@@ -61,6 +61,10 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     # deleted, and its memory tier with it), rank 0 from the memory tier its killed process left in /dev/shm.
     assert obs["mode"] == "restore" and obs["recovered_step"] == 3
     assert obs["sources"] == ["memory", "peer:0"]
+    # What the ranks held when torchrun's relaunch began, read before either attached: the same step and tiers.
+    assert (obs["held_step"], obs["held_sources"]) == (3, ["memory", "peer:0"])
+    assert 3 in obs["held"]["0"]["memory"]["0"] and 3 in obs["held"]["0"]["memory_replica"]["1"]
+    assert "1" not in obs["held"]  # rank 1's node folder (and with it its memory tier) was deleted
     assert (
         obs["bitwise_equal"]
         and obs["losses_equal"]
@@ -72,6 +76,11 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     (fault_event,) = [e for e in result["timeline"] if e["event"] == "fault"]
     launched = next(e["t"] for e in result["timeline"] if e["event"] == "launch")
     assert fault_event["rank"] == 1 and fault_event["t"] > launched
+    # Then torchrun's relaunch, the restore on every rank and the first step trained after it, in that order.
+    order = [e["event"] for e in result["timeline"]]
+    assert order.index("fault") < order.index("relaunch") < order.index("recovery")
+    assert order.index("recovery") < order.index("first-step")
+    assert 0 < obs["fault_to_recovery_s"] < obs["fault_to_first_step_s"]
     assert not _left_behind(tmp_path)
 
 
@@ -92,6 +101,9 @@ def test_a_stop_under_max_restarts_3_is_what_the_docs_say(tmp_path: Path) -> Non
         "every relaunch stops here with exit 4 until that file is deleted"
     )
     assert obs["stop_record"]
+    assert (
+        obs["held_step_exists"] is False
+    )  # no step every rank held: STOP is the only right answer
     log = (tmp_path / "logs" / "torchrun.log").read_text()
     assert "exitcode  : 4" in log
     assert not _left_behind(tmp_path)
@@ -106,6 +118,7 @@ def test_two_agents_node_loss_replacement_agent_resumes_from_peers(tmp_path: Pat
     )["observed"]
     assert obs["torchrun_exit"] == [0, 0] and obs["readmitted"]
     assert obs["mode"] == "restore" and obs["recovered_step"] >= 2
-    assert obs["sources"] == ["memory", "memory", "peer:0", "peer:1"]
+    assert (obs["recovered_step"], obs["sources"]) == (obs["held_step"], obs["held_sources"])
+    assert obs["node1_sources"] == ["peer:0", "peer:1"]
     assert obs["bitwise_equal"] and obs["losses_equal"] and obs["final_step"] == 8
     assert not _left_behind(tmp_path)
