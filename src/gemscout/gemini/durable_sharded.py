@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gemscout import _dist as comm
+from gemscout import record_mac
 from gemscout._modules import unwrap
 from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
@@ -392,12 +393,7 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
 
 def sidecar_canonical(doc: dict[str, Any]) -> bytes:
     """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
-    return json.dumps(
-        {k: v for k, v in doc.items() if k != "mac"},
-        sort_keys=True,
-        separators=(",", ":"),
-        allow_nan=True,
-    ).encode()
+    return record_mac.canonical(doc)
 
 
 def load(
