@@ -660,6 +660,71 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_lost_store_is_reported_by_every_ranks_watchdog() -> None:
+    """The store process (a real child, SIGKILLed) serves 4 publishing ranks and two watchdogs: rank 0's, which has
+    the process at hand, and another rank's, which sees the store only through its connection (what every rank's
+    watchdog is with ``watchdog_on="all"``). Both report one ``store_lost`` tamper finding, no hang: the owner at
+    once, naming the signal; the other once its reads have failed for ``store_unreachable`` (1 s here), naming
+    that; neither reports again on later polls."""
+    server = StoreServer.start(
+        "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY]
+    )
+    pubs: list[ProgressPublisher] = []
+    try:
+        pubs, observer = _job(server.port)
+        other = OobChannel.connect(
+            host="127.0.0.1",
+            port=server.port,
+            config=OobConfig(rank=None, secret=SECRET, epoch="run-a"),
+        )
+        cfg = WatchdogConfig(
+            stall_threshold=timedelta(seconds=30),
+            poll_interval=timedelta(milliseconds=50),
+            store_unreachable=timedelta(seconds=1),
+        )
+        owner_found: list[StallFinding] = []
+        other_found: list[StallFinding] = []
+        owner = Watchdog(
+            observer, world_size=WORLD, config=cfg, callbacks=[owner_found.append], store=server
+        )
+        peer = Watchdog(other, world_size=WORLD, config=cfg, callbacks=[other_found.append])
+        deadline = time.monotonic() + 10
+        while (
+            time.monotonic() < deadline and len(other.read_many(range(WORLD), PROGRESS_KEY)) < WORLD
+        ):
+            time.sleep(0.05)
+        assert owner.poll_once() == [] and peer.poll_once() == []
+        os.kill(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lost_at: dict[str, float] = {}
+        while time.monotonic() < killed + 15 and len(lost_at) < 2:
+            for name, watchdog in (("owner", owner), ("other", peer)):
+                try:
+                    watchdog.poll_once()
+                except (
+                    Exception
+                ):  # a failed poll before the outage counts: what the watchdog thread would log
+                    pass
+                found = owner_found if name == "owner" else other_found
+                if found and name not in lost_at:
+                    lost_at[name] = time.monotonic() - killed
+            time.sleep(0.05)
+        for found in (owner_found, other_found):
+            assert [(f.kind, f.evidence["tamper"]["kind"], f.recommendation) for f in found] == [
+                ("tamper", "store_lost", "observe")
+            ], found
+        assert "killed by SIGKILL" in owner_found[0].reason, owner_found[0].reason
+        assert "unreachable from this watchdog for" in other_found[0].reason, other_found[0].reason
+        assert lost_at["owner"] < 3 and 1 <= lost_at["other"] < 8, lost_at
+        assert owner.poll_once() == [] and peer.poll_once() == []  # reported once, and quiet after
+        print(f"store_lost after SIGKILL: {lost_at}")
+        assert len(owner_found) == 1 and len(other_found) == 1
+    finally:
+        for pub in pubs:
+            pub.stop()
+        server.close()
+
+
 def test_a_store_process_that_cannot_start_is_a_clear_error() -> None:
     """An interpreter that exits at once, and one that is not serving within the start timeout: ``StoreServerError``
     naming the cause, no process left behind, and no hang."""
