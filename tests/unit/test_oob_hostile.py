@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -722,6 +723,57 @@ def test_a_lost_store_is_reported_by_every_ranks_watchdog() -> None:
     finally:
         for pub in pubs:
             pub.stop()
+        server.close()
+
+
+_BIG = 8 << 20  # the largest value the libuv TCPStore server takes (it drops a client sending more)
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_as_large_as_the_cap_is_refused_without_being_read() -> None:
+    """An outsider puts 8 MiB (the most one value can be) in rank 1's and rank 2's slots, where a reader refuses
+    anything over ``max_message_bytes`` (256 KiB). A watchdog's channel (``OobChannel.connect``) refuses rank 1's
+    slot from its length alone: the read's peak Python allocation (tracemalloc) stays under 1 MiB, the slot is
+    reported ``oversized`` ("not read") and deleted. The control, a channel over a plain ``TCPStore`` connection,
+    takes rank 2's value whole first (a peak of at least 8 MiB) and refuses it only then."""
+    server = StoreServer.start(
+        "127.0.0.1",
+        namespace="gemscout/oob",
+        world_size=WORLD,
+        keys=[PROGRESS_KEY],
+    )
+    try:
+        attacker = dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30)
+        )
+        for rank in (1, 2):
+            attacker.set(f"gemscout/oob/{rank}/{PROGRESS_KEY}", b"x" * _BIG)
+        config = OobConfig(rank=None, secret=SECRET, epoch="run-a")
+        bounded = OobChannel.connect(host="127.0.0.1", port=server.port, config=config)
+        plain = OobChannel(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)),
+            config=config,
+        )
+        tracemalloc.start()
+        try:
+            got = bounded.read(1, PROGRESS_KEY)
+            bounded_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            plain_got = plain.read(2, PROGRESS_KEY)
+            plain_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got is None and plain_got is None
+        assert bounded_peak < 1 << 20, bounded_peak
+        assert plain_peak >= _BIG, plain_peak  # the control: TCPStore.get takes it whole
+        events = [(e.kind, e.rank, e.reason) for e in bounded.tamper_events()]
+        assert [(k, r) for k, r, _ in events] == [("oversized", 1)], events
+        assert f"message of {_BIG} bytes" in events[0][2] and "not read" in events[0][2], events
+        assert not attacker.check([bounded.slot(1, PROGRESS_KEY)])  # deleted: its owner republishes
+        print(
+            f"peak Python allocation of one read: bounded {bounded_peak} B, plain {plain_peak >> 20} MiB"
+        )
+    finally:
         server.close()
 
 
