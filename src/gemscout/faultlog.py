@@ -4,6 +4,10 @@ A job that dies of the fault it reported (a hang killed by the scheduler, an SDC
 its reports where ``gemscout inspect`` reads them. One JSON object per line, appended with a single ``write`` on an
 ``O_APPEND`` descriptor (whole lines from several threads never interleave) and fsynced when the checkpoints are;
 past ``max_bytes`` the file rolls to ``faults.jsonl.1`` (one older generation). Readers skip a torn last line.
+
+With the job's integrity key every line carries a MAC bound to its rank folder (:mod:`gemscout.record_mac`);
+readers with the key skip (and count, in one log line) every line without a valid one, so a report written by
+someone without the key — a forged hang, a forged SDC naming a healthy rank — never reaches ``gemscout inspect``.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gemscout.errors import EvidenceError, IntegrityError
+from gemscout import record_mac
+from gemscout.errors import ConfigError, EvidenceError, IntegrityError
 from gemscout.files import is_int, parse_json, read_bounded
+from gemscout.state import integrity
 
 log = logging.getLogger("gemscout")
 MAX_READ_BYTES = 64 << 20
@@ -31,7 +37,14 @@ class FaultLog:
 
     def append(self, report: dict[str, Any]) -> None:
         """Append one report; never raises (a full disk must not break training or a watchdog), logs instead."""
-        line = (json.dumps(report, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        try:
+            signed = record_mac.sign(report, _scope(self.path.parent))
+        except (
+            Exception
+        ) as exc:  # an unreadable key file: keep the report unsigned rather than lose it
+            log.warning("gemscout: fault report kept without a MAC: %s", exc)
+            signed = report
+        line = (json.dumps(signed, sort_keys=True, separators=(",", ":")) + "\n").encode()
         try:
             with self._lock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,14 +61,22 @@ class FaultLog:
             log.warning("gemscout: cannot record a fault report in %s: %s", self.path, exc)
 
 
-MAX_READ_BYTES = 64 << 20
+def _scope(folder: Path) -> str:
+    return record_mac.rank_scope(FILE_NAME, folder)
 
 
 def read(folder: Path) -> list[dict[str, Any]]:
     """The JSON objects kept in ``folder`` (a rank's folder), oldest first. A torn last line, a line of junk or one
     nested past the depth cap is skipped, and so is a file that is not a regular file or is over
-    ``MAX_READ_BYTES`` (logged). Never raises."""
+    ``MAX_READ_BYTES`` (logged). With the job's integrity key, a line without a valid MAC is skipped too (counted
+    in one log line); without one, a line that carries a MAC is kept (nothing here can verify it). Never raises."""
     out: list[dict[str, Any]] = []
+    scope, refused = _scope(folder), 0
+    try:
+        keyed = integrity.current_key() is not None
+    except ConfigError as exc:  # the key setting cannot be read: nothing can be told authentic
+        log.warning("gemscout: fault log of %s skipped: %s", folder, exc)
+        return out
     for path in (folder / (FILE_NAME + ".1"), folder / FILE_NAME):
         try:
             text = read_bounded(path, MAX_READ_BYTES)
@@ -68,8 +89,22 @@ def read(folder: Path) -> list[dict[str, Any]]:
                 doc = parse_json(line, f"a line of {path}")
             except IntegrityError:
                 continue  # a line torn by a crash mid-write
-            if isinstance(doc, dict):
-                out.append(doc)
+            if not isinstance(doc, dict):
+                continue
+            if keyed:
+                try:
+                    record_mac.check(doc, scope, f"a line of {path}")
+                except IntegrityError:
+                    refused += 1
+                    continue
+            out.append({k: v for k, v in doc.items() if k != record_mac.FIELD})
+    if refused:
+        log.warning(
+            "gemscout: fault log of %s: %d line(s) without a valid MAC under this job's integrity key skipped "
+            "(written without the key: forged, or another rank's)",
+            folder,
+            refused,
+        )
     return out
 
 

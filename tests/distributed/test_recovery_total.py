@@ -19,36 +19,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from two_ranks import prelude, run_cases
 
-from qualification.launch import launch
-
-PROGRAM = r"""
+PROGRAM = (
+    prelude(300)
+    + r"""
 import time; T0 = time.monotonic()
-import hashlib, json, os, sys, torch, torch.distributed as dist
-from datetime import timedelta
-import gemscout
 from gemscout.errors import RecoveryError
 from gemscout.gemini import store
 from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
     directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10,
     integrity_key="5e" * 32))
 ck = s.checkpointer
-def digest():
-    h = hashlib.sha256()
-    for t in list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values()]:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 at = {}
 for i in range(1, 4):
-    torch.manual_seed(100 + i)
-    model(torch.randn(4, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+    train(i)
     ck.drain(); at[i] = digest()
 own = ck.paths.own
 assert store.step_file(own, 3).read_bytes()[:8] == b"GEMSCKK1"  # keyed: every frame, file and replica, has a MAC
@@ -142,19 +128,11 @@ print("CASE D OK", flush=True)
 s.close(); dist.barrier()
 os._exit(0)
 """
+)
 
 
 @pytest.mark.timeout(150)
 def test_a_poisoned_folder_on_one_rank_gives_every_rank_a_decision_within_seconds(
     tmp_path: Path,
 ) -> None:
-    res = launch(
-        ["-c", PROGRAM, str(tmp_path / "ckpt")],
-        world_size=2,
-        timeout_s=120,
-        log_dir=tmp_path / "logs",
-    )
-    logs = "".join((tmp_path / "logs" / f"rank{r}.attempt0.log").read_text() for r in range(2))
-    assert res.ok, logs
-    for case in "EABCD":
-        assert logs.count(f"CASE {case} OK") == 2, logs
+    run_cases(PROGRAM, tmp_path, "EABCD")

@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from gemscout.state import integrity
+
+KEY = bytes(range(32))
+"""The job key the ``keyed`` fixture puts in force."""
+
 
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
@@ -19,3 +24,13 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def keyed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's integrity key set to ``KEY`` for the test (the environment's cleared), unset after it."""
+    monkeypatch.delenv(integrity.ENV_KEY, raising=False)
+    monkeypatch.delenv(integrity.ENV_KEY_FILE, raising=False)
+    integrity.use_key(KEY)
+    yield
+    integrity.use_key(None)

@@ -6,7 +6,6 @@ promotion (one-rank gloo group)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,16 +21,7 @@ from gemscout.gemini.durable import SIDECAR
 from gemscout.state import integrity
 from gemscout.state.digest import digest_bytes
 
-KEY = bytes(range(32))
-
-
-@pytest.fixture
-def keyed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(integrity.ENV_KEY, raising=False)
-    monkeypatch.delenv(integrity.ENV_KEY_FILE, raising=False)
-    integrity.use_key(KEY)
-    yield
-    integrity.use_key(None)
+KEY = bytes(range(32))  # the key the conftest's ``keyed`` fixture sets
 
 
 def _forge_unkeyed(prefix: bytes, edit: dict[str, object]) -> bytes:

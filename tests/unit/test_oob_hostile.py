@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -658,6 +659,122 @@ def test_a_flood_above_the_cap_and_a_lost_store_are_findings_never_a_hang() -> N
         for pid in store_pids:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_lost_store_is_reported_by_every_ranks_watchdog() -> None:
+    """The store process (a real child, SIGKILLed) serves 4 publishing ranks and two watchdogs: rank 0's, which has
+    the process at hand, and another rank's, which sees the store only through its connection (what every rank's
+    watchdog is with ``watchdog_on="all"``). Both report one ``store_lost`` tamper finding, no hang: the owner at
+    once, naming the signal; the other once its reads have failed for ``store_unreachable`` (1 s here), naming
+    that; neither reports again on later polls."""
+    server = StoreServer.start(
+        "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY]
+    )
+    pubs: list[ProgressPublisher] = []
+    try:
+        pubs, observer = _job(server.port)
+        other = OobChannel.connect(
+            host="127.0.0.1",
+            port=server.port,
+            config=OobConfig(rank=None, secret=SECRET, epoch="run-a"),
+        )
+        cfg = WatchdogConfig(
+            stall_threshold=timedelta(seconds=30),
+            poll_interval=timedelta(milliseconds=50),
+            store_unreachable=timedelta(seconds=1),
+        )
+        owner_found: list[StallFinding] = []
+        other_found: list[StallFinding] = []
+        owner = Watchdog(
+            observer, world_size=WORLD, config=cfg, callbacks=[owner_found.append], store=server
+        )
+        peer = Watchdog(other, world_size=WORLD, config=cfg, callbacks=[other_found.append])
+        deadline = time.monotonic() + 10
+        while (
+            time.monotonic() < deadline and len(other.read_many(range(WORLD), PROGRESS_KEY)) < WORLD
+        ):
+            time.sleep(0.05)
+        assert owner.poll_once() == [] and peer.poll_once() == []
+        os.kill(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lost_at: dict[str, float] = {}
+        while time.monotonic() < killed + 15 and len(lost_at) < 2:
+            for name, watchdog in (("owner", owner), ("other", peer)):
+                try:
+                    watchdog.poll_once()
+                except (
+                    Exception
+                ):  # a failed poll before the outage counts: what the watchdog thread would log
+                    pass
+                found = owner_found if name == "owner" else other_found
+                if found and name not in lost_at:
+                    lost_at[name] = time.monotonic() - killed
+            time.sleep(0.05)
+        for found in (owner_found, other_found):
+            assert [(f.kind, f.evidence["tamper"]["kind"], f.recommendation) for f in found] == [
+                ("tamper", "store_lost", "observe")
+            ], found
+        assert "killed by SIGKILL" in owner_found[0].reason, owner_found[0].reason
+        assert "unreachable from this watchdog for" in other_found[0].reason, other_found[0].reason
+        assert lost_at["owner"] < 3 and 1 <= lost_at["other"] < 8, lost_at
+        assert owner.poll_once() == [] and peer.poll_once() == []  # reported once, and quiet after
+        print(f"store_lost after SIGKILL: {lost_at}")
+        assert len(owner_found) == 1 and len(other_found) == 1
+    finally:
+        for pub in pubs:
+            pub.stop()
+        server.close()
+
+
+_BIG = 8 << 20  # the largest value the libuv TCPStore server takes (it drops a client sending more)
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_as_large_as_the_cap_is_refused_without_being_read() -> None:
+    """An outsider puts 8 MiB (the most one value can be) in rank 1's and rank 2's slots, where a reader refuses
+    anything over ``max_message_bytes`` (256 KiB). A watchdog's channel (``OobChannel.connect``) refuses rank 1's
+    slot from its length alone: the read's peak Python allocation (tracemalloc) stays under 1 MiB, the slot is
+    reported ``oversized`` ("not read") and deleted. The control, a channel over a plain ``TCPStore`` connection,
+    takes rank 2's value whole first (a peak of at least 8 MiB) and refuses it only then."""
+    server = StoreServer.start(
+        "127.0.0.1",
+        namespace="gemscout/oob",
+        world_size=WORLD,
+        keys=[PROGRESS_KEY],
+    )
+    try:
+        attacker = dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30)
+        )
+        for rank in (1, 2):
+            attacker.set(f"gemscout/oob/{rank}/{PROGRESS_KEY}", b"x" * _BIG)
+        config = OobConfig(rank=None, secret=SECRET, epoch="run-a")
+        bounded = OobChannel.connect(host="127.0.0.1", port=server.port, config=config)
+        plain = OobChannel(
+            dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)),
+            config=config,
+        )
+        tracemalloc.start()
+        try:
+            got = bounded.read(1, PROGRESS_KEY)
+            bounded_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            plain_got = plain.read(2, PROGRESS_KEY)
+            plain_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got is None and plain_got is None
+        assert bounded_peak < 1 << 20, bounded_peak
+        assert plain_peak >= _BIG, plain_peak  # the control: TCPStore.get takes it whole
+        events = [(e.kind, e.rank, e.reason) for e in bounded.tamper_events()]
+        assert [(k, r) for k, r, _ in events] == [("oversized", 1)], events
+        assert f"message of {_BIG} bytes" in events[0][2] and "not read" in events[0][2], events
+        assert not attacker.check([bounded.slot(1, PROGRESS_KEY)])  # deleted: its owner republishes
+        print(
+            f"peak Python allocation of one read: bounded {bounded_peak} B, plain {plain_peak >> 20} MiB"
+        )
+    finally:
+        server.close()
 
 
 def test_a_store_process_that_cannot_start_is_a_clear_error() -> None:

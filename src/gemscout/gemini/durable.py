@@ -15,6 +15,7 @@ how a job resumes on another size. Format 1 (rank 0's checkpoint alone, tensors 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from gemscout.errors import IntegrityError
 from gemscout.files import is_int, load_json, open_regular
+from gemscout.gemini import held_files
 from gemscout.state import integrity, training_state
 from gemscout.state.codec import decode
 from gemscout.state.layout import check_skeleton
@@ -44,19 +46,21 @@ MAX_SIDECAR_BYTES = 256 << 20
 def _sha256(path: Path, size: int | None = None) -> str:
     """Streamed SHA-256 of a regular file; with ``size``, refused (IntegrityError) unless the file has exactly that
     many bytes, checked before reading and never read past."""
-    h = hashlib.sha256()
     with open_regular(path) as (fd, st):
-        if size is not None and st.st_size != size:
-            raise IntegrityError(
-                f"{path.name} is {st.st_size} bytes, not the {size} its sidecar records"
-            )
-        done, end = 0, st.st_size if size is None else size
-        while done < end:
-            block = os.pread(fd, min(1 << 20, end - done), done)
-            if not block:
-                raise IntegrityError(f"{path.name} shrank while being hashed")
-            h.update(block)
-            done += len(block)
+        return _sha256_fd(path.name, fd, st, size)
+
+
+def _sha256_fd(name: str, fd: int, st: os.stat_result, size: int | None) -> str:
+    h = hashlib.sha256()
+    if size is not None and st.st_size != size:
+        raise IntegrityError(f"{name} is {st.st_size} bytes, not the {size} its sidecar records")
+    done, end = 0, st.st_size if size is None else size
+    while done < end:
+        block = os.pread(fd, min(1 << 20, end - done), done)
+        if not block:
+            raise IntegrityError(f"{name} shrank while being hashed")
+        h.update(block)
+        done += len(block)
     return h.hexdigest()
 
 
@@ -163,6 +167,14 @@ class DurableTier:
 
     def verify(self, step: int) -> dict[str, Any]:
         """Check the sidecar against the directory: exactly its files, each with its SHA-256. Returns the sidecar."""
+        with contextlib.ExitStack() as stack:
+            return self._verify_held(step, stack)[0]
+
+    def _verify_held(
+        self, step: int, stack: contextlib.ExitStack
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """:meth:`verify`, keeping every file open (until ``stack`` closes): the sidecar and name -> descriptor of
+        the very files that were hashed (:mod:`gemscout.gemini.held_files`)."""
         folder = self.path(step)
         try:
             sidecar = check_sidecar(load_json(folder / SIDECAR, max_bytes=MAX_SIDECAR_BYTES), step)
@@ -178,14 +190,18 @@ class DurableTier:
             raise IntegrityError(
                 f"durable step {step}: files {sorted(present ^ set(files))} differ from the sidecar"
             )
+
+        held: dict[str, int] = {}
         for name, meta in files.items():
             try:
-                digest = _sha256(folder / name, meta["size"])
+                fd, st = stack.enter_context(open_regular(folder / name))
+                digest = _sha256_fd(name, fd, st, meta["size"])
             except (OSError, IntegrityError) as exc:
                 raise IntegrityError(f"durable step {step}: {name} is unreadable ({exc})") from None
             if not hmac.compare_digest(digest, meta["sha256"]):
                 raise IntegrityError(f"durable step {step}: {name} does not match its SHA-256")
-        return sidecar
+            held[name] = fd
+        return sidecar, held
 
     def steps(self) -> list[int]:
         if not self.directory.exists():
@@ -226,22 +242,30 @@ class DurableTier:
     def load(self, step: int, sources: training_state.StateSources) -> None:
         """Verify, then restore the promotion of ``step`` into the live objects (any world size). A sharded
         promotion loads collectively: every rank of ``group`` calls (recovery decisions are collective)."""
-        sidecar = self.verify(step)
-        if sidecar.get("sharded"):
-            from gemscout.gemini import durable_sharded
+        with contextlib.ExitStack() as stack:
+            # DCP reads the descriptors that were hashed, never the names again: a file swapped after the check
+            # is not what loads.
+            sidecar, held = self._verify_held(step, stack)
+            reader = held_files.storage_reader(self.path(step), held)
+            if sidecar.get("sharded"):
+                from gemscout.gemini import durable_sharded
 
-            durable_sharded.load(
-                self.path(step), sidecar, sources, group=self.group, rank=self.rank
-            )
-            return
-        import torch.distributed.checkpoint as dcp
+                durable_sharded.load(
+                    self.path(step),
+                    sidecar,
+                    sources,
+                    group=self.group,
+                    rank=self.rank,
+                    reader=reader,
+                )
+                return
+            import torch.distributed.checkpoint as dcp
 
-        reader = dcp.FileSystemReader(str(self.path(step)))
-        meta = reader.read_metadata()
-        tensors: dict[str, torch.Tensor] = {}
-        for i in range(int(sidecar["tensors"])):
-            md = meta.state_dict_metadata[f"t{i}"]
-            tensors[f"t{i}"] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
-        dcp.load(tensors, checkpoint_id=str(self.path(step)), no_dist=True)
+            meta = reader.read_metadata()
+            tensors: dict[str, torch.Tensor] = {}
+            for i in range(int(sidecar["tensors"])):
+                md = meta.state_dict_metadata[f"t{i}"]
+                tensors[f"t{i}"] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
         state = decode(sidecar["skeleton"], [tensors[f"t{i}"] for i in range(len(tensors))])
         training_state.restore(sources, state)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gemscout import _dist as comm
+from gemscout import record_mac
 from gemscout._modules import unwrap
 from gemscout._tensors import is_dtensor
 from gemscout.errors import ConfigError, IntegrityError, RunMismatchError
@@ -392,12 +393,7 @@ def _commit(tier: Any, step: int, tmp: Path, final: Path, ranks: list[dict[str, 
 
 def sidecar_canonical(doc: dict[str, Any]) -> bytes:
     """The bytes a sidecar's MAC covers: every field but ``mac``, as sorted, compact JSON."""
-    return json.dumps(
-        {k: v for k, v in doc.items() if k != "mac"},
-        sort_keys=True,
-        separators=(",", ":"),
-        allow_nan=True,
-    ).encode()
+    return record_mac.canonical(doc)
 
 
 def load(
@@ -407,8 +403,11 @@ def load(
     *,
     group: dist.ProcessGroup | None,
     rank: int,
+    reader: Any = None,
 ) -> None:
-    """Collectively load a verified sharded promotion into the live objects (every rank of ``group`` calls)."""
+    """Collectively load a verified sharded promotion into the live objects (every rank of ``group`` calls).
+    ``reader``: the DCP storage reader of the files that were verified (:mod:`gemscout.gemini.held_files`); None
+    opens ``folder`` by name. A DeepSpeed partition codec still opens its files by name."""
     if group is None:
         raise IntegrityError(
             "this durable promotion holds sharded or rank-local state; only a job whose model is "
@@ -440,7 +439,9 @@ def load(
     ]  # per-rank entries (caller state, RNG) on another world size: rank r % old
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    if reader is None:
+        reader = dcp.FileSystemReader(str(folder))
+    meta = reader.read_metadata().state_dict_metadata
     targets: dict[str, Any] = {}
     likes = live_shards(sources)
     entries: list[Entry] = [(k, s, st) for k, s, st in src["entries"]]
@@ -457,6 +458,6 @@ def load(
             targets[key] = _dtensor(
                 torch.empty(local_shape, dtype=dtype), like, shape, stride or []
             )
-    dcp.load(targets, checkpoint_id=str(folder), process_group=group)
+    dcp.load(targets, storage_reader=reader, process_group=group)
     tensors = [targets[k] if s is None else targets[k].to_local() for k, s, _ in entries]
     training_state.restore(sources, decode(src["skeleton"], tensors))

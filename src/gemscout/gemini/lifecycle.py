@@ -4,6 +4,11 @@ CANDIDATE (captured) → RECOVERY_VERIFIED (certified by SCOUT or the caller) �
 (corruption seen before certification). Transitions are decided collectively by the session, then every rank records
 the same outcome, so recovery can take the union of every rank's records: a step any rank saw rejected is never
 restored, even if that rank's files are gone.
+
+With the job's integrity key the file carries a MAC (:mod:`gemscout.record_mac`): a ledger written without the key
+(forged, or another rank's) is refused at load like a malformed one — this rank starts from an empty record, names
+the refusal in ``load_problem``, and recovery decides from its peers' ledgers and the files that verify, never from
+the forged states.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemscout import record_mac
 from gemscout.config import TrustState
 from gemscout.errors import IntegrityError
 from gemscout.files import is_int, load_json
@@ -96,6 +102,8 @@ class TrustLedger:
         ledger = cls(path=path, fsync=fsync)
         try:
             doc = load_json(path, max_bytes=MAX_LEDGER_BYTES)
+            if isinstance(doc, dict):
+                record_mac.check(doc, ledger.scope, str(path))
             ledger.run_id, ledger.states, ledger.attempts, ledger.last_decision = parse_ledger(doc)
         except FileNotFoundError:
             pass
@@ -106,6 +114,11 @@ class TrustLedger:
             s for s, st in ledger.states.items() if st == TrustState.REJECTED
         }
         return ledger
+
+    @property
+    def scope(self) -> str:
+        """What the ledger's MAC binds it to: this file of this rank folder (:mod:`gemscout.record_mac`)."""
+        return record_mac.rank_scope("status.json", self.path.parent)
 
     def report_to(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
         """Call ``callback(reason, evidence)`` when a save fails (once per run of failures, not at every retry)."""
@@ -123,7 +136,7 @@ class TrustLedger:
                 "last_decision": self.last_decision,
             }
             try:
-                write_json_atomic(self.path, doc, fsync=self.fsync)
+                write_json_atomic(self.path, record_mac.sign(doc, self.scope), fsync=self.fsync)
             except OSError as exc:
                 self._failed(exc, {s for s, st in states if st == TrustState.REJECTED})
                 return False

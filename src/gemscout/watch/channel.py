@@ -48,6 +48,7 @@ from torch.distributed import DistNetworkError, DistStoreError
 from gemscout.watch.config import OobConfig
 from gemscout.watch.secret import resolve_secret
 from gemscout.watch.store_server import listen_socket
+from gemscout.watch.wire import BoundedReader, Oversized
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -170,11 +171,20 @@ class OobChannel:
     """
 
     def __init__(
-        self, store: OobStore, *, config: OobConfig, reconnect: Callable[[], OobStore] | None = None
+        self,
+        store: OobStore,
+        *,
+        config: OobConfig,
+        reconnect: Callable[[], OobStore] | None = None,
+        bounded: BoundedReader | None = None,
     ) -> None:
         """``reconnect``: makes a fresh connection to the same store, used once per operation when the server
-        dropped this one (``DistNetworkError``); ``None``: such an error is raised."""
+        dropped this one (``DistNetworkError``); ``None``: such an error is raised. ``bounded``: a reader of the
+        same store that learns a value's length before its bytes (:mod:`gemscout.watch.wire`); with it, a slot
+        holding more than ``max_message_bytes`` is refused without being read into this process
+        (:meth:`connect` always makes one)."""
         self._store = store
+        self._bounded = bounded
         self._config = config
         self._reconnect = reconnect
         self._reconnect_lock = threading.Lock()
@@ -216,7 +226,8 @@ class OobChannel:
         from torch.distributed import TCPStore
 
         if is_master:
-            return cls(serve_store(host, port, timeout=timeout), config=config)
+            served = serve_store(host, port, timeout=timeout)
+            return cls(served, config=config, bounded=_bounded_reader(host, served.port))
         store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
 
         def reconnect() -> OobStore:
@@ -231,7 +242,7 @@ class OobChannel:
             fresh.set_timeout(timeout)
             return fresh
 
-        return cls(store, config=config, reconnect=reconnect)
+        return cls(store, config=config, reconnect=reconnect, bounded=_bounded_reader(host, port))
 
     @property
     def rank(self) -> int | None:
@@ -316,6 +327,8 @@ class OobChannel:
         occupies the store connection; long waits belong on their own connection (``TCPStore.clone()``).
         """
         slot = self.slot(rank, key)
+        if timeout <= timedelta(0) and self._bounded is not None:
+            return self._read_bounded(rank, key, self._bounded)
         if timeout <= timedelta(0):
             present = self._io(lambda store: store.check([slot]))
         else:
@@ -325,6 +338,28 @@ class OobChannel:
             except DistStoreError:  # the wait timed out; network failures still raise
                 present = False
         raw = self._get_nowait(slot) if present else None
+        if raw is None:
+            self._absent(rank, key)
+            return None
+        return self._verify(rank, key, raw)
+
+    def _read_bounded(self, rank: int, key: str, reader: BoundedReader) -> dict[str, Any] | None:
+        """:meth:`read` (no wait) through the length-first reader: an oversized value is refused before its bytes
+        are read; a store that cannot be reached raises ``DistNetworkError`` as a ``TCPStore`` call would."""
+        limit = self._config.max_message_bytes
+        try:
+            raw = reader.get(self.slot(rank, key), limit)
+        except Oversized as big:
+            with self._lock:
+                self._present.add((rank, key))
+                self._vanished.discard((rank, key))
+            why = f"message of {big.length} bytes is above max_message_bytes={limit} (not read)"
+            self._reject(rank, key, f"oversized {big.length}".encode(), why, kind="oversized")
+            return None
+        except TimeoutError:  # deleted between the check and the get: the server waits for it
+            raw = None
+        except OSError as exc:
+            raise DistNetworkError(f"the OOB store could not be read: {exc}") from exc
         if raw is None:
             self._absent(rank, key)
             return None
@@ -605,6 +640,10 @@ class OobChannel:
                 first_seen=old.first_seen if old else now,
                 last_seen=now,
             )
+
+
+def _bounded_reader(host: str, port: int) -> BoundedReader:
+    return BoundedReader(host, port, timeout_s=_GET_TIMEOUT.total_seconds())
 
 
 def _xor(data: bytes, stream: bytes) -> bytes:

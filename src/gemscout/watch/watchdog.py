@@ -18,7 +18,8 @@ finding naming the slot, recommendation ``observe``: an outsider can make noise,
 Given the :class:`~gemscout.watch.store_server.StoreServer` that serves the store, each poll first reads its status:
 keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
 ``tamper`` finding of kind ``store_lost`` naming the cause, after which the watchdog reads nothing more (there is
-nothing to read; training goes on, its process group has a store of its own). While foreign keys were swept within the
+nothing to read; training goes on, its process group has a store of its own). A watchdog without the store process
+(every other rank's) reports ``store_lost`` when its reads have failed for ``store_unreachable``, once per outage. While foreign keys were swept within the
 window, a rank's silence is no evidence of its death (a store filled to its cap refuses genuine messages too): a hang
 then needs authentic records whose counters stopped.
 """
@@ -60,6 +61,9 @@ class WatchdogConfig:
     """Consecutive polls that must give the same verdict before it is reported."""
     heartbeat_timeout: timedelta | None = None
     """No new heartbeat for this long (none at all since start included) means dead; ``None``: ``stall_threshold``."""
+    store_unreachable: timedelta = timedelta(seconds=10)
+    """A watchdog without the store process at hand (every rank but the one serving it) reports ``store_lost`` when
+    every read failed for this long."""
 
     def __post_init__(self) -> None:
         if self.stall_threshold <= timedelta(0):
@@ -72,6 +76,8 @@ class WatchdogConfig:
             raise ConfigError(
                 f"WatchdogConfig.confirmations must be >= 1, got {self.confirmations}"
             )
+        if self.store_unreachable <= self.poll_interval:
+            raise ConfigError("WatchdogConfig.store_unreachable must be > poll_interval")
         if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.poll_interval:
             raise ConfigError("WatchdogConfig.heartbeat_timeout must be > poll_interval (or None)")
 
@@ -117,6 +123,7 @@ class Watchdog:
         self._store = store
         self._store_swept = 0
         self._store_lost = False
+        self._unreachable_since: float | None = None
         self._poll_errors = 0
         # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
         # on this watchdog's clock, and whether the current episode of it was reported.
@@ -170,14 +177,22 @@ class Watchdog:
             if self._sweep:
                 self._channel.sweep((rank, PROGRESS_KEY) for rank in range(self._world_size))
             records = dict(self._read_records())
-        except DistNetworkError:
+        except DistNetworkError as exc:
             # A dying store process resets connections a moment before it can be reaped: give it that moment, so
-            # its loss is a finding rather than a failed poll.
-            lost = self._await_store_loss()
+            # its loss is a finding rather than a failed poll. Without the process at hand, time the outage.
+            if self._store is not None:
+                lost = self._await_store_loss()
+            else:
+                lost = self._unreachable(now, exc)
+                if lost is None and self._store_lost:
+                    return []  # reported once; the store may come back (reads then resume)
             if lost is None:
                 raise
             self._deliver(lost)
             return [lost]
+        if self._store is None:
+            self._unreachable_since = None
+            self._store_lost = False
         for rank, rec in records.items():
             prev = self._seen.get(rank)
             if prev is None:
@@ -224,24 +239,39 @@ class Watchdog:
             self._store_swept = status.swept
         if status.lost is None or self._store_lost:
             return None
+        return self._lost(status.lost, {"swept": status.swept, "pressure": status.pressure})
+
+    def _unreachable(self, now: float, exc: DistNetworkError) -> StallFinding | None:
+        """A watchdog that does not own the store (every rank but the one serving it) sees its loss only as reads
+        that fail: unreachable for ``store_unreachable`` is a ``store_lost`` finding, once per outage."""
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        waited = now - self._unreachable_since
+        if self._store_lost or waited < self._config.store_unreachable.total_seconds():
+            return None
+        return self._lost(
+            f"unreachable from this watchdog for {waited:.1f} s ({exc})", {"unreachable_s": waited}
+        )
+
+    def _lost(self, cause: str, evidence: Mapping[str, object]) -> StallFinding:
         self._store_lost = True
-        logger.error("OOB store lost: %s", status.lost)
+        logger.error("OOB store lost: %s", cause)
         event = {
             "slot": None,
             "rank": None,
             "key": None,
             "kind": "store_lost",
-            "reason": status.lost,
+            "reason": cause,
             "count": 1,
         }
         return StallFinding(
             kind="tamper",
             ranks=(),
             step=None,
-            evidence={"tamper": event, "swept": status.swept, "pressure": status.pressure},
+            evidence={"tamper": event, **evidence},
             confirmations=1,
             reason=(
-                f"out-of-band store lost: {status.lost}; the watch sees nothing more of this job (training goes on: "
+                f"out-of-band store lost: {cause}; the watch sees nothing more of this job (training goes on: "
                 "its process group has a store of its own)"
             ),
             recommendation="observe",
