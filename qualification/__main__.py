@@ -1,6 +1,8 @@
 """``python -m qualification`` is ``qualify``."""
 
-from qualification.cli import app
+import sys
+
+from qualification.cli import main
 
 if __name__ == "__main__":
-    app(prog_name="qualify")
+    sys.exit(main())

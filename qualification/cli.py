@@ -2,92 +2,206 @@
 
 Exit codes (see ``qualification.errors``): 0 success; 1 a cell failed or a bundle is invalid; 2 bad usage or a
 malformed campaign (nothing ran); 3-6 verification outcomes (stale, commit mismatch, signature, not on main).
-Every harness error ends as one line on stderr and its exit code, never a traceback.
+Every harness error ends as one line on stderr and its exit code, never a traceback. Standard library argparse, as
+``validation-evidence`` and ``gemscout``.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
+import argparse
 import importlib.util
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
-
-import typer
+from typing import Any, NoReturn
 
 from qualification import campaign as campaigns
 from qualification import engine
 from qualification.errors import CellFailure, QualificationError, UsageError
 from qualification.outcome import CellOutcome, Verdict, now
 
-app = typer.Typer(
-    name="qualify",
-    help="Run gemscout qualification campaigns and seal their results into revision-bound evidence bundles.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-F = TypeVar("F", bound=Callable[..., Any])
+PROG = "qualify"
+SIGN_MODES = ("none", "key", "sigstore")
 
 
-def _print_version(asked: bool) -> None:
-    if asked:
-        from gemscout.cli import version
-
-        typer.echo(f"qualify {version()}")
-        raise typer.Exit()
+def _err(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
-@app.callback()
-def _options(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
-        ),
-    ] = False,
-) -> None:
-    pass
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, not argparse's usage block
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-class SignMode(enum.StrEnum):
-    NONE = "none"
-    KEY = "key"
-    SIGSTORE = "sigstore"
+def _version() -> str:
+    """The installed distribution's version, from its metadata (importing gemscout would load torch)."""
+    try:
+        return metadata.version("gemscout")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
-def _handled(command: F) -> F:
-    """The CLI's one error handler: a QualificationError becomes one line on stderr and its exit code."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+def _at_least(low: float, kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            return command(*args, **kwargs)
-        except QualificationError as exc:
-            typer.echo(f"qualify: {exc}", err=True)
-            raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("qualify: interrupted; running cells were terminated", err=True)
-            raise typer.Exit(130) from None
-        except (
-            OSError
-        ) as exc:  # an unreadable file or a full disk: the environment's fault, said in one line
-            typer.echo(f"qualify: {exc.strerror or exc}: {exc.filename}", err=True)
-            raise typer.Exit(1) from None
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
 
-    return wrapper  # type: ignore[return-value]
+    return parse
 
 
-@app.command("list")
-@_handled
-def list_campaigns() -> None:
+def _signing(parser: argparse.ArgumentParser, archive_help: str) -> None:
+    parser.add_argument(
+        "--sign",
+        choices=SIGN_MODES,
+        default="none",
+        help="sign the manifest: none, key (with --key), sigstore",
+    )
+    parser.add_argument("--key", type=Path, help="private key (PEM) for --sign key")
+    parser.add_argument("--archive", type=Path, help=archive_help)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Run gemscout qualification campaigns and seal their results into revision-bound "
+        "evidence bundles.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser
+    )
+
+    listing = commands.add_parser(
+        "list", help="list the campaigns in campaigns/ with their tier and cell count"
+    )
+    listing.set_defaults(handler=list_campaigns)
+
+    run_ = commands.add_parser(
+        "run", help="run a campaign, then seal the run directory and render the report"
+    )
+    run_.add_argument(
+        "campaign", help="campaign name (campaigns/NAME.toml) or path to a campaign file"
+    )
+    run_.add_argument(
+        "--out", type=Path, help="run directory, absent or empty (default: runs/NAME-UTCTIME)"
+    )
+    run_.add_argument(
+        "--jobs",
+        "-j",
+        type=_at_least(1, int),
+        default=1,
+        help="cells run at once (capped at the CPU count)",
+    )
+    run_.add_argument(
+        "--seed", type=int, help="run every cell with this seed instead of the file's"
+    )
+    run_.add_argument(
+        "--filter",
+        dest="filter_expr",
+        help="only cells whose id matches: substring or glob; comma-separated alternatives",
+    )
+    _signing(run_, "also pack the sealed bundle into this .tar.gz")
+    run_.add_argument("--no-seal", action="store_true", help="leave the run directory unsealed")
+    run_.add_argument("--no-report", action="store_true", help="do not render the HTML report")
+    run_.add_argument(
+        "--grace",
+        dest="grace_s",
+        type=_at_least(0.0, float),
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when a cell times out (default: 5)",
+    )
+    run_.set_defaults(handler=run)
+
+    seal_ = commands.add_parser(
+        "seal", help="seal a run directory into an evidence bundle, from its summary.json"
+    )
+    seal_.add_argument(
+        "directory", type=Path, help="a run directory written by `qualify run --no-seal`"
+    )
+    _signing(seal_, "also pack the bundle into this .tar.gz")
+    seal_.set_defaults(handler=seal)
+
+    verify_ = commands.add_parser(
+        "verify",
+        help="verify an evidence bundle (signature, schema, digests, consistency, commit, freshness)",
+    )
+    verify_.add_argument("bundle", type=Path, help="bundle directory or .tar.gz")
+    verify_.add_argument(
+        "--expected-commit", required=True, help="full SHA the bundle must be bound to"
+    )
+    verify_.add_argument(
+        "--json", dest="as_json", action="store_true", help="print the verification result as JSON"
+    )
+    verify_.add_argument("--public-key", type=Path, help="public key (PEM) of a key-signed bundle")
+    verify_.add_argument(
+        "--require-signature", action="store_true", help="reject an unsigned bundle"
+    )
+    verify_.add_argument(
+        "--main-ref", default="main", help="the ref that is main, for freshness (fetch first)"
+    )
+    verify_.add_argument(
+        "--allow-stale", action="store_true", help="exit 0 for a valid STALE bundle"
+    )
+    verify_.add_argument(
+        "--require-complete",
+        action="store_true",
+        help="exit 7 for a PARTIAL run (narrowed by --filter or --seed)",
+    )
+    verify_.set_defaults(handler=verify)
+
+    report_ = commands.add_parser(
+        "report", help="render the HTML report of a run directory or bundle"
+    )
+    report_.add_argument("bundle", type=Path, help="a run directory or sealed bundle")
+    report_.add_argument("--out", type=Path, help="HTML file to write (default: BUNDLE.html)")
+    report_.add_argument(
+        "--expected-commit",
+        help="verify the bundle against this full SHA first and show the verdict (VALID + freshness, "
+        "or INVALID)",
+    )
+    report_.add_argument("--public-key", type=Path, help="public key (PEM) of a key-signed bundle")
+    report_.add_argument(
+        "--main-ref", default="main", help="the ref that is main, for freshness (fetch first)"
+    )
+    report_.set_defaults(handler=report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it). The CLI's one error
+    handler: a QualificationError (bad flags included) becomes one line on stderr and its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args:
+        parser.print_help(sys.stderr)
+        return UsageError.exit_code
+    try:
+        parsed = parser.parse_args(args)
+        return int(parsed.handler(parsed) or 0)
+    except QualificationError as exc:
+        _err(f"{PROG}: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _err(f"{PROG}: interrupted; running cells were terminated")
+        return 130
+    except (
+        OSError
+    ) as exc:  # an unreadable file or a full disk: the environment's fault, said in one line
+        _err(f"{PROG}: {exc.strerror or exc}: {exc.filename}")
+        return 1
+
+
+def list_campaigns(args: argparse.Namespace) -> int:
     """List the campaigns in campaigns/ with their tier and cell count. Exits 2 if any file is malformed."""
     broken = 0
     for path in campaigns.campaign_files():
@@ -95,94 +209,52 @@ def list_campaigns() -> None:
             loaded = campaigns.load(path)
         except QualificationError as exc:
             broken += 1
-            typer.echo(f"{path.stem:<20} INVALID  {exc}")
+            print(f"{path.stem:<20} INVALID  {exc}")
             continue
-        typer.echo(
+        print(
             f"{loaded.name:<20} {loaded.tier:<4} {len(loaded.cells):>4} cells  {loaded.description}"
         )
     if broken:
         raise UsageError(f"{broken} campaign file(s) are malformed")
+    return 0
 
 
-@app.command()
-@_handled
-def run(
-    campaign: Annotated[
-        str, typer.Argument(help="Campaign name (campaigns/NAME.toml) or path to a campaign file.")
-    ],
-    out: Annotated[
-        Path | None,
-        typer.Option(help="Run directory, absent or empty.", show_default="runs/NAME-UTCTIME"),
-    ] = None,
-    jobs: Annotated[
-        int,
-        typer.Option("--jobs", "-j", min=1, help="Cells run at once (capped at the CPU count)."),
-    ] = 1,
-    seed: Annotated[
-        int | None, typer.Option(help="Run every cell with this seed instead of the file's.")
-    ] = None,
-    filter_expr: Annotated[
-        str | None,
-        typer.Option(
-            "--filter",
-            help="Only cells whose id matches: substring or glob; comma-separated alternatives.",
-        ),
-    ] = None,
-    sign: Annotated[
-        SignMode, typer.Option(help="Sign the manifest: none, key (with --key), sigstore.")
-    ] = SignMode.NONE,
-    key: Annotated[Path | None, typer.Option(help="Private key (PEM) for --sign key.")] = None,
-    archive: Annotated[
-        Path | None, typer.Option(help="Also pack the sealed bundle into this .tar.gz.")
-    ] = None,
-    no_seal: Annotated[
-        bool, typer.Option("--no-seal", help="Leave the run directory unsealed.")
-    ] = False,
-    no_report: Annotated[
-        bool, typer.Option("--no-report", help="Do not render the HTML report.")
-    ] = False,
-    grace_s: Annotated[
-        float,
-        typer.Option(
-            "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when a cell times out."
-        ),
-    ] = 5.0,
-) -> None:
+def run(args: argparse.Namespace) -> int:
     """Run a campaign: every cell as its own process tree, then seal the run directory and render the report.
 
     Exit 0: no cell failed (skipped cells do not fail a campaign).
     Exit 1: a cell failed. Exit 2: bad campaign file or flag; nothing ran.
     """
-    loaded = campaigns.load(campaign)
-    cells = campaigns.select(loaded.cells, filter_expr)
-    if seed is not None:
-        cells = campaigns.override_seed(cells, seed)
-    signer = (
-        None if no_seal else _signer(sign, key)
-    )  # a bad key must fail before hours of cells, not after
-    out_dir = (
-        out or Path("runs") / f"{loaded.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    loaded = campaigns.load(args.campaign)
+    cells = campaigns.select(loaded.cells, args.filter_expr)
+    if args.seed is not None:
+        cells = campaigns.override_seed(cells, args.seed)
+    # A bad key must fail before hours of cells, not after.
+    signer = None if args.no_seal else _signer(args.sign, args.key)
+    out_dir: Path = (
+        args.out or Path("runs") / f"{loaded.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     )
+    archive: Path | None = args.archive
     if archive is not None and archive.resolve().is_relative_to(out_dir.resolve()):
         raise UsageError(
             f"--archive {archive} must be outside the run directory {out_dir}, which it seals"
         )
     engine.prepare_out_dir(out_dir, loaded)
-    typer.echo(
-        f"campaign {loaded.name}: {len(cells)} cell(s), {jobs} at a time -> {out_dir}", err=True
-    )
+    _err(f"campaign {loaded.name}: {len(cells)} cell(s), {args.jobs} at a time -> {out_dir}")
 
     started = now()
     outcomes = _run_with_progress(
-        cells, out_dir, engine.EngineOptions(jobs=jobs, grace=timedelta(seconds=grace_s))
+        cells,
+        out_dir,
+        engine.EngineOptions(jobs=args.jobs, grace=timedelta(seconds=args.grace_s)),
     )
     invocation = {
         "argv": ["qualify", *sys.argv[1:]],
         "cwd": os.getcwd(),
-        "jobs": jobs,
-        "seed_override": seed,
-        "filter": filter_expr,
-        "grace_s": grace_s,
+        "jobs": args.jobs,
+        "seed_override": args.seed,
+        "filter": args.filter_expr,
+        "grace_s": args.grace_s,
     }
     summary = engine.build_summary(
         loaded, outcomes, started_at=started, finished_at=now(), invocation=invocation
@@ -196,20 +268,17 @@ def run(
             f"; PARTIAL: {scope['campaign_cells_run']} of {scope['cells_in_campaign']} cells of the campaign"
         )
     )
-    typer.echo(
+    print(
         f"{loaded.name}: {summary['verdict'].upper()}: {counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['skipped']} skipped, {counts['measured']} measured in {summary['duration_s']:.1f} s"
         f"{partial}; results in {out_dir / 'summary.json'}"
     )
     for claim in summary["boundaries"]["not_validated"]:
         if claim["reason"] != "declared not validated by the campaign":
-            typer.echo(
-                f"not validated by this run: {claim['claim'][:100]} [{claim['reason'][:200]}]",
-                err=True,
-            )
+            _err(f"not validated by this run: {claim['claim'][:100]} [{claim['reason'][:200]}]")
 
-    if no_seal:
-        typer.echo("not sealed (--no-seal)", err=True)
+    if args.no_seal:
+        _err("not sealed (--no-seal)")
     else:
         try:
             _seal(out_dir, summary, signer=signer, archive=archive)
@@ -217,29 +286,18 @@ def run(
             raise QualificationError(
                 f"the cells ran (see {out_dir / 'summary.json'}) but sealing failed: {exc}"
             ) from exc
-    if not no_report:
+    if not args.no_report:
         _report(out_dir, out_dir.with_name(out_dir.name + ".html"))
     if counts["failed"]:
         raise CellFailure(
             f"{counts['failed']} of {counts['total']} cells failed (see {out_dir / 'summary.json'})"
         )
+    return 0
 
 
-@app.command()
-@_handled
-def seal(
-    directory: Annotated[
-        Path, typer.Argument(help="A run directory written by `qualify run --no-seal`.")
-    ],
-    sign: Annotated[
-        SignMode, typer.Option(help="Sign the manifest: none, key (with --key), sigstore.")
-    ] = SignMode.NONE,
-    key: Annotated[Path | None, typer.Option(help="Private key (PEM) for --sign key.")] = None,
-    archive: Annotated[
-        Path | None, typer.Option(help="Also pack the bundle into this .tar.gz.")
-    ] = None,
-) -> None:
+def seal(args: argparse.Namespace) -> int:
     """Seal a run directory into an evidence bundle, from its summary.json."""
+    directory: Path = args.directory
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
         raise UsageError(
@@ -252,40 +310,16 @@ def seal(
         raise UsageError(
             f"{summary_path} is not the JSON `qualify run` writes ({reason}); seal a run directory"
         ) from None
-    _seal(directory, summary, signer=_signer(sign, key), archive=archive)
+    _seal(directory, summary, signer=_signer(args.sign, args.key), archive=args.archive)
+    return 0
 
 
-@app.command()
-@_handled
-def verify(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory or .tar.gz.")],
-    expected_commit: Annotated[str, typer.Option(help="Full SHA the bundle must be bound to.")],
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the verification result as JSON.")
-    ] = False,
-    public_key: Annotated[
-        Path | None, typer.Option(help="Public key (PEM) of a key-signed bundle.")
-    ] = None,
-    require_signature: Annotated[
-        bool, typer.Option("--require-signature", help="Reject an unsigned bundle.")
-    ] = False,
-    main_ref: Annotated[
-        str, typer.Option(help="The ref that is main, for freshness (fetch first).")
-    ] = "main",
-    allow_stale: Annotated[
-        bool, typer.Option("--allow-stale", help="Exit 0 for a valid STALE bundle.")
-    ] = False,
-    require_complete: Annotated[
-        bool,
-        typer.Option(
-            "--require-complete", help="Exit 7 for a PARTIAL run (narrowed by --filter or --seed)."
-        ),
-    ] = False,
-) -> None:
+def verify(args: argparse.Namespace) -> int:
     """Verify an evidence bundle (signature, schema, digests, consistency, commit, freshness).
 
-    The same check as `validation-evidence verify`, with the same exit codes: 0 valid and CURRENT, 1 invalid,
-    3 STALE, 4 commit mismatch, 5 signature, 6 NOT-ON-MAIN or UNKNOWN, 7 PARTIAL under --require-complete.
+    The same check as `validation-evidence verify` (it runs that command's ``main``), with the same exit codes: 0
+    valid and CURRENT, 1 invalid, 3 STALE, 4 commit mismatch, 5 signature, 6 NOT-ON-MAIN or UNKNOWN, 7 PARTIAL
+    under --require-complete.
     """
     if importlib.util.find_spec("qualification.evidence.cli") is None:
         raise QualificationError(
@@ -293,60 +327,41 @@ def verify(
         )
     from qualification.evidence.cli import main as evidence_main
 
-    argv = ["verify", str(bundle), "--expected-commit", expected_commit, "--main-ref", main_ref]
-    argv += ["--public-key", str(public_key)] if public_key else []
+    argv = ["verify", str(args.bundle), "--expected-commit", args.expected_commit]
+    argv += ["--main-ref", args.main_ref]
+    argv += ["--public-key", str(args.public_key)] if args.public_key else []
     argv += [
         flag
         for flag, on in (
-            ("--json", as_json),
-            ("--require-signature", require_signature),
-            ("--allow-stale", allow_stale),
-            ("--require-complete", require_complete),
+            ("--json", args.as_json),
+            ("--require-signature", args.require_signature),
+            ("--allow-stale", args.allow_stale),
+            ("--require-complete", args.require_complete),
         )
         if on
     ]
-    code = evidence_main(argv)
-    if code:
-        raise typer.Exit(code)
+    return evidence_main(argv)
 
 
-@app.command()
-@_handled
-def report(
-    bundle: Annotated[Path, typer.Argument(help="A run directory or sealed bundle.")],
-    out: Annotated[
-        Path | None, typer.Option(help="HTML file to write.", show_default="BUNDLE.html")
-    ] = None,
-    expected_commit: Annotated[
-        str | None,
-        typer.Option(
-            help="Verify the bundle against this full SHA first and show the verdict (VALID + freshness, or INVALID).",
-        ),
-    ] = None,
-    public_key: Annotated[
-        Path | None, typer.Option(help="Public key (PEM) of a key-signed bundle.")
-    ] = None,
-    main_ref: Annotated[
-        str, typer.Option(help="The ref that is main, for freshness (fetch first).")
-    ] = "main",
-) -> None:
+def report(args: argparse.Namespace) -> int:
     """Render the HTML report of a run directory or bundle.
 
     With --expected-commit the bundle is verified first (the checks of `qualify verify`) and the report shows the
     result; an invalid bundle is still rendered, marked INVALID with the reason, and the command exits with the
     verifier's code so a pipeline cannot mistake it for evidence.
     """
+    bundle: Path = args.bundle
     if not (bundle / "summary.json").is_file() and not (bundle / "manifest.json").is_file():
         raise UsageError(
             f"{bundle} has neither summary.json nor manifest.json; is it a run directory or bundle?"
         )
-    target = out or bundle.with_name(bundle.name + ".html")
-    if expected_commit is None:
+    target: Path = args.out or bundle.with_name(bundle.name + ".html")
+    if args.expected_commit is None:
         if not _report(bundle, target):
             raise QualificationError(
                 "the HTML report renderer (qualification.report) is not part of this build yet"
             )
-        return
+        return 0
     from qualification.errors import BundleInvalid
     from qualification.evidence.verify import TrustPolicy, verify_bundle
     from qualification.report import render
@@ -354,21 +369,18 @@ def report(
     try:
         result = verify_bundle(
             bundle,
-            expected_commit=expected_commit,
-            trust=TrustPolicy(public_key=public_key),
+            expected_commit=args.expected_commit,
+            trust=TrustPolicy(public_key=args.public_key),
             repo=Path("."),
-            main_ref=main_ref,
+            main_ref=args.main_ref,
         )
     except BundleInvalid as exc:
         render(bundle, target, verification_error=str(exc))
-        typer.echo(f"report: {target} (bundle INVALID: {exc})", err=True)
-        raise typer.Exit(exc.exit_code) from None
+        _err(f"report: {target} (bundle INVALID: {exc})")
+        return exc.exit_code
     render(bundle, target, verification=result)
-    typer.echo(
-        f"report: {target} (bundle VALID, {result.freshness.state}: {result.message})", err=True
-    )
-    if result.exit_code:
-        raise typer.Exit(result.exit_code)
+    _err(f"report: {target} (bundle VALID, {result.freshness.state}: {result.message})")
+    return result.exit_code
 
 
 def _run_with_progress(
@@ -403,12 +415,12 @@ def _run_with_progress(
         return engine.run_cells(cells, out_dir, options, on_finish=finished)
 
 
-def _signer(mode: SignMode, key: Path | None) -> Any:
+def _signer(mode: str, key: Path | None) -> Any:
     from qualification.evidence.sign import make_signer
 
-    if mode is not SignMode.KEY and key is not None:
+    if mode != "key" and key is not None:
         raise UsageError("--key is only used with --sign key")
-    return make_signer(str(mode), key=key, identity_token=os.environ.get("SIGSTORE_ID_TOKEN"))
+    return make_signer(mode, key=key, identity_token=os.environ.get("SIGSTORE_ID_TOKEN"))
 
 
 def _seal(out_dir: Path, run_record: dict[str, Any], *, signer: Any, archive: Path | None) -> None:
@@ -433,22 +445,19 @@ def _seal(out_dir: Path, run_record: dict[str, Any], *, signer: Any, archive: Pa
     if not facts.effective_scope.complete:
         scope = facts.effective_scope
         signed += f"; PARTIAL: {scope.campaign_cells_run} of {scope.cells_in_campaign} cells of the campaign"
-    typer.echo(
+    _err(
         f"sealed {sealed.subjects} files: {sealed.result} at commit {sealed.commit[:12]}"
-        f"{' (dirty tree)' if sealed.dirty else ''}{signed}; manifest sha256 {sealed.manifest_sha256[:16]}",
-        err=True,
+        f"{' (dirty tree)' if sealed.dirty else ''}{signed}; manifest sha256 {sealed.manifest_sha256[:16]}"
     )
 
 
 def _report(bundle: Path, out_file: Path) -> bool:
     """Render the report if the renderer exists; say so and return False if it does not."""
     if importlib.util.find_spec("qualification.report") is None:
-        typer.echo(
-            "HTML report not available in this build (qualification.report is missing)", err=True
-        )
+        _err("HTML report not available in this build (qualification.report is missing)")
         return False
     import qualification.report
 
     qualification.report.render(bundle, out_file)  # type: ignore[attr-defined]
-    typer.echo(f"report: {out_file}", err=True)
+    _err(f"report: {out_file}")
     return True

@@ -49,7 +49,7 @@ def test_every_gemscout_module_imports_without_frameworks_or_harness() -> None:
 
 
 # The qualification harness's dependencies (the `qualify` extra): the runtime imports none of them.
-HARNESS_ONLY = ("pandas", "jinja2", "typer", "rich", "jsonschema", "cryptography", "psutil")
+HARNESS_ONLY = ("pandas", "jinja2", "rich", "jsonschema", "cryptography", "psutil")
 
 
 def test_the_runtime_imports_without_the_harness_dependencies_and_leaves_torch_alone() -> None:

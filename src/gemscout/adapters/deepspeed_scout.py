@@ -47,6 +47,7 @@ from gemscout.scout.capture import Captured, to_json_value
 from gemscout.scout.consensus import C3Result
 from gemscout.scout.cycle import CycleResult, judge_gathered, precondition_for
 from gemscout.scout.digests import digest_many
+from gemscout.scout.domain import FlatDomain
 from gemscout.scout.engine import Scout
 from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
 from gemscout.scout.replay import ReplayContext, replay_optimizer
@@ -172,10 +173,11 @@ class ZeroScout(Scout):
                 "(enable_resiliency builds it from the engine)"
             )
         super().attach(model, optimizer, group=group, topology=topology, first_step=first_step)
-        if self._exchange is None or self._mesh is not None:
+        if not isinstance(self.domain, FlatDomain):
             raise ConfigError(
                 "ScoutConfig.recipes: the ZeRO optimizer recipe needs the data-parallel ranks as peers"
             )
+        self._flat = self.domain
         self._zero, self._inner = zero, inner
         # Inside engine.step() DeepSpeed swaps the inner optimizer's param_groups for one group at a time; the masters
         # are told apart by identity, never by their position in that temporary list.
@@ -391,7 +393,6 @@ class ZeroScout(Scout):
     def _zero_cycle(
         self, step: int, due: list[ZeroSlice]
     ) -> tuple[dict[str, C3Result], dict[str, dict[int, float]]]:
-        assert self._exchange is not None
         owner = due[0].owner
         captures = None
         if self.rank == owner:
@@ -403,13 +404,13 @@ class ZeroScout(Scout):
                 )
                 for s in due
             }
-        received, wire_error, _ = self._exchange.send_inputs(
+        received, wire_error, _ = self._flat.exchange.send_inputs(
             step, self._zero_fingerprint, owner, captures
         )
         self._captured = {}
         records = {s.name: self._record(s, step, received.get(s.name), wire_error) for s in due}
         names = [s.name for s in due]
-        by_rank = self._exchange.gather_records(names, records)
+        by_rank = self._flat.exchange.gather_records(names, records)
         results, times = {}, {}
         for name in names:
             results[name], times[name] = judge_gathered(

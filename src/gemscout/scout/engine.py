@@ -17,16 +17,20 @@ a collective alone; local failures become records that everyone sees). The colle
 3. one fixed-size all-gather of the records (:meth:`PeerExchange.gather_records`); every peer then judges each
    recipe with the same pure function (:func:`~gemscout.scout.preconditions.judge`): the same verdicts everywhere.
 
-On a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) there is one peer group per model-parallel coordinate or HSDP shard
-(:mod:`~gemscout.topology`); :class:`~gemscout.scout.mesh_cycle.MeshCycle` adds what crosses groups: a
+Who the peers are and what crosses them is the *peer domain*'s (:class:`~gemscout.scout.domain.PeerDomain`): one
+group of replicas (:class:`~gemscout.scout.domain.FlatDomain`, DDP), or a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) with
+one peer group per model-parallel coordinate or HSDP shard (:class:`~gemscout.scout.mesh_domain.MeshDomain`: a
 mesh-wide step agreement, parameter gathers before replay, a readiness check before replays that run TP collectives,
-and the records gathered over the whole mesh so every rank judges every group.
+and the records gathered over the whole mesh so every rank judges every group). A framework refines one
+(``Scout(config, flat_domain=...)``; DeepSpeed ZeRO-3 gathers its partitioned blocks around the cycle). The cycle
+below is the same for all of them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,10 +50,10 @@ from gemscout.scout.cycle import (
     inconclusive,
     judge_gathered,
 )
-from gemscout.scout.exchange import PeerExchange
-from gemscout.scout.fsdp_comms import FsdpCollectiveTimer, build_job_timer
+from gemscout.scout.domain import JOB_TIMER_NEEDS, FlatDomain, PeerDomain
+from gemscout.scout.fsdp_comms import FsdpCollectiveTimer
 from gemscout.scout.local_replay import LocalReplay
-from gemscout.scout.mesh_cycle import MeshCycle
+from gemscout.scout.mesh_domain import MeshDomain
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params
 from gemscout.scout.replay import ReplayContext
 from gemscout.scout.rotation import RotationTracker
@@ -59,20 +63,29 @@ from gemscout.scout.stragglers import (
     ComputeStragglerDetector,
     compute_reports,
 )
-from gemscout.topology import Topology, create_groups, discover, has_dtensor_params
+from gemscout.topology import Topology, discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
 
 log = logging.getLogger("gemscout")
 
+FlatDomainFactory = Callable[[dist.ProcessGroup, int, timedelta], FlatDomain]
+"""Builds the domain of a group of replicas from (group, rank, timeout): :class:`FlatDomain` or a refinement."""
+
 
 class Scout(ReplaySeams):
     """SCOUT for one model and optimizer on one data-parallel peer group. Create, :meth:`attach`, then call
-    :meth:`before_step` in the optimizer step pre-hook of every step (or :meth:`register_step_hook` once)."""
+    :meth:`before_step` in the optimizer step pre-hook of every step (or :meth:`register_step_hook` once).
 
-    def __init__(self, config: ScoutConfig | None = None) -> None:
+    ``flat_domain``: what a group of replicas becomes (:class:`~gemscout.scout.domain.FlatDomain`, or a framework's
+    refinement of it, e.g. DeepSpeed ZeRO-3's gather of partitioned blocks around the cycle)."""
+
+    def __init__(
+        self, config: ScoutConfig | None = None, *, flat_domain: FlatDomainFactory = FlatDomain
+    ) -> None:
         super().__init__()
         self.config = config if config is not None else ScoutConfig()
+        self._flat_domain = flat_domain
         self.last_result: CycleResult | None = None
         """The newest cycle's result (also returned by :meth:`before_step`)."""
         self._attached = False
@@ -144,36 +157,32 @@ class Scout(ReplaySeams):
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
         self.disabled_reason: str | None = None
         """Why SCOUT cannot compare on this topology (no data-parallel peers), or None."""
-        self._mesh: MeshCycle | None = None
+        self.domain: PeerDomain | None = None
+        """Where the peers are and what crosses them (None when SCOUT cannot compare)."""
+        self.peers: tuple[int, ...] = (self.rank,)
+        self.peer_groups: tuple[tuple[int, ...], ...] = ()
         if topology is None:
-            self._group = (
-                group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
-            )
-            self.peers: tuple[int, ...] = tuple(dist.get_process_group_ranks(self._group))
-            self.peer_groups: tuple[tuple[int, ...], ...] = (self.peers,)
-        elif not topology.comparable:
+            flat = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+            self.domain = self._flat_domain(flat, self.rank, timeout)
+        elif topology.comparable:
+            self.domain = MeshDomain(topology, self.rank, timeout)
+        else:
             self.disabled_reason = topology.reason
-            self._group = None
-            self.peers, self.peer_groups = (self.rank,), topology.peer_groups
+            self.peer_groups = topology.peer_groups
             log.warning(
                 "gemscout: SCOUT cannot compare on this %s topology: %s",
                 topology.kind,
                 topology.reason,
             )
-        else:
-            domain, self._group = create_groups(topology, timeout)
-            self.peers, self.peer_groups = topology.peers, topology.peer_groups
-            self._mesh = MeshCycle(topology, domain, timeout)
-        self._exchange: PeerExchange | None = None
-        if self._group is not None:
-            self._exchange = PeerExchange(self._group, self.peers, self.rank, timeout)
+        if self.domain is not None:
+            self.peers, self.peer_groups = self.domain.peers, self.domain.peer_groups
         self._modules = {
             r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes
         }
         self._params = optimizer_params(root, optimizer)
         self._fingerprint = self.catalog.fingerprint()
-        if self._mesh is not None:
-            self._mesh.plan(self.catalog, self._modules)
+        if self.domain is not None:
+            self.domain.plan(self.catalog, self._modules)
         self._capture = CaptureHooks(self._modules, {r.name: r for r in self.catalog.recipes})
         self._local = LocalReplay(
             rank=self.rank,
@@ -183,11 +192,11 @@ class Scout(ReplaySeams):
             capture=self._capture,
             hooks=self._hooks,
             collective_hooks=self._collective_hooks,
-            mesh=self._mesh,
+            domain=self.domain,
             mark=self._mark_replay,
         )
         self.rotation = RotationTracker(
-            self._mesh.job_names if self._mesh is not None else self.catalog.names
+            self.domain.job_names if self.domain is not None else self.catalog.names
         )
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
@@ -229,12 +238,14 @@ class Scout(ReplaySeams):
         self._capture.arm(step, armed)
 
     def time_job_collectives(self, model: nn.Module) -> JobCollectiveTimer | FsdpCollectiveTimer:
-        """Time the job's own collectives (DDP's or FSDP2's; :func:`~gemscout.scout.fsdp_comms.build_job_timer` says
-        what raises ``ConfigError``): each cycle then reports a rank late to them as a communication straggler.
-        Collective: call on every rank, after :meth:`attach`; a second call returns the same timer."""
+        """Time the job's own collectives (DDP's or FSDP2's, the domain's ``job_timer`` says what raises
+        ``ConfigError``): each cycle then reports a rank late to them as a communication straggler. Collective: call
+        on every rank, after :meth:`attach`; a second call returns the same timer."""
         self._require_attached()
+        if self.domain is None:
+            raise ConfigError(JOB_TIMER_NEEDS)
         if self._job_timer is None:
-            self._job_timer = build_job_timer(model, self._exchange, self._mesh, self.config)
+            self._job_timer = self.domain.job_timer(model, self.config)
         return self._job_timer
 
     # -- the step hook ----------------------------------------------------------------------------------------------
@@ -273,75 +284,59 @@ class Scout(ReplaySeams):
 
     # -- the cycle --------------------------------------------------------------------------------------------------
     def _cycle(self, step: int, due: Sequence[Recipe]) -> CycleResult:
-        source = self.peers[step % len(self.peers)]
-        if self.disabled_reason is not None:
+        domain = self.domain
+        if domain is None:
             return self._cannot_compare(step, due)
-        mesh = self._mesh
-        slices: dict[str, tuple[Captured, float]] = {}
-        if mesh is not None:
-            # Agree on the step across the whole mesh first: what comes next gathers along the shard dims, across
-            # peer groups, and a rank that stopped while its shard partners went on would leave them waiting.
-            disagreement = mesh.agree(step, self._fingerprint)
-            if disagreement is not None:
-                return self._stopped(step, due, source, disagreement)
-            slices = {
-                r.name: mesh.gather_slice(r, self._params, self._optimizer, step)
-                for r in due
-                if not r.has_module
-            }
+        with domain.scope(due, self._modules):
+            return self._compare(domain, step, due)
+
+    def _compare(self, domain: PeerDomain, step: int, due: Sequence[Recipe]) -> CycleResult:
+        source = self.peers[step % len(self.peers)]
+        # Agree on the step across the whole domain first: on a mesh what comes next gathers along the shard dims,
+        # across peer groups, and a rank that stopped while its shard partners went on would leave them waiting.
+        disagreement = domain.agree(step, self._fingerprint)
+        if disagreement is not None:
+            return self._stopped(step, due, source, disagreement)
+        slices = domain.gather_slices(due, self._params, self._optimizer, step)
         received, wire_error, in_step = self._send_inputs(
             step, due, source, {k: c for k, (c, _) in slices.items()}
         )
-        if not in_step and mesh is None:
+        if not in_step and domain.stops_on_wire_error:
             return self._stopped(step, due, source, str(wire_error))
-        blocked = mesh.blocked(due, received, wire_error) if mesh is not None else {}
+        blocked = domain.blocked(due, received, wire_error)
         records = {}
         for recipe in due:
-            params, seconds = None, None
-            if mesh is not None and recipe.has_module:
-                params, seconds = mesh.materializer.gather_modules(
-                    recipe.modules, self._modules[recipe.name]
-                )
-            elif recipe.name in slices:
-                seconds = slices[recipe.name][1]
-            own = slices[recipe.name][0] if recipe.name in slices else None
-            records[recipe.name] = self._replay_local(
-                recipe,
-                step,
-                source,
-                received.get(recipe.name),
-                wire_error,
-                params=params,
-                own_slice=own,
-                blocked=blocked.get(recipe.name),
+            modules = self._modules[recipe.name]
+            params, seconds = (
+                domain.gather_params(recipe, modules) if recipe.has_module else (None, None)
             )
+            own = None
+            if recipe.name in slices:
+                own, seconds = slices[recipe.name]
+            with domain.replaying(recipe, modules if recipe.has_module else ()):
+                records[recipe.name] = self._local.record(
+                    recipe,
+                    step,
+                    source,
+                    received.get(recipe.name),
+                    wire_error,
+                    params=params,
+                    own_slice=own,
+                    blocked=blocked.get(recipe.name),
+                )
             if seconds is not None:
                 records[recipe.name]["gather_s"] = seconds
-        assert (
-            self._exchange is not None
-        )  # only a topology without peers has none, and it never gets here
         names = [r.name for r in due]
         comm_s = self._job_timer.take() if self._job_timer is not None else None
-        if mesh is not None and mesh.topology.stage_dims:
-            by_rank = mesh.gather_records(records)  # pipeline stages record different recipes
-        elif mesh is not None:
-            by_rank = self._exchange.gather_records(
-                names, records, comm_s=comm_s, group=mesh.domain, ranks=mesh.domain_ranks
-            )
-        else:
-            by_rank = self._exchange.gather_records(names, records, comm_s=comm_s)
+        by_rank = domain.gather_records(names, records, comm_s)
         ranks = tuple(by_rank)
         results = {}
         times: dict[str, dict[int, float]] = {}
         # Every rank judges the same recipes (with pipeline stages, every stage's) over the groups that replayed them.
-        for name in mesh.judged_names(due, by_rank) if mesh is not None else names:
+        for name in domain.judged_names(due, by_rank):
             judged = []
             times[name] = {}
-            for group in (
-                mesh.holding(name, self.peer_groups, by_rank)
-                if mesh is not None
-                else self.peer_groups
-            ):
+            for group in domain.holding(name, by_rank):
                 result, group_times = judge_gathered(name, step, group, [by_rank[r] for r in group])
                 judged.append((group, result))
                 times[name].update(group_times)
@@ -363,21 +358,13 @@ class Scout(ReplaySeams):
                     by_rank,
                     timer.rank_to_host,
                     getattr(timer, "groups", None),
-                    "FSDP2 all-gather / reduce-scatter"
-                    if mesh is not None
-                    else "DDP gradient all-reduce",
+                    domain.job_collectives,
                 )
             )
             is not None
         ):
             reports.append(late)
-        extra: dict[str, Any] = {}
-        if mesh is not None:
-            reports += mesh.comm_reports(step, due, by_rank, self.config.stragglers)
-            extra = {
-                "gather_s": mesh.side_times(due, by_rank, "gather_s"),
-                "collective_s": mesh.side_times(due, by_rank, "collective_s"),
-            }
+        reports += domain.comm_reports(step, due, by_rank, self.config.stragglers)
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
         return CycleResult(
@@ -389,7 +376,7 @@ class Scout(ReplaySeams):
             reports=tuple(reports),
             certified_step=certified,
             peer_groups=self.peer_groups,
-            **extra,
+            **domain.cycle_fields(due, by_rank),
         )
 
     def _name_unreplayable(
@@ -455,7 +442,7 @@ class Scout(ReplaySeams):
     ) -> tuple[dict[str, Captured], str | None, bool]:
         """The source's captures to every peer (:meth:`PeerExchange.send_inputs`). ``slices``: optimizer slices
         already gathered on a sharded model (sent instead of the live shards)."""
-        assert self._exchange is not None
+        assert self.domain is not None
         captures = None
         if self.rank == source:
             try:
@@ -466,7 +453,7 @@ class Scout(ReplaySeams):
             except Exception as exc:  # the source still sends: a header that carries the error
                 failed = Captured(step=step, error=f"capture failed: {type(exc).__name__}: {exc}")
                 captures = {r.name: failed for r in due}
-        return self._exchange.send_inputs(step, self._fingerprint, source, captures)
+        return self.domain.exchange.send_inputs(step, self._fingerprint, source, captures)
 
     def _capture_source(self, recipe: Recipe, step: int) -> Captured:
         if recipe.has_module:
@@ -477,30 +464,6 @@ class Scout(ReplaySeams):
         except (TypeError, KeyError) as exc:
             return Captured(step=step, error=str(exc))
 
-    def _replay_local(
-        self,
-        recipe: Recipe,
-        step: int,
-        source: int,
-        captured: Captured | None,
-        wire_error: str | None,
-        *,
-        params: list[dict[str, torch.Tensor]] | None = None,
-        own_slice: Captured | None = None,
-        blocked: str | None = None,
-    ) -> dict[str, Any]:
-        """Replay ``recipe`` on this rank and return its record (:meth:`LocalReplay.record`)."""
-        return self._local.record(
-            recipe,
-            step,
-            source,
-            captured,
-            wire_error,
-            params=params,
-            own_slice=own_slice,
-            blocked=blocked,
-        )
-
     def _mark_replay(self, ctx: ReplayContext | None) -> None:
         # What current_replay reports to the harness's fault hooks while a replay runs.
         self._current = ctx
@@ -509,8 +472,8 @@ class Scout(ReplaySeams):
         self.rotation.reset()
         self._detectors.clear()
         self._comm_detector.reset()
-        if self._mesh is not None:
-            self._mesh.reset()
+        if self.domain is not None:
+            self.domain.reset()
         self._last_cycle_step = None
 
     def _require_attached(self) -> None:

@@ -29,9 +29,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.errors import ConfigError
-from gemscout.scout.comm_probe import JobCollectiveTimer, gather_hosts
+from gemscout.scout.comm_probe import gather_hosts
 
-__all__ = ["FsdpCollectiveTimer", "build_job_timer", "fsdp_modules"]
+__all__ = ["FsdpCollectiveTimer", "fsdp_modules"]
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -124,34 +124,6 @@ class FsdpCollectiveTimer:
             return None
         work.get_future().then(lambda _fut: self._done(start))
         return work
-
-
-def build_job_timer(
-    model: nn.Module, exchange: Any, mesh: Any, config: Any
-) -> JobCollectiveTimer | FsdpCollectiveTimer:
-    """The timer of the job's own collectives for a SCOUT engine: DDP's comm hook on a replicated model (``mesh``
-    None), FSDP2's comms on a sharded one (shard groups from the mesh topology). Collective (gathers host names).
-    Raises ``ConfigError`` for a model with neither, for pipeline stages, or with ``config.stragglers`` None."""
-    stages = mesh is not None and bool(mesh.topology.stage_dims)
-    if (
-        exchange is None
-        or config.stragglers is None
-        or stages
-        or (mesh is not None and not mesh.topology.shard_dims)
-    ):
-        raise ConfigError(
-            "Scout.time_job_collectives: needs a DDP or FSDP2 model (no pipeline stages) and "
-            "ScoutConfig.stragglers"
-        )
-    if mesh is None:
-        return JobCollectiveTimer(model, group=exchange.group, timeout=config.timeout)
-    topology = mesh.topology
-    return FsdpCollectiveTimer(
-        model,
-        group=mesh.domain,
-        groups=topology.groups_along(topology.shard_dims),
-        timeout=config.timeout,
-    )
 
 
 def _wrapper_classes(timer: FsdpCollectiveTimer) -> tuple[type, type]:

@@ -21,8 +21,8 @@ from torch import nn
 from gemscout.scout.capture import Captured, CaptureHooks
 from gemscout.scout.cycle import param_digest, precondition_for
 from gemscout.scout.digests import digest_many
+from gemscout.scout.domain import PeerDomain
 from gemscout.scout.materialize import CollectiveTimer, local_tensor, without_wrapper_hooks
-from gemscout.scout.mesh_cycle import MeshCycle
 from gemscout.scout.recipes import Recipe
 from gemscout.scout.replay import ReplayContext, ReplayHooks, replay_forward, replay_optimizer
 from gemscout.scout.stragglers import run_queue_seconds, waited_since
@@ -46,7 +46,7 @@ class LocalReplay:
         capture: CaptureHooks,
         hooks: ReplayHooks,
         collective_hooks: Mapping[int, Callable[[ReplayContext, str], None]],
-        mesh: MeshCycle | None,
+        domain: PeerDomain | None,
         mark: Callable[[ReplayContext | None], None],
     ) -> None:
         self._rank = rank
@@ -58,7 +58,7 @@ class LocalReplay:
         self._collective_hooks = (
             collective_hooks  # read at each replay: hooks registered after attach count
         )
-        self._mesh = mesh
+        self._domain = domain
         self._mark = mark
 
     def record(
@@ -113,7 +113,7 @@ class LocalReplay:
                 source_rank=source,
             )
             timer = None
-            if self._mesh is not None and recipe.name in self._mesh.collective_recipes:
+            if self._domain is not None and recipe.name in self._domain.collective_recipes:
                 timer = CollectiveTimer(
                     [functools.partial(hook, ctx) for hook in self._collective_hooks.values()]
                 )

@@ -32,11 +32,17 @@ from torch import nn
 
 from gemscout._modules import unwrap  # re-exported: callers import it from here
 from gemscout.errors import ConfigError
+from gemscout.scout.boundaries import (
+    find_blocks,
+    find_first,
+    find_last,
+    find_last_norm,
+    holds,
+    resolve,
+)
 from gemscout.scout.config import ScoutConfig
 
 __all__ = ["Catalog", "Recipe", "RecipeKind", "build_catalog", "optimizer_params", "unwrap"]
-
-_NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 class RecipeKind(enum.StrEnum):
@@ -67,90 +73,6 @@ class Recipe:
     def has_module(self) -> bool:
         """True for forward recipes (embedding, hidden, output)."""
         return self.kind is not RecipeKind.OPTIMIZER
-
-
-def _has(model: nn.Module, path: str | None) -> bool:
-    if path is None:
-        return False
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
-def _resolve(model: nn.Module, path: str, field: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        raise ConfigError(f"ScoutConfig.{field}: the model has no submodule {path!r}") from None
-
-
-def _inside(name: str, container: str | None) -> bool:
-    return container is not None and (name == container or name.startswith(container + "."))
-
-
-def _find_blocks(model: nn.Module, config: ScoutConfig) -> str | None:
-    if config.blocks is not None:
-        if not isinstance(_resolve(model, config.blocks, "blocks"), nn.ModuleList | nn.ModuleDict):
-            raise ConfigError(
-                f"ScoutConfig.blocks: {config.blocks!r} is not an nn.ModuleList (or ModuleDict) of blocks"
-            )
-        return config.blocks
-    best: tuple[int, str] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or len(module) == 0:
-            continue  # a ModuleDict: TorchTitan keeps its blocks in one ("layers": {"0": ..., "1": ...})
-        # Repeated identical blocks: one type, and the same parameter shapes in each (not a list of assorted heads).
-        children = list(module.children())
-        shapes = {
-            tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in children
-        }
-        if (
-            len({type(child) for child in children}) != 1
-            or len(shapes) != 1
-            or not next(iter(shapes))
-        ):
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, name)
-    return None if best is None else best[1]
-
-
-def _find_last(
-    model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None
-) -> str | None:
-    found = None
-    for name, module in model.named_modules():
-        if isinstance(module, types) and not _inside(name, exclude):
-            found = name
-    return found
-
-
-def _is_norm(module: nn.Module) -> bool:
-    # Model code often brings its own norm class (transformers' LlamaRMSNorm, Qwen2RMSNorm, T5LayerNorm): known by
-    # its name, so the output recipe covers the final norm of those models too, not the head alone.
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(
-        ("LayerNorm", "RMSNorm")
-    )
-
-
-def _find_last_norm(model: nn.Module, exclude: str | None) -> str | None:
-    found = None
-    for name, module in model.named_modules():
-        if _is_norm(module) and not _inside(name, exclude):
-            found = name
-    return found
-
-
-def _find_first(
-    model: nn.Module, types: tuple[type[nn.Module], ...], exclude: str | None
-) -> str | None:
-    for name, module in model.named_modules():
-        if isinstance(module, types) and not _inside(name, exclude):
-            return name
-    return None
 
 
 def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -284,31 +206,31 @@ def _recipes(
     if stage:
         # A stage holds part of the model: a kind is skipped when its override path is not in this stage, or when no
         # boundary for it is found here.
-        if config.blocks is not None and not _has(model, config.blocks):
+        if config.blocks is not None and not holds(model, config.blocks):
             enabled.discard("hidden")
         for kind, path in (("embedding", config.embedding), ("output", config.head)):
-            if path is not None and not _has(model, path):
+            if path is not None and not holds(model, path):
                 enabled.discard(kind)
     recipes: list[Recipe] = []
-    find_blocks = "hidden" in enabled or bool(config.blocks)
+    search_blocks = "hidden" in enabled or bool(config.blocks)
     if stage:  # always, when the stage has them: they bound where the embedding and the head are looked for
-        find_blocks = config.blocks is None or _has(model, config.blocks)
-    blocks = _find_blocks(model, config) if find_blocks else None
+        search_blocks = config.blocks is None or holds(model, config.blocks)
+    blocks = find_blocks(model, config) if search_blocks else None
     if stage:
         if blocks is None:
             enabled.discard("hidden")
-        if config.embedding is None and _find_first(model, (nn.Embedding,), blocks) is None:
+        if config.embedding is None and find_first(model, (nn.Embedding,), blocks) is None:
             enabled.discard("embedding")
-        if config.head is None and _find_last(model, (nn.Linear,), blocks) is None:
+        if config.head is None and find_last(model, (nn.Linear,), blocks) is None:
             enabled.discard("output")
     if "embedding" in enabled:
-        path = config.embedding or _find_first(model, (nn.Embedding,), blocks)
+        path = config.embedding or find_first(model, (nn.Embedding,), blocks)
         if path is None:
             raise ConfigError(
                 "ScoutConfig.embedding: no nn.Embedding found in the model; name the embedding module "
                 "(e.g. embedding='tok_embeddings') or drop 'embedding' from ScoutConfig.recipes"
             )
-        _resolve(model, path, "embedding")
+        resolve(model, path, "embedding")
         recipes.append(Recipe(name="embedding", kind=RecipeKind.EMBEDDING, modules=(path,)))
     if "hidden" in enabled:
         if blocks is None:
@@ -324,16 +246,16 @@ def _recipes(
             for i, key in enumerate(keys)
         ]
     if "output" in enabled:
-        head = config.head or _find_last(model, (nn.Linear,), blocks)
+        head = config.head or find_last(model, (nn.Linear,), blocks)
         if head is None:
             raise ConfigError(
                 "ScoutConfig.head: no nn.Linear head found outside the blocks; name the head "
                 "(e.g. head='lm_head') or drop 'output' from ScoutConfig.recipes"
             )
-        _resolve(model, head, "head")
-        norm = config.norm or _find_last_norm(model, blocks)
+        resolve(model, head, "head")
+        norm = config.norm or find_last_norm(model, blocks)
         if norm is not None:
-            _resolve(model, norm, "norm")
+            resolve(model, norm, "norm")
         recipes.append(
             Recipe(
                 name="output",

@@ -1,5 +1,5 @@
-"""The part of a SCOUT cycle that only a DeviceMesh needs: agreement across peer groups, gathered optimizer slices,
-replays that run collectives, and communication evidence.
+"""SCOUT's peer domain on a DeviceMesh (:class:`~gemscout.scout.domain.PeerDomain`): agreement across peer groups,
+gathered optimizer slices and parameters, replays that run collectives, and communication evidence.
 
 On a mesh there are several peer groups (one per model-parallel coordinate, or per HSDP shard), and some collectives
 cross them: gathers along the shard dims and a TP block's own all-reduces. So besides each group's own exchange,
@@ -12,9 +12,9 @@ every rank of the mesh (the *domain*) takes part, in the same order, in:
 4. the all-gather of every rank's records, from which every rank judges every group (same verdicts everywhere).
 
 Pipeline stages (``Topology.stage_dims``) hold different catalogs: each rank replays only its stage's recipes, but
-every rank judges every recipe of every stage from the gathered records (:meth:`MeshCycle.judged_names`, each over
-the peer groups that hold it, :meth:`MeshCycle.holding`) and tracks certification over the job-wide catalog
-(:attr:`MeshCycle.job_names`), so verdicts, reports, rejections and certified steps are identical on every rank.
+every rank judges every recipe of every stage from the gathered records (:meth:`MeshDomain.judged_names`, each over
+the peer groups that hold it, :meth:`MeshDomain.holding`) and tracks certification over the job-wide catalog
+(:attr:`MeshDomain.job_names`), so verdicts, reports, rejections and certified steps are identical on every rank.
 
 Communication evidence: the seconds each rank spent gathering, and inside the replay's collectives, are compared per
 group of the dim they ran along (shard groups for gathers, model-parallel groups for replay collectives). A group's
@@ -26,7 +26,8 @@ member, the minimum included. Groups past the straggler margins are reported (ki
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -38,23 +39,33 @@ from gemscout._dist import gather_json, wait_all
 from gemscout.errors import ConfigError
 from gemscout.reports import FaultReport
 from gemscout.scout.capture import Captured, capture_optimizer
+from gemscout.scout.domain import JOB_TIMER_NEEDS
+from gemscout.scout.exchange import PeerExchange
+from gemscout.scout.fsdp_comms import FsdpCollectiveTimer
 from gemscout.scout.materialize import Materializer, local_tensor, param_model_dims, uses_model_dims
 from gemscout.scout.recipes import Catalog, Recipe
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
-from gemscout.topology import Topology
+from gemscout.topology import Topology, create_groups
 
-__all__ = ["MeshCycle"]
+__all__ = ["MeshDomain"]
 
 
-class MeshCycle:
-    """Mesh-wide collectives and evidence of a SCOUT cycle, for one rank. Every method that says *collective* must
-    be called by every rank of the mesh, in the same order, whatever its local state."""
+class MeshDomain:
+    """The peer domain of a DeviceMesh, for one rank. Every method that says *collective* must be called by every
+    rank of the mesh, in the same order, whatever its local state. Construct on every rank of the default group
+    (it creates SCOUT's gloo groups, :func:`~gemscout.topology.create_groups`)."""
 
-    def __init__(self, topology: Topology, domain: dist.ProcessGroup, timeout: timedelta) -> None:
+    stops_on_wire_error = False
+    job_collectives = "FSDP2 all-gather / reduce-scatter"
+
+    def __init__(self, topology: Topology, rank: int, timeout: timedelta) -> None:
         self.topology = topology
-        self.domain = domain
+        self.domain, group = create_groups(topology, timeout)
         """SCOUT's gloo group over every rank of the mesh."""
-        self.domain_ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(domain))
+        self.domain_ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(self.domain))
+        self.peers: tuple[int, ...] = topology.peers
+        self.peer_groups: tuple[tuple[int, ...], ...] = topology.peer_groups
+        self.exchange = PeerExchange(group, self.peers, rank, timeout)
         self.materializer = Materializer(topology, timeout)
         self.timeout = timeout
         self.collective_recipes: frozenset[str] = frozenset()
@@ -100,11 +111,16 @@ class MeshCycle:
                 )
         self.collective_recipes = frozenset(self._model_dims)
 
-    def gather_records(self, records: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
-        """Collective over the mesh, for pipeline stages: every rank's ``{"threads", "records"}`` by global rank.
-
-        JSON, not the fixed-size rows of :class:`~gemscout.scout.exchange.PeerExchange`: a row's layout is the
-        recipe list, and stages record different recipes."""
+    def gather_records(
+        self, names: Sequence[str], records: Mapping[str, Any], comm_s: float | None
+    ) -> dict[int, Mapping[str, Any]]:
+        """Collective over the mesh: every rank's records by global rank, as fixed-size rows
+        (:meth:`PeerExchange.gather_records` over the domain), or with pipeline stages as JSON (a row's layout is
+        the recipe list, and stages record different recipes; the job's collectives are not timed there)."""
+        if not self.topology.stage_dims:
+            return self.exchange.gather_records(
+                names, records, comm_s=comm_s, group=self.domain, ranks=self.domain_ranks
+            )
         gathered = gather_json(
             {"threads": torch.get_num_threads(), "records": dict(records)},
             group=self.domain,
@@ -122,10 +138,9 @@ class MeshCycle:
         recorded = {name for entry in by_rank.values() for name in entry["records"]}
         return [name for name in self.job_names if name in recorded]
 
-    def holding(
-        self, name: str, groups: Sequence[Sequence[int]], by_rank: Mapping[int, Mapping[str, Any]]
-    ) -> list[Sequence[int]]:
+    def holding(self, name: str, by_rank: Mapping[int, Mapping[str, Any]]) -> list[Sequence[int]]:
         """The peer groups that replayed ``name`` (some member recorded it): another stage's groups never did."""
+        groups = self.peer_groups
         if not self.topology.stage_dims:
             return list(groups)
         return [g for g in groups if any(name in by_rank[r]["records"] for r in g)]
@@ -133,6 +148,29 @@ class MeshCycle:
     def reset(self) -> None:
         """Forget the communication baselines (after a rewind)."""
         self._detectors.clear()
+
+    def job_timer(self, model: nn.Module, config: Any) -> FsdpCollectiveTimer:
+        """Collective: the timer of FSDP2's own all-gathers and reduce-scatters, lateness judged per shard group.
+        ``ConfigError`` with pipeline stages, without shard dims, or with ``config.stragglers`` None."""
+        topology = self.topology
+        if config.stragglers is None or topology.stage_dims or not topology.shard_dims:
+            raise ConfigError(JOB_TIMER_NEEDS)
+        return FsdpCollectiveTimer(
+            model,
+            group=self.domain,
+            groups=topology.groups_along(topology.shard_dims),
+            timeout=config.timeout,
+        )
+
+    @contextlib.contextmanager
+    def scope(
+        self, due: Sequence[Recipe], modules: Mapping[str, Sequence[nn.Module]]
+    ) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def replaying(self, recipe: Recipe, modules: Sequence[nn.Module]) -> Iterator[None]:
+        yield
 
     # -- collectives ----------------------------------------------------------------------------------------------
     def agree(self, step: int, fingerprint: int) -> str | None:
@@ -155,6 +193,24 @@ class MeshCycle:
             if len({prints[r] for r in group}) > 1:
                 return f"peers disagree on the recipe catalog (peer group {list(group)}); nothing was replayed"
         return None
+
+    def gather_slices(
+        self,
+        due: Sequence[Recipe],
+        params: Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        step: int,
+    ) -> dict[str, tuple[Captured, float]]:
+        """Collective: every due optimizer recipe's slice gathered whole (:meth:`gather_slice`), by name."""
+        return {
+            r.name: self.gather_slice(r, params, optimizer, step) for r in due if not r.has_module
+        }
+
+    def gather_params(
+        self, recipe: Recipe, modules: Sequence[nn.Module]
+    ) -> tuple[list[dict[str, torch.Tensor]] | None, float | None]:
+        """Collective: a forward recipe's parameters gathered whole along the shard dims, and the seconds."""
+        return self.materializer.gather_modules(recipe.modules, modules)
 
     def gather_slice(
         self,
@@ -215,6 +271,15 @@ class MeshCycle:
         return out
 
     # -- evidence (pure, from the gathered records) -----------------------------------------------------------------
+    def cycle_fields(
+        self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """The gather and replay-collective seconds of the cycle, per recipe per rank."""
+        return {
+            "gather_s": self.side_times(due, by_rank, "gather_s"),
+            "collective_s": self.side_times(due, by_rank, "collective_s"),
+        }
+
     def side_times(
         self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]], key: str
     ) -> dict[str, dict[int, float]]:

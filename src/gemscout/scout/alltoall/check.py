@@ -1,23 +1,6 @@
-"""SCOUT for expert-parallel dispatch: record every AllToAll's split metadata, replay a bounded set, verify the bytes.
-
-A Mixture-of-Experts layer moves tokens to the rank that holds their expert with ``all_to_all_single`` and uneven
-splits, and back again. A link or a rank that corrupts those bytes changes training silently, and the replay of
-dense recipes never exercises that path. So, during the step, :class:`AllToAllCheck` records the metadata of each
-AllToAll the dispatch module issues (group, dtype, row shape, input and output split sizes) — the user installs it
-once on the module (:meth:`AllToAllCheck.install`), nothing is called per step — and at a due step it replays, on
-every rank of each EP group, a bounded representative set of AllToAlls with deterministic payloads:
-
-* ``recorded`` — the largest recorded call, with its own uneven splits;
-* ``balanced`` — every rank sends the same number of rows to every rank;
-* ``cyclic`` — every rank sends all its rows to the next rank (a cyclic permutation: one link each, zero splits).
-
-Every sender digests each chunk before sending; every receiver digests what it got and regenerates what it should
-have got. One JSON all-gather of those digests, and every rank of the group judges all pairs with the same pure
-function (:func:`judge`): a chunk whose sender digest differs from the regenerated one names the sender
-(scope ``rank``); a chunk that arrived different from what its sender digested names the (sender, receiver) pair
-(scope ``peer_group``: either end, or the link between them). The replay runs at fixed, agreed shapes, so every rank
-runs the same collectives in the same order whatever it found locally. Metadata and digests travel on the check's own
-gloo twin of each group; only the replayed AllToAlls use the recorded group (and its device: CUDA under NCCL).
+"""The runtime half of the AllToAll check (:class:`AllToAllCheck`): record the dispatch module's AllToAlls during
+the step, and at a due step replay the planned set (:mod:`~gemscout.scout.alltoall.plan`) on every rank of each EP
+group and gather the digests. The package doc says what is replayed and how it is judged.
 
 How recording works: while the installed module's forward runs on the thread that called it,
 ``torch.distributed.all_to_all_single`` is wrapped so each call is noted and then passed through unchanged. Code that
@@ -27,13 +10,10 @@ module. Backward AllToAlls (the reverse of the forward ones) are not recorded.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,113 +22,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gemscout._dist import gather_json, wait_all
-from gemscout.config import require, strict_fields
 from gemscout.reports import FaultReport
-from gemscout.scout.alltoall_plan import CASES, judge, payload, plan_cases, reports_for
+from gemscout.scout.alltoall.config import AllToAllConfig
+from gemscout.scout.alltoall.plan import judge, payload, plan_cases, reports_for
+from gemscout.scout.alltoall.records import AllToAllRecord, AllToAllResult
 from gemscout.scout.digests import tensor_digest
 
-__all__ = [
-    "CASES",
-    "AllToAllCheck",
-    "AllToAllConfig",
-    "AllToAllRecord",
-    "AllToAllResult",
-    "Installed",
-    "judge",
-    "payload",
-    "plan_cases",
-    "reports_for",
-]
+__all__ = ["AllToAllCheck", "Installed", "SendHook"]
 
 SendHook = Callable[[str, int, torch.Tensor], torch.Tensor | None]
 """``fn(case, step, send_buffer)`` runs after the sender digested its chunks, right before the AllToAll; it may
 return a replacement buffer (a fault seam: what a corrupting send path would do)."""
-
-
-@strict_fields
-@dataclass(kw_only=True, slots=True, frozen=True)
-class AllToAllConfig:
-    """When and how much the AllToAll check replays. A bad value raises ``ConfigError`` naming the field."""
-
-    interval: int = 1
-    """A step ``s`` is due when ``s % interval == 0``. Int >= 1."""
-    cases: tuple[str, ...] = CASES
-    """Which representative AllToAlls to replay (non-empty subset of :data:`CASES`)."""
-    max_records: int = 64
-    """Most recent AllToAll calls kept per group between checks (older ones are dropped). Int >= 1."""
-    max_rows: int = 4096
-    """Upper bound on the rows one rank sends in one replayed AllToAll. Int >= 1."""
-    timeout: timedelta = timedelta(seconds=60)
-    """Bound on every collective of a check; a rank that misses it raises ``CollectiveTimeout``."""
-
-    def __post_init__(self) -> None:
-        c = "AllToAllConfig"
-        for name in ("interval", "max_records", "max_rows"):
-            value = getattr(self, name)
-            require(
-                type(value) is int and value >= 1, c, name, f"must be an int >= 1, got {value!r}"
-            )
-        require(
-            isinstance(self.cases, tuple | list)
-            and len(self.cases) > 0
-            and all(case in CASES for case in self.cases),
-            c,
-            "cases",
-            f"must be a non-empty tuple drawn from {CASES}, got {self.cases!r}",
-        )
-        object.__setattr__(self, "cases", tuple(case for case in CASES if case in self.cases))
-        require(
-            isinstance(self.timeout, timedelta) and self.timeout.total_seconds() > 0,
-            c,
-            "timeout",
-            f"must be a positive datetime.timedelta, got {self.timeout!r}",
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class AllToAllRecord:
-    """The metadata of one recorded ``all_to_all_single`` (no payload)."""
-
-    group: tuple[int, ...]
-    """Global ranks of the group, in group-rank order."""
-    dtype: str
-    row_shape: tuple[int, ...]
-    """Shape of one row (the input's shape without dim 0)."""
-    input_splits: tuple[int, ...]
-    """Rows this rank sent to each group rank."""
-    output_splits: tuple[int, ...]
-    """Rows this rank received from each group rank."""
-
-    def to_json(self) -> list[Any]:
-        return [
-            list(self.group),
-            self.dtype,
-            list(self.row_shape),
-            list(self.input_splits),
-            list(self.output_splits),
-        ]
-
-
-@dataclass(slots=True)
-class AllToAllResult:
-    """What one check found for one EP group; identical on every rank of that group."""
-
-    step: int
-    group: tuple[int, ...]
-    verdict: str
-    """``clean``, ``mismatch`` or ``inconclusive`` (nothing replayed; ``reason`` says why)."""
-    reason: str = ""
-    cases: dict[str, list[list[int]]] = field(default_factory=dict)
-    """Rows sent per case, ``[src][dst]`` by group rank."""
-    mismatches: list[dict[str, Any]] = field(default_factory=list)
-    reports: list[FaultReport] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (reports as their dicts)."""
-        doc = dataclasses.asdict(dataclasses.replace(self, reports=[]))
-        doc["reports"] = [r.to_dict() for r in self.reports]
-        return doc
 
 
 class Installed:

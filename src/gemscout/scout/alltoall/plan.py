@@ -1,6 +1,6 @@
 """The pure half of the AllToAll check: the replay plan, the deterministic payloads, the judgement and the reports.
 
-No process group here: :mod:`gemscout.scout.alltoall` gathers what these functions read, on every rank alike, so
+No process group here: :mod:`~gemscout.scout.alltoall.check` gathers what these functions read, on every rank alike, so
 every rank of an EP group computes the same plan and the same verdict from the same data.
 """
 
