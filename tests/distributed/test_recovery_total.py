@@ -38,6 +38,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
     directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10,
+    persist_every=1,  # the poisoned sources include every step's files on disk
     integrity_key="5e" * 32))
 ck = s.checkpointer
 def digest():
