@@ -307,9 +307,8 @@ class Checkpointer:
                 try:
                     self._acknowledge(slot, landed=received is not None)
                 finally:
-                    if (
-                        persist_now
-                    ):  # even when the replication failed: the node's own power-loss copy
+                    # even when the replication failed: the node's own power-loss copy
+                    if persist_now:
                         self._persist_own(slot)
             if persist_now:
                 if received is not None:
