@@ -12,7 +12,8 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault`` and ``params
   step; the restart must resume from the flushed step).
 - ``params``: ``steps`` (default 6), ``interval`` (1), ``persist_every`` (1), ``ranks_per_node`` (1), ``schedule``
   (pipeline topologies: ``gpipe`` or ``1f1b``), ``replication`` (``ring`` or ``natural``: HSDP replicate peers),
-  ``durable_every`` (0: no durable tier; N: every capture certified and every Nth verified step promoted to
+  ``io_delay_ms`` (every rank's GEMINI io thread sleeps this long before each replication: the io lags the
+  training), ``durable_every`` (0: no durable tier; N: every capture certified and every Nth verified step promoted to
   ``<cell>/durable``; native topologies and DeepSpeed), ``relaunch_ignores_checkpoints`` (the harness's own
   negative control, never set by a campaign: the relaunch deletes every checkpoint first, so it starts fresh — a
   deterministic fresh start is bitwise equal to the baseline too, and the kill cell must still FAIL on it).
@@ -97,6 +98,8 @@ def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[s
         argv += ["--replication", str(p["replication"])]
     if "schedule" in p:  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
         argv += ["--schedule", str(p["schedule"])]
+    if "io_delay_ms" in p:  # a slow network: every rank's replication starts this late
+        argv += ["--io-delay-ms", str(int(p["io_delay_ms"]))]
     if ckpt is not None:
         argv += ["--ckpt", str(ckpt)]
         if (

@@ -23,7 +23,8 @@ rank = dist.get_rank()
 model = build_model("tiny-causal-lm", seed=0)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
-    directory=sys.argv[1], run_id="src", fsync=False, handle_signals=False))
+    directory=sys.argv[1], run_id="src", fsync=False, handle_signals=False,
+    persist_every=1))  # every step on disk too: the next source after a damaged in-memory replica
 ck = s.checkpointer
 def digest():
     h = hashlib.sha256()

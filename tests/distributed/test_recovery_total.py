@@ -30,6 +30,7 @@ from gemscout.gemini import store
 from gemscout.state.layout import Layout, build_header, frame_prefix, tensor_digests
 s = gemscout.enable_resiliency(model, opt, checkpoint=gemscout.CheckpointConfig(
     directory=sys.argv[1], run_id="total", fsync=False, handle_signals=False, max_recovery_attempts=10,
+    persist_every=1,  # the poisoned sources include every step's files on disk
     integrity_key="5e" * 32))
 ck = s.checkpointer
 at = {}

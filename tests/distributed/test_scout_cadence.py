@@ -30,7 +30,10 @@ out, asked = sys.argv[1], (None if sys.argv[2] == "default" else int(sys.argv[2]
 model = DDP(build_model("tiny-causal-lm", seed=0))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 session = gemscout.enable_resiliency(
-    model, opt, checkpoint=gemscout.CheckpointConfig(directory=os.path.join(out, "ckpt"), fsync=False),
+    # SCOUT's default cadence (10) meets the default disk cadence (persist_every=10) on the same captures; at
+    # cadence 3 every capture is written, so the newest certified one is on disk whichever step it is.
+    model, opt, checkpoint=gemscout.CheckpointConfig(directory=os.path.join(out, "ckpt"), fsync=False,
+                                                     persist_every=10 if asked is None else 1),
     scout=gemscout.ScoutConfig(interval=asked))
 replayed, verified = [], set()
 for step in range(1, 22):

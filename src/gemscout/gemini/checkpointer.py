@@ -27,7 +27,7 @@ from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
 from gemscout.gemini import shm, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
-from gemscout.gemini.config import CheckpointConfig
+from gemscout.gemini.config import CheckpointConfig, default_digest_threads
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.promotion import Promoter
@@ -70,13 +70,21 @@ class Checkpointer:
             self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
         self.memory = self._open_memory()
-        replicating = config.replicate and placement.enabled
+        replicating = self.replicating = config.replicate and placement.enabled
         self.pool = SlotPool(
-            config.slots, self.memory, files_expected=config.slots * (2 if replicating else 1)
+            config.slots,
+            self.memory,
+            files_expected=config.slots * (2 if replicating else 1),
+            replicated=replicating,
         )
         self.spares = store.Spares()
         """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
-        self.capturer = Capturer(self.pool, async_copy=config.async_copy, timeout=config.timeout)
+        self.capturer = Capturer(
+            self.pool,
+            async_copy=config.async_copy,
+            timeout=config.timeout,
+            digest_threads=config.digest_threads or default_digest_threads(),
+        )
         self.replicas: dict[int, ReplicaBuffers] = {}
         self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
         self.ledger.run_id = run_id
@@ -98,6 +106,7 @@ class Checkpointer:
             "replicate_sent_tensors": 0,
             "natural_divergent_shards": 0,
             "skipped_captures": 0,
+            "acknowledge_s": 0.0,
         }
         """Timings of the last capture; ``replicate_*`` and ``natural_divergent_shards`` add up over the run."""
         self.phase_hook: Callable[[str, int], None] | None = None
@@ -284,18 +293,23 @@ class Checkpointer:
             # and 0.46 / 0.55 s per capture), and it slowed the replication it competed with by 40-80 %.
             # Every capture is a candidate, written or not (persist_every > 1): certification must be able to vouch
             # for a step that lives only in memory and in its peers' replicas.
-            # Replication first: it is what a node loss needs, and the disk write (every persist_every-th capture)
-            # then no longer delays it.
+            # Replication and its acknowledgement first: they are what a node loss needs and what the next capture
+            # may wait for (backpressure, see SlotPool); the disk write (every persist_every-th capture) comes after,
+            # off that path.
             self.ledger.add_candidate(slot.step)
             if self.memory is not None and slot.file is None:
                 self._mirror_to_memory(slot)
             received = None
             try:
-                if self.config.replicate and self.placement.enabled:
+                if self.replicating:
                     received = self._replicate(slot)
             finally:
-                if persist_now:  # even when the replication failed: the node's own power-loss copy
-                    self._persist_own(slot)
+                try:
+                    self._acknowledge(slot, landed=received is not None)
+                finally:
+                    # even when the replication failed: the node's own power-loss copy
+                    if persist_now:
+                        self._persist_own(slot)
             if persist_now:
                 if received is not None:
                     self._persist_replica(*received)
@@ -305,6 +319,28 @@ class Checkpointer:
             log.error("gemini io for step %d failed: %s", slot.step, exc)
         finally:
             self.pool.release(slot)
+
+    def _acknowledge(self, slot: Slot, *, landed: bool) -> None:
+        """Agree with every rank (MIN all-reduce, io thread, capture order) whether this capture's replicas landed
+        everywhere; the newest step that did is the memory frontier every rank keeps (see SlotPool). Runs even when
+        this rank's exchange failed, so the collectives stay lined up. A failed agreement leaves the slot unsettled:
+        kept, since the step may be what the others agreed on."""
+        if not self.replicating:
+            self.pool.settle(slot, slot.step)
+            return
+        t = torch.tensor([slot.step if landed else self.pool.frontier], dtype=torch.int64)
+        t0 = time.perf_counter()
+        comm.wait_all(
+            [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
+            self.config.timeout,
+            "replica acknowledgement",
+        )
+        frontier = int(t.item())
+        self.stats["acknowledge_s"] = time.perf_counter() - t0
+        for buffers in self.replicas.values():
+            buffers.settle(frontier)
+        self.pool.settle(slot, frontier)
+        self._phase("acknowledged", slot.step)
 
     def _phase(self, phase: str, step: int) -> None:
         if self.phase_hook is not None:
@@ -336,13 +372,15 @@ class Checkpointer:
             store.step_file(folder, slot.step), slot.prefix, slot.data, fsync=False
         )
         for old in store.list_steps(folder)[self.config.slots :]:
-            store.step_file(folder, old).unlink(missing_ok=True)
+            if old < self.pool.frontier:  # the frontier's file stays (backpressure, see SlotPool)
+                store.step_file(folder, old).unlink(missing_ok=True)
 
     def _replicate(self, slot: Slot) -> tuple[int, int, Frame]:
         self._phase("replicate", slot.step)
         t0 = time.perf_counter()
         owner = self.placement.source(self.rank)
         buffers = self.replicas.setdefault(owner, self._buffers(owner))
+        buffers.frontier = max(buffers.frontier, self.pool.frontier)
         if self.config.replication == "natural":
             from gemscout.gemini import natural
 
@@ -403,7 +441,7 @@ class Checkpointer:
         in capture order on every rank, so it lines up like the replication exchange does.
         """
         replicated = (
-            not (self.config.replicate and self.placement.enabled)
+            not self.replicating
             or self.persisted_replica.get(self.placement.source(self.rank), -1) == step
         )
         mine = step if self.persisted_step == step and replicated else self.frontier
@@ -548,7 +586,14 @@ class Checkpointer:
         """
         from gemscout.gemini.restore import recover
 
-        return recover(self, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust)
+        decision = recover(self, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust)
+        # Every rank restored the same step and nothing is in flight: it is the memory frontier now (held where
+        # recovery found it), and whatever newer a slot or replica holds is of the abandoned trajectory.
+        frontier = decision.step if decision.step is not None else -1
+        self.pool.reset_frontier(frontier)
+        for buffers in self.replicas.values():
+            buffers.reset_frontier(frontier)
+        return decision
 
     def close(self, timeout: timedelta | None = None, *, release_memory: bool = True) -> None:
         """Drain pending work (bounded) and stop the threads. ``release_memory``: the job is done with this rank's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -9,6 +10,15 @@ from pathlib import Path
 from gemscout.config import TrustState, require, strict_fields
 
 KiB, MiB = 1024, 1024 * 1024
+
+
+def default_digest_threads() -> int:
+    """``CheckpointConfig.digest_threads=None``: one copy-and-hash thread per 8 cores this process may use, 1..4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 8))
 
 
 @strict_fields
@@ -34,10 +44,14 @@ class CheckpointConfig:
     """Replication chunk size, 256 KiB .. 64 MiB."""
     persist: bool = True
     """Write own checkpoints and held replicas to ``directory``."""
-    persist_every: int = 1
-    """Write every N-th capture to ``directory`` (fsynced when ``fsync``: survives a power loss of the node). Every
-    capture lives in the memory tier anyway (``memory_directory``), which survives a killed process; a SIGTERM
-    flush persists the newest capture regardless."""
+    persist_every: int = 10
+    """Write every N-th capture (and the step-0 capture) to ``directory``, fsynced when ``fsync``: what survives a
+    power loss of the node or of the whole cluster. Every capture lives in the memory tier (``memory_directory``,
+    survives a killed process) and in its ring peer's (survives the loss of the node), and backpressure keeps the
+    newest step every rank holds in memory, so disk is the power-loss tier, not the crash tier: a power loss loses
+    at most ``persist_every`` captures. The write runs on the io thread after the replicas are acknowledged, off the
+    path a capture waits on. 1 writes every capture (the cost of two fsynced files each); a SIGTERM flush persists
+    the newest capture regardless (docs/gemini.md, "What each tier survives")."""
     memory_directory: Path | None = Path("/dev/shm/gemscout")
     """A tmpfs folder where capture slots and held replicas live as mapped files that survive the training
     process (see gemini/shm.py): a rank restarted on the same node recovers from it without reading disk. Keyed by
@@ -60,6 +74,10 @@ class CheckpointConfig:
     """fsync files and folders on publish; only turn off for throwaway runs."""
     async_copy: bool = True
     """Copy parameters and optimizer state on a background thread that overlaps the next forward/backward."""
+    digest_threads: int | None = None
+    """Threads that copy and BLAKE3-hash a capture's parameters and optimizer state at once (hashing is most of a
+    capture's CPU). None: :func:`default_digest_threads` — one per 8 usable cores, 1 to 4 (an 8-GPU node with 64+
+    cores gets several; a small machine 1, where extra threads would only take cores from training)."""
     min_trust: TrustState = TrustState.CANDIDATE
     """Weakest trust state a restart (and ``session.recover()``) may restore: what a crash costs versus what it
     trusts. ``CANDIDATE`` (default, with or without SCOUT): the newest capture not rejected — a crash loses at most
@@ -108,6 +126,13 @@ class CheckpointConfig:
         )
         if self.memory_directory is not None:
             object.__setattr__(self, "memory_directory", Path(self.memory_directory))
+        require(
+            self.digest_threads is None
+            or (isinstance(self.digest_threads, int) and 1 <= self.digest_threads <= 64),
+            c,
+            "digest_threads",
+            f"must be None (automatic) or an int 1..64, got {self.digest_threads!r}",
+        )
         require(
             isinstance(self.slots, int) and self.slots >= 2,
             c,

@@ -68,7 +68,11 @@ class ReplicaBuffers:
     With a memory tier (``memory``), each buffer is the mapping of a file in shared memory: a replica is received
     straight into its file, the verified prefix is written in front of it and the file is published under the
     step's name, so a restarted holder still has it and no copy is made on receipt. The buffer a transfer lands in
-    is never one of the entries, so the newest complete replica stays whole while the next one arrives."""
+    is never one of the entries, so the newest complete replica stays whole while the next one arrives.
+
+    Backpressure's other half (see :class:`gemscout.gemini.snapshot.SlotPool`): the replica of the agreed
+    ``frontier`` step, and one received whose agreement has not run yet, are never the buffer the next transfer
+    lands in nor dropped for a newer one — a lost owner comes back from them."""
 
     def __init__(self, keep: int = 2, memory: MemoryTier | None = None, owner: int = -1) -> None:
         self.keep = keep
@@ -78,6 +82,9 @@ class ReplicaBuffers:
         ] = []  # (step, prefix, data), newest first
         self._files: dict[int, ShmFile] = {}  # step -> its published file (memory tier)
         self._landing: ShmFile | None = None  # the unpublished file a transfer is landing in
+        self.frontier = -1
+        """The newest step every rank agreed has landed everywhere (set by the io thread after each agreement)."""
+        self._unsettled: int | None = None  # received, agreement not yet run
 
     def adopt(self, found: list[Adopted]) -> None:
         """The published replicas a killed earlier process of this rank left (newest first)."""
@@ -88,12 +95,39 @@ class ReplicaBuffers:
         for got in found[self.keep :]:
             got.file.unlink()
 
+    def settle(self, frontier: int) -> None:
+        """The ranks agreed on the newest transfer: ``frontier`` is the newest step every rank holds."""
+        self.frontier = max(self.frontier, frontier)
+        self._unsettled = None
+
+    def reset_frontier(self, step: int) -> None:
+        self.frontier, self._unsettled = step, None
+
+    def _protected(self, step: int) -> bool:
+        return step == self.frontier or step == self._unsettled
+
+    def _reusable_entry(self, nbytes: int, prefix_nbytes: int | None) -> int | None:
+        """Index of the oldest entry the next transfer may land in (full, not protected, the same size)."""
+        if len(self.entries) < self.keep:
+            return None
+        for i in range(len(self.entries) - 1, -1, -1):
+            step, _, data = self.entries[i]
+            if self._protected(step) or data.numel() != nbytes:
+                continue
+            if prefix_nbytes is not None:
+                f = self._files.get(step)
+                if f is None or f.data_offset != prefix_nbytes:
+                    continue
+            return i
+        return None
+
     def buffer_for(self, nbytes: int, prefix_nbytes: int = 0) -> torch.Tensor:
-        """A buffer to receive into: the oldest entry's when full and equal in size, else a new one."""
+        """A buffer to receive into: the oldest unprotected entry's when full and equal in size, else a new one."""
         if self.memory is not None and prefix_nbytes > 0:
             return self._file_for(nbytes, prefix_nbytes)
-        if len(self.entries) >= self.keep and self.entries[-1][2].numel() == nbytes:
-            return self.entries.pop()[2]
+        i = self._reusable_entry(nbytes, None)
+        if i is not None:
+            return self.entries.pop(i)[2]
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def _file_for(self, nbytes: int, prefix_nbytes: int) -> torch.Tensor:
@@ -103,15 +137,13 @@ class ReplicaBuffers:
                 return self._landing.data
             self._landing.unlink()
             self._landing = None
-        if len(self.entries) >= self.keep:
-            step, _, data = self.entries[-1]
-            f = self._files.get(step)
-            if f is not None and data.numel() == nbytes and f.data_offset == prefix_nbytes:
-                self.entries.pop()
-                del self._files[step]
-                self.memory.unpublish(f)  # out of view before the transfer overwrites it
-                self._landing = f
-                return f.data
+        i = self._reusable_entry(nbytes, prefix_nbytes)
+        if i is not None:
+            step = self.entries.pop(i)[0]
+            f = self._files.pop(step)
+            self.memory.unpublish(f)  # out of view before the transfer overwrites it
+            self._landing = f
+            return f.data
         self._landing = self.memory.new_file(
             self.memory.paths.replicas(self.owner), nbytes, prefix_nbytes
         )
@@ -136,11 +168,21 @@ class ReplicaBuffers:
         self.entries = [e for e in self.entries if e[0] != step]
         self.entries.insert(0, (step, prefix, data))
         self.entries.sort(key=lambda e: -e[0])
-        for dropped, _, _ in self.entries[self.keep :]:
+        self._unsettled = step
+        while len(self.entries) > self.keep:
+            # the oldest unprotected one goes (the frontier's stays while a newer one waits for its agreement)
+            drop = next(
+                (
+                    i
+                    for i in range(len(self.entries) - 1, -1, -1)
+                    if not self._protected(self.entries[i][0])
+                ),
+                len(self.entries) - 1,
+            )
+            dropped = self.entries.pop(drop)[0]
             f = self._files.pop(dropped, None)
             if f is not None:
                 f.unlink()
-        del self.entries[self.keep :]
 
     def get(self, step: int) -> tuple[bytes, torch.Tensor] | None:
         for s, prefix, data in self.entries:

@@ -35,7 +35,8 @@ _HASH_CHUNK = 256 * 1024
 
 @dataclass(eq=False)
 class Slot:
-    """One pre-allocated buffer. ``pins`` counts users (replication, persistence) that still read it."""
+    """One pre-allocated buffer. ``pins`` counts users (replication, persistence) that still read it; ``settled``
+    is False from the capture until the ranks agreed on whether its replicas landed (see :class:`SlotPool`)."""
 
     index: int
     layout: Layout | None = None
@@ -49,6 +50,7 @@ class Slot:
     """Typed views of ``data`` for ``layout``, kept while the layout is unchanged (saves per-capture work)."""
     file: shm.ShmFile | None = None
     """The shared-memory file whose mapping ``data`` is (memory tier), else None (process memory)."""
+    settled: bool = True
 
     def frame(self) -> tuple[bytes, torch.Tensor]:
         """The checkpoint as (prefix, data) — the same bytes as its file on disk."""
@@ -56,13 +58,28 @@ class Slot:
 
 
 class SlotPool:
-    """A fixed set of slots; a pinned slot is never handed out, so a replica in flight is never overwritten."""
+    """A fixed set of slots; a pinned slot is never handed out, so a replica in flight is never overwritten.
+
+    Backpressure (``replicated``): a sealed slot is also kept while it may be what a node loss needs — the
+    *frontier* (the newest step every rank agreed its replica of has landed on its peer, so every survivor and every
+    replica holder has it in memory), and any capture whose agreement has not run yet (it may become the frontier).
+    So after any single failure every rank still holds, in memory, the newest step every rank can restore. With
+    ``slots=2`` that means capture ``s+2`` waits (``when_busy="wait"``) or is skipped (``"skip"``) until the
+    replicas of ``s+1`` are acknowledged everywhere."""
 
     def __init__(
-        self, count: int, memory: shm.MemoryTier | None = None, *, files_expected: int = 0
+        self,
+        count: int,
+        memory: shm.MemoryTier | None = None,
+        *,
+        files_expected: int = 0,
+        replicated: bool = False,
     ) -> None:
         self._slots = [Slot(i) for i in range(count)]
         self._cond = threading.Condition()
+        self.replicated = replicated
+        self.frontier = -1
+        """Newest step whose replicas every rank agreed have landed (io thread; -1: none yet)."""
         self.memory = memory
         self.files_expected = files_expected or count
         """Files of the state's size this rank keeps in the memory tier (own slots + held replicas): the room
@@ -81,6 +98,7 @@ class SlotPool:
                     dict(got.parsed.identity),
                     got.parsed.identity["step"],
                 )
+                slot.settled = True
                 slot.ready.set()
             for got in found[len(self._slots) :]:
                 got.file.unlink()
@@ -95,20 +113,22 @@ class SlotPool:
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
             while True:
-                free = [s for s in self._slots if s.pins == 0]
+                free = [s for s in self._slots if self._reusable(s)]
                 if free:
                     slot = min(free, key=lambda s: s.step)
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(
-                        f"no free checkpoint slot after {timeout.total_seconds():.0f}s: replication or persistence "
-                        "is slower than the capture interval; raise interval or slots"
+                        f"no free checkpoint slot after {timeout.total_seconds():.0f}s: the newest capture's "
+                        "replicas are not acknowledged by every rank yet (or persistence is slower than the capture "
+                        "interval); raise interval or slots, or set when_busy='skip'"
                     )
                 self._cond.wait(left)
             slot.pins = 1
             slot.ready.clear()
             slot.step = -1
+            slot.settled = not self.replicated
             try:
                 self._prepare(slot, layout, pinned, header_hint)
             except BaseException:
@@ -192,11 +212,35 @@ class SlotPool:
             if slot.file is not None:
                 slot.file.unlink()
 
+    def _reusable(self, slot: Slot) -> bool:
+        if slot.pins:
+            return False
+        if slot.step < 0 or not slot.ready.is_set():
+            return True  # never sealed (or its copy failed): holds nothing
+        return slot.settled and slot.step != self.frontier
+
     def has_free(self) -> bool:
         """True if :meth:`acquire` would not block now (only the io thread frees slots, so it stays true until the
         caller acquires)."""
         with self._cond:
-            return any(s.pins == 0 for s in self._slots)
+            return any(self._reusable(s) for s in self._slots)
+
+    def settle(self, slot: Slot, frontier: int) -> None:
+        """The ranks agreed on ``slot``'s capture: ``frontier`` is the newest step whose replicas landed everywhere
+        (``slot.step`` when this capture's did). Frees the slots the frontier no longer needs."""
+        with self._cond:
+            slot.settled = True
+            self.frontier = max(self.frontier, frontier)
+            self._cond.notify_all()
+
+    def reset_frontier(self, step: int) -> None:
+        """After a recovery to ``step`` (every rank restored it; nothing is in flight): ``step`` is the frontier and
+        every newer slot is of an abandoned trajectory."""
+        with self._cond:
+            self.frontier = step
+            for s in self._slots:
+                s.settled = True
+            self._cond.notify_all()
 
     def pin(self, slot: Slot) -> None:
         with self._cond:
@@ -224,11 +268,21 @@ class SlotPool:
 class Capturer:
     """Copies state objects into slots; returns a future that completes when the slot holds a sealed checkpoint."""
 
-    def __init__(self, pool: SlotPool, *, async_copy: bool, timeout: timedelta) -> None:
+    def __init__(
+        self, pool: SlotPool, *, async_copy: bool, timeout: timedelta, digest_threads: int = 1
+    ) -> None:
         self.pool = pool
         self.async_copy = async_copy
         self.timeout = timeout
+        self.digest_threads = max(1, digest_threads)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-copy")
+        self._helpers = (
+            ThreadPoolExecutor(
+                max_workers=self.digest_threads - 1, thread_name_prefix="gemini-digest"
+            )
+            if self.digest_threads > 1
+            else None
+        )
         self._copied: Future[None] | None = None
         self._cuda_event: Any = None
         self._host_pending = False
@@ -280,8 +334,7 @@ class Capturer:
             try:
                 if event is not None:
                     event.synchronize()  # the side-stream D2H copies into pinned memory are done
-                for i, view, src in deferred:
-                    hashed[i] = _copy_and_hash(slot.data, layout, i, view, src)
+                self._copy_and_hash_all(slot.data, layout, deferred, hashed)
             finally:
                 copied.set_result(None)
             arr = slot.data.numpy()
@@ -333,8 +386,40 @@ class Capturer:
         if copied is not None and self._host_pending and not copied.done():
             copied.result(timeout=self.timeout.total_seconds())
 
+    def _copy_and_hash_all(
+        self,
+        data: torch.Tensor,
+        layout: Layout,
+        deferred: list[tuple[int, torch.Tensor, torch.Tensor]],
+        hashed: dict[int, str],
+    ) -> None:
+        """Copy and hash the deferred tensors; with ``digest_threads`` > 1 the tensors are split into that many
+        groups of about equal bytes, copied and hashed at once (torch's copy and BLAKE3 both release the GIL)."""
+
+        def run(group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+            for i, view, src in group:
+                hashed[i] = _copy_and_hash(data, layout, i, view, src)
+
+        if self._helpers is None or len(deferred) < 2:
+            run(deferred)
+            return
+        groups: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(self.digest_threads)
+        ]
+        loads = [0] * self.digest_threads
+        for item in sorted(deferred, key=lambda d: -layout.entries[d[0]].nbytes):
+            k = loads.index(min(loads))
+            groups[k].append(item)
+            loads[k] += layout.entries[item[0]].nbytes
+        futures = [self._helpers.submit(run, g) for g in groups[1:] if g]
+        run(groups[0])
+        for f in futures:
+            f.result()
+
     def shutdown(self) -> None:
         self._copier.shutdown(wait=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
 
 
 def _header_hint(skeleton: Any, count: int, identity: dict[str, Any]) -> int:
