@@ -301,7 +301,7 @@ def main() -> None:
                     )
                 )
             if args.experts and args.ep > 1:
-                from gemscout.adapters.megatron import moe_layers
+                from gemscout.adapters.megatron.topology import moe_layers
                 from gemscout.scout.alltoall import AllToAllConfig
 
                 check = session.check_alltoall(*moe_layers(model), config=AllToAllConfig())

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gemscout import ConfigError, RunMismatchError, ScoutConfig
-from gemscout.adapters.deepspeed import (
+from gemscout.adapters.deepspeed.engine import (
     EngineOptimizer,
     capture_engine,
     resolve_engine,

@@ -3,7 +3,7 @@
 - :func:`gemscout.scout.materialize.param_model_dims`: Megatron flags expert weights under expert parallelism
   ``allreduce=False`` (and its TP shards ``tensor_model_parallel``): they lie on the topology's ``ep`` (``tp``) dim,
   so a MoE layer replays with its AllToAlls on every rank; everything else is replicated along every model dim.
-- :func:`gemscout.adapters.megatron_topology.megatron_topology` for layouts a CPU test cannot afford to launch for real (each
+- :func:`gemscout.adapters.megatron.topology.megatron_topology` for layouts a CPU test cannot afford to launch for real (each
   needs 4–8 Megatron ranks): ``parallel_state``'s size getters and ``torch.distributed``'s rank / group queries are
   stood in (monkeypatched) with what Megatron reports for that layout. The mesh it derives, the live-group check and
   what stays refused (expert parallelism with TP or CP, an expert TP of its own), each naming the fix. The real
@@ -78,7 +78,7 @@ class _Layout:
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        import gemscout.adapters.megatron_topology as adapter
+        import gemscout.adapters.megatron.topology as adapter
 
         etp = tp if etp is None else etp
         sizes = {
@@ -105,7 +105,7 @@ class _Layout:
 def test_expert_parallel_peers_are_the_expert_data_parallel_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gemscout.adapters.megatron import megatron_topology
+    from gemscout.adapters.megatron.topology import megatron_topology
 
     _Layout(monkeypatch, world=6, rank=3, ep=2, edp_group=[1, 3, 5], ep_group=[2, 3])
     topo = megatron_topology()
@@ -119,7 +119,7 @@ def test_expert_parallel_peers_are_the_expert_data_parallel_group(
 
 
 def test_a_custom_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemscout.adapters.megatron import megatron_topology
+    from gemscout.adapters.megatron.topology import megatron_topology
 
     _Layout(monkeypatch, world=4, rank=0, ep=2, edp_group=[0, 1], ep_group=[0, 2])  # ep outside dp
     with pytest.raises(
@@ -145,7 +145,7 @@ def test_a_custom_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_what_stays_refused_names_the_layout_and_the_fix(
     monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], names: str
 ) -> None:
-    from gemscout.adapters.megatron import megatron_topology
+    from gemscout.adapters.megatron.topology import megatron_topology
 
     _Layout(monkeypatch, rank=0, edp_group=[0], ep_group=[0], **layout)
     with pytest.raises(ConfigError, match=r"SCOUT does not support this expert layout yet") as info:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gemscout import ConfigError, ScoutConfig
-from gemscout.adapters.megatron import _scout_config
+from gemscout.adapters.megatron.adapter import _scout_config
 from gemscout.scout.recipes import build_catalog
 from gemscout.topology import derive
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gemscout import ConfigError, RunMismatchError, ScoutConfig
-from gemscout.adapters.megatron import (
+from gemscout.adapters.megatron.adapter import (
     MegatronOptimizerView,
     capture_rng_tracker,
     restore_rng_tracker,
@@ -354,7 +354,7 @@ def test_torchtitan_scout_replays_the_inner_class_and_skips_a_chunked_head() -> 
 def test_optimizer_param_scheduler_is_captured_and_its_step_replayed() -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from gemscout.adapters._megatron_scheduler import ParamSchedulerReplay
+    from gemscout.adapters.megatron.scheduler import ParamSchedulerReplay
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         model = GPTModel()

@@ -1,4 +1,4 @@
-"""The per-parameter store of DeepSpeed ZeRO state (adapters/deepspeed_layout.py), without deepspeed or a process group.
+"""The per-parameter store of DeepSpeed ZeRO state (adapters/deepspeed/layout.py), without deepspeed or a process group.
 
 A parameter fragment is a DCP chunk of the parameter's full flattened tensor: written by the rank that owns it, read
 back into any other cut of the same tensor (DCP reads the overlapping part of each saved chunk). Here one process
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gemscout.adapters.deepspeed_layout import FORMAT, ZeroPerParameter, _Chunk
+from gemscout.adapters.deepspeed.layout import FORMAT, ZeroPerParameter, _Chunk
 
 pytestmark = pytest.mark.timeout(60)
 

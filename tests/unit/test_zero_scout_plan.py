@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemscout.adapters.deepspeed_scout import ALIGN, ZeroScout, _DeferredRotation, plan_slices
+from gemscout.adapters.deepspeed.scout import ALIGN, ZeroScout, _DeferredRotation, plan_slices
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.consensus import C3Result, Verdict
 

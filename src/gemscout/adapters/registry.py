@@ -39,7 +39,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         "deepspeed",
         lambda model, _: is_class(model, "deepspeed", "DeepSpeedEngine"),
-        "gemscout.adapters.deepspeed",
+        "gemscout.adapters.deepspeed.engine",
     ),
     Adapter(
         "torchtitan",
@@ -48,7 +48,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         ),
         "gemscout.adapters.torchtitan",
     ),
-    Adapter("megatron", _megatron, "gemscout.adapters.megatron"),
+    Adapter("megatron", _megatron, "gemscout.adapters.megatron.adapter"),
     Adapter("torch", lambda model, opt: True, "gemscout.adapters.pytorch"),
 )
 

@@ -52,7 +52,7 @@ Entry = tuple[str, list[int] | None, list[int] | None]
 
 PARTITION_CODECS: dict[str, Any] = {}
 """Codecs that store a rank-local partition per parameter, by the name the sidecar records. An adapter registers
-its own (DeepSpeed ZeRO: :class:`gemscout.adapters.deepspeed_layout.ZeroPerParameter`): ``accepts(skeleton)``,
+its own (DeepSpeed ZeRO: :class:`gemscout.adapters.deepspeed.layout.ZeroPerParameter`): ``accepts(skeleton)``,
 ``promotion_items(parsed, data, rank) -> (DCP items, sidecar record)`` and ``load(folder, records, sources, group=,
 rank=)``. Such a promotion loads on any world size; one without a codec only on the world size that wrote it."""
 

@@ -9,7 +9,7 @@ part in each collective and what must be gathered first, and that is the domain'
 - :class:`~gemscout.scout.mesh_domain.MeshDomain`: a DeviceMesh (FSDP2, HSDP, TP, pipeline stages), one peer
   group per model-parallel coordinate, with the mesh-wide collectives that cross them.
 - a framework's own refinement of one of those, e.g. DeepSpeed ZeRO-3's
-  (:class:`~gemscout.adapters.deepspeed_zero3_scout.Zero3Domain`), which gathers the partitioned parameters of the
+  (:class:`~gemscout.adapters.deepspeed.zero3_scout.Zero3Domain`), which gathers the partitioned parameters of the
   due blocks around the cycle and detaches DeepSpeed's hooks during a replay.
 
 Every method that says *collective* is called by every rank of the domain, in the same order, whatever its local

@@ -60,7 +60,7 @@ def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
 
     A DTensor says so through its mesh's dim names. A plain tensor flagged ``tensor_model_parallel`` is Megatron
     Core's TP shard (ColumnParallel / RowParallel linears, the vocab-parallel embedding): its module all-reduces over
-    Megatron's TP group, the topology's ``tp`` dim (how :func:`~gemscout.adapters.megatron_topology.megatron_topology` names
+    Megatron's TP group, the topology's ``tp`` dim (how :func:`~gemscout.adapters.megatron.topology.megatron_topology` names
     it). A plain tensor flagged ``allreduce=False`` is Megatron's expert weight under expert parallelism: its layer
     dispatches tokens with AllToAlls over the ``ep`` dim. Anything else is replicated along every model dim. Pure;
     no framework is imported."""

@@ -34,9 +34,9 @@ The padding at the end of the last rank's slices is captured as it is: DeepSpeed
 and never reads it (every gather is cut to the parameter's size; its gradient is zero).
 
 The local tier restores on the rank and world size that took it (an in-process ``session.recover()`` included). The
-durable tier stores every partition per parameter (:mod:`gemscout.adapters.deepspeed_zero3_layout`), so a job
+durable tier stores every partition per parameter (:mod:`gemscout.adapters.deepspeed.zero3_layout`), so a job
 resumes from it on any world size. SCOUT's forward recipes replay on the gathered blocks
-(:mod:`gemscout.adapters.deepspeed_zero3_scout`); its optimizer recipe is refused with ConfigError.
+(:mod:`gemscout.adapters.deepspeed.zero3_scout`); its optimizer recipe is refused with ConfigError.
 
 Nothing here imports deepspeed: the adapter reads the live engine the caller built.
 """
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout.adapters._step_hooks import EngineStepView
-from gemscout.adapters.deepspeed_zero3_layout import FORMAT
+from gemscout.adapters.deepspeed.zero3_layout import FORMAT
 from gemscout.errors import ConfigError, RunMismatchError
 
 __all__ = ["FORMAT", "Zero3EngineOptimizer", "Zero3ModuleState", "check_zero3"]

@@ -1,6 +1,6 @@
 """SCOUT's view of a Megatron Core job's layout, read from ``megatron.core.parallel_state``: the mesh, the peers (the
 data-parallel group, or the expert-data-parallel group under expert parallelism) and the MoE layers whose token
-dispatch the AllToAll check records. Imported by :mod:`gemscout.adapters.megatron`; megatron is imported only inside
+dispatch the AllToAll check records. Imported by :mod:`gemscout.adapters.megatron.adapter`; megatron is imported only inside
 the functions, from the job that already runs it."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ records in ``grad_position`` (the sum of the ``partition_numel`` of the sub-grou
 optimizer's moments at the same offsets. Only the last slice holds padding (DeepSpeed 0.19.8 leaves it
 uninitialized and never reads it: every gather is cut to the parameter's size, and its gradient is zero). This module stores all of it per
 *parameter*, as ``torch.distributed.checkpoint`` chunks at their offset in the flattened parameter (the
-:class:`~gemscout.adapters.deepspeed_layout._Chunk` of ZeRO-1/2), so every element is written once, by its owner,
+:class:`~gemscout.adapters.deepspeed.layout._Chunk` of ZeRO-1/2), so every element is written once, by its owner,
 and nothing is gathered:
 
 - ``z/model/<name>``: the module partition of each parameter (module dtype), ``z/buffer/<name>``: each buffer whole;
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gemscout._modules import unwrap
-from gemscout.adapters.deepspeed_layout import _Chunk, _kinds
+from gemscout.adapters.deepspeed.layout import _Chunk, _kinds
 from gemscout.errors import IntegrityError, RunMismatchError
 from gemscout.state import training_state
 from gemscout.state.codec import decode, encode
@@ -42,7 +42,7 @@ __all__ = ["CODEC", "Zero3PerParameter", "register"]
 
 CODEC = "deepspeed-zero3.per-parameter.v1"
 FORMAT = "gemscout.deepspeed-zero3.v1"
-"""The optimizer state format of :class:`gemscout.adapters.deepspeed_zero3.Zero3EngineOptimizer`."""
+"""The optimizer state format of :class:`gemscout.adapters.deepspeed.zero3.Zero3EngineOptimizer`."""
 
 
 def _slice(numel: int, partition_numel: int, index: int) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3: what GEMINI captures from a ``DeepSpeedEngine`` and where the step hooks go.
 
 This module holds ZeRO-1/2 and the checks common to every stage; stage 3 (partitioned parameters) is
-:mod:`gemscout.adapters.deepspeed_zero3`.
+:mod:`gemscout.adapters.deepspeed.zero3`.
 
 The engine owns the step: ``engine.step()`` runs the ZeRO optimizer (each rank updates its own flat fp32 partition
 with the client's torch optimizer), copies the partition into the module's parameters, all-gathers them, then steps
@@ -15,13 +15,13 @@ What one rank's checkpoint holds (the codec stores it without pickle):
 - ``model``: ``engine.module.state_dict()`` — every rank holds all parameters under ZeRO-1/2;
 - ``optimizer``: this rank's partition — the fp32 master partition of each param group, the torch optimizer's state
   for it (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``), the group hyper-parameters and where each parameter's
-  fragment lies in the partition (:func:`~gemscout.adapters.deepspeed_layout.partition_table`); DeepSpeed's own
+  fragment lies in the partition (:func:`~gemscout.adapters.deepspeed.layout.partition_table`); DeepSpeed's own
   ``state_dict()`` is not used (it holds a loss-scaler object, enums and slice mappings that need pickle);
 - ``extra``: the engine's counters (``global_steps``, ``global_samples``, ``micro_steps``, ``skipped_steps``), its lr
   scheduler's state, and the caller's own extra state.
 
 The local tier restores a partition on the rank and world size that took it. The durable tier stores the partition
-state per parameter (:mod:`gemscout.adapters.deepspeed_layout`), so a job resumes from it on any world size.
+state per parameter (:mod:`gemscout.adapters.deepspeed.layout`), so a job resumes from it on any world size.
 
 Nothing here imports deepspeed: the adapter reads the live engine the caller built.
 """
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.adapters import deepspeed_layout
 from gemscout.adapters._step_hooks import EngineStepView
 from gemscout.adapters.classes import class_names
+from gemscout.adapters.deepspeed import layout as deepspeed_layout
 from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.config import ScoutConfig
@@ -201,7 +201,7 @@ def _check_engine(engine: Any) -> None:
             "turn offloading off"
         )
     if stage == 3:
-        from gemscout.adapters.deepspeed_zero3 import check_zero3
+        from gemscout.adapters.deepspeed.zero3 import check_zero3
 
         check_zero3(engine)
         return
@@ -253,8 +253,8 @@ def _resolve_zero3(
     scout: Any,
 ) -> EngineParts:
     """Stage 3: the module's partitions and the optimizer's fp32 master partitions (``deepspeed_zero3``)."""
-    from gemscout.adapters import deepspeed_zero3_layout
-    from gemscout.adapters.deepspeed_zero3 import Zero3EngineOptimizer, Zero3ModuleState
+    from gemscout.adapters.deepspeed import zero3_layout as deepspeed_zero3_layout
+    from gemscout.adapters.deepspeed.zero3 import Zero3EngineOptimizer, Zero3ModuleState
 
     scout_factory = None
     if scout is not None:
@@ -264,8 +264,8 @@ def _resolve_zero3(
                 "yet; pass recipes=('embedding', 'hidden', 'output') (the forward recipes replay on "
                 "the gathered parameters), or scout=None"
             )
-        # The forward recipes replay on the replayed blocks' gathered parameters (adapters/deepspeed_zero3_scout.py).
-        from gemscout.adapters.deepspeed_zero3_scout import Zero3Scout
+        # The forward recipes replay on the replayed blocks' gathered parameters (adapters/deepspeed/zero3_scout.py).
+        from gemscout.adapters.deepspeed.zero3_scout import Zero3Scout
 
         scout_factory = Zero3Scout
     deepspeed_zero3_layout.register()  # durable promotions of this job are stored per parameter
@@ -321,8 +321,8 @@ def resolve_engine(
     scout_factory = None
     if "optimizer" in getattr(scout, "recipes", ()):
         # Each rank updates a different partition: the optimizer recipe replays the partition owner's update
-        # (adapters/deepspeed_scout.py) instead of the DDP one.
-        from gemscout.adapters.deepspeed_scout import ZeroScout
+        # (adapters/deepspeed/scout.py) instead of the DDP one.
+        from gemscout.adapters.deepspeed.scout import ZeroScout
 
         scout_factory = ZeroScout
     view = EngineOptimizer(engine)

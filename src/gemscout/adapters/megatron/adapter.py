@@ -62,7 +62,7 @@ from gemscout._modules import unwrap
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.adapters.classes import class_names
-from gemscout.adapters.megatron_topology import megatron_topology, moe_layers
+from gemscout.adapters.megatron.topology import megatron_topology, moe_layers
 from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.topology import Topology
@@ -359,7 +359,7 @@ def resolve_megatron(
             f"enable_resiliency.optimizer: with Megatron Core pass a torch.optim.Optimizer or the "
             f"MegatronOptimizer get_megatron_optimizer() returned, got {type(optimizer).__name__}"
         )
-    from gemscout.adapters._megatron_scheduler import ParamSchedulerReplay
+    from gemscout.adapters.megatron.scheduler import ParamSchedulerReplay
 
     # Megatron's OptimizerParamScheduler is stepped with an increment: a replay wrapper records it (see its module).
     replays = [
