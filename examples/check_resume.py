@@ -3,8 +3,9 @@
 For each ``--resumed MODE=OUT`` (the restart's ``rank<r>.json`` files, MODE ``candidate`` or ``verified``) and every
 rank: the final parameters and optimizer state digest equals the reference's; the digest of the sample ids trained
 on, in order, and their count equal the reference's (no sample skipped, none repeated); the job restored from a
-checkpoint (not a fresh start) at the step MODE says, read from the trust ledger the crash left in ``--crashed``:
-``candidate`` the newest step not rejected, ``verified`` the newest RECOVERY_VERIFIED one. Exit 0 when all hold,
+checkpoint (not a fresh start) at the step MODE says: the newest step every rank had a copy of before the restart
+(``--held``, from gemscout's inventory of the folder it restarted from) that the trust ledger the crash left in
+``--crashed`` allows — ``candidate`` any step not rejected, ``verified`` a RECOVERY_VERIFIED (or durable) one. Exit 0 when all hold,
 1 otherwise (one line per failure).
 """
 
@@ -16,14 +17,24 @@ import sys
 from pathlib import Path
 
 
-def newest(crashed: Path, wanted: set[str]) -> int | None:
-    """The newest step whose trust, on every rank's ledger under ``crashed``, is one of ``wanted``."""
+def newest(crashed: Path, held: dict[str, list[int]], mode: str) -> int | None:
+    """The newest step every rank holds a copy of (``held``: what the folder the restart used held, by rank) that
+    ``mode`` may restore: ``candidate`` any step no rank's ledger under ``crashed`` rejected (a capture still in
+    memory may have no ledger entry on disk yet), ``verified`` one every ledger records as recovery-verified or
+    durable."""
     ledgers = [
         json.loads(p.read_text())["states"]
         for p in sorted(crashed.glob("node-*/rank-*/status.json"))
     ]
-    steps = {int(s) for ledger in ledgers for s in ledger}
-    ok = [s for s in steps if all(ledger.get(str(s)) in wanted for ledger in ledgers)]
+    common = set.intersection(*(set(steps) for steps in held.values())) if held else set()
+    if mode == "verified":
+        ok = [
+            s
+            for s in common
+            if all(ledger.get(str(s)) in {"recovery_verified", "durable"} for ledger in ledgers)
+        ]
+    else:
+        ok = [s for s in common if all(ledger.get(str(s)) != "rejected" for ledger in ledgers)]
     return max(ok, default=None) if ledgers else None
 
 
@@ -37,17 +48,19 @@ def main() -> int:
         help="the crashed job's checkpoint folder, as it left it",
     )
     ap.add_argument("--resumed", action="append", required=True, help="MODE=OUT (repeat)")
+    ap.add_argument(
+        "--held",
+        action="append",
+        required=True,
+        help="MODE=JSON: the steps each rank had a copy of before that restart (repeat)",
+    )
     ap.add_argument("--nproc", type=int, required=True)
     args = ap.parse_args()
+    helds = dict(spec.split("=", 1) for spec in args.held)
     failures: list[str] = []
     for spec in args.resumed:
         mode, _, out = spec.partition("=")
-        wanted = (
-            {"recovery_verified", "durable"}
-            if mode == "verified"
-            else {"candidate", "recovery_verified", "durable"}
-        )
-        expected = newest(args.crashed, wanted)
+        expected = newest(args.crashed, json.loads(Path(helds[mode]).read_text()), mode)
         for rank in range(args.nproc):
             ref = json.loads((args.reference / f"rank{rank}.json").read_text())
             got = json.loads((Path(out) / f"rank{rank}.json").read_text())

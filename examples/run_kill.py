@@ -4,14 +4,15 @@
 2. the same job with one rank SIGKILLed right after ``--kill-step``; torchrun stops the other rank and exits. The
    killed rank first writes ``<work>/crashed/kill.json`` (its wall time, fsynced, then the signal): a crashed run
    that left no record died of something else, and the driver stops there;
-3. the job started again on the same checkpoint folder — one run per ``--restore`` mode, each on its own copy of the
-   folder the crash left — which resumes from the checkpoint and trains to the end;
+3. the job started again — one run per ``--restore`` mode — which resumes from the checkpoint and trains to the end.
+   The first mode restarts on the crashed job's own folder, as a requeue on the same nodes does, and so finds the
+   memory tier; each other mode restarts on a copy of the folder as the crash left it, which holds the disk tier
+   only (every ``persist_every``-th capture and every step SCOUT compared), as a restart on other nodes would;
 4. ``examples/check_resume.py`` compares every rank bit for bit with the reference (parameters, optimizer state,
    the digest of the sample ids trained on) and checks the step and source it resumed from.
 
-Step 3 starts a new torchrun, as a scheduler's requeue would. torchrun's own ``--max-restarts`` relaunch is not used:
-on torch 2.13 with gloo the relaunched ranks fail in ``init_process_group`` (the elastic agent reuses its store and
-the new group reads the previous attempt's addresses).
+Step 3 starts a new torchrun, as a scheduler's requeue would (torchrun's own ``--max-restarts`` relaunch works too,
+through ``gemscout.init_process_group``: docs/torchrun.md).
 
     python examples/run_kill.py --script examples/ddp_tiny.py --work /tmp/gemscout-example
 """
@@ -62,6 +63,21 @@ def _kill_record(out: Path) -> dict[str, Any] | None:
     return record if ok else None
 
 
+def held(folder: Path, nproc: int, out: Path) -> None:
+    """Write which steps each rank has a usable copy of in ``folder`` right now — its own slot in memory or file
+    on disk, or a replica a peer holds for it — read by gemscout's inventory, not by a restart: check_resume's
+    expectation of where the restart must resume."""
+    from gemscout.inventory import inventory
+
+    found = inventory(folder, world_size=nproc)
+    steps: dict[int, set[int]] = {r: set() for r in range(nproc)}
+    for entry in found.ranks:
+        for f in entry.files:
+            if f.status != "unusable" and f.owner in steps:
+                steps[f.owner].add(f.step)
+    out.write_text(json.dumps({str(r): sorted(s) for r, s in steps.items()}))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -91,14 +107,14 @@ def main() -> int:
     common = ["--steps", str(args.steps), *args.extra]
     t0 = time.monotonic()
 
-    def run(name: str, more: list[str]) -> int:
+    def run(name: str, more: list[str], ckpt: Path | None = None) -> int:
         code = torchrun(
             args.script,
             args.nproc,
             [
                 *common,
                 "--ckpt",
-                str(args.work / f"ckpt-{name}"),
+                str(ckpt or args.work / f"ckpt-{name}"),
                 "--out",
                 str(args.work / name),
                 *more,
@@ -130,9 +146,17 @@ def main() -> int:
         f"run_kill: rank {kill['rank']} SIGKILLed itself after step {kill['step']} "
         f"(recorded at {time.strftime('%H:%M:%S', time.gmtime(kill['wall']))} UTC)"
     )
-    for mode in modes:
-        shutil.copytree(args.work / "ckpt-crashed", args.work / f"ckpt-resumed-{mode}")
-        if run(f"resumed-{mode}", ["--restore", mode]) != 0:
+    # The folder as the crash left it: check_resume reads its ledgers, and every mode after the first restarts from
+    # a copy of it. A copy holds the disk tier only (the memory tier stays tied to the original folder), so the
+    # first mode is the requeue on the same nodes and folder (memory), the others a restart elsewhere (disk).
+    shutil.copytree(args.work / "ckpt-crashed", args.work / "ckpt-as-left")
+    for i, mode in enumerate(modes):
+        folder = args.work / "ckpt-crashed"
+        if i > 0:
+            folder = args.work / f"ckpt-resumed-{mode}"
+            shutil.copytree(args.work / "ckpt-as-left", folder)
+        held(folder, args.nproc, args.work / f"held-{mode}.json")
+        if run(f"resumed-{mode}", ["--restore", mode], ckpt=folder) != 0:
             print(
                 f"run_kill: the restarted run ({mode}) failed; see {args.work / 'logs'}",
                 file=sys.stderr,
@@ -148,12 +172,13 @@ def main() -> int:
         "--reference",
         str(args.work / "reference"),
         "--crashed",
-        str(args.work / "ckpt-crashed"),
+        str(args.work / "ckpt-as-left"),
         "--nproc",
         str(args.nproc),
     ]
     for mode in modes:
         check += ["--resumed", f"{mode}={args.work / f'resumed-{mode}'}"]
+        check += ["--held", f"{mode}={args.work / f'held-{mode}.json'}"]
     return subprocess.run(check, env={**os.environ}, timeout=60).returncode
 
 

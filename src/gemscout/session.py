@@ -163,7 +163,8 @@ class Session:
             # step holds must not become a candidate that a later clean rotation could certify.
             return
         if self.checkpointer is not None and self.step % self.interval == 0:
-            self.checkpointer.capture(self.step)
+            # A step SCOUT compared may be certified later, after its memory slot is reused: it goes to disk too.
+            self.checkpointer.capture(self.step, durable=cycle is not None)
         rotation = getattr(self.scout, "rotation", None)
         if cycle is not None and self.checkpointer is not None and rotation is not None:
             self.checkpointer.retain(rotation.open_steps())

@@ -70,9 +70,16 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
     assert "check_resume: all ranks resumed bitwise" in out
     # The demo's crash recorded its own time before the signal (examples/ddp_tiny.py crash).
     assert "run_kill: rank 1 SIGKILLed itself after step 7 (recorded at " in out, out
-    assert out.count("from ['local'] (restore)") == 4, (
-        out
-    )  # a whole-job restart: every rank from its own files
+    # A requeue on the same folder (the first mode) restores every rank from its own memory; a restart from a copy
+    # of the folder (the second) from its own files: the newest verified step is on disk because SCOUT compared it.
+    assert (
+        re.findall(r"check_resume: candidate rank \d: resumed at step \d+ from (\S+)", out)
+        == ["['memory']"] * 2
+    ), out
+    assert (
+        re.findall(r"check_resume: verified rank \d: resumed at step \d+ from (\S+)", out)
+        == ["['local']"] * 2
+    ), out
 
 
 @pytest.mark.timeout(300)
@@ -93,7 +100,7 @@ def test_ddp_example_resumes_bitwise_with_its_data_position_in_both_restore_mode
 )
 def test_hf_example_resumes_bitwise(tmp_path: Path, wrap: str) -> None:
     """A transformers Llama under DDP, and under FSDP2 (``fully_shard`` per decoder layer and the root): killed after
-    step 5, resumed at 5 from every rank's own files, bitwise equal; the example itself fails unless SCOUT compared
+    step 5, requeued on the same folder, resumed at 5 from every rank's own memory, bitwise equal; the example itself fails unless SCOUT compared
     every recipe (no unreplayable decoder layer)."""
     pytest.importorskip("transformers")
     extra = ["--", "--fsdp2"] if wrap == "fsdp2" else []
@@ -108,5 +115,7 @@ def test_hf_example_resumes_bitwise(tmp_path: Path, wrap: str) -> None:
         *extra,
         timeout_s=280,
     )
-    assert re.findall(r"resumed at step (\d+) from \['local'\] \(restore\)", out) == ["5", "5"], out
+    assert re.findall(r"resumed at step (\d+) from \['memory'\] \(restore\)", out) == ["5", "5"], (
+        out
+    )
     assert "check_resume: all ranks resumed bitwise" in out

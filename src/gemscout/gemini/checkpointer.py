@@ -217,11 +217,15 @@ class Checkpointer:
             self._vote = FreeSlotVote(self.pool, group, self.config.timeout)
         self.when_busy = mode
 
-    def capture(self, step: int, *, initial: bool = False) -> None:
+    def capture(self, step: int, *, initial: bool = False, durable: bool = False) -> None:
         """Capture ``step`` now. Blocks only for the synchronous part (see :class:`Capturer`); with
         ``when_busy="skip"`` it first agrees with every rank whether to capture at all.
 
-        ``initial``: the step-0 capture at attach, outside any optimizer step; always taken and persisted."""
+        ``initial``: the step-0 capture at attach, outside any optimizer step; always taken and persisted.
+        ``durable``: written to disk whatever ``persist_every`` says. The session asks for it on the steps a SCOUT
+        cycle ran at: only those can become recovery-verified later, when their memory slots may be gone, and a
+        rollback to the newest verified step must find it. Every rank passes the same value (cycles are
+        collective)."""
         skipping = not initial and self.when_busy == "skip" and self._vote is not None
         if skipping:
             assert self._vote is not None
@@ -243,7 +247,7 @@ class Checkpointer:
             self.captures += 1
             self.promoter.note_capture(step)
         persist_now = self.config.persist and (
-            initial or self.captures % self.config.persist_every == 0
+            initial or durable or self.captures % self.config.persist_every == 0
         )
         # The copy thread queues the io once the slot is sealed (``then``): waking the io thread from here would
         # only park it on the copy, and cost the training thread a second thread hand-off inside its hook.
