@@ -27,6 +27,7 @@ from gemscout.gemini.lifecycle import TrustLedger, parse_ledger
 from gemscout.config import TrustState
 config = gemscout.CheckpointConfig(
     directory=sys.argv[1], run_id="forge", fsync=False, handle_signals=False, integrity_key="a7" * 32,
+    persist_every=1,  # every capture, and so its trust, on disk: what the forger rewrites
     min_trust="recovery_verified")
 s = gemscout.enable_resiliency(model, opt, checkpoint=config)
 ck = s.checkpointer
