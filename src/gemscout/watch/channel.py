@@ -1,10 +1,8 @@
 """The out-of-band channel: authenticated JSON messages over a key-value store (a torch ``TCPStore``).
 
-Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites it with its newest message. A message
-is an envelope: the body (JSON with version, namespace, epoch, rank, key, sequence number and the payload sealed with
-a BLAKE3 keyed-mode keystream (a random nonce per message) under a key derived from the secret, so a reader of the store learns nothing of it) and an HMAC-SHA256
-of that body under the per-job secret. Readers verify the MAC in constant time, check that namespace,
-epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
+Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites it with its newest message, an
+:class:`~gemscout.watch.envelope.Envelope` (sealed payload, HMAC-SHA256 under the per-job secret). Readers verify the
+MAC in constant time, check that namespace, epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
 namespace, or replayed from an earlier run of the job under the same secret), and refuse a sequence number older than
 the last one they accepted from that slot (a replay within the run). A rejected message is logged, counted in
 :attr:`OobChannel.stats`, never returned, and recorded as a :class:`TamperEvent` naming the slot — as is a slot that
@@ -28,24 +26,20 @@ anyone can forge them.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
-import json
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-import blake3
 from torch.distributed import DistNetworkError, DistStoreError
 
 from gemscout.watch.config import OobConfig
+from gemscout.watch.envelope import Envelope, TamperKind
 from gemscout.watch.secret import resolve_secret
 from gemscout.watch.store_server import listen_socket
 from gemscout.watch.wire import BoundedReader, Oversized
@@ -55,15 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAC_DOMAIN = (
-    b"gemscout-oob-v2\n"  # binds the MAC to this protocol version, not just to the body bytes
-)
-_VERSION = 2
-_SEAL_DOMAIN = b"gemscout-oob-v2 payload sealing key"
 _GET_TIMEOUT = timedelta(milliseconds=500)
-_MAX_JSON_DEPTH = (
-    32  # a progress record nests 4 deep; a deeper body is hostile or broken, refused before parsing
-)
 _RECONNECT_TIMEOUT = timedelta(
     seconds=3
 )  # a store that is gone refuses at once; a busy one answers within this
@@ -71,7 +57,6 @@ _RECONNECT_BACKOFF_S = (
     5.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
 )
 
-TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys", "store_lost"]
 _T = TypeVar("_T")
 
 
@@ -189,9 +174,12 @@ class OobChannel:
         self._reconnect = reconnect
         self._reconnect_lock = threading.Lock()
         self._reconnect_failed_at: float | None = None
-        self._secret = resolve_secret(config.secret, insecure_dev=config.insecure_dev)
-        # A key of its own for sealing payloads, so the MAC key is never also a cipher key.
-        self._seal_key = hmac.new(self._secret, _SEAL_DOMAIN, hashlib.sha256).digest()
+        self._envelope = Envelope(
+            resolve_secret(config.secret, insecure_dev=config.insecure_dev),
+            namespace=config.namespace,
+            epoch=config.epoch,
+            max_bytes=config.max_message_bytes,
+        )
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()  # serializes reads that change the store's timeout
         # Wall-clock microseconds as the starting sequence number keeps it increasing across a restart of this rank,
@@ -293,26 +281,7 @@ class OobChannel:
         with self._lock:
             seq = max(self._next_seq, time.time_ns() // 1000)
             self._next_seq = seq + 1
-        cfg = self._config
-        plain = json.dumps(dict(payload), sort_keys=True, separators=(",", ":"), allow_nan=False)
-        body = json.dumps(
-            {
-                "v": _VERSION,
-                "ns": cfg.namespace,
-                "epoch": cfg.epoch,
-                "rank": rank,
-                "key": key,
-                "seq": seq,
-                "sealed": self._seal(plain.encode("utf-8")),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-        message = f"{self._mac(body.encode('utf-8'))}\n{body}"
-        if len(message) > self._config.max_message_bytes:
-            raise ValueError(
-                f"OOB message for {key!r} is {len(message)} bytes, above max_message_bytes"
-            )
+        message = self._envelope.pack(rank, key, seq, payload)
         slot = self.slot(rank, key)
         self._io(lambda store: store.set(slot, message))
         with self._lock:
@@ -465,35 +434,6 @@ class OobChannel:
                 found[rank] = payload
         return found
 
-    def _seal(self, plain: bytes) -> str:
-        # Confidentiality without a cipher library: the payload is XORed with a keystream that BLAKE3 in keyed mode
-        # (a PRF with extendable output) derives from a random nonce. Integrity and authenticity come from the HMAC
-        # over the whole body, checked before anything is unsealed (encrypt-then-MAC).
-        nonce = os.urandom(
-            16
-        )  # random per message: a repeat would reuse a keystream; 2**-64 odds at 2**32 messages
-        return base64.b64encode(nonce + _xor(plain, self._keystream(nonce, len(plain)))).decode(
-            "ascii"
-        )
-
-    def _unseal(self, sealed: object) -> bytes | None:
-        if not isinstance(sealed, str):
-            return None
-        try:
-            raw = base64.b64decode(sealed, validate=True)
-        except ValueError:
-            return None
-        if len(raw) <= 16:
-            return None
-        nonce, body = raw[:16], raw[16:]
-        return _xor(body, self._keystream(nonce, len(body)))
-
-    def _keystream(self, nonce: bytes, length: int) -> bytes:
-        return blake3.blake3(nonce, key=self._seal_key).digest(length=length)
-
-    def _mac(self, body: bytes) -> str:
-        return hmac.new(self._secret, _MAC_DOMAIN + body, hashlib.sha256).hexdigest()
-
     def _absent(self, rank: int, key: str) -> None:
         """Note that ``rank``'s slot ``key`` is empty; one that held a message before was deleted (tamper)."""
         ident = (rank, key)
@@ -518,7 +458,7 @@ class OobChannel:
         with self._lock:
             self._present.add((rank, key))
             self._vanished.discard((rank, key))
-        opened = self._open(rank, key, raw)
+        opened = self._envelope.open(rank, key, raw)
         if isinstance(opened[0], str):
             kind, why = opened
             self._reject(rank, key, raw, str(why), kind=kind)  # type: ignore[arg-type]
@@ -537,56 +477,6 @@ class OobChannel:
             )
             return None
         return payload  # type: ignore[return-value]
-
-    def _open(
-        self, rank: int, key: str, raw: bytes
-    ) -> tuple[int, dict[str, Any]] | tuple[TamperKind, str]:
-        """``(seq, payload)`` of an authentic envelope that belongs in this slot, or ``(tamper kind, reason)``."""
-        cfg = self._config
-        if len(raw) > cfg.max_message_bytes:
-            return (
-                "oversized",
-                f"message of {len(raw)} bytes is above max_message_bytes={cfg.max_message_bytes}",
-            )
-        mac_hex, sep, body = raw.partition(b"\n")
-        if not sep:
-            return "forged", "malformed envelope"
-        if not hmac.compare_digest(self._mac(body).encode("ascii"), mac_hex):
-            return "forged", "bad HMAC"
-        # Authentic from here on (someone holds the secret): still parse defensively, a bug must not crash a reader.
-        if _depth(body) > _MAX_JSON_DEPTH:
-            return "forged", "body nests too deep"
-        try:
-            decoded = json.loads(body)
-        except (ValueError, RecursionError):
-            return "forged", "body is not JSON"
-        if (
-            not isinstance(decoded, dict)
-            or decoded.get("v") != _VERSION
-            or decoded.get("ns") != cfg.namespace
-        ):
-            return "forged", "envelope of another protocol version or namespace"
-        if decoded.get("epoch") != cfg.epoch:
-            return (
-                "replayed",
-                f"message of epoch {str(decoded.get('epoch'))[:64]!r}, not this run's {cfg.epoch!r}",
-            )
-        if (
-            decoded.get("rank") != rank
-            or decoded.get("key") != key
-            or type(decoded.get("seq")) is not int
-        ):
-            return "forged", "envelope does not match its slot"
-        plain = self._unseal(decoded.get("sealed"))
-        if plain is None or _depth(plain) > _MAX_JSON_DEPTH:
-            return "forged", "sealed payload does not open"
-        try:
-            payload = json.loads(plain)
-        except (ValueError, RecursionError):
-            return "forged", "sealed payload is not JSON"
-        if not isinstance(payload, dict):
-            return "forged", "sealed payload is not an object"
-        return decoded["seq"], payload
 
     def _reject(self, rank: int, key: str, raw: bytes, why: str, *, kind: TamperKind) -> None:
         digest = hashlib.sha256(raw).digest()
@@ -644,31 +534,3 @@ class OobChannel:
 
 def _bounded_reader(host: str, port: int) -> BoundedReader:
     return BoundedReader(host, port, timeout_s=_GET_TIMEOUT.total_seconds())
-
-
-def _xor(data: bytes, stream: bytes) -> bytes:
-    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(
-        len(data), "little"
-    )
-
-
-def _depth(body: bytes) -> int:
-    """The deepest bracket nesting of a JSON text (strings skipped), without parsing it."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in body:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
