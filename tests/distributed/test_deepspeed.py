@@ -58,7 +58,20 @@ def ranks(folder: Path, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("topology", ["deepspeed-zero1", "deepspeed-zero2"])
+@pytest.mark.parametrize(
+    "topology",
+    [
+        "deepspeed-zero1",
+        pytest.param(
+            "deepspeed-zero2",
+            marks=heavy(
+                "lifecycle-*-deepspeed-zero2-w2-*",
+                "topologies",
+                "ZeRO-2 beside ZeRO-1, ~28 s on 2 cores",
+            ),
+        ),
+    ],
+)
 def test_zero_lifecycle_is_bitwise(tmp_path: Path, topology: str) -> None:
     world = 2
     healthy = run_cell(cell(topology, world, {"kind": "none"}), tmp_path / "healthy")
@@ -178,6 +191,11 @@ def test_scout_attributes_a_faulty_rank_on_zero2(tmp_path: Path) -> None:
     )
 
 
+@heavy(
+    "lifecycle-durable-fallback-deepspeed-zero2-*",
+    "topologies",
+    "three DeepSpeed launches, ~30 s on 2 cores",
+)
 @pytest.mark.timeout(600)
 def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_path: Path) -> None:
     """Every rank's partition is promoted collectively into one DCP directory (per parameter, SHA-256 sidecar);
@@ -248,7 +266,16 @@ def test_zero2_durable_tier_resumes_bitwise_after_all_local_storage_is_lost(tmp_
 @pytest.mark.parametrize(
     ("topology", "grown", "extra"),
     [
-        ("deepspeed-zero1", 3, []),
+        pytest.param(
+            "deepspeed-zero1",
+            3,
+            [],
+            marks=heavy(
+                "ds_resize_cell-resize-deepspeed-zero1-w3-*",
+                "topologies",
+                "2 + 3 + 2 DeepSpeed ranks, ~33 s on 2 cores",
+            ),
+        ),
         pytest.param(
             "deepspeed-zero2",
             4,

@@ -69,6 +69,7 @@ def logs_of(folder: Path) -> str:
     return " ".join(p.read_text(errors="replace") for p in folder.glob("*.log"))
 
 
+@heavy  # lifecycle-kill-deepspeed-zero3-w2-* (topologies); three ZeRO-3 launches, ~29 s on 2 cores
 @pytest.mark.timeout(300)
 def test_zero3_recovers_a_lost_node_bitwise(tmp_path: Path) -> None:
     world = 2

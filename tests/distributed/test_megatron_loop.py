@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
@@ -70,6 +71,9 @@ def _read(folder: Path, world: int) -> list[Any]:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@heavy(
+    "lifecycle-*-megatron-distopt-w2-*", "topologies", "three Megatron launches, ~33 s on 2 cores"
+)
 @pytest.mark.timeout(600)
 def test_ddp_distopt_healthy_run_is_bitwise_and_sigkill_plus_node_loss_recovers_bitwise(
     tmp_path: Path,
@@ -163,6 +167,11 @@ def test_fp32_optimizer_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Pat
     )
 
 
+@heavy(
+    "lifecycle-kill-megatron-pp2-w2-*",
+    "topologies",
+    "three Megatron pipeline launches, ~31 s on 2 cores",
+)
 @pytest.mark.timeout(600)
 def test_pipeline_1f1b_distopt_sigkill_plus_node_loss_recovers_bitwise_through_the_lifecycle_driver(
     tmp_path: Path,

@@ -205,6 +205,9 @@ def test_pp2_dp2_healthy_is_bitwise_and_a_replay_fault_is_detected_in_its_stage_
     _check_fault(fault, 1, 5, "pp0.hidden.1", "inconclusive", ("peer_group", [0, 1]))
 
 
+@heavy(
+    "megatron_scout_cell-megatron-pp2-*-w6-*", "topologies", "6 Megatron ranks, ~31 s on 2 cores"
+)
 @pytest.mark.timeout(400)
 def test_pp2_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
     ranks = _run(
@@ -227,6 +230,11 @@ def test_pp2_dp3_replay_fault_is_attributed_to_its_rank(tmp_path: Path) -> None:
     _check_fault(ranks, 4, 5, "pp1.output", "attributed", ("rank", [4]))
 
 
+@heavy(
+    "megatron_scout_cell-megatron-vpp-*",
+    "topologies",
+    "two 4-rank Megatron launches, ~35 s on 2 cores",
+)
 @pytest.mark.timeout(400)
 def test_virtual_stages_interleaved_schedule_is_bitwise_and_detects_in_the_stage_pair(
     tmp_path: Path,

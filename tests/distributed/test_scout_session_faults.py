@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _heavy import heavy
 
 from gemscout.inventory import inventory
 from qualification.launch import launch
@@ -40,6 +41,11 @@ def kinds(rank: dict, kind: str) -> list[dict]:
     return [rep for rep in rank["reports"] if rep["kind"] == kind]
 
 
+@heavy(
+    "scout_cell-compute-* and scout_cell-comm-*",
+    "scout-straggler",
+    "three 4-rank launches, ~75 s on 2 cores",
+)
 @pytest.mark.timeout(300)
 def test_compute_and_communication_stragglers_are_localized_without_sdc(tmp_path: Path) -> None:
     ranks = run(tmp_path / "compute", "--replay-delay-rank", "3", "--replay-delay-s", "0.6")

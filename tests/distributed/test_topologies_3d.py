@@ -78,6 +78,7 @@ def test_pp_dp_tp_data_shards() -> None:
     assert [replica_of("pp-tp", r) for r in range(4)] == [0, 0, 0, 0]
 
 
+@heavy("scout_cell-scout-pp-dp-tp-w8-*", "topologies", "8 ranks, ~26 s on 2 cores")
 @pytest.mark.timeout(300)
 def test_scout_on_pp_dp_tp_detects_in_the_stage_tp_pair(tmp_path: Path) -> None:
     fault_rank, fault_step, recipe = (

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs._pipeline import PIPELINE_TOPOLOGIES
@@ -59,8 +60,24 @@ def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
     ("topology", "world", "schedule", "killed_rank"),
     [
         ("pp", 2, "1f1b", 1),
-        ("pp-dp", 4, "gpipe", 2),
-        ("pp3", 3, "1f1b", 1),
+        pytest.param(
+            "pp-dp",
+            4,
+            "gpipe",
+            2,
+            marks=heavy(
+                "lifecycle-*-pp-dp-w4-*", "topologies", "4 pipeline ranks, ~40 s on 2 cores"
+            ),
+        ),
+        pytest.param(
+            "pp3",
+            3,
+            "1f1b",
+            1,
+            marks=heavy(
+                "lifecycle-*-pp3-w3-*", "topologies", "3 pipeline stages, ~36 s on 2 cores"
+            ),
+        ),
         ("pp-virtual", 2, "interleaved-1f1b", 0),
         ("pp-v", 2, "zbv", 1),
     ],

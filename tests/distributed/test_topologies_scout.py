@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 
@@ -98,8 +99,15 @@ def kinds(rank: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     return [rep for rep in rank["reports"] if rep["kind"] == kind]
 
 
+HEAVY_CASES = {
+    "fsdp2-tp-2x2": heavy(
+        "scout_cell-scout-fsdp2-tp-w4-*", "topologies", "the 2x2 FSDP2 x TP mesh, ~28 s on 2 cores"
+    )
+}
+
+
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=HEAVY_CASES.get(c, ())) for c in CASES])
 def test_scout_on_a_mesh(tmp_path: Path, case: str) -> None:
     topology, world, groups, fault_rank, extra, steps = CASES[case]
     ranks = run(
