@@ -25,21 +25,19 @@ from gemscout._tensors import is_dtensor
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
 from gemscout.gemini import shm, store
-from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig, default_digest_threads
 from gemscout.gemini.durable import DurableTier
+from gemscout.gemini.exchange import Frame, Identity, replication_for
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.promotion import Promoter
 from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
 from gemscout.state import integrity, training_state
-from gemscout.state.layout import Parsed, parse_prefix, verify_data
+from gemscout.state.layout import Parsed
 
 log = logging.getLogger("gemscout.gemini")
-
-Frame = tuple[bytes, torch.Tensor]
 
 
 class Checkpointer:
@@ -64,6 +62,7 @@ class Checkpointer:
             )  # every frame this process writes or reads is then keyed
         self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
         self.on_decision = on_decision
+        self.identity = Identity(run_id, topology_digest)
         if config.replication == "natural" and config.replicate and placement.enabled:
             from gemscout.gemini.natural import natural_placement
 
@@ -79,6 +78,13 @@ class Checkpointer:
         )
         self.spares = store.Spares()
         """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
+        self.replication = replication_for(
+            config.replication,
+            group=group,
+            chunk_bytes=config.chunk_bytes,
+            timeout=config.timeout,
+            identity=self.identity,
+        )
         self.capturer = Capturer(
             self.pool,
             async_copy=config.async_copy,
@@ -385,41 +391,16 @@ class Checkpointer:
         owner = self.placement.source(self.rank)
         buffers = self.replicas.setdefault(owner, self._buffers(owner))
         buffers.frontier = max(buffers.frontier, self.pool.frontier)
-        if self.config.replication == "natural":
-            from gemscout.gemini import natural
-
-            received, counters = natural.exchange(
-                slot.frame(),
-                target=self.placement.target(self.rank),
-                source=owner,
-                group=self.group,
-                chunk_bytes=self.config.chunk_bytes,
-                timeout=self.config.timeout,
-                recv_buffer=buffers.buffer_for,
-            )
-            self.stats["replicate_sent_bytes"] += counters["sent_bytes"]
-            self.stats["replicate_sent_tensors"] += counters["sent_tensors"]
-            self.stats["natural_divergent_shards"] += counters["divergent_shards"]
-            step = self._check_identity_of(received, owner)
-        else:
-            check = (
-                VerifyOnArrival()
-            )  # digests checked chunk by chunk while the next chunk is in flight
-            exchanged = comm.exchange(
-                slot.frame(),
-                self.placement.target(self.rank),
-                owner,
-                group=self.group,
-                chunk_bytes=self.config.chunk_bytes,
-                timeout=self.config.timeout,
-                recv_buffer=buffers.buffer_for,
-                on_arrival=check,
-            )
-            assert exchanged is not None
-            received = exchanged
-            self.stats["replicate_sent_bytes"] += len(slot.prefix) + slot.data.numel()
-            self.stats["replicate_sent_tensors"] += len(slot.views)
-            step = self.verify_frame(received, owner=owner, step=None, verified=check.result())
+        step, received, sent = self.replication.exchange(
+            slot.frame(),
+            tensors=len(slot.views),
+            target=self.placement.target(self.rank),
+            source=owner,
+            buffers=buffers,
+        )
+        self.stats["replicate_sent_bytes"] += sent.bytes
+        self.stats["replicate_sent_tensors"] += sent.tensors
+        self.stats["natural_divergent_shards"] += sent.divergent_shards
         buffers.add(step, *received)
         self.stats["replicate_s"] = time.perf_counter() - t0
         self._phase("replicated", slot.step)
@@ -473,41 +454,33 @@ class Checkpointer:
             self.ledger.forget_before(steps[-1])
             self.ledger.save()
 
-    def _check_identity_of(self, frame: Frame, owner: int) -> int:
-        """Identity only (the natural exchange checked the data digest by digest). Returns the frame's step."""
-        ident = parse_prefix(frame[0]).identity
-        if ident.get("owner") != owner:
-            raise IntegrityError(f"replica identity mismatch: expected owner {owner}, got {ident}")
-        self.check_identity(ident, where=f"replica of rank {owner}")
-        return int(ident["step"])
-
     def verify_frame(
         self, frame: Frame, *, owner: int, step: int | None, verified: Parsed | None = None
     ) -> int:
-        """Check ``frame``'s digests (unless ``verified``, the header its data was already checked against as it
-        arrived) and its identity. Returns its step; raises IntegrityError or RunMismatchError."""
-        parsed = verified if verified is not None else parse_prefix(frame[0])
-        if verified is None:
-            verify_data(parsed, frame[1])
-        ident = parsed.identity
-        if ident.get("owner") != owner or (step is not None and ident.get("step") != step):
-            raise IntegrityError(
-                f"replica identity mismatch: expected owner {owner} step {step}, got {ident}"
-            )
-        self.check_identity(ident, where=f"replica of rank {owner}")
-        return int(ident["step"])
+        """:meth:`Identity.verify_frame <gemscout.gemini.exchange.Identity.verify_frame>` for this run."""
+        return self.identity.verify_frame(frame, owner=owner, step=step, verified=verified)
 
     def check_identity(self, ident: dict[str, Any], *, where: str) -> None:
-        if ident.get("run_id") != self.run_id:
-            raise RunMismatchError(
-                f"{where} belongs to run {ident.get('run_id')!r}, not {self.run_id!r}; set run_id (or "
-                "GEMSCOUT_RUN_ID) to the run you resume, or point CheckpointConfig.directory at a fresh folder"
-            )
-        if ident.get("topology") != self.topology_digest:
-            raise RunMismatchError(
-                f"{where} was written for another topology (world size, nodes or model); resume with the same "
-                "topology, or restore from the durable tier, which accepts a new world size"
-            )
+        self.identity.check(ident, where=where)
+
+    def metrics(self) -> dict[str, int | float | None]:
+        """This rank's GEMINI counters for ``Session.metrics()``, each part's own ``stats()`` joined. No lock, no
+        collective: what the io thread updates may be one capture behind."""
+        pool = self.pool.stats()
+        return {
+            "captures": self.captures,
+            "skipped_captures": int(self.stats["skipped_captures"]),
+            "capture_stall_s": float(self.stats["capture_stall_s"]),
+            "persist_s": float(self.stats["persist_s"]),
+            "replicate_s": float(self.stats["replicate_s"]),
+            "replicated_bytes": int(self.stats["replicate_sent_bytes"]),
+            "io_errors": len(self.errors),
+            "newest_in_memory_step": pool["newest_in_memory_step"],
+            "newest_persisted_step": self.persisted_step if self.persisted_step >= 0 else None,
+            **self.ledger.stats(),
+            "buffer_bytes": (pool["buffer_bytes"] or 0)
+            + sum(b.nbytes for b in list(self.replicas.values())),
+        }
 
     # ------------------------------------------------------------------ flush / drain
     def drain(self, timeout: timedelta | None = None) -> None:
