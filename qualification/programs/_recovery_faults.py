@@ -7,7 +7,7 @@ Recovery runs inside ``enable_resiliency``. While :func:`armed` is active on the
 - ``recover-restore``: while its chosen frame is being loaded into the live objects (``load_extra_state_fn`` runs in
   the middle of the restore: model and optimizer loaded, RNG not yet).
 
-Transfers are seen by wrapping ``gemscout._dist.exchange``, which recovery calls for every peer transfer.
+Transfers are seen through the runtime's declared recovery seams (:mod:`gemscout.gemini.seams`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from qualification.programs._kills import sigkill_self
 
@@ -32,33 +31,18 @@ def armed(phase: str, chunk_bytes: int, out: Path, rank: int) -> Iterator[Callab
     def _die() -> None:
         sigkill_self(out, rank=rank, step=None, phase=phase)
 
-    from gemscout import _dist as comm
+    from gemscout.gemini import seams
 
-    real = comm.exchange
-
-    def exchange(send: Any, dst: Any, src: Any, **kwargs: Any) -> Any:
-        if phase == "recover-send" and send is not None and dst is not None:
+    def at(point: str, owner: int, landed: int, total: int) -> None:
+        if phase == "recover-send" and point == "send":
             _die()
-        on_arrival = kwargs.get("on_arrival")
-        if phase == "recover-receive" and src is not None and on_arrival is not None:
+        # Mid-transfer: the second chunk is in, the next one still in flight (or all of a smaller frame).
+        if phase == "recover-receive" and point == "received":
+            if landed >= 2 * chunk_bytes or landed >= total:
+                _die()
 
-            def watched(prefix: bytes, data: Any) -> Any:
-                check = on_arrival(prefix, data)
-                inner = check.received
-
-                def received(end: int) -> Any:
-                    if end >= 2 * chunk_bytes or end >= data.numel():
-                        _die()
-                    return inner(end)
-
-                check.received = received
-                return check
-
-            kwargs["on_arrival"] = watched
-        return real(send, dst, src, **kwargs)
-
-    comm.exchange = exchange  # type: ignore[assignment]
+    handle = seams.register_recovery_hook(at)
     try:
         yield (_die if phase == "recover-restore" else (lambda: None))
     finally:
-        comm.exchange = real  # type: ignore[assignment]
+        handle.remove()

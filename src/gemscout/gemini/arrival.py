@@ -12,6 +12,7 @@ A mismatch is recorded, never raised mid-transfer: raising would leave the sende
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,8 +26,15 @@ from gemscout.state.layout import Parsed, parse_prefix
 class ArrivalCheck:
     """Digest check of one frame, fed in arrival order (see :class:`VerifyOnArrival`)."""
 
-    def __init__(self, prefix: bytes, data: torch.Tensor) -> None:
+    def __init__(
+        self,
+        prefix: bytes,
+        data: torch.Tensor,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.error: str | None = None
+        self._on_progress = on_progress
+        self._landed = 0
         self.parsed: Parsed | None = None
         self._data = data.numpy() if data.numel() else None
         self._index = 0  # the next tensor whose digest is not settled
@@ -42,6 +50,10 @@ class ArrivalCheck:
 
     def received(self, end: int) -> None:
         """Bytes ``[0, end)`` of the data region are in: hash what they complete. Never raises."""
+        if end > self._landed:
+            self._landed = end
+            if self._on_progress is not None and self.parsed is not None:
+                self._on_progress(end, self.parsed.layout.data_nbytes)
         if self.error is not None or self.parsed is None:
             return
         entries, digests = self.parsed.layout.entries, self.parsed.digests
@@ -78,11 +90,14 @@ class VerifyOnArrival:
     """``comm.exchange(..., on_arrival=check)`` verifies what arrives as it arrives; ``check.result()`` after the
     exchange returns the verified header or raises IntegrityError."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """``on_progress(landed, total)``: called each time more of the data region has landed (see
+        :mod:`gemscout.gemini.seams`); it must not raise."""
         self.check: ArrivalCheck | None = None
+        self._on_progress = on_progress
 
     def __call__(self, prefix: bytes, data: torch.Tensor) -> ArrivalCheck:
-        self.check = ArrivalCheck(prefix, data)
+        self.check = ArrivalCheck(prefix, data, self._on_progress)
         return self.check
 
     def result(self) -> Parsed:

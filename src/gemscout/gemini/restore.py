@@ -18,7 +18,7 @@ import torch
 from gemscout import _dist as comm
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
-from gemscout.gemini import store
+from gemscout.gemini import seams, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.proposal import Item, propose, reason_of
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
@@ -221,6 +221,7 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 # Still take part in the transfer (the owner is waiting for it); the empty frame fails its check.
                 out.send_errors[owner] = str(exc)
                 frame = (b"", torch.empty(0, dtype=torch.uint8))
+            seams.fire("send", owner)
             comm.exchange(
                 frame,
                 owner,
@@ -230,7 +231,7 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 timeout=ck.config.timeout,
             )
         if ck.rank == owner:
-            check = VerifyOnArrival()
+            check = VerifyOnArrival(on_progress=functools.partial(seams.fire, "received", owner))
             got = comm.exchange(
                 None,
                 None,
