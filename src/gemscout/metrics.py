@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gemscout.config import TrustState
 from gemscout.reports import FaultKind
 
 if TYPE_CHECKING:
@@ -22,35 +21,7 @@ def snapshot(session: Session) -> dict[str, Value]:
     out: dict[str, Value] = {"step": session.step, "resume_step": session.resume_step}
     ck = session.checkpointer
     if ck is not None:
-        states = dict(ck.ledger.states)
-        newest = ck.pool.newest_ready()
-
-        def newest_at(*wanted: TrustState) -> int | None:
-            return max((s for s, st in states.items() if st in wanted), default=None)
-
-        out.update(
-            {
-                "gemini.captures": ck.captures,
-                "gemini.skipped_captures": int(ck.stats["skipped_captures"]),
-                "gemini.capture_stall_s": float(ck.stats["capture_stall_s"]),
-                "gemini.persist_s": float(ck.stats["persist_s"]),
-                "gemini.replicate_s": float(ck.stats["replicate_s"]),
-                "gemini.replicated_bytes": int(ck.stats["replicate_sent_bytes"]),
-                "gemini.io_errors": len(ck.errors),
-                "gemini.newest_in_memory_step": newest.step if newest is not None else None,
-                "gemini.newest_persisted_step": ck.persisted_step
-                if ck.persisted_step >= 0
-                else None,
-                "gemini.newest_verified_step": newest_at(
-                    TrustState.RECOVERY_VERIFIED, TrustState.DURABLE
-                ),
-                "gemini.newest_durable_step": newest_at(TrustState.DURABLE),
-                "gemini.candidates": sum(st == TrustState.CANDIDATE for st in states.values()),
-                "gemini.rejected": sum(st == TrustState.REJECTED for st in states.values()),
-                "gemini.buffer_bytes": ck.pool.nbytes
-                + sum(int(e[2].numel()) for b in ck.replicas.values() for e in b.entries),
-            }
-        )
+        out.update({f"gemini.{k}": v for k, v in ck.metrics().items()})
     if session.scout is not None:
         last = session.scout.last_result
         out.update(

@@ -239,6 +239,21 @@ class TrustLedger:
         }
         self.attempts = {s: n for s, n in self.attempts.items() if s >= step}
 
+    def stats(self) -> dict[str, int | None]:
+        """Counts for ``Session.metrics()``: the newest verified and durable steps, candidates and rejections."""
+        states = dict(self.states)
+        verified = (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE)
+        return {
+            "newest_verified_step": max(
+                (s for s, st in states.items() if st in verified), default=None
+            ),
+            "newest_durable_step": max(
+                (s for s, st in states.items() if st == TrustState.DURABLE), default=None
+            ),
+            "candidates": sum(st == TrustState.CANDIDATE for st in states.values()),
+            "rejected": sum(st == TrustState.REJECTED for st in states.values()),
+        }
+
     def summary(self) -> dict[str, Any]:
         return {
             "rejected": sorted(s for s, st in self.states.items() if st == TrustState.REJECTED),

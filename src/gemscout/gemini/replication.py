@@ -190,6 +190,11 @@ class ReplicaBuffers:
                 return prefix, data
         return None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the replicas held (data regions)."""
+        return sum(int(e[2].numel()) for e in self.entries)
+
     def steps(self) -> list[int]:
         return [e[0] for e in self.entries]
 

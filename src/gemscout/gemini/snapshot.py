@@ -264,6 +264,14 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(s.data.numel() for s in self._slots)
 
+    def stats(self) -> dict[str, int | None]:
+        """For ``Session.metrics()``: the newest sealed step in memory and the bytes the slots hold."""
+        newest = self.newest_ready()
+        return {
+            "newest_in_memory_step": newest.step if newest is not None else None,
+            "buffer_bytes": self.nbytes,
+        }
+
 
 class Capturer:
     """Copies state objects into slots; returns a future that completes when the slot holds a sealed checkpoint."""
