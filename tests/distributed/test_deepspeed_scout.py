@@ -102,7 +102,14 @@ def check_cycles(result: dict[str, Any], faults: dict[int, str]) -> None:
 @pytest.mark.parametrize(
     "topology",
     [
-        "deepspeed-zero1",
+        pytest.param(
+            "deepspeed-zero1",
+            marks=heavy(
+                "ds_scout_cell-scout-optimizer-deepspeed-zero1-*",
+                "topologies",
+                "~50 s on 2 cores; test_deepspeed keeps a ZeRO SCOUT fault in CI",
+            ),
+        ),
         pytest.param(
             "deepspeed-zero2",
             marks=heavy(

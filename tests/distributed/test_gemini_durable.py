@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _heavy import heavy
 
 from gemscout.gemini.durable import SIDECAR
 from qualification.launch import launch
@@ -153,6 +154,9 @@ def test_replicated_promotion_takes_newest_persisted_certified_step(tmp_path: Pa
     assert [r["losses"] for r in b] == [r["losses"] for r in a] and a[0]["losses"] != a[1]["losses"]
 
 
+@heavy(
+    "lifecycle-durable-fallback-pp-w2-*", "topologies", "three pipeline launches, ~39 s on 2 cores"
+)
 @pytest.mark.timeout(240)
 def test_pipeline_stages_are_promoted_rank_by_rank_and_resume_only_on_their_world_size(
     tmp_path: Path,

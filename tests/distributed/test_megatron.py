@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _heavy import heavy
 
 from qualification.launch import launch
 from qualification.programs.lifecycle import run_cell
@@ -91,6 +92,9 @@ def test_tp2_dp2_peers_are_the_data_parallel_group_and_a_healthy_run_is_bitwise(
     )  # TP shards differ
 
 
+@heavy(
+    "lifecycle-kill-megatron-tp2-w2-*", "topologies", "three Megatron TP launches, ~25 s on 2 cores"
+)
 @pytest.mark.timeout(600)
 def test_tp2_sigkill_and_node_loss_recover_bitwise_through_the_lifecycle_driver(
     tmp_path: Path,

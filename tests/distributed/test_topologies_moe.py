@@ -189,6 +189,7 @@ def test_parallel_mesh_lifecycle(tmp_path: Path, workload: str) -> None:
         assert r["losses"] == r["baseline_losses"]
 
 
+@heavy("moe_cell-replay-sdc-dp3-dp3-ep-w6-*", "topologies", "6 MoE ranks, ~23 s on 2 cores")
 @pytest.mark.timeout(420)
 def test_moe_dp3_attributes_the_exact_rank(tmp_path: Path) -> None:
     steps, fault_rank = 6, 4

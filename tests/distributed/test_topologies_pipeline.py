@@ -59,7 +59,15 @@ def ranks_of(out: Path, world: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("topology", "world", "schedule", "killed_rank"),
     [
-        ("pp", 2, "1f1b", 1),
+        pytest.param(
+            "pp",
+            2,
+            "1f1b",
+            1,
+            marks=heavy(
+                "lifecycle-*-pp-w2-*", "topologies", "the plain 1F1B pipeline, ~34 s on 2 cores"
+            ),
+        ),
         pytest.param(
             "pp-dp",
             4,
