@@ -42,7 +42,7 @@ bench-goodput: $(STAMP)  ## goodput under a SIGKILL schedule: gemscout vs DCP as
 
 CAMPAIGNS ?= quickstart
 evidence: $(STAMP)  ## from a clean clone at HEAD: run CAMPAIGNS, verify, copy to docs/evidence/, re-render the docs
-	PYTHON=$(BIN)/python scripts/regenerate_evidence.sh $(CAMPAIGNS)
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/regenerate_evidence.sh $(CAMPAIGNS)
 
 lint: $(STAMP)  ## ruff check, and ruff format's layout (line length 100) on every Python file
 	$(BIN)/ruff check src qualification tests scripts examples

@@ -39,6 +39,8 @@ MAIN_REF=${MAIN_REF:-main}
 JOBS=${JOBS:-1}
 MAX_BUNDLE_BYTES=${MAX_BUNDLE_BYTES:-1048576}
 [[ -x $PYTHON ]] || die "PYTHON=$PYTHON is not an interpreter (make setup, or set PYTHON)" 2
+# Absolute: the campaigns run from inside the clone, where a relative path names nothing.
+PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")
 
 HEAD=$(git -C "$SRC" rev-parse HEAD)
 SHA=$(git -C "$SRC" rev-parse --verify "${SHA:-HEAD}^{commit}") || die "--commit $SHA is not a commit here" 2
