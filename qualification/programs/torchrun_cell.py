@@ -210,6 +210,10 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         for a in agents:  # every tree ends with the cell, whatever happened
             if a.proc.poll() is None or a.tree():
                 a.kill_tree()
+        if not cell.get("params", {}).get("keep_checkpoints", False):
+            # Binary state has no place in an evidence bundle: the single-node folder and each node's disk.
+            for folder in [celldir / "ckpt", *celldir.glob("disk[0-9]*")]:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _single_node(

@@ -82,6 +82,8 @@ def test_sigkill_under_max_restarts_resumes_bitwise_from_the_checkpoint(tmp_path
     assert order.index("recovery") < order.index("first-step")
     assert 0 < obs["fault_to_recovery_s"] < obs["fault_to_first_step_s"]
     assert not _left_behind(tmp_path)
+    # The cell folder goes into an evidence bundle: no checkpoint file may be left in it.
+    assert not [p for p in tmp_path.rglob("*.gsc")], sorted(tmp_path.rglob("*.gsc"))[:5]
 
 
 @HEAVY
