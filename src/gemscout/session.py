@@ -407,12 +407,21 @@ class Session:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """Flush (pending io waited for up to ``CheckpointConfig.signal_timeout``, then the newest sealed capture
+        written), close with what is left of that bound, then chain to the previous handler."""
+        budget = (
+            self.checkpointer.config.signal_timeout
+            if self.checkpointer is not None
+            else timedelta(seconds=2)
+        )
+        deadline = time.monotonic() + budget.total_seconds()
         try:
-            step = self.flush()
+            step = self.flush(budget)
             log.warning("gemscout: signal %d: flushed step %d", signum, step)
         finally:
             prev = self._prev_signals.get(signum, signal.SIG_DFL)
-            self.close(timedelta(seconds=5), release_memory=False)
+            left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+            self.close(left, release_memory=False)
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:

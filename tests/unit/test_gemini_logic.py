@@ -150,6 +150,7 @@ def test_replica_buffers_keep_newest_and_reuse_memory() -> None:
         ({"intervall": 3}, "intervall"),
         ({"keep_generations": 0}, "keep_generations"),
         ({"timeout": 5}, "timeout"),
+        ({"signal_timeout": timedelta(0)}, "signal_timeout"),
         ({"min_trust": "maybe"}, "min_trust"),
         ({"durable_every": 2}, "durable_directory"),
         ({"replication_jump": -1}, "replication_jump"),

@@ -485,7 +485,9 @@ class Checkpointer:
     # ------------------------------------------------------------------ flush / drain
     def drain(self, timeout: timedelta | None = None) -> None:
         """Wait for every queued persist/replicate job. Raises CollectiveTimeout past ``timeout``."""
-        deadline = time.monotonic() + (timeout or self.config.timeout).total_seconds()
+        deadline = (
+            time.monotonic() + (self.config.timeout if timeout is None else timeout).total_seconds()
+        )
         while True:  # a copy queues its io before it completes: loop until nothing new was queued
             with self._lock:
                 pending = [f for f in self._pending if not f.done()]
@@ -506,9 +508,8 @@ class Checkpointer:
     def flush(self, timeout: timedelta | None = None) -> int:
         """Persist the newest recoverable state: drain, then write the newest capture and held replicas if not on
         disk yet. Issues no collective, so it is safe in a signal handler. Returns the newest persisted own step."""
-        timeout = timeout or self.config.flush_timeout
         try:
-            self.drain(timeout)
+            self.drain(self.config.flush_timeout if timeout is None else timeout)
         except CollectiveTimeout as exc:
             log.warning("gemini flush: %s; writing what is sealed", exc)
         if not self.config.persist:
@@ -576,7 +577,7 @@ class Checkpointer:
         """Drain pending work (bounded) and stop the threads. ``release_memory``: the job is done with this rank's
         memory tier, delete it; False (a signal, exit cleanup) keeps it for a restart of this rank to adopt."""
         try:
-            self.drain(timeout or self.config.flush_timeout)
+            self.drain(self.config.flush_timeout if timeout is None else timeout)
         except CollectiveTimeout as exc:
             log.warning("gemini close: %s", exc)
         self._io.shutdown(wait=False, cancel_futures=True)

@@ -97,7 +97,13 @@ class CheckpointConfig:
     timeout: timedelta = timedelta(seconds=300)
     """Bound on every blocking call: a free slot, a transfer, an agreement."""
     flush_timeout: timedelta = timedelta(seconds=60)
-    """Bound on flushing at SIGTERM/SIGINT and close()."""
+    """Bound on draining pending io at flush() and close()."""
+    signal_timeout: timedelta = timedelta(seconds=2)
+    """How long the SIGTERM/SIGINT handler waits for pending io before it writes what is sealed itself and stops
+    the threads. The handler must end well inside the launcher's grace before SIGKILL (torchrun's is 30 s, Slurm's
+    KillWait 30 s by default). A survivor of a dead peer often sits in a replication exchange that can never finish
+    (gloo may not notice the peer is gone); waiting longer buys nothing there, and the memory tier outlives the
+    process anyway. The write of the newest sealed capture after the wait is not cut short."""
     handle_signals: bool = True
     """Install SIGTERM/SIGINT handlers that flush and then chain to the previous handler."""
     integrity_key: bytes | str | None = field(default=None, repr=False)
@@ -210,7 +216,7 @@ class CheckpointConfig:
                 f"must be one of candidate, recovery_verified, durable; got {self.min_trust!r}",
             )
         require(self.min_trust != TrustState.REJECTED, c, "min_trust", "cannot be 'rejected'")
-        for name in ("timeout", "flush_timeout", "stale_memory_after"):
+        for name in ("timeout", "flush_timeout", "signal_timeout", "stale_memory_after"):
             value = getattr(self, name)
             require(
                 isinstance(value, timedelta) and value.total_seconds() > 0,
