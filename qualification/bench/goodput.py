@@ -145,6 +145,8 @@ def arm_summary(
     name: str, run: dict[str, Any], ideal: dict[str, Any], failures: int
 ) -> dict[str, Any]:
     starts = [e for e in run["events"] if e["event"] == "start"]
+    relaunch, redone = restarts(run["events"])
+    times = step_times(run["events"])
     return {
         "arm": name,
         "wall_s": round(run["wall_s"], 3),
@@ -154,8 +156,32 @@ def arm_summary(
         else None,
         "attempts": len(starts),
         "resume_steps": [e["resume"] for e in starts[1:]],
+        # Where the waste goes: the arm's own step time (its healthy-path cost), and per failure the seconds from
+        # the last step completed before it to the relaunched job's start, and the completed steps trained again.
+        "step_s": round(statistics.median(times), 5) if times else None,
+        "relaunch_s": relaunch,
+        "redone_steps": redone,
+        # Of each relaunch, the relaunched rank 0's own part: since its process began, and in the arm's setup.
+        "boot_s": [e.get("boot_s") for e in starts[1:]],
+        "setup_s": [e.get("setup_s") for e in starts[1:]],
         "bitwise_equal_to_ideal": run["digest"] == ideal["digest"],
     }
+
+
+def restarts(events: list[dict[str, Any]]) -> tuple[list[float], list[int]]:
+    """Per restart: seconds from the last step of the failed attempt to the next ``start``, and how many of the
+    steps it had completed are trained again (its last step minus the step resumed from)."""
+    relaunch: list[float] = []
+    redone: list[int] = []
+    last = None
+    for e in events:
+        if e["event"] == "step":
+            last = e
+        elif e["event"] == "start" and last is not None:
+            relaunch.append(round(e["t"] - last["t"], 3))
+            redone.append(last["step"] - e["resume"])
+            last = None
+    return relaunch, redone
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
             f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}"
         )
+        if arm.get("relaunch_s"):
+            print(
+                f"{'':9s} step {arm['step_s'] * 1e3:.1f} ms; last step to relaunched start {arm['relaunch_s']} s; "
+                f"steps trained again {arm['redone_steps']}"
+            )
+            print(
+                f"{'':9s} of which the new process {arm['boot_s']} s, in the arm's setup {arm['setup_s']} s"
+            )
         if arm["arm"] == "torchft":
             print(
                 f"{'':9s} trained {arm['replica_steps_trained']} of {arm['replica_steps_wanted']} replica-steps; "

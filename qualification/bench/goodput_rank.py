@@ -12,7 +12,8 @@ keeps a relaunch from firing the same failure again. Every arm starts its proces
 ``gemscout.init_process_group``: plain ``env://`` start-up cannot survive a torchrun restart on torch 2.13 with gloo
 (docs/torchrun.md), so the baseline needs it too.
 
-Rank 0 appends one JSON line per event to ``--events``: ``start`` (attempt, resume step), ``step`` (step, wall time),
+Rank 0 appends one JSON line per event to ``--events``: ``start`` (attempt, resume step, seconds since the
+process began and in the arm's own setup), ``step`` (step, wall time),
 ``save`` (blocking seconds of an ``async_save``), ``done`` (final state digest).
 """
 
@@ -65,6 +66,13 @@ def fire(marker_dir: Path, step: int, victim: int, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def process_age_s() -> float:
+    """Seconds since this process began (Linux ``/proc``): its imports, process group and model included."""
+    start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", choices=ARMS, required=True)
@@ -90,6 +98,7 @@ def main() -> None:
     fails = [int(s) for s in args.fail_steps.split(",") if s.strip()]
     start = 0
     session = None
+    t_setup = time.time()
     if args.arm == "gemscout":
         session = gemscout.enable_resiliency(
             model, optimizer, checkpoint=gemscout.CheckpointConfig(directory=args.work / "ckpt")
@@ -112,7 +121,18 @@ def main() -> None:
             set_state_dict(
                 model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
-    log("start", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), resume=start)
+    now = time.time()
+    log(
+        "start",
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        resume=start,
+        boot_s=round(
+            process_age_s(), 3
+        ),  # this process: imports, process group, model, the arm's setup
+        setup_s=round(
+            now - t_setup, 3
+        ),  # the arm's setup: enable_resiliency (with its recovery) or dcp.load
+    )
     pending = None
     # async_save's background collectives need a group of their own: on the training group they interleave with
     # DDP's all-reduces from another thread, and gloo hangs (torch's async_save docs pass a gloo group for this).

@@ -39,6 +39,20 @@ def test_an_arm_is_charged_its_wall_time_beyond_the_ideal_run_per_failure() -> N
     ]
 
 
+def test_each_failure_is_split_into_relaunch_time_and_steps_trained_again() -> None:
+    # Killed during step 6 after step 5 ended at t=1.5; the relaunch resumed from step 3 and started at t=4.5
+    # (its start is logged 5 s before its first step, at t=9.5).
+    events = _events((0, [(s, 1.0 + 0.1 * s) for s in range(1, 6)]), (3, [(4, 9.5), (5, 9.6)]))
+    arm = goodput.arm_summary(
+        "dcp",
+        {"wall_s": 12.0, "digest": "d", "events": events},
+        {"wall_s": 2.0, "useful_s": 1.0, "digest": "d"},
+        1,
+    )
+    assert arm["relaunch_s"] == [3.0] and arm["redone_steps"] == [2]
+    assert arm["step_s"] == pytest.approx(0.1)
+
+
 def test_the_schedule_and_bad_arguments() -> None:
     assert goodput.parse(["--steps", "60", "--fail-every", "15"]).fail_steps == [15, 30, 45]
     for bad in (

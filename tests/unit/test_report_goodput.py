@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ARMS = [
     {"arm": "gemscout", "wall_s": 29.4, "goodput": 0.124, "wasted_per_failure_s": 6.29,
-     "resume_steps": [14, 29, 44], "bitwise_equal_to_ideal": True},
+     "resume_steps": [14, 29, 44], "bitwise_equal_to_ideal": True, "step_s": 0.0821,
+     "relaunch_s": [3.03, 7.83, 6.23]},
     {"arm": "dcp", "wall_s": 28.6, "goodput": 0.128, "wasted_per_failure_s": 5.99,
      "resume_steps": [7, 28, 42], "bitwise_equal_to_ideal": True},
     {"arm": "torchft", "wall_s": 20.0, "goodput": 0.15, "wasted_per_failure_s": 2.5,
@@ -30,8 +31,8 @@ def test_goodput_cell_gets_a_table_and_two_charts(tmp_path: Path) -> None:
     assert 'aria-label="wasted time per failure per arm"' in html
     text = text_of(html)
     assert "Goodput under failures" in text
-    assert "gemscout 29.4 0.124 6.29 14, 29, 44 yes" in text
-    assert "torchft 20.0 0.150 2.50 – no" in text
+    assert "gemscout 29.4 0.124 6.29 82.1 3.0, 7.8, 6.2 14, 29, 44 yes" in text
+    assert "torchft 20.0 0.150 2.50 – – – no" in text
 
 
 def test_a_skipped_arm_is_named_with_its_reason_and_text_is_escaped() -> None:
