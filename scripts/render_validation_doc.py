@@ -661,7 +661,22 @@ def block_body(
             f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(str(cell.get('verdict', '?')).upper())} "
             f"| {shown} | {_cell_text(key_observations(cell))} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _targets_table(evidence))
+
+
+def _targets_table(evidence: Evidence) -> list[str]:
+    """Every target of the bundle's measurement cells, with the figure the cell measured and whether it was met:
+    the figures a page cites, as sealed, not a summary of the missed ones."""
+    rows = [
+        f"| `{_cell_text(cell.get('id', '?'))}` | {_cell_text(target.get('name', '?'))} "
+        f"| {_cell_text(target.get('detail') or '-')} | {'met' if target.get('met') else 'MISSED'} |"
+        for cell in (evidence.summary or {}).get("cells", [])
+        for target in cell.get("targets") or []
+        if isinstance(target, dict)
+    ]
+    if not rows:
+        return []
+    return ["", "| cell | target | measured | met |", "|---|---|---|---|", *rows]
 
 
 def update_blocks(

@@ -32,6 +32,18 @@ def measured(
     }
 
 
+def failed(cell: dict[str, Any], message: str, timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """A cell result for a run that could not produce its observations: status ``error`` and why, in one line."""
+    return {
+        "cell_id": cell["id"],
+        "status": "error",
+        "observed": {},
+        "metrics": {},
+        "timeline": timeline,
+        "message": message,
+    }
+
+
 def trust_gating(
     trust: dict[int, str], decisions: list[dict[str, Any]], fault_step: int, end: int | None = None
 ) -> dict[str, bool]:

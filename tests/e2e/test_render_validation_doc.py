@@ -401,3 +401,30 @@ def test_a_kill_cell_shows_its_measured_recovery_time_apart_from_its_checks() ->
     )
     cell["observed"]["fault_to_first_step_s"] = True  # not a number: never shown as one
     assert module.key_observations(cell) == "recovered_step=4"
+
+
+def test_a_generated_block_lists_every_target_with_its_measured_figure() -> None:
+    """A page that cites a measurement cites it from the block: each target, its sealed figure, met or MISSED."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_validation_doc", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("render_validation_doc", module)
+    spec.loader.exec_module(module)
+    bundle = REPO_ROOT / "docs" / "evidence" / "goodput"
+    summary = json.loads((bundle / "summary.json").read_text())
+    targets = [(c["id"], t) for c in summary["cells"] for t in c.get("targets") or []]
+    assert targets, "the committed goodput bundle has measurement targets"
+    evidence = module.load_evidence(
+        bundle,
+        expected_commit=module._claimed_commit(bundle),
+        trust=module.TrustPolicy(),
+        repo=REPO_ROOT,
+        main_ref="main",
+    )
+    body = module.block_body(evidence, "docs/evidence/goodput", behind=None)
+    assert "| cell | target | measured | met |" in body
+    for cell_id, target in targets:
+        verdict = "met" if target["met"] else "MISSED"
+        assert f"| `{cell_id}` | {target['name']} | {target['detail']} | {verdict} |" in body

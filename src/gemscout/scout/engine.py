@@ -61,6 +61,7 @@ from gemscout.scout.seams import ReplaySeams
 from gemscout.scout.stragglers import (
     CommStragglerDetector,
     ComputeStragglerDetector,
+    SustainedStragglerDetector,
     compute_reports,
 )
 from gemscout.topology import Topology, discover, has_dtensor_params
@@ -200,6 +201,7 @@ class Scout(ReplaySeams):
         )
         """Trust gating over this model's catalog (see :class:`~gemscout.scout.rotation.RotationTracker`)."""
         self._detectors: dict[str, ComputeStragglerDetector] = {}
+        self._sustained = SustainedStragglerDetector(self.config.stragglers)
         self._job_timer: JobCollectiveTimer | FsdpCollectiveTimer | None = None
         self._comm_detector = CommStragglerDetector(self.config.stragglers)
         self._attached = True
@@ -346,7 +348,13 @@ class Scout(ReplaySeams):
             report for result in results.values() if (report := result.fault_report()) is not None
         ]
         reports += compute_reports(
-            self._detectors, self.config.stragglers, step, results, times, len(ranks)
+            self._detectors,
+            self.config.stragglers,
+            step,
+            results,
+            times,
+            len(ranks),
+            sustained=self._sustained,
         )
         timer = self._job_timer
         if (
@@ -471,6 +479,7 @@ class Scout(ReplaySeams):
     def _rewind(self) -> None:
         self.rotation.reset()
         self._detectors.clear()
+        self._sustained.reset()
         self._comm_detector.reset()
         if self.domain is not None:
             self.domain.reset()

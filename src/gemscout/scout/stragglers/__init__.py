@@ -1,11 +1,14 @@
 """Straggler statistics: which rank (or host) is slow, from timings alone.
 
-No process group here: the caller gathers the timings and feeds one round at a time. Two detectors share one config
-(:mod:`.config`):
+No process group here: the caller gathers the timings and feeds one round at a time. Three detectors share one
+config (:mod:`.config`):
 
 * :class:`ComputeStragglerDetector` (:mod:`.compute`) — every peer times the same replay; a rank is slow against the
   peer median or against its own recent past. The times fed in should be what the rank's work took, not how long it
   waited for a CPU: SCOUT subtracts the replaying thread's run-queue wait (:mod:`.runqueue`) before it compares.
+* :class:`SustainedStragglerDetector` (:mod:`.sustained`) — a rank steadily a little slower than its peers: the
+  median of its time over its peers' median across the last ``sustained_window`` replays, pooled over recipes, past
+  ``sustained_margin``. It finds the 20 % straggler that no single round's margins can tell from noise.
 * :class:`CommStragglerDetector` (:mod:`.comm`) — the same collective timed in several process groups; the ranks
   common to every slow group, less any rank that also sits in a fast group, are the suspects, mapped to their host.
 
@@ -24,12 +27,14 @@ from gemscout.scout.stragglers.comm import CommStragglerDetector, GroupTiming
 from gemscout.scout.stragglers.compute import ComputeStragglerDetector, compute_reports
 from gemscout.scout.stragglers.config import StragglerConfig
 from gemscout.scout.stragglers.runqueue import run_queue_seconds, waited_since
+from gemscout.scout.stragglers.sustained import SustainedStragglerDetector
 
 __all__ = [
     "CommStragglerDetector",
     "ComputeStragglerDetector",
     "GroupTiming",
     "StragglerConfig",
+    "SustainedStragglerDetector",
     "compute_reports",
     "run_queue_seconds",
     "waited_since",

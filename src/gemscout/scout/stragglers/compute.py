@@ -25,6 +25,7 @@ from typing import Any
 from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.stragglers._rounds import check_hosts, check_round, check_seconds, ms
 from gemscout.scout.stragglers.config import StragglerConfig
+from gemscout.scout.stragglers.sustained import SustainedStragglerDetector
 
 __all__ = ["ComputeStragglerDetector", "compute_reports"]
 
@@ -221,18 +222,29 @@ def compute_reports(
     results: Mapping[str, Any],
     times: Mapping[str, Mapping[int, float]],
     ranks: int,
+    *,
+    sustained: SustainedStragglerDetector | None = None,
 ) -> list[FaultReport]:
     """One SCOUT cycle's compute-straggler reports: each recipe whose preconditions held and that every one of the
-    ``ranks`` replayed feeds its own detector (created in ``detectors`` on first use). ``config`` None: none."""
+    ``ranks`` replayed feeds its own detector (created in ``detectors`` on first use), and all of them together feed
+    ``sustained`` (a rank steadily slower than its peers; its report is left out when the per-round detectors
+    already named the same ranks this cycle). ``config`` None: none."""
     if config is None:
         return []
     reports = []
+    compared: dict[str, Mapping[int, float]] = {}
     for name, result in results.items():
         # Every rank of the job replayed the same recipe at the same shapes: compare them all, across groups.
         if result.preconditions_ok and len(times[name]) == ranks:
+            compared[name] = times[name]
             report = detectors.setdefault(name, ComputeStragglerDetector(config)).observe(
                 step, times[name]
             )
             if report is not None:
                 reports.append(dataclasses.replace(report, recipe=name))
+    if sustained is not None and compared:
+        report = sustained.observe(step, compared)
+        named = {rank for r in reports for rank in r.ranks}
+        if report is not None and not set(report.ranks) <= named:
+            reports.append(report)
     return reports

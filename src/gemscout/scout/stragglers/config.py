@@ -43,9 +43,17 @@ class StragglerConfig:
     0 turns the noise scaling off."""
     noise_window: int = 32
     """Healthy rounds whose per-rank excess over the median the noise estimate keeps. Int >= 2."""
+    sustained_window: int = 256
+    """Replays (one per recipe replayed, pooled over recipes and rounds) of a rank's time over its peers' median that
+    the sustained check keeps (:mod:`~gemscout.scout.stragglers.sustained`). Int >= 0; 0 turns the check off. A
+    cycle replays about four recipes, so 256 is about 64 cycles. Shorter windows see a healthy rank that shares a
+    core with other load for a while as steadily slow: on a loaded 2-core host four ranks' window medians reached
+    1.28x at 64 replays and 1.10x at 256 over 1,000 cycles."""
+    sustained_margin: float = 1.15
+    """A rank is steadily slow when the median of that window is past sustained_margin x its peers'. > 1.0."""
 
     def __post_init__(self) -> None:
-        for name in ("relative_margin", "baseline_margin"):
+        for name in ("relative_margin", "baseline_margin", "sustained_margin"):
             value = getattr(self, name)
             if not _is_number(value) or value <= 1.0:
                 raise ConfigError(
@@ -60,6 +68,10 @@ class StragglerConfig:
             value = getattr(self, name)
             if not _is_count(value) or value < 1:
                 raise ConfigError(f"StragglerConfig.{name} must be an int >= 1, got {value!r}")
+        if not _is_count(self.sustained_window) or self.sustained_window < 0:
+            raise ConfigError(
+                f"StragglerConfig.sustained_window must be an int >= 0 (0 turns it off), got {self.sustained_window!r}"
+            )
         if not _is_number(self.noise_factor) or self.noise_factor < 0:
             raise ConfigError(
                 f"StragglerConfig.noise_factor must be a finite number >= 0 (e.g. 6), got {self.noise_factor!r}"

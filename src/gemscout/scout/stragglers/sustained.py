@@ -1,0 +1,107 @@
+"""Sustained compute stragglers: a rank that is a little slower than its peers, every time, over many replays.
+
+The per-round detector (:mod:`.compute`) must not name a rank for one slow replay: on a loaded host a single
+replay's time moves by tens of per cent, so its margins sit far above that noise, and a rank that is steadily 20 %
+slower never crosses them. Noise of that kind is not persistent, though: over many replays a healthy rank's time
+relative to its peers stays centred on 1 (within a few per cent in 1,000 loaded cycles on four ranks), while a
+rank whose device or host is slower stays above.
+
+This detector keeps, per rank, the log of its time over the median of the other ranks' times for the same replay,
+pooled over every recipe (a ratio is the same whatever the work: a slow GPU slows every kernel), the newest
+``sustained_window`` of them. Once the window is full, a rank whose median ratio is past ``sustained_margin`` is
+reported. The median over a full window is what makes it robust: heavy-tailed single rounds (a descheduled thread,
+a page fault) move it by one sample each. Pure computation, never blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+
+from gemscout.reports import FaultKind, FaultReport, Scope
+from gemscout.scout.stragglers._rounds import check_hosts, check_round, check_seconds
+from gemscout.scout.stragglers.config import StragglerConfig
+
+__all__ = ["SustainedStragglerDetector"]
+
+
+class SustainedStragglerDetector:
+    """Names ranks whose replays are steadily slower than their peers', pooled over recipes and rounds."""
+
+    def __init__(self, config: StragglerConfig | None = None) -> None:
+        self.config = config if config is not None else StragglerConfig()
+        self._ratios: dict[int, deque[float]] = {}
+        self._last_step: int | None = None
+
+    def ratio(self, rank: int) -> float | None:
+        """``rank``'s median time over its peers' median in the window, or None before the window is full."""
+        window = self._ratios.get(rank)
+        if window is None or len(window) < self.config.sustained_window:
+            return None
+        return math.exp(statistics.median(window))
+
+    def reset(self) -> None:
+        """Forget every window (e.g. after recovery, when timings start afresh)."""
+        self._ratios.clear()
+        self._last_step = None
+
+    def observe(
+        self,
+        step: int,
+        times_by_recipe: Mapping[str, Mapping[int, float]],
+        *,
+        rank_to_host: Mapping[int, str] | None = None,
+    ) -> FaultReport | None:
+        """Take one cycle's replay times (seconds, per recipe, one per rank) and return a report naming every rank
+        whose window median is past ``sustained_margin``, else None. A recipe with fewer than two ranks, or whose
+        peers' median is zero, adds nothing. ``sustained_window`` 0: never reports. Raises ``ValueError`` for a
+        negative or non-increasing step, a bad rank, or a time that is negative, NaN or infinite."""
+        check_round(step, self._last_step)
+        hosts = check_hosts(rank_to_host)
+        for name, times in times_by_recipe.items():
+            for rank, seconds in times.items():
+                if type(rank) is not int or rank < 0:
+                    raise ValueError(f"ranks must be non-negative ints, got {rank!r}")
+                check_seconds(f"times_by_recipe[{name!r}][{rank}]", seconds)
+        self._last_step = step
+        cfg = self.config
+        if cfg.sustained_window == 0:
+            return None
+        for times in times_by_recipe.values():
+            if len(times) < 2:
+                continue
+            for rank, seconds in times.items():
+                peers = statistics.median(t for r, t in times.items() if r != rank)
+                if peers > 0 and seconds > 0:
+                    window = self._ratios.setdefault(rank, deque(maxlen=cfg.sustained_window))
+                    window.append(math.log(seconds / peers))
+        ratios = {rank: r for rank in sorted(self._ratios) if (r := self.ratio(rank)) is not None}
+        slow = [rank for rank, r in ratios.items() if r > cfg.sustained_margin]
+        if not slow:
+            return None
+        worst = max(slow, key=lambda rank: ratios[rank])
+        known = {rank: hosts[rank] for rank in slow if rank in hosts}
+        evidence: dict[str, object] = {
+            "signal": "compute",
+            "criterion": "sustained",
+            "median_ratio_to_peers": {str(rank): round(r, 4) for rank, r in ratios.items()},
+            "sustained_margin": cfg.sustained_margin,
+            "window": cfg.sustained_window,
+        }
+        if known:
+            evidence["hosts"] = {str(rank): host for rank, host in known.items()}
+        return FaultReport(
+            kind=FaultKind.STRAGGLER,
+            scope=Scope.RANK,
+            ranks=tuple(slow),
+            step=step,
+            evidence=evidence,
+            confirmations=cfg.sustained_window,
+            reason=(
+                f"rank(s) {slow} steadily slow: over its last {cfg.sustained_window} replays rank {worst} took "
+                f"{ratios[worst]:.2f}x its peers' median (margin {cfg.sustained_margin}x)"
+            ),
+            host=known.get(slow[0]) if len(slow) == 1 else None,
+        )
