@@ -30,7 +30,7 @@ from gemscout.gemini.config import CheckpointConfig, default_digest_threads
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.exchange import Frame, Identity, replication_for
 from gemscout.gemini.lifecycle import TrustLedger
-from gemscout.gemini.promotion import Promoter
+from gemscout.gemini.promotion import Promoter, PromotionParts
 from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
@@ -138,7 +138,22 @@ class Checkpointer:
             if config.durable_directory is not None
             else None
         )
-        self.promoter = Promoter(self)
+        self.promoter = Promoter(
+            PromotionParts(
+                durable_every=config.durable_every,
+                timeout=config.timeout,
+                durable=self.durable,
+                ledger=self.ledger,
+                own_dir=self.paths.own,
+                group=group,
+                rank=rank,
+                sources=sources,
+                sharded=self.sharded,
+                check_identity=self.identity.check,
+                queue_io=self.queue_io,
+                errors=self.errors,
+            )
+        )
         self.when_busy = "wait"
         self._vote: FreeSlotVote | None = None
         self.skipped_steps: list[int] = []

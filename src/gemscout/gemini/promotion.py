@@ -6,13 +6,17 @@ that was not written to disk (``persist_every > 1``) still counts; the promotion
 that was written, because a promotion reads each rank's own file. A step that is rejected, not yet certified, or
 already durable (or older than a durable one) is never chosen. When no step qualifies yet, the count is kept and
 the next certification tries again.
+
+The promoter is handed the parts of the checkpointer it uses as a :class:`PromotionParts`, built once by the
+checkpointer; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +27,12 @@ from gemscout.config import TrustState
 from gemscout.gemini import durable_sharded, store
 
 if TYPE_CHECKING:
-    from gemscout.gemini.checkpointer import Checkpointer
+    from datetime import timedelta
+    from pathlib import Path
+
+    from gemscout.gemini.durable import DurableTier
+    from gemscout.gemini.lifecycle import TrustLedger
+    from gemscout.state.training_state import StateSources
 
 log = logging.getLogger("gemscout.gemini")
 
@@ -43,15 +52,52 @@ def promotable_step(states: dict[int, TrustState], on_disk: Iterable[int]) -> in
     return max(ready, default=-1)
 
 
+@dataclass(frozen=True, slots=True)
+class PromotionParts:
+    """What a :class:`Promoter` uses of its rank's checkpointer, built once by it after all of these exist.
+
+    The objects are the checkpointer's own, shared, not copied: the ledger and the error list are the ones it
+    keeps, and promotion updates them in place; the values never change after construction."""
+
+    durable_every: int
+    """``CheckpointConfig.durable_every``: certified captures per promotion (0: never promote)."""
+    timeout: timedelta
+    """``CheckpointConfig.timeout``: bounds the step agreement and every collective of a promotion."""
+    durable: DurableTier | None
+    """The durable (DCP) tier promotions write to, with its own process group; None without
+    ``durable_directory`` (then nothing is promoted)."""
+    ledger: TrustLedger
+    """This rank's trust ledger: which step to promote is read from it, and a promoted step is marked DURABLE in
+    it and saved."""
+    own_dir: Path
+    """This rank's own checkpoint files (``RankPaths.own``): the steps on disk, and the file a promotion reads."""
+    group: dist.ProcessGroup
+    """The replication group, on which every rank agrees on the step to promote (training thread)."""
+    rank: int
+    """This rank, for the promotion's collective write."""
+    sources: StateSources
+    """The live training state, whose DTensors a sharded promotion rebuilds its shards like."""
+    sharded: bool
+    """Sharded (DTensor or rank-local) state: every part is each rank's own; otherwise :data:`REPLICATED` parts
+    are stored once."""
+    check_identity: Callable[..., None]
+    """Called as ``check_identity(identity, where=...)`` on the file read; raises for another run's file."""
+    queue_io: Callable[..., None]
+    """``queue_io(fn, *args)`` runs ``fn(*args)`` on the checkpointer's io thread, after everything queued
+    before it."""
+    errors: list[str]
+    """The checkpointer's error list: a failed promotion is appended to it."""
+
+
 class Promoter:
     """Counts certified captures and queues promotions on the checkpointer's io thread (see the module docstring).
 
     ``note_capture`` and ``on_certified`` run on the training thread; ``on_certified`` is collective (every rank
     calls it from the collective ``Checkpointer.certify``, after the io thread drained)."""
 
-    def __init__(self, ckpt: Checkpointer) -> None:
-        self.ckpt = ckpt
-        self.every = ckpt.config.durable_every if ckpt.durable is not None else 0
+    def __init__(self, parts: PromotionParts) -> None:
+        self.parts = parts
+        self.every = parts.durable_every if parts.durable is not None else 0
         self._uncertified: deque[int] = deque(maxlen=max(1, self.every))
         """Captured steps (persisted or not) not yet certified, the newest M: a job that never certifies must not
         grow it, and M of them are all a promotion needs to be due (captures come in step order)."""
@@ -72,12 +118,12 @@ class Promoter:
         )
         if self.certified_since_promotion < self.every:
             return
-        ck = self.ckpt
-        mine = promotable_step(ck.ledger.states, store.list_steps(ck.paths.own))
+        parts = self.parts
+        mine = promotable_step(parts.ledger.states, store.list_steps(parts.own_dir))
         agreed = torch.tensor([mine], dtype=torch.int64)
         comm.wait_all(
-            [dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ck.group, async_op=True)],
-            ck.config.timeout,
+            [dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=parts.group, async_op=True)],
+            parts.timeout,
             "promotion step agreement",
         )
         chosen = int(agreed.item())
@@ -88,29 +134,29 @@ class Promoter:
         # sharded state has a part on each rank, and even replicated (DDP) state has each rank's own RNG streams and
         # caller state, which a resumed job needs rank for rank to continue bitwise.
         # live_shards here, on the training thread (see its docstring)
-        likes = durable_sharded.live_shards(ck.sources) if ck.sharded else {}
-        ck.queue_io(self.promote, chosen, likes)
+        likes = durable_sharded.live_shards(parts.sources) if parts.sharded else {}
+        parts.queue_io(self.promote, chosen, likes)
 
     def promote(self, step: int, likes: dict[str, Any]) -> None:
         """Promote this rank's checkpoint file of ``step`` together with every rank (on the io thread; see
         :mod:`gemscout.gemini.durable_sharded`). Failures are recorded in ``errors`` and logged, never raised."""
-        ck = self.ckpt
-        assert ck.durable is not None and ck.durable.group is not None
+        parts = self.parts
+        assert parts.durable is not None and parts.durable.group is not None
         try:
-            path = store.step_file(ck.paths.own, step)
+            path = store.step_file(parts.own_dir, step)
             durable_sharded.promote_own_file(
-                ck.durable,
+                parts.durable,
                 step,
                 path,
                 likes,
-                check=ck.check_identity,
-                group=ck.durable.group,
-                rank=ck.rank,
-                timeout=ck.config.timeout,
-                replicated=() if ck.sharded else REPLICATED,
+                check=parts.check_identity,
+                group=parts.durable.group,
+                rank=parts.rank,
+                timeout=parts.timeout,
+                replicated=() if parts.sharded else REPLICATED,
             )
-            ck.ledger.mark(step, TrustState.DURABLE)
-            ck.ledger.save()
+            parts.ledger.mark(step, TrustState.DURABLE)
+            parts.ledger.save()
         except Exception as exc:
-            ck.errors.append(f"durable promotion of step {step} failed: {exc}")
+            parts.errors.append(f"durable promotion of step {step} failed: {exc}")
             log.error("gemini: durable promotion of step %d failed: %s", step, exc)
