@@ -103,7 +103,11 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                 {
                     "name": f"{name} at {tag}",
                     "met": bool(met),
-                    "detail": f"ratio {value}" if value is not None else "",
+                    "detail": f"ratio {value:.4g}"
+                    if isinstance(value, float)
+                    else f"ratio {value}"
+                    if value is not None
+                    else "",
                 }
             )
     result: dict[str, Any] = {

@@ -10,14 +10,11 @@ A generated block::
 verify``; ``sha256`` is the digest of the body as the renderer wrote it, so a hand edit is caught without re-rendering.
 The body names the bundle's commit and says "historical" when that commit is not HEAD.
 
-A block of figures nobody can back yet is labelled instead, visibly::
+A figure nobody can back with a committed bundle is not shown at all: the page says what is measured where (the
+campaign cell, benchmark or test) without the number. The old escape hatch, an ``UNBACKED`` block of hand-measured
+figures labelled "not evidence", is gone; :func:`unbacked_blocks` finds any left, which a test requires to be none.
 
-    <!-- BEGIN UNBACKED reason -->
-    > **Not evidence:** ...
-    ...
-    <!-- END UNBACKED -->
-
-:func:`figure_lines` finds every performance or reliability figure outside both kinds of block (fenced code, i.e.
+:func:`figure_lines` finds every performance or reliability figure outside generated blocks (fenced code, i.e.
 example output, excepted), which a test requires to be none.
 """
 
@@ -34,8 +31,6 @@ BEGIN = re.compile(
 )
 END = "<!-- END GENERATED figures -->"
 UNBACKED_BEGIN = re.compile(r"^<!-- BEGIN UNBACKED (?P<reason>.+) -->$")
-UNBACKED_END = "<!-- END UNBACKED -->"
-UNBACKED_LABEL = "> **Not evidence:**"
 FIGURE = re.compile(
     r"[+−±-]\s?\d+(\.\d+)?\s?%"  # a signed percentage: an overhead, a change
     r"|\d+\.\d+\s?%"  # a measured percentage
@@ -100,14 +95,12 @@ def replace_body(text: str, bundle: str, body: str) -> str:
 
 
 def figure_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` for every figure outside generated, unbacked and fenced blocks."""
+    """``(line number, line)`` for every figure outside generated and fenced blocks."""
     inside = None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if inside is None:
             if BEGIN.match(line):
                 inside = END
-            elif UNBACKED_BEGIN.match(line):
-                inside = UNBACKED_END
             elif line.startswith("```"):
                 inside = "```"
             elif FIGURE.search(line):
@@ -116,15 +109,10 @@ def figure_lines(path: Path) -> Iterator[tuple[int, str]]:
             inside = None
 
 
-def unbacked_without_label(path: Path) -> list[int]:
-    """Lines of UNBACKED markers whose block does not open with the visible :data:`UNBACKED_LABEL`."""
+def unbacked_blocks(path: Path) -> list[int]:
+    """Lines of ``<!-- BEGIN UNBACKED ... -->`` markers: hand-measured figures, which no page may hold any more."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    return [
-        number
-        for number, line in enumerate(lines, start=1)
-        if UNBACKED_BEGIN.match(line)
-        and not (number < len(lines) and lines[number].startswith(UNBACKED_LABEL))
-    ]
+    return [number for number, line in enumerate(lines, start=1) if UNBACKED_BEGIN.match(line)]
 
 
 def _closing(lines: list[str], start: int, marker: str, path: Path) -> int:

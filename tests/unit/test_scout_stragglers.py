@@ -47,7 +47,7 @@ def test_config_defaults() -> None:
     assert config.confirmations == 2
     assert (
         config.compute_confirmations == 4
-    )  # two gave false reports on a loaded machine (docs/scout.md)
+    )  # two gave false reports on a loaded machine (scout-straggler loaded-1000)
     assert config.noise_factor == 6.0 and config.noise_window == 32
     assert config.sustained_window == 256 and config.sustained_margin == 1.15
     assert 1 <= config.baseline_min_samples <= config.baseline_window
@@ -417,7 +417,7 @@ def _loaded_rounds(
 ) -> list[dict[int, float]]:
     """Healthy rounds as a loaded shared machine produces them: ``jitter`` (log-normal sigma; 10-20 % measured)
     on every rank, and now and then (5 % of rank-rounds, independently) a rank taking 2-10x as long, as the measured
-    run's tails did (docs/scout.md)."""
+    run's tails did (scout-straggler's loaded-1000 cell runs such a load)."""
     rng = random.Random(seed)
     out = []
     for _ in range(rounds):

@@ -14,7 +14,7 @@ config (:mod:`.config`):
 
 A rank is reported only after ``compute_confirmations`` (default 4) or, for communication, ``confirmations``
 (default 2) consecutive slow rounds; one healthy round (or a round it is missing from) resets its count, so
-intermittent blips never add up to a report. Measured on a loaded 2-core machine (docs/scout.md): two compute
+intermittent blips never add up to a report. Measured on a loaded 2-core machine (the scout-straggler campaign's loaded-1000 cell): two compute
 confirmations at fixed margins reported a healthy rank about once per cycle; four, with the run-queue wait subtracted
 and the noise-scaled margin, never in 1,000 cycles. Once confirmed, every further slow round
 reports again with the growing count. Detectors keep state across rounds and are not thread-safe: one thread calls

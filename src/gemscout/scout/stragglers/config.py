@@ -31,7 +31,7 @@ class StragglerConfig:
     compute_confirmations: int = 4
     """Consecutive slow rounds of one recipe before a compute straggler is reported. Int >= 1. Replay times on a
     loaded host have heavy tails that can hit one rank a few rounds running: two reported healthy ranks there, four
-    none in 1,000 measured cycles (docs/scout.md)."""
+    none in 1,000 measured cycles (the scout-straggler campaign's loaded-1000 cell runs them)."""
     baseline_window: int = 16
     """How many of a rank's own healthy rounds its temporal baseline (a rolling median) remembers. Int >= 1."""
     baseline_min_samples: int = 4
