@@ -467,7 +467,7 @@ def test_a_flood_does_not_grow_the_training_process_and_leaves_nothing_behind() 
     cap = 256 << 20
     server = StoreServer.start(
         "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY],
-        config=StoreServerConfig(memory_cap_bytes=cap),
+        config=StoreServerConfig(memory_cap_bytes=cap, max_restarts=0),
     )  # fmt: skip
     try:
         assert (
@@ -668,8 +668,9 @@ def test_a_lost_store_is_reported_by_every_ranks_watchdog() -> None:
     once, naming the signal; the other once its reads have failed for ``store_unreachable`` (1 s here), naming
     that; neither reports again on later polls."""
     server = StoreServer.start(
-        "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY]
-    )
+        "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY],
+        config=StoreServerConfig(max_restarts=0),  # stays down: test_oob_store_restart.py has the restarts
+    )  # fmt: skip
     pubs: list[ProgressPublisher] = []
     try:
         pubs, observer = _job(server.port)

@@ -9,7 +9,9 @@ Run by :class:`gemscout.watch.store_server.StoreServer` as ``python <this file> 
   reserve above, for sweeps only): every allocation of the store past that fails, the libuv server answers
   ``std::bad_alloc`` by dropping that client's connection, and the process lives on with its memory bounded whatever
   an outsider sends;
-- adopts the listening descriptor (``master_listen_fd``), so the port its parent published never changes;
+- adopts the listening descriptor (``master_listen_fd``), so the port its parent published never changes; a
+  restarted one (``--port`` instead of ``--fd``) binds that port again itself, only once its imports are done, so that
+  while it starts a client is refused at once rather than left waiting in a backlog (exit code 4 when it cannot);
 - sweeps: deletes every key that is not one of the job's slots (``<namespace>/<rank>/<key>``, rank below
   ``--world-size``), again at once while it keeps finding some, and reports the count to its parent; when it cannot
   sweep for a few seconds even with the reserve, it exits (code 75) rather than serve a store that refuses everyone;
@@ -66,7 +68,9 @@ def _say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fd", type=int, required=True)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--fd", type=int)
+    where.add_argument("--port", type=int)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--cap-bytes", type=int, required=True)
@@ -87,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     hard = soft + max(_MIN_RESERVE, args.cap_bytes // 8)
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     host = args.host
+    if args.fd is None:
+        try:
+            args.fd = _listen(host, args.port)
+        except OSError as exc:
+            _say(f"bind-failed: port {args.port} of {host}: {exc}")
+            return 4
     port = _port_of(args.fd)
     _server = TCPStore(  # serves from its own thread until the process ends
         host,
@@ -194,6 +204,23 @@ class _Sweeper:
                     # reserve too.
                     resource.setrlimit(resource.RLIMIT_DATA, (self._soft, self._hard))
         return removed
+
+
+def _listen(host: str, port: int) -> int:
+    """A descriptor bound to ``host:port`` and listening (what the parent's ``listen_socket`` makes; this program
+    imports nothing of gemscout, so it keeps its own few lines)."""
+    import socket
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address[:2] if family == socket.AF_INET else address)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def _port_of(fd: int) -> int:

@@ -54,7 +54,7 @@ _RECONNECT_TIMEOUT = timedelta(
     seconds=3
 )  # a store that is gone refuses at once; a busy one answers within this
 _RECONNECT_BACKOFF_S = (
-    5.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
+    2.0  # after a failed reconnect, fail fast for this long instead of waiting on each call
 )
 
 _T = TypeVar("_T")
@@ -314,10 +314,17 @@ class OobChannel:
 
     def _read_bounded(self, rank: int, key: str, reader: BoundedReader) -> dict[str, Any] | None:
         """:meth:`read` (no wait) through the length-first reader: an oversized value is refused before its bytes
-        are read; a store that cannot be reached raises ``DistNetworkError`` as a ``TCPStore`` call would."""
+        are read; a store that cannot be reached raises ``DistNetworkError`` as a ``TCPStore`` call would. A
+        connection the server dropped (or a store process that was restarted) is made again once per read."""
         limit = self._config.max_message_bytes
         try:
-            raw = reader.get(self.slot(rank, key), limit)
+            try:
+                raw = reader.get(self.slot(rank, key), limit)
+            except ConnectionError as dropped:
+                logger.debug(
+                    "OOB bounded read failed (%s); once more on a fresh connection", dropped
+                )
+                raw = reader.get(self.slot(rank, key), limit)
         except Oversized as big:
             with self._lock:
                 self._present.add((rank, key))
@@ -424,6 +431,14 @@ class OobChannel:
         logger.warning(
             "OOB store: deleted %d key(s) that are not this job's slots (%s)", count, shown
         )
+
+    def forget_presence(self) -> None:
+        """Forget which slots held a message: after the store was unreadable (a restarted store process serves an
+        empty store), a slot found absent is not one someone deleted. The sequence numbers accepted are kept, so an
+        old message written into the fresh store is still refused as a replay."""
+        with self._lock:
+            self._present.clear()
+            self._vanished.clear()
 
     def read_many(self, ranks: Iterable[int], key: str) -> dict[int, dict[str, Any]]:
         """The newest authentic payload under ``key`` of each of ``ranks`` that has one. Never blocks on absence."""

@@ -21,7 +21,9 @@ from typing import Any, Literal
 
 import blake3
 
-TamperKind = Literal["forged", "replayed", "deleted", "oversized", "foreign_keys", "store_lost"]
+TamperKind = Literal[
+    "forged", "replayed", "deleted", "oversized", "foreign_keys", "store_lost", "store_restored"
+]
 
 VERSION = 2
 _MAC_DOMAIN = (

@@ -9,7 +9,9 @@ conservative ``RecoveryDecision``.
 The store rank 0 serves listens on ``MASTER_ADDR``'s address only (loopback for a local job), not on every interface.
 It is served by a child process of rank 0 with a memory cap of its own (:mod:`gemscout.watch.store_server`), so what
 anyone sends to it never grows the training process; that process deletes any key that is not a rank's slot, exits
-with rank 0, and its loss is a ``tamper`` finding (``store_lost``), never a hang or a crash. Every attach draws a fresh random epoch that rank 0 gives
+with rank 0, and its loss is a ``tamper`` finding (``store_lost``), never a hang or a crash. Rank 0 restarts it on the
+same port (``WatchConfig.store.max_restarts`` times, with a backoff); every rank reconnects and re-publishes on its next
+heartbeat, and a ``store_restored`` finding says watching resumed. Every attach draws a fresh random epoch that rank 0 gives
 the others over the process group (not the store): messages of an earlier attach, replayed into the store, are
 refused. Whatever fails authentication is reported as ``tamper`` and never becomes a hang.
 """
@@ -86,7 +88,8 @@ class WatchConfig:
     host: str = field(default_factory=socket.gethostname)
     """The host name published with this rank's progress (maps a root rank to its node)."""
     store: StoreServerConfig = field(default_factory=StoreServerConfig)
-    """How rank 0's store process runs (its memory cap, start and stop timeouts); unused with ``endpoint``."""
+    """How rank 0's store process runs (its memory cap, start and stop timeouts, how often it is restarted after it
+    died: ``max_restarts``, ``restart_backoff``); unused with ``endpoint``."""
 
     def __post_init__(self) -> None:
         c = "WatchConfig"

@@ -7,8 +7,17 @@ itself (the port is known at once; clients queue in the backlog) and hands the l
 process (:mod:`gemscout.watch._store_child`) that adopts it and caps its own memory (``RLIMIT_DATA``): past the cap the
 store refuses the message that would grow it (the sending connection is dropped), and the training process holds
 nothing of the store at all. The child sweeps foreign keys itself, at once while it keeps finding some, and exits when
-its parent dies or :meth:`StoreServer.close` stops it. Its death is reported through :meth:`StoreServer.status`, which
-the watchdog turns into a ``tamper`` finding (``store_lost``); training uses its own store and goes on.
+its parent dies or :meth:`StoreServer.close` stops it.
+
+Its death (killed, out of memory at its cap, a crash) is reported through :meth:`StoreServer.status`, which the
+watchdog turns into a ``tamper`` finding (``store_lost``); training uses its own store and goes on. A supervisor thread
+then starts a fresh child on the same address and port (the child binds the port again once its imports are done:
+nobody keeps a listening descriptor while no store serves, so a client of a dead store is refused at once instead of
+waiting in a backlog), after
+``StoreServerConfig.restart_backoff`` (doubling for each further restart), at most ``max_restarts`` times; past them
+the store stays down and :meth:`StoreServer.status` says so (``restarting`` false). The fresh store is empty: its
+owners re-publish their slots on their next heartbeat. The port could be taken by someone else while it is down; the
+restart then fails (counted against the limit) and is reported with the cause.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -76,13 +85,22 @@ class StoreServerConfig:
     """Pause between two sweeps that found nothing (a sweep that found keys runs again at once)."""
     python: str = field(default_factory=lambda: sys.executable)
     """The interpreter that runs the store process (it must import torch)."""
+    max_restarts: int = 3
+    """How many times a store process that died is started again, on the same port, over the server's life (a
+    restart that does not serve within ``start_timeout`` counts too). Past them the store stays down. 0: never."""
+    restart_backoff: timedelta = timedelta(seconds=1)
+    """Pause before the first restart; it doubles for each further one (at most 60 s)."""
 
     def __post_init__(self) -> None:
         if type(self.memory_cap_bytes) is not int or self.memory_cap_bytes < 16 << 20:
             raise ConfigError(
                 f"StoreServerConfig.memory_cap_bytes must be an int >= 16 MiB, got {self.memory_cap_bytes!r}"
             )
-        for name in ("start_timeout", "stop_timeout", "sweep_interval"):
+        if type(self.max_restarts) is not int or not 0 <= self.max_restarts <= 1000:
+            raise ConfigError(
+                f"StoreServerConfig.max_restarts must be an int in 0..1000, got {self.max_restarts!r}"
+            )
+        for name in ("start_timeout", "stop_timeout", "sweep_interval", "restart_backoff"):
             if getattr(self, name) <= timedelta(0):
                 raise ConfigError(
                     f"StoreServerConfig.{name} must be > 0, got {getattr(self, name)}"
@@ -102,7 +120,15 @@ class StoreStatus:
     pressure: bool
     """The store reached 90 % of its memory cap at least once (a flood was refused or nearly so)."""
     lost: str | None
-    """Why the store is gone (it exited or was killed), ``None`` while it serves."""
+    """Why the store is gone (it exited or was killed), ``None`` while it serves (a restarted one too)."""
+    outages: int = 0
+    """Times the store was lost so far (a restart that failed belongs to the outage it was meant to end)."""
+    restarts: int = 0
+    """Times a fresh store process was started after a loss and served."""
+    restarting: bool = False
+    """While ``lost``: a restart is due or under way. False then: the restart limit is reached, it stays down."""
+    last_lost: str | None = None
+    """Why the store was last lost (kept once a restart serves)."""
 
 
 class StoreHealth(Protocol):
@@ -112,13 +138,17 @@ class StoreHealth(Protocol):
 
 
 class StoreServer:
-    """A ``TCPStore`` served by a child process on ``host``'s address only. Use :meth:`start`."""
+    """A ``TCPStore`` served by a child process on ``host``'s address only, restarted when it dies. Use
+    :meth:`start`."""
 
     def __init__(
-        self, proc: subprocess.Popen[str], *, host: str, port: int, config: StoreServerConfig
+        self, *, host: str, port: int, config: StoreServerConfig, args: Sequence[str]
     ) -> None:
-        self._proc, self.host, self.port, self.config = proc, host, port, config
+        """``args``: the child's arguments but ``--fd`` (the listening descriptor differs per start)."""
+        self.host, self.port, self.config = host, port, config
+        self._args = list(args)
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._ready = threading.Event()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._swept = 0
@@ -126,12 +156,17 @@ class StoreServer:
         self._swept_at: float | None = None
         self._pressure = False
         self._lost: str | None = None
+        self._last_lost: str | None = None
+        self._outages = 0
+        self._restarts = 0  # fresh processes that served
+        self._attempts = 0  # fresh processes started (or tried) after a loss
+        self._restarting = False
+        self._noted: subprocess.Popen[str] | None = None  # the process whose death is counted
         self._closing = False
-        assert proc.stdout is not None
-        self._reader = threading.Thread(
-            target=self._read, args=(proc.stdout,), name="gemscout-oob-store-reader", daemon=True
-        )
-        self._reader.start()
+        self._spawned_at = 0.0
+        self._proc: subprocess.Popen[str]
+        self._reader: threading.Thread
+        self._supervisor: threading.Thread | None = None
 
     @classmethod
     def start(
@@ -153,86 +188,209 @@ class StoreServer:
         cfg = config or StoreServerConfig()
         sock, bound_host = listen_socket(host, port)
         try:
-            bound_port = int(sock.getsockname()[1])
-            command = [
-                cfg.python,
-                str(_CHILD),
-                "--fd",
-                str(sock.fileno()),
-                "--parent",
-                str(os.getpid()),
-            ]
-            command += ["--host", bound_host, "--cap-bytes", str(cfg.memory_cap_bytes)]
-            command += ["--namespace", namespace, "--world-size", str(world_size)]
-            command += [arg for key in keys for arg in ("--key", key)]
-            command += ["--sweep-interval", str(cfg.sweep_interval.total_seconds())]
-            proc = subprocess.Popen(
-                command,
-                pass_fds=(sock.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-            )
+            args = ["--parent", str(os.getpid()), "--host", bound_host]
+            args += ["--cap-bytes", str(cfg.memory_cap_bytes)]
+            args += ["--namespace", namespace, "--world-size", str(world_size)]
+            args += [arg for key in keys for arg in ("--key", key)]
+            args += ["--sweep-interval", str(cfg.sweep_interval.total_seconds())]
+            server = cls(host=bound_host, port=int(sock.getsockname()[1]), config=cfg, args=args)
+            with server._lock:
+                server._spawn_locked(sock)
         finally:
             # Only the child listens from here on: were this process to keep the socket, a client of a dead store
             # would wait in its backlog for a timeout instead of being refused at once.
             sock.close()
-        server = cls(proc, host=bound_host, port=bound_port, config=cfg)
         server._await_ready()
+        server._supervisor = threading.Thread(
+            target=server._supervise, name="gemscout-oob-store-supervisor", daemon=True
+        )
+        server._supervisor.start()
         return server
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        """The process serving now (or the newest one started)."""
+        with self._lock:
+            return self._proc.pid
 
     def status(self) -> StoreStatus:
-        """What the process has reported; ``lost`` set once it is gone (never blocks)."""
+        """What the process has reported; ``lost`` set once it is gone, until a restart serves (never blocks)."""
         with self._lock:
-            if self._lost is None and not self._closing and self._proc.poll() is not None:
-                self._lost = self._cause()
+            if not self._closing and self._proc.poll() is not None:
+                self._note_death_locked(self._proc)
             return StoreStatus(
                 swept=self._swept,
                 sample=self._sample,
                 swept_at=self._swept_at,
                 pressure=self._pressure,
                 lost=self._lost,
+                outages=self._outages,
+                restarts=self._restarts,
+                restarting=self._lost is not None and self._restarting,
+                last_lost=self._last_lost,
             )
 
     def close(self) -> None:
-        """Stop the process: SIGTERM, then SIGKILL after ``config.stop_timeout``. Idempotent; never raises for a
-        process that is already gone."""
+        """Stop the process (and any restart): SIGTERM, then SIGKILL after ``config.stop_timeout``. Idempotent; never
+        raises for a process that is already gone."""
         with self._lock:
             self._closing = True
-        if self._proc.poll() is None:
-            self._proc.terminate()
+            self._closed.set()
+            proc, reader = self._proc, self._reader
+        stop_s = self.config.stop_timeout.total_seconds()
+        if proc.poll() is None:
+            proc.terminate()
             try:
-                self._proc.wait(self.config.stop_timeout.total_seconds())
+                proc.wait(stop_s)
             except subprocess.TimeoutExpired:
-                logger.warning("OOB store process %d ignored SIGTERM; killing it", self._proc.pid)
-                self._proc.kill()
-                self._proc.wait(self.config.stop_timeout.total_seconds())
-        self._reader.join(self.config.stop_timeout.total_seconds())
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
+                logger.warning("OOB store process %d ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait(stop_s)
+        if self._supervisor is not None:
+            self._supervisor.join(stop_s)
+        reader.join(stop_s)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def _spawn_locked(self, sock: socket.socket | None) -> None:
+        """Start a child on ``sock`` (the caller closes its copy; ``None``: the child binds ``self.port`` again) with
+        a reader of its own; under ``_lock``."""
+        where = ["--fd", str(sock.fileno())] if sock is not None else ["--port", str(self.port)]
+        command = [self.config.python, str(_CHILD), *where, *self._args]
+        proc = subprocess.Popen(
+            command,
+            pass_fds=(sock.fileno(),) if sock is not None else (),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        assert proc.stdout is not None
+        ready = threading.Event()
+        self._proc, self._ready, self._spawned_at = proc, ready, time.monotonic()
+        self._tail = collections.deque(maxlen=_TAIL_LINES)
+        self._reader = threading.Thread(
+            target=self._read,
+            args=(proc, proc.stdout, ready),
+            name="gemscout-oob-store-reader",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def _note_death_locked(self, proc: subprocess.Popen[str]) -> None:
+        """Count ``proc``'s death once (by :meth:`status` or the supervisor, whichever sees it first)."""
+        if self._noted is proc:
+            return
+        self._noted = proc
+        cause = self._cause(proc)
+        if self._lost is None:
+            self._outages += 1
+            self._lost = cause
+        else:  # a restart that did not serve: the same outage goes on
+            self._lost = f"{self._lost}; restart {self._attempts} failed: {cause}"
+        self._last_lost = self._lost
+        self._restarting = self._attempts < self.config.max_restarts
+
+    def _supervise(self) -> None:
+        """Wait for the child's end; restart it (bounded, with a backoff) until :meth:`close`."""
+        cfg = self.config
+        while True:
+            with self._lock:
+                proc, reader, ready, spawned = (
+                    self._proc,
+                    self._reader,
+                    self._ready,
+                    self._spawned_at,
+                )
+            while reader.is_alive():  # the reader ends at EOF: the child is gone
+                reader.join(0.1)
+                if self._closed.is_set():
+                    return
+                late = time.monotonic() - spawned >= cfg.start_timeout.total_seconds()
+                if late and not ready.is_set() and proc.poll() is None:
+                    logger.warning(
+                        "restarted OOB store process %d is not serving; killing it", proc.pid
+                    )
+                    proc.kill()
+            try:
+                proc.wait(cfg.stop_timeout.total_seconds())
+            except subprocess.TimeoutExpired:  # it closed its stdout but lives on: it serves nobody
+                proc.kill()
+                try:
+                    proc.wait(cfg.stop_timeout.total_seconds())
+                except subprocess.TimeoutExpired:
+                    logger.error("OOB store process %d does not die; not restarting", proc.pid)
+                    return
+            if proc.stdout is not None:
+                proc.stdout.close()
+            with self._lock:
+                if self._closing:
+                    return
+                self._note_death_locked(proc)
+                attempt, lost = self._attempts + 1, self._lost
+                if not self._restarting:
+                    logger.error(
+                        "OOB store lost and not restarted (%d restart(s) allowed, all used): %s",
+                        cfg.max_restarts,
+                        lost,
+                    )
+                    return
+            delay = min(cfg.restart_backoff.total_seconds() * 2 ** (attempt - 1), 60.0)
+            logger.warning(
+                "OOB store lost (%s); restarting it on port %d in %.1f s (restart %d of %d)",
+                lost, self.port, delay, attempt, cfg.max_restarts,
+            )  # fmt: skip
+            if self._closed.wait(delay):
+                return
+            if not self._restart(attempt):
+                return
+
+    def _restart(self, attempt: int) -> bool:
+        """Start a child that binds the port again; False when there is nothing more to do."""
+        try:
+            with self._lock:
+                if self._closing:
+                    return False
+                self._attempts = attempt
+                self._spawn_locked(None)
+        except OSError as exc:
+            with self._lock:
+                self._lost = f"{self._lost}; restart {attempt} could not start a process: {exc}"
+                self._last_lost = self._lost
+                self._restarting = self._attempts < self.config.max_restarts
+                keep_on = self._restarting and not self._closing
+            logger.error("OOB store restart %d could not start a process: %s", attempt, exc)
+            return keep_on and self._retry_later(attempt)
+        return True
+
+    def _retry_later(self, attempt: int) -> bool:
+        """After a restart that started nothing: wait the next backoff, then try again (recursion bounded by
+        ``max_restarts``)."""
+        delay = min(self.config.restart_backoff.total_seconds() * 2**attempt, 60.0)
+        if self._closed.wait(delay):
+            return False
+        return self._restart(attempt + 1)
 
     def _await_ready(self) -> None:
+        proc = self._proc
         deadline = time.monotonic() + self.config.start_timeout.total_seconds()
         while not self._ready.wait(0.05):
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 self._reader.join(1.0)
-                raise StoreServerError(f"the OOB store process could not start: {self._cause()}")
+                raise StoreServerError(
+                    f"the OOB store process could not start: {self._cause(proc)}"
+                )
             if time.monotonic() >= deadline:
-                self._proc.kill()
-                self._proc.wait(self.config.stop_timeout.total_seconds())
+                proc.kill()
+                proc.wait(self.config.stop_timeout.total_seconds())
                 raise StoreServerError(
                     f"the OOB store process was not serving within {self.config.start_timeout} (killed); "
                     "raise StoreServerConfig.start_timeout on a busy host"
                 )
 
-    def _cause(self) -> str:
-        code = self._proc.returncode
+    def _cause(self, proc: subprocess.Popen[str]) -> str:
+        code = proc.returncode
         how = (
             f"was killed by {signal.Signals(-code).name}"
             if code is not None and code < 0
@@ -245,30 +403,44 @@ class StoreServer:
         last = " | ".join(
             line for line in self._tail if not line.startswith(("swept ", "pressure "))
         )[-600:]
-        return f"store process {self._proc.pid} {how}{near}" + (
+        return f"store process {proc.pid} {how}{near}" + (
             f"; its last output: {last}" if last else ""
         )
 
-    def _read(self, stream: IO[str]) -> None:
-        for raw in stream:
-            line = raw.rstrip("\n")
-            if line == "ready":
-                self._ready.set()
-                continue
-            word, _, rest = line.partition(" ")
+    def _read(self, proc: subprocess.Popen[str], stream: IO[str], ready: threading.Event) -> None:
+        try:
+            for raw in stream:
+                self._line(proc, raw.rstrip("\n"), ready)
+        except (OSError, ValueError):  # the stream was closed under us (close())
+            pass
+
+    def _line(self, proc: subprocess.Popen[str], line: str, ready: threading.Event) -> None:
+        if line == "ready":
+            ready.set()
             with self._lock:
+                if proc is self._proc and self._lost is not None and not self._closing:
+                    logger.warning(
+                        "OOB store restored: process %d serves on port %d again (restart %d of %d)",
+                        proc.pid, self.port, self._attempts, self.config.max_restarts,
+                    )  # fmt: skip
+                    self._lost, self._restarting = None, False
+                    self._restarts += 1
+            return
+        word, _, rest = line.partition(" ")
+        with self._lock:
+            if proc is self._proc:
                 self._tail.append(line[:300])
-                if word == "swept":
-                    count, _, sample = rest.partition(" ")
-                    try:
-                        self._swept += int(count)
-                        self._sample = tuple(str(s) for s in json.loads(sample))
-                    except (
-                        ValueError
-                    ):  # a line cut by the child's death; its count comes again or never matters
-                        continue
-                    self._swept_at = time.monotonic()
-                elif word == "pressure":
-                    self._pressure = True
-            if word not in ("swept", "pressure"):
-                logger.debug("OOB store process: %s", line)
+            if word == "swept":
+                count, _, sample = rest.partition(" ")
+                try:
+                    self._swept += int(count)
+                    self._sample = tuple(str(s) for s in json.loads(sample))
+                except (
+                    ValueError
+                ):  # a line cut by the child's death; its count comes again or never matters
+                    return
+                self._swept_at = time.monotonic()
+            elif word == "pressure":
+                self._pressure = True
+        if word not in ("swept", "pressure"):
+            logger.debug("OOB store process: %s", line)

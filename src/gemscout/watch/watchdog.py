@@ -17,11 +17,20 @@ finding naming the slot, recommendation ``observe``: an outsider can make noise,
 
 Given the :class:`~gemscout.watch.store_server.StoreServer` that serves the store, each poll first reads its status:
 keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
-``tamper`` finding of kind ``store_lost`` naming the cause, after which the watchdog reads nothing more (there is
-nothing to read; training goes on, its process group has a store of its own). A watchdog without the store process
-(every other rank's) reports ``store_lost`` when its reads have failed for ``store_unreachable``, once per outage. While foreign keys were swept within the
-window, a rank's silence is no evidence of its death (a store filled to its cap refuses genuine messages too): a hang
-then needs authentic records whose counters stopped.
+``tamper`` finding of kind ``store_lost`` per outage, naming the cause and whether it is being restarted; the watchdog
+reads nothing while it is down (training goes on, its process group has a store of its own). The server restarts it on
+the same port a bounded number of times; when one serves again, a ``tamper`` finding of kind ``store_restored`` says
+the outage ended and watching resumes. Past the restart limit the store stays down, said once (in the ``store_lost``
+finding, or in a second one when the restarts of an outage all failed). A watchdog without the store process (every
+other rank's) reports ``store_lost`` when its reads have failed for ``store_unreachable``, once per outage, reconnects
+on its own when the store answers again, and then reports ``store_restored``.
+
+After any time in which the store could not be read (a restart serves an empty store), no rank's silence is evidence:
+every rank's heartbeat clock starts again when reads resume, a rank is not stuck until a fresh heartbeat of it has been
+read (its counters were not observed across the outage), and a slot that is absent then is not "deleted" (the channel
+forgets which slots it saw; the sequence numbers it accepted are kept, so a message replayed from before the outage is
+still refused). While foreign keys were swept within the window, a rank's silence is no evidence of its death (a store
+filled to its cap refuses genuine messages too): a hang then needs authentic records whose counters stopped.
 """
 
 from __future__ import annotations
@@ -122,7 +131,13 @@ class Watchdog:
         self._sweep = sweep
         self._store = store
         self._store_swept = 0
-        self._store_lost = False
+        self._store_lost = False  # in an outage that was reported (and not yet restored)
+        self._lost_at: float | None = None
+        self._outages_seen = 0
+        self._gave_up_reported = False
+        self._read_failed = False  # the last poll could not read the store
+        self._resumed_at: float | None = None  # when reads last resumed after an outage
+        self._awaiting: set[int] = set()  # ranks without a fresh heartbeat since reads resumed
         self._unreachable_since: float | None = None
         self._poll_errors = 0
         # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
@@ -167,38 +182,49 @@ class Watchdog:
         now = self._clock()
         if self._started_at is None:
             self._started_at = now
+        early: list[StallFinding] = []  # the store's findings, delivered before the reads
         if self._store is not None:
-            lost = self._check_store()
-            if lost is not None or self._store_lost:
-                if lost is not None:
-                    self._deliver(lost)
-                return [lost] if lost is not None else []
+            early = self._check_store(now)
+            for finding in early:
+                self._deliver(finding)
+            if self._store_lost:
+                return early
+        if self._read_failed:
+            self._resume(now)
         try:
             if self._sweep:
                 self._channel.sweep((rank, PROGRESS_KEY) for rank in range(self._world_size))
             records = dict(self._read_records())
         except DistNetworkError as exc:
+            self._read_failed = True
             # A dying store process resets connections a moment before it can be reaped: give it that moment, so
             # its loss is a finding rather than a failed poll. Without the process at hand, time the outage.
             if self._store is not None:
-                lost = self._await_store_loss()
+                lost = self._await_store_loss(now)
             else:
-                lost = self._unreachable(now, exc)
-                if lost is None and self._store_lost:
-                    return []  # reported once; the store may come back (reads then resume)
-            if lost is None:
+                one = self._unreachable(now, exc)
+                lost = [one] if one is not None else []
+                if not lost and self._store_lost:
+                    return early  # reported once; the store may come back (reads then resume)
+            if not lost:
                 raise
-            self._deliver(lost)
-            return [lost]
+            for finding in lost:
+                self._deliver(finding)
+            return early + lost
+        new: list[StallFinding] = []
         if self._store is None:
             self._unreachable_since = None
-            self._store_lost = False
+            if self._store_lost:
+                new.append(self._restored(now, "it answers this watchdog again"))
         for rank, rec in records.items():
             prev = self._seen.get(rank)
             if prev is None:
                 self._seen[rank] = (rec.events, now, rec.heartbeat, now)
+                self._awaiting.discard(rank)
                 continue
             events, changed_at, beat, beat_at = prev
+            if rec.heartbeat != beat:
+                self._awaiting.discard(rank)
             self._seen[rank] = (
                 rec.events,
                 changed_at if rec.events == events else now,
@@ -206,27 +232,38 @@ class Watchdog:
                 beat_at if rec.heartbeat == beat else now,
             )
         tampered = self._update_tamper(now)
-        new = self._tamper_findings(tampered, records, now)
+        new += self._tamper_findings(tampered, records, now)
         new += self._check_sections(records)
         hang = self._check_stall(records, now, tampered)
         if hang is not None:
             new.append(hang)
         for finding in new:
             self._deliver(finding)
-        return new
+        return early + new
 
-    def _await_store_loss(self) -> StallFinding | None:
+    def _await_store_loss(self, now: float) -> list[StallFinding]:
         if self._store is None:
-            return None
+            return []
         deadline = time.monotonic() + _STORE_DEATH_S
         while True:
-            lost = self._check_store()
-            if lost is not None or self._store_lost or time.monotonic() >= deadline:
+            lost = self._check_store(now)
+            if lost or self._store_lost or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.02)
 
-    def _check_store(self) -> StallFinding | None:
-        """Turn the store process's sweeps into a tamper event; its loss (reported once) into a finding."""
+    def _resume(self, now: float) -> None:
+        """Reads resume after some that failed: nothing was observed meanwhile, and a restarted store is empty."""
+        self._read_failed = False
+        self._resumed_at = now
+        # A heartbeat missed while the store was unreadable is no evidence: each rank's clock starts again now, and
+        # no rank is stuck before a fresh heartbeat of it is read (its owner re-publishes its whole record then).
+        self._seen = {r: (e, c, b, max(at, now)) for r, (e, c, b, at) in self._seen.items()}
+        self._awaiting = set(range(self._world_size))
+        self._channel.forget_presence()
+
+    def _check_store(self, now: float) -> list[StallFinding]:
+        """Turn the store process's sweeps into a tamper event; its loss (once per outage), giving up and
+        restoration into findings."""
         assert self._store is not None
         status = self._store.status()
         if status.swept > self._store_swept:
@@ -237,9 +274,67 @@ class Watchdog:
                 status.swept - self._store_swept, status.sample, detail=detail
             )
             self._store_swept = status.swept
-        if status.lost is None or self._store_lost:
-            return None
-        return self._lost(status.lost, {"swept": status.swept, "pressure": status.pressure})
+        found: list[StallFinding] = []
+        # A status without the outage counter (an older StoreHealth) counts a loss as one outage.
+        outages = max(status.outages, 1 if status.lost is not None else 0)
+        evidence = {
+            "swept": status.swept,
+            "pressure": status.pressure,
+            "outage": outages,
+            "restarts": status.restarts,
+        }
+        if outages > self._outages_seen:
+            self._outages_seen = outages
+            down = status.lost is not None
+            cause = status.lost or status.last_lost or "the store process was lost"
+            stays_down = down and not status.restarting
+            self._gave_up_reported = stays_down
+            then = (
+                "it stays down: its restart limit is reached, and the watch sees nothing more of this job"
+                if stays_down
+                else "it is being restarted on the same port; watching resumes when it serves"
+            )
+            found.append(self._lost(cause, {**evidence, "restarting": not stays_down}, then))
+        elif (
+            self._store_lost
+            and status.lost is not None
+            and not status.restarting
+            and not self._gave_up_reported
+        ):
+            self._gave_up_reported = True
+            then = "its restarts failed and the limit is reached: it stays down, the watch sees nothing more"
+            found.append(self._lost(status.lost, {**evidence, "restarting": False}, then))
+        if self._store_lost and status.lost is None:
+            found.append(
+                self._restored(now, f"its process serves again (restart {status.restarts})")
+            )
+            self._read_failed = True  # nothing was read meanwhile: resume as after failed reads
+        return found
+
+    def _restored(self, now: float, how: str) -> StallFinding:
+        self._store_lost = False
+        down = now - self._lost_at if self._lost_at is not None else 0.0
+        logger.warning("OOB store restored after %.1f s: %s; watching resumes", down, how)
+        event = {
+            "slot": None,
+            "rank": None,
+            "key": None,
+            "kind": "store_restored",
+            "reason": how,
+            "count": 1,
+        }
+        return StallFinding(
+            kind="tamper",
+            ranks=(),
+            step=None,
+            evidence={"tamper": event, "outage_s": round(down, 3)},
+            confirmations=1,
+            reason=(
+                f"out-of-band store restored after {down:.1f} s: {how}; watching resumes (every rank re-publishes "
+                "its progress on its next heartbeat; no rank is judged on the outage)"
+            ),
+            recommendation="observe",
+        )
 
     def _unreachable(self, now: float, exc: DistNetworkError) -> StallFinding | None:
         """A watchdog that does not own the store (every rank but the one serving it) sees its loss only as reads
@@ -250,12 +345,15 @@ class Watchdog:
         if self._store_lost or waited < self._config.store_unreachable.total_seconds():
             return None
         return self._lost(
-            f"unreachable from this watchdog for {waited:.1f} s ({exc})", {"unreachable_s": waited}
+            f"unreachable from this watchdog for {waited:.1f} s ({exc})",
+            {"unreachable_s": waited},
+            "the watch sees nothing of this job until it answers again (rank 0 restarts a store process that died)",
         )
 
-    def _lost(self, cause: str, evidence: Mapping[str, object]) -> StallFinding:
+    def _lost(self, cause: str, evidence: Mapping[str, object], then: str) -> StallFinding:
         self._store_lost = True
-        logger.error("OOB store lost: %s", cause)
+        self._lost_at = self._clock()
+        logger.error("OOB store lost: %s; %s", cause, then)
         event = {
             "slot": None,
             "rank": None,
@@ -271,8 +369,8 @@ class Watchdog:
             evidence={"tamper": event, **evidence},
             confirmations=1,
             reason=(
-                f"out-of-band store lost: {cause}; the watch sees nothing more of this job (training goes on: "
-                "its process group has a store of its own)"
+                f"out-of-band store lost: {cause}; {then} (training goes on: its process group has a store of "
+                "its own)"
             ),
             recommendation="observe",
         )
@@ -400,6 +498,8 @@ class Watchdog:
         # Foreign keys swept within the window: a store filled to its cap refuses genuine messages too, so silence is
         # no evidence of death now (else a flood would be a way to call a hang). Authentic frozen counters still are.
         flooded = (None, None) in tampered
+        # After an outage, a rank never seen is judged from when reads resumed.
+        since = max(self._started_at, self._resumed_at or self._started_at)
         for rank in range(self._world_size):
             rec = records.get(rank)
             if rec is not None and rec.closed:
@@ -408,13 +508,13 @@ class Watchdog:
                 continue  # its frozen heartbeat may be the forger's doing: no staleness from a tampered slot
             seen = self._seen.get(rank)
             if seen is None:
-                if now - self._started_at >= beat_timeout and not flooded:
+                if now - since >= beat_timeout and not flooded:
                     dead.append(rank)
                 continue
             if now - seen[3] >= beat_timeout:
                 if not flooded:
                     dead.append(rank)
-            elif now - seen[1] >= threshold:
+            elif now - seen[1] >= threshold and rank not in self._awaiting:
                 stuck.append(rank)
         # Absence alone is no evidence: a slot deleted faster than the polls looks like a rank that never published.
         # A hang needs a rank whose own authentic records show it stopped; never-seen ranks may join it as roots.
