@@ -47,6 +47,7 @@ from torch.distributed import DistNetworkError
 from gemscout.errors import CollectiveTimeout, ConfigError
 from gemscout.watch.channel import OobChannel, TamperEvent
 from gemscout.watch.findings import StallFinding
+from gemscout.watch.outage import StoreOutage
 from gemscout.watch.records import PROGRESS_KEY, ProgressRecord
 from gemscout.watch.rootcause import locate_root
 from gemscout.watch.stalls import StallConfig, StallDetector
@@ -131,14 +132,10 @@ class Watchdog:
         self._sweep = sweep
         self._store = store
         self._store_swept = 0
-        self._store_lost = False  # in an outage that was reported (and not yet restored)
-        self._lost_at: float | None = None
-        self._outages_seen = 0
-        self._gave_up_reported = False
+        self._outage = StoreOutage(clock)
         self._read_failed = False  # the last poll could not read the store
         self._resumed_at: float | None = None  # when reads last resumed after an outage
         self._awaiting: set[int] = set()  # ranks without a fresh heartbeat since reads resumed
-        self._unreachable_since: float | None = None
         self._poll_errors = 0
         # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
         # on this watchdog's clock, and whether the current episode of it was reported.
@@ -187,7 +184,7 @@ class Watchdog:
             early = self._check_store(now)
             for finding in early:
                 self._deliver(finding)
-            if self._store_lost:
+            if self._outage.down:
                 return early
         if self._read_failed:
             self._resume(now)
@@ -202,9 +199,11 @@ class Watchdog:
             if self._store is not None:
                 lost = self._await_store_loss(now)
             else:
-                one = self._unreachable(now, exc)
+                one = self._outage.on_unreachable(
+                    now, exc, self._config.store_unreachable.total_seconds()
+                )
                 lost = [one] if one is not None else []
-                if not lost and self._store_lost:
+                if not lost and self._outage.down:
                     return early  # reported once; the store may come back (reads then resume)
             if not lost:
                 raise
@@ -213,9 +212,9 @@ class Watchdog:
             return early + lost
         new: list[StallFinding] = []
         if self._store is None:
-            self._unreachable_since = None
-            if self._store_lost:
-                new.append(self._restored(now, "it answers this watchdog again"))
+            restored = self._outage.on_read(now)
+            if restored is not None:
+                new.append(restored)
         for rank, rec in records.items():
             prev = self._seen.get(rank)
             if prev is None:
@@ -247,7 +246,7 @@ class Watchdog:
         deadline = time.monotonic() + _STORE_DEATH_S
         while True:
             lost = self._check_store(now)
-            if lost or self._store_lost or time.monotonic() >= deadline:
+            if lost or self._outage.down or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.02)
 
@@ -274,106 +273,10 @@ class Watchdog:
                 status.swept - self._store_swept, status.sample, detail=detail
             )
             self._store_swept = status.swept
-        found: list[StallFinding] = []
-        # A status without the outage counter (an older StoreHealth) counts a loss as one outage.
-        outages = max(status.outages, 1 if status.lost is not None else 0)
-        evidence = {
-            "swept": status.swept,
-            "pressure": status.pressure,
-            "outage": outages,
-            "restarts": status.restarts,
-        }
-        if outages > self._outages_seen:
-            self._outages_seen = outages
-            down = status.lost is not None
-            cause = status.lost or status.last_lost or "the store process was lost"
-            stays_down = down and not status.restarting
-            self._gave_up_reported = stays_down
-            then = (
-                "it stays down: its restart limit is reached, and the watch sees nothing more of this job"
-                if stays_down
-                else "it is being restarted on the same port; watching resumes when it serves"
-            )
-            found.append(self._lost(cause, {**evidence, "restarting": not stays_down}, then))
-        elif (
-            self._store_lost
-            and status.lost is not None
-            and not status.restarting
-            and not self._gave_up_reported
-        ):
-            self._gave_up_reported = True
-            then = "its restarts failed and the limit is reached: it stays down, the watch sees nothing more"
-            found.append(self._lost(status.lost, {**evidence, "restarting": False}, then))
-        if self._store_lost and status.lost is None:
-            found.append(
-                self._restored(now, f"its process serves again (restart {status.restarts})")
-            )
+        found, restored = self._outage.on_status(status, now)
+        if restored:
             self._read_failed = True  # nothing was read meanwhile: resume as after failed reads
         return found
-
-    def _restored(self, now: float, how: str) -> StallFinding:
-        self._store_lost = False
-        down = now - self._lost_at if self._lost_at is not None else 0.0
-        logger.warning("OOB store restored after %.1f s: %s; watching resumes", down, how)
-        event = {
-            "slot": None,
-            "rank": None,
-            "key": None,
-            "kind": "store_restored",
-            "reason": how,
-            "count": 1,
-        }
-        return StallFinding(
-            kind="tamper",
-            ranks=(),
-            step=None,
-            evidence={"tamper": event, "outage_s": round(down, 3)},
-            confirmations=1,
-            reason=(
-                f"out-of-band store restored after {down:.1f} s: {how}; watching resumes (every rank re-publishes "
-                "its progress on its next heartbeat; no rank is judged on the outage)"
-            ),
-            recommendation="observe",
-        )
-
-    def _unreachable(self, now: float, exc: DistNetworkError) -> StallFinding | None:
-        """A watchdog that does not own the store (every rank but the one serving it) sees its loss only as reads
-        that fail: unreachable for ``store_unreachable`` is a ``store_lost`` finding, once per outage."""
-        if self._unreachable_since is None:
-            self._unreachable_since = now
-        waited = now - self._unreachable_since
-        if self._store_lost or waited < self._config.store_unreachable.total_seconds():
-            return None
-        return self._lost(
-            f"unreachable from this watchdog for {waited:.1f} s ({exc})",
-            {"unreachable_s": waited},
-            "the watch sees nothing of this job until it answers again (rank 0 restarts a store process that died)",
-        )
-
-    def _lost(self, cause: str, evidence: Mapping[str, object], then: str) -> StallFinding:
-        self._store_lost = True
-        self._lost_at = self._clock()
-        logger.error("OOB store lost: %s; %s", cause, then)
-        event = {
-            "slot": None,
-            "rank": None,
-            "key": None,
-            "kind": "store_lost",
-            "reason": cause,
-            "count": 1,
-        }
-        return StallFinding(
-            kind="tamper",
-            ranks=(),
-            step=None,
-            evidence={"tamper": event, **evidence},
-            confirmations=1,
-            reason=(
-                f"out-of-band store lost: {cause}; {then} (training goes on: its process group has a store of "
-                "its own)"
-            ),
-            recommendation="observe",
-        )
 
     def _read_records(self) -> dict[int, ProgressRecord]:
         # Start from the last authentic records: a slot that now reads as absent or forged keeps the rank's last
