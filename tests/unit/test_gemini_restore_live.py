@@ -3,8 +3,6 @@ tensors, and nothing restored aliases the buffer — no process group needed."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from frames_support import frame_of
@@ -46,7 +44,7 @@ def test_restore_is_bitwise_and_never_aliases_a_reused_buffer(owned: bool) -> No
     for p, q in zip(model.parameters(), other.parameters(), strict=True):
         for key, value in other_opt.state[q].items():
             opt.state[p][key].copy_(value)
-    restore_frame(SimpleNamespace(sources=sources), (prefix, data), owned=owned)
+    restore_frame(sources, (prefix, data), owned=owned)
 
     got = flat_state(model, opt)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got, strict=True))

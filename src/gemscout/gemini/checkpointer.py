@@ -32,6 +32,7 @@ from gemscout.gemini.exchange import Frame, Identity, replication_for
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.promotion import Promoter, PromotionParts
 from gemscout.gemini.recovery import RecoveryDecision
+from gemscout.gemini.recovery_parts import RecoveryParts
 from gemscout.gemini.replication import Placement, ReplicaBuffers
 from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
 from gemscout.state import integrity, training_state
@@ -154,6 +155,27 @@ class Checkpointer:
                 errors=self.errors,
             )
         )
+        self.recovery_parts = RecoveryParts(
+            rank=rank,
+            group=group,
+            timeout=config.timeout,
+            chunk_bytes=config.chunk_bytes,
+            min_trust=config.min_trust,
+            max_recovery_attempts=config.max_recovery_attempts,
+            run_id=run_id,
+            topology_digest=topology_digest,
+            ledger=self.ledger,
+            durable=self.durable,
+            sources=sources,
+            pool=self.pool,
+            replicas=self.replicas,
+            paths=self.paths,
+            drain=self.drain,
+            verify_frame=self.identity.verify_frame,
+            check_identity=self.identity.check,
+            on_decision=on_decision,
+        )
+        """What recovery (:func:`gemscout.gemini.restore.recover`) uses of this checkpointer."""
         self.when_busy = "wait"
         self._vote: FreeSlotVote | None = None
         self.skipped_steps: list[int] = []
@@ -579,7 +601,9 @@ class Checkpointer:
         """
         from gemscout.gemini.restore import recover
 
-        decision = recover(self, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust)
+        decision = recover(
+            self.recovery_parts, failure_kind=failure_kind, fallback=fallback, min_trust=min_trust
+        )
         # Every rank restored the same step and nothing is in flight: it is the memory frontier now (held where
         # recovery found it), and whatever newer a slot or replica holds is of the abandoned trajectory.
         frontier = decision.step if decision.step is not None else -1

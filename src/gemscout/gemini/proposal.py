@@ -1,6 +1,9 @@
 """What one rank can restore from, for recovery's collective decision: :func:`propose` lists this rank's sources
 (slots, own files, held replicas in memory and on disk, the durable tier, its trust records), each checked alone, and
 never raises (see its docstring). Split from :mod:`gemscout.gemini.restore`, which runs the collective around it.
+
+Like restore, it is handed the parts of the checkpointer it uses as a
+:class:`~gemscout.gemini.recovery_parts.RecoveryParts`; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from gemscout.errors import GemscoutError, IntegrityError
 from gemscout.gemini import store
 
 if TYPE_CHECKING:
-    from gemscout.gemini.checkpointer import Checkpointer
+    from gemscout.gemini.recovery_parts import RecoveryParts
 
 log = logging.getLogger("gemscout.gemini")
 
@@ -24,7 +27,7 @@ replica this rank holds for ``owner``, in memory / on disk)."""
 
 
 def propose(
-    ck: Checkpointer, failed: dict[Item, str] | None = None
+    parts: RecoveryParts, failed: dict[Item, str] | None = None
 ) -> tuple[dict[str, Any], dict[Item, Any]]:
     """What this rank can load, and where each item lives (for the transfers). Total: never raises.
 
@@ -40,11 +43,11 @@ def propose(
     dying while its peers wait for the collective timeout.
     """
     try:
-        return _propose(ck, failed or {})
+        return _propose(parts, failed or {})
     except Exception as exc:
-        log.error("gemini: rank %d cannot propose a recovery: %s", ck.rank, exc, exc_info=True)
+        log.error("gemini: rank %d cannot propose a recovery: %s", parts.rank, exc, exc_info=True)
         return {
-            "rank": ck.rank,
+            "rank": parts.rank,
             "memory": [],
             "own": [],
             "held": {},
@@ -55,78 +58,84 @@ def propose(
             "rejected": [],
             "trust": {},
             "attempts": {},
-            "cannot": f"rank {ck.rank} cannot propose: {type(exc).__name__}: {exc}",
+            "cannot": f"rank {parts.rank} cannot propose: {type(exc).__name__}: {exc}",
         }, {}
 
 
-def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any], dict[Item, Any]]:
+def _propose(
+    parts: RecoveryParts, failed: dict[Item, str]
+) -> tuple[dict[str, Any], dict[Item, Any]]:
     where: dict[Item, Any] = {}
-    unusable = [f"rank {ck.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())]
+    unusable = [
+        f"rank {parts.rank} {_describe(item)}: {why}" for item, why in sorted(failed.items())
+    ]
     memory = []
-    for slot in ck.pool.ready_slots():
-        if ("memory", ck.rank, slot.step) not in failed:
+    for slot in parts.pool.ready_slots():
+        if ("memory", parts.rank, slot.step) not in failed:
             memory.append(slot.step)
-            where[("memory", ck.rank, slot.step)] = slot.frame()
+            where[("memory", parts.rank, slot.step)] = slot.frame()
     own = []
-    for step in _steps_in(ck.paths.own, f"rank {ck.rank} own folder", unusable):
-        if step in memory or ("local", ck.rank, step) in failed:
+    for step in _steps_in(parts.paths.own, f"rank {parts.rank} own folder", unusable):
+        if step in memory or ("local", parts.rank, step) in failed:
             continue  # memory is preferred for this step: reading the file would be wasted time
-        path = store.step_file(ck.paths.own, step)
+        path = store.step_file(parts.paths.own, step)
         try:
             parsed = store.read_header(path)
-            ck.check_identity(parsed.identity, where=str(path))
-            if parsed.identity.get("owner") != ck.rank or parsed.identity.get("step") != step:
+            parts.check_identity(parsed.identity, where=str(path))
+            if parsed.identity.get("owner") != parts.rank or parsed.identity.get("step") != step:
                 raise IntegrityError(
-                    f"identity {parsed.identity} is not rank {ck.rank}'s step {step}"
+                    f"identity {parsed.identity} is not rank {parts.rank}'s step {step}"
                 )
         except (
             Exception
         ) as exc:  # any failure: this file is unusable, the others are still proposed
             log.warning("gemini: %s is unusable: %s", path, exc)
-            unusable.append(f"rank {ck.rank} own step {step}: {reason_of(exc)}")
+            unusable.append(f"rank {parts.rank} own step {step}: {reason_of(exc)}")
             continue
         own.append(step)
-        where[("local", ck.rank, step)] = path
+        where[("local", parts.rank, step)] = path
     memory_held: dict[str, list[int]] = {}
-    for o, b in ck.replicas.items():
+    for o, b in parts.replicas.items():
         for s, prefix, data in b.entries:
             if ("memory_held", o, s) not in failed:
                 memory_held.setdefault(str(o), []).append(s)
                 where[("memory_held", o, s)] = (prefix, data)
     held: dict[str, list[int]] = {}
     try:
-        owners = ck.paths.held_owners()
+        owners = parts.paths.held_owners()
     except OSError as exc:
-        unusable.append(f"rank {ck.rank} replicas folder: {reason_of(exc)}")
+        unusable.append(f"rank {parts.rank} replicas folder: {reason_of(exc)}")
         owners = []
     for o in owners:
         for step in _steps_in(
-            ck.paths.replicas(o), f"rank {ck.rank} replicas of rank {o}", unusable
+            parts.paths.replicas(o), f"rank {parts.rank} replicas of rank {o}", unusable
         ):
             if step in memory_held.get(str(o), []) or ("held", o, step) in failed:
                 continue  # the replica in memory is preferred
-            path = store.step_file(ck.paths.replicas(o), step)
+            path = store.step_file(parts.paths.replicas(o), step)
             try:
                 parsed = store.read_header(path)
-                ck.check_identity(parsed.identity, where=str(path))
+                parts.check_identity(parsed.identity, where=str(path))
                 if parsed.identity.get("owner") != o or parsed.identity.get("step") != step:
                     raise IntegrityError(
                         f"identity {parsed.identity} is not rank {o}'s step {step}"
                     )
             except Exception as exc:
                 log.warning("gemini: replica %s is unusable: %s", path, exc)
-                unusable.append(f"rank {ck.rank} replica of rank {o} step {step}: {reason_of(exc)}")
+                unusable.append(
+                    f"rank {parts.rank} replica of rank {o} step {step}: {reason_of(exc)}"
+                )
                 continue
             held.setdefault(str(o), []).append(step)
             where[("held", o, step)] = path
     try:
-        durable = ck.durable.scan() if ck.durable else []
+        durable = parts.durable.scan() if parts.durable else []
     except (
         Exception
     ) as exc:  # an unreadable durable folder: refused, like a promotion that does not verify
-        durable = [(-1, f"durable tier unreadable on rank {ck.rank}: {reason_of(exc)}")]
+        durable = [(-1, f"durable tier unreadable on rank {parts.rank}: {reason_of(exc)}")]
     proposal = {
-        "rank": ck.rank,
+        "rank": parts.rank,
         "memory": memory,
         "own": own,
         "held": held,
@@ -135,7 +144,7 @@ def _propose(ck: Checkpointer, failed: dict[Item, str]) -> tuple[dict[str, Any],
         "durable": next((s for s, why in durable if why is None), None),
         "durable_refused": [why for _, why in durable if why is not None],
     }
-    proposal.update(ck.ledger.summary())
+    proposal.update(parts.ledger.summary())
     return proposal, where
 
 

@@ -1,7 +1,9 @@
 """Recovery for one rank's GEMINI: propose what this rank can load and verify, decide with every rank, fetch the
 chosen frame (memory, disk or a peer), verify it, and restore it into the live objects.
 
-The choice itself is the pure :func:`gemscout.gemini.recovery.decide`; this module is the collective around it.
+The choice itself is the pure :func:`gemscout.gemini.recovery.decide`; this module is the collective around it. It is
+handed the parts of the checkpointer it uses as a :class:`~gemscout.gemini.recovery_parts.RecoveryParts`, built once
+by the checkpointer; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,12 +24,10 @@ from gemscout.gemini import seams, store
 from gemscout.gemini.arrival import VerifyOnArrival
 from gemscout.gemini.proposal import Item, propose, reason_of
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode, decide
+from gemscout.gemini.recovery_parts import RecoveryParts
 from gemscout.state import training_state
 from gemscout.state.codec import LocalShard, decode
 from gemscout.state.layout import parse_prefix
-
-if TYPE_CHECKING:
-    from gemscout.gemini.checkpointer import Checkpointer
 
 log = logging.getLogger("gemscout.gemini")
 
@@ -40,7 +40,7 @@ backstop against a bug, not a limit a real job reaches."""
 
 
 def recover(
-    ck: Checkpointer,
+    parts: RecoveryParts,
     *,
     failure_kind: str = "restart",
     fallback: Callable[[], int] | None = None,
@@ -54,11 +54,11 @@ def recover(
     decision is STOP (the caller should exit with its exit code), or when the durable tier or the caller's fallback
     fails on some rank.
     """
-    ck.drain()
+    parts.drain()
     failed: dict[Item, str] = {}
     for _ in range(_MAX_ROUNDS):
-        proposal, where = propose(ck, failed)
-        proposals = comm.gather_json(proposal, group=ck.group, timeout=ck.config.timeout)
+        proposal, where = propose(parts, failed)
+        proposals = comm.gather_json(proposal, group=parts.group, timeout=parts.timeout)
         seen = [p.get("durable") for p in proposals]
         durable_step = min(seen) if all(d is not None for d in seen) else None  # type: ignore[type-var]
         refused = list(
@@ -66,10 +66,10 @@ def recover(
         )
         decision = decide(
             proposals,
-            run_id=ck.run_id,
-            topology_digest=ck.topology_digest,
-            min_trust=min_trust or ck.config.min_trust,
-            max_attempts=ck.config.max_recovery_attempts,
+            run_id=parts.run_id,
+            topology_digest=parts.topology_digest,
+            min_trust=min_trust or parts.min_trust,
+            max_attempts=parts.max_recovery_attempts,
             failure_kind=failure_kind,
             durable_step=durable_step,
             has_fallback=fallback is not None,
@@ -77,51 +77,54 @@ def recover(
         )
         if decision.mode == RecoveryMode.RESTORE:
             assert decision.step is not None
-            fetched = _fetch(ck, decision, where)
+            fetched = _fetch(parts, decision, where)
             # Every rank learns every failure and who holds the failed item: that rank drops it and the ranks
             # decide again (the same step from another source, or an older step).
-            if _drop_failed(ck, decision, fetched, fetched.error, failed, "failed verification"):
+            if _drop_failed(parts, decision, fetched, fetched.error, failed, "failed verification"):
                 continue
-            _deliver(ck, decision)
+            _deliver(parts, decision)
             assert fetched.frame is not None
             why = None
             try:
-                restore_frame(ck, fetched.frame, owned=fetched.owned)
+                restore_frame(parts.sources, fetched.frame, owned=fetched.owned)
             except (
                 Exception
             ) as exc:  # a frame that verifies but does not fit the live objects (crafted header)
                 log.error(
-                    "gemini: restoring step %d failed on rank %d: %s", decision.step, ck.rank, exc
+                    "gemini: restoring step %d failed on rank %d: %s",
+                    decision.step,
+                    parts.rank,
+                    exc,
                 )
-                why = f"{decision.sources[ck.rank]}: restore failed: {reason_of(exc)}"
-            if _drop_failed(ck, decision, fetched, why, failed, "could not be restored"):
+                why = f"{decision.sources[parts.rank]}: restore failed: {reason_of(exc)}"
+            if _drop_failed(parts, decision, fetched, why, failed, "could not be restored"):
                 continue
-            ck.ledger.attempts[decision.step] = ck.ledger.attempts.get(decision.step, 0) + 1
+            parts.ledger.attempts[decision.step] = parts.ledger.attempts.get(decision.step, 0) + 1
         else:
-            _deliver(ck, decision)
+            _deliver(parts, decision)
             if decision.mode == RecoveryMode.STOP:
-                ck.ledger.last_decision = decision.to_dict()
-                ck.ledger.save()
+                parts.ledger.last_decision = decision.to_dict()
+                parts.ledger.save()
                 raise RecoveryError(f"recovery stopped: {decision.reason}")
             if decision.mode == RecoveryMode.DURABLE:
-                assert ck.durable is not None and decision.step is not None
+                assert parts.durable is not None and decision.step is not None
                 _together(
-                    ck,
-                    functools.partial(ck.durable.load, decision.step, ck.sources),
+                    parts,
+                    functools.partial(parts.durable.load, decision.step, parts.sources),
                     f"durable step {decision.step}",
                 )
             elif decision.mode == RecoveryMode.FALLBACK and fallback is not None:
                 decision = _with_step(
-                    decision, _together(ck, fallback, "the caller's load_fallback")
+                    decision, _together(parts, fallback, "the caller's load_fallback")
                 )
-        ck.ledger.last_decision = decision.to_dict()
-        ck.ledger.save()
+        parts.ledger.last_decision = decision.to_dict()
+        parts.ledger.save()
         return decision
     raise RecoveryError("recovery stopped: every candidate step failed verification")
 
 
 def _drop_failed(
-    ck: Checkpointer,
+    parts: RecoveryParts,
     decision: RecoveryDecision,
     fetched: _Fetched,
     why: str | None,
@@ -130,7 +133,7 @@ def _drop_failed(
 ) -> bool:
     """Gather every rank's failure (``why``, None for success); mark each failed item on the rank that holds it.
     Returns True when some rank failed (the ranks then decide again). Collective."""
-    outcomes = comm.gather_json(why, group=ck.group, timeout=ck.config.timeout)
+    outcomes = comm.gather_json(why, group=parts.group, timeout=parts.timeout)
     if all(o is None for o in outcomes):
         return False
     for owner, reason in enumerate(outcomes):
@@ -150,7 +153,7 @@ def _drop_failed(
     return True
 
 
-def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
+def _together(parts: RecoveryParts, action: Callable[[], Any], what: str) -> Any:
     """Run ``action`` on every rank and agree on its outcome: if it failed anywhere, every rank raises the same error
     naming the first failed rank's reason (a rank never dies alone while its peers go on training) — a
     RunMismatchError or ConfigError as itself (the job was started wrong, exit 2), anything else as RecoveryError.
@@ -159,12 +162,12 @@ def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
     try:
         result = action()
     except Exception as exc:
-        log.error("gemini: %s failed on rank %d: %s", what, ck.rank, exc)
+        log.error("gemini: %s failed on rank %d: %s", what, parts.rank, exc)
         failure = {"kind": type(exc).__name__, "why": reason_of(exc)}
-    outcomes = comm.gather_json(failure, group=ck.group, timeout=ck.config.timeout)
+    outcomes = comm.gather_json(failure, group=parts.group, timeout=parts.timeout)
     bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
     if bad:
-        ck.ledger.save()
+        parts.ledger.save()
         rank, first = bad[0]
         kinds = {"RunMismatchError": RunMismatchError, "ConfigError": ConfigError}
         cls = kinds.get(first["kind"], RecoveryError)
@@ -174,10 +177,10 @@ def _together(ck: Checkpointer, action: Callable[[], Any], what: str) -> Any:
     return result
 
 
-def _deliver(ck: Checkpointer, decision: RecoveryDecision) -> None:
+def _deliver(parts: RecoveryParts, decision: RecoveryDecision) -> None:
     log.info("gemini recovery decision: %s", decision.to_dict())
-    if ck.on_decision is not None:
-        ck.on_decision(decision)
+    if parts.on_decision is not None:
+        parts.on_decision(decision)
 
 
 @dataclass
@@ -193,7 +196,7 @@ class _Fetched:
     """Per owner, why this rank could not read the replica it should have sent (it sent an empty frame)."""
 
 
-def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any]) -> _Fetched:
+def _fetch(parts: RecoveryParts, decision: RecoveryDecision, where: dict[Item, Any]) -> _Fetched:
     """Gather this rank's frame for the decided step from memory, disk or a peer, and verify it.
 
     Peer transfers run first, in owner order on every rank (so the point-to-point pairs line up), and each owner
@@ -208,7 +211,7 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
     }
     for owner in sorted(peers):
         holder = peers[owner]
-        if ck.rank == holder:
+        if parts.rank == holder:
             item: Item = (
                 ("memory_held", owner, step)
                 if ("memory_held", owner, step) in where
@@ -226,45 +229,48 @@ def _fetch(ck: Checkpointer, decision: RecoveryDecision, where: dict[Item, Any])
                 frame,
                 owner,
                 None,
-                group=ck.group,
-                chunk_bytes=ck.config.chunk_bytes,
-                timeout=ck.config.timeout,
+                group=parts.group,
+                chunk_bytes=parts.chunk_bytes,
+                timeout=parts.timeout,
             )
-        if ck.rank == owner:
+        if parts.rank == owner:
             check = VerifyOnArrival(on_progress=functools.partial(seams.fire, "received", owner))
             got = comm.exchange(
                 None,
                 None,
                 holder,
-                group=ck.group,
-                chunk_bytes=ck.config.chunk_bytes,
-                timeout=ck.config.timeout,
+                group=parts.group,
+                chunk_bytes=parts.chunk_bytes,
+                timeout=parts.timeout,
                 on_arrival=check,
             )
             try:
                 assert got is not None
-                ck.verify_frame(got, owner=owner, step=step, verified=check.result())
+                parts.verify_frame(got, owner=owner, step=step, verified=check.result())
                 out.frame, out.owned = got, True
             except Exception as exc:
                 out.error = f"{decision.sources[owner]}: {reason_of(exc)}"
-    src = decision.sources.get(ck.rank, "")
+    src = decision.sources.get(parts.rank, "")
     if src in ("memory", "local"):
-        item = (src, ck.rank, step)
-        out.mine[ck.rank] = item
+        item = (src, parts.rank, step)
+        out.mine[parts.rank] = item
         try:
             if src == "memory":
                 out.frame, out.owned = where[item], False
             else:
                 out.frame, out.owned = store.read_frame(where[item]), True
-            ck.verify_frame(out.frame, owner=ck.rank, step=step)
+            parts.verify_frame(out.frame, owner=parts.rank, step=step)
         except Exception as exc:
             out.frame, out.error = None, reason_of(exc)
     return out
 
 
-def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> None:
-    """Decode ``frame`` and load it into the live objects. ``owned``: nothing else uses the frame's buffer, so the
-    restored state may keep views of it instead of copies (an optimizer keeps the tensors it is given)."""
+def restore_frame(
+    sources: training_state.StateSources, frame: Frame, *, owned: bool = False
+) -> None:
+    """Decode ``frame`` and load it into the live objects (``sources``). ``owned``: nothing else uses the frame's
+    buffer, so the restored state may keep views of it instead of copies (an optimizer keeps the tensors it is
+    given)."""
     parsed = parse_prefix(frame[0])
     views = parsed.layout.views(frame[1])
     state = decode(parsed.skeleton, views)
@@ -275,14 +281,14 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
         # Only a torch optimizer's own state_dict format (an adapter's optimizer, e.g. DeepSpeed's, is cloned).
         saved = state.get("optimizer")
         if not (
-            isinstance(ck.sources.optimizer, torch.optim.Optimizer)
+            isinstance(sources.optimizer, torch.optim.Optimizer)
             and isinstance(saved, dict)
             and isinstance(saved.get("state"), dict)
         ):
             state = _clone_tensors(state)
         else:
             optimizer_state = saved["state"]
-            copied = _copy_into_live_optimizer_state(ck.sources.optimizer, optimizer_state)
+            copied = _copy_into_live_optimizer_state(sources.optimizer, optimizer_state)
             state = _clone_tensors({**state, "optimizer": {**saved, "state": {}}})
             state["optimizer"]["state"] = {
                 idx: {
@@ -290,7 +296,7 @@ def restore_frame(ck: Checkpointer, frame: Frame, *, owned: bool = False) -> Non
                 }
                 for idx, per_param in optimizer_state.items()
             }
-    training_state.restore(ck.sources, state)
+    training_state.restore(sources, state)
 
 
 def _copy_into_live_optimizer_state(
