@@ -3,18 +3,18 @@
 Four gloo ranks train the three-block model under SCOUT at its defaults (a cycle every step, the default rotation
 and ``StragglerConfig()``) while one competing busy-loop process per core loads the machine. Healthy phase:
 ``params.cycles`` cycles, each of whose straggler reports is counted. Then rank ``params.delayed`` sleeps inside its
-timed replays for ``params.delay_cycles`` cycles:
+timed replays for ``params.delay_cycles`` cycles (``sustained``: at most that many, until the straggler is named):
 
 * ``params.mode = "sustained"``: the sleep is exactly ``params.fraction`` (0.2) of each recipe's healthy median
   replay time, far inside one round's noise on a loaded host: only the sustained check can name it, within its
-  window (``sustained_window`` / 4 cycles at about four recipes a cycle);
+  window (``sustained_window`` cycles, or as many as cover ``sustained_span_s`` seconds, whichever is more);
 * ``"floor"``: the same fraction but at least 4 ms, twice the default 2 ms absolute margin, which the per-round
   detector needs: named at its ``compute_confirmations``-th round.
 
 Observed: ``healthy_cycles``, ``healthy_straggler_reports``, ``named_ranks`` (every rank any delayed-phase straggler
 report named), ``named_at_delayed_cycle`` (the first, 1-based; 0 when never), ``named_criterion`` (``sustained`` or
-``round``), ``window_cycles`` and ``confirmation_cycle`` (when the mode's detector should have named it at the
-latest), ``ranks_agree`` (every rank delivered the same reports), ``delays_s``. Every report of the run goes to
+``round``), ``window_cycles`` (the sustained window in delayed cycles, from their recorded times) and
+``confirmation_cycle`` (when the mode's detector should have named it at the latest), ``ranks_agree`` (every rank delivered the same reports), ``delays_s``. Every report of the run goes to
 ``reports.json`` in the cell directory; with ``params.keep_times`` each rank's per-cycle times go to ``ranks.json``
 (megabytes: not for a bundle kept in docs/).
 
@@ -115,6 +115,7 @@ def rank_main(
             {
                 "phase": phase,
                 "step": step,
+                "t": time.monotonic(),
                 "runq_cpu_s": own,
                 "reports": [
                     {
@@ -153,6 +154,8 @@ def rank_main(
     for _ in range(delay_cycles):
         step += 1
         train(step, "delay")
+        if mode == "sustained" and any(p["kind"] == "straggler" for p in cells[-1]["reports"]):
+            break  # named: every rank sees the same report at the same cycle, so all stop together
     injector.set()
     stragglers = scout.config.stragglers
     scout.close()
@@ -166,6 +169,7 @@ def rank_main(
                 "delayed": delayed,
                 "confirmations": stragglers.compute_confirmations,
                 "sustained_window": stragglers.sustained_window,
+                "sustained_span_s": stragglers.sustained_span_s,
             }
         )
     )
@@ -186,7 +190,9 @@ def launch(
     ranks' log tails) when a rank fails or the run passes ``timeout_s``."""
     import torch.distributed as dist
 
-    delay_cycles = delay_cycles if delay_cycles is not None else (96 if mode == "sustained" else 24)
+    delay_cycles = (
+        delay_cycles if delay_cycles is not None else (300 if mode == "sustained" else 24)
+    )
     master = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
     )
@@ -276,7 +282,7 @@ def analyse(ranks: list[dict[str, Any]], cycles: int, mode: str) -> dict[str, An
         "named_at_delayed_cycle": named[0][0] if named else 0,
         "named_criterion": named[0][1]["criterion"] if named else "",
         "named_reason": named[0][1]["reason"] if named else "",
-        "window_cycles": ranks[0]["sustained_window"] // 4,
+        "window_cycles": _window_cycles(ranks[0], delayed),
         "confirmation_cycle": confirmation_cycle,
         "delayed_rank": delayed_rank,
         "delays_s": ranks[0]["delays"],
@@ -285,6 +291,16 @@ def analyse(ranks: list[dict[str, Any]], cycles: int, mode: str) -> dict[str, An
         "mode": mode,
         "cycles_requested": cycles,
     }
+
+
+def _window_cycles(rank: dict[str, Any], delayed: list[dict[str, Any]]) -> int:
+    """How many delayed cycles the sustained window spans from the delay's start: ``sustained_window`` cycles, or
+    as many as the first ``sustained_span_s`` seconds of them held, whichever is more."""
+    if not delayed:
+        return rank["sustained_window"]
+    start = delayed[0]["t"]
+    in_span = sum(1 for c in delayed if c["t"] - start <= rank["sustained_span_s"])
+    return max(rank["sustained_window"], in_span)
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:

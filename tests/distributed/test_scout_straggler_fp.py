@@ -7,7 +7,7 @@ rank 2 must be named, and nobody else:
 
 * heavy (``GEMSCOUT_HEAVY_TESTS=1``, 1,000 healthy cycles, a few minutes here): the sleep is exactly 20 % of each
   recipe's healthy median replay time (under a millisecond for most), far inside one round's noise; the sustained
-  check must name rank 2 within its window (``sustained_window`` / 4 cycles);
+  check must name rank 2 within its window (``sustained_window`` cycles, or as many as cover ``sustained_span_s``);
 * the default run (48 healthy cycles, about a minute loaded): the sleep is 20 % but at least 4 ms, twice the default
   2 ms absolute margin, and the per-round detector must name rank 2 at its confirmation round.
 
@@ -44,7 +44,6 @@ def test_no_straggler_report_in_1000_healthy_cycles_under_load_and_a_real_one_is
     tmp_path: Path,
 ) -> None:
     seen = _run(tmp_path, CYCLES, "sustained", timeout_s=3500)
-    # A cycle replays about four recipes: the window turns over in sustained_window / 4 cycles.
     assert seen["named_criterion"] == "sustained", seen
     assert 1 <= seen["named_at_delayed_cycle"] <= seen["window_cycles"], seen
     assert all(

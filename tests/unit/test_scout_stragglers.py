@@ -49,7 +49,8 @@ def test_config_defaults() -> None:
         config.compute_confirmations == 4
     )  # two gave false reports on a loaded machine (scout-straggler loaded-1000)
     assert config.noise_factor == 6.0 and config.noise_window == 32
-    assert config.sustained_window == 256 and config.sustained_margin == 1.15
+    assert config.sustained_window == 64 and config.sustained_margin == 1.15
+    assert config.sustained_span_s == 30.0
     assert 1 <= config.baseline_min_samples <= config.baseline_window
 
 
@@ -82,6 +83,8 @@ def test_config_defaults() -> None:
         ("sustained_window", 1.5),
         ("sustained_margin", 1.0),
         ("sustained_margin", math.nan),
+        ("sustained_span_s", -1.0),
+        ("sustained_span_s", math.inf),
     ],
 )
 def test_bad_config_values_raise_config_error_naming_the_field(field: str, value: Any) -> None:
@@ -503,7 +506,7 @@ def _shared_host_cycles(
     """SCOUT cycles (four recipes of 2-8 ms each) as a loaded shared host produces them: 15 % log-normal jitter per
     replay, 5 % of replays 2-10x as long, and each rank's speed drifting (an AR(1) offset, 6 % spread, lag-one
     correlation 0.85: a rank that shares a core with other load stays slower for ~10 cycles). Fitted to 1,000 loaded
-    cycles on four ranks, whose window medians reached 1.28x at 64 replays and 1.10x at 256. ``slow``: that rank's
+    cycles on four ranks, whose window medians reached 1.32x over 16 cycles and 1.10x over 64. ``slow``: that rank's
     replays take 20 % of the replay longer from cycle ``slow_from`` on."""
     rng = random.Random(seed)
     phi, spread = 0.85, 0.06
@@ -527,27 +530,75 @@ def _shared_host_cycles(
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+class _Clock:
+    """A fake clock the tests advance: one SCOUT cycle a second unless told otherwise."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _observe_all(
+    detector: SustainedStragglerDetector,
+    clock: _Clock,
+    cycles: list[dict[str, dict[int, float]]],
+    seconds: float = 1.0,
+    first_step: int = 0,
+) -> list[FaultReport | None]:
+    out = []
+    for step, cycle in enumerate(cycles, start=first_step):
+        clock.t += seconds
+        out.append(detector.observe(step, cycle))
+    return out
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
 def test_a_rank_slowed_for_a_while_by_shared_load_is_not_a_sustained_straggler(seed: int) -> None:
     cycles = _shared_host_cycles(1000, seed=seed)
-    defaults = SustainedStragglerDetector()
-    assert [s for s, c in enumerate(cycles) if defaults.observe(s, c) is not None] == []
+    clock = _Clock()
+    defaults = _observe_all(SustainedStragglerDetector(clock=clock), clock, cycles)
+    assert [s for s, r in enumerate(defaults) if r is not None] == []
     # The same cycles judged over a quarter of the window: healthy ranks reported, so this test can fail.
-    short = SustainedStragglerDetector(StragglerConfig(sustained_window=64))
-    assert sum(short.observe(s, c) is not None for s, c in enumerate(cycles)) > 0
+    clock = _Clock()
+    short = SustainedStragglerDetector(StragglerConfig(sustained_window=16), clock=clock)
+    assert sum(r is not None for r in _observe_all(short, clock, cycles)) > 0
+
+
+def test_fast_cycles_are_judged_over_the_span_not_the_count() -> None:
+    """A healthy rank slower for a few seconds (a shared core) is slow for 64 fast cycles in a row: not a straggler
+    until the window also covers sustained_span_s."""
+    busy = [{"r": {0: 12 * MS, 1: 10 * MS, 2: 10 * MS}}] * 100  # rank 0 1.2x for 100 cycles...
+    clock = _Clock()
+    detector = SustainedStragglerDetector(clock=clock)
+    assert (
+        _observe_all(detector, clock, busy, seconds=0.05) == [None] * 100
+    )  # ...over 5 s: not named
+    assert detector.ratio(0) is None  # the window waits for 30 s
+    steady = _observe_all(detector, clock, busy * 6, seconds=0.05, first_step=100)  # 35 s in all
+    assert steady[-1] is not None and steady[-1].ranks == (0,)
+    assert steady[-1].evidence["span_s"] == 30.0
+    spanless = SustainedStragglerDetector(
+        StragglerConfig(sustained_span_s=0), clock=(c := _Clock())
+    )
+    assert (
+        _observe_all(spanless, c, busy, seconds=0.05)[63] is not None
+    )  # by count alone: named at 64
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_steady_20_percent_straggler_is_named_within_the_window(seed: int) -> None:
     config = StragglerConfig()
-    detector = SustainedStragglerDetector(config)
+    clock = _Clock()
+    detector = SustainedStragglerDetector(config, clock=clock)
     cycles = _shared_host_cycles(1000 + 64, seed=100 + seed, slow=2, slow_from=1000)
-    reports = [(s, detector.observe(s, c)) for s, c in enumerate(cycles)]
-    named = [(s, r) for s, r in reports if r is not None]
+    named = [(s, r) for s, r in enumerate(_observe_all(detector, clock, cycles)) if r is not None]
     assert named, "a 20 % straggler was never named"
     first, report = named[0]
-    # Four recipes a cycle: the window is config.sustained_window / 4 cycles; named before it has turned over.
-    assert 1000 <= first < 1000 + config.sustained_window // 4, first
+    assert 1000 <= first < 1000 + config.sustained_window, (
+        first
+    )  # before the window has turned over
     assert all(r.ranks == (2,) for _, r in named), named
     assert report.kind is FaultKind.STRAGGLER and report.scope is Scope.RANK
     assert report.evidence["signal"] == "compute" and report.evidence["criterion"] == "sustained"
@@ -555,19 +606,35 @@ def test_a_steady_20_percent_straggler_is_named_within_the_window(seed: int) -> 
 
 
 def test_sustained_with_two_ranks_names_the_slow_one_only() -> None:
-    detector = SustainedStragglerDetector(StragglerConfig(sustained_window=8))
-    reports = [detector.observe(s, {"r": {0: 10 * MS, 1: 13 * MS}}) for s in range(8)]
+    clock = _Clock()
+    detector = SustainedStragglerDetector(
+        StragglerConfig(sustained_window=8, sustained_span_s=0), clock=clock
+    )
+    reports = _observe_all(detector, clock, [{"r": {0: 10 * MS, 1: 13 * MS}}] * 8)
     assert reports[:-1] == [None] * 7  # the window fills first
     assert reports[-1] is not None and reports[-1].ranks == (1,)
     assert detector.ratio(0) == pytest.approx(10 / 13) and detector.ratio(1) == pytest.approx(1.3)
 
 
+def test_one_sample_per_cycle_is_the_median_over_its_recipes() -> None:
+    clock = _Clock()
+    detector = SustainedStragglerDetector(
+        StragglerConfig(sustained_window=4, sustained_span_s=0), clock=clock
+    )
+    # Rank 1 is 3x slower on one recipe of three: its cycle median is 1x, so it is never steadily slow.
+    cycle = {"a": {0: MS, 1: 3 * MS}, "b": {0: MS, 1: MS}, "c": {0: MS, 1: MS}}
+    assert _observe_all(detector, clock, [cycle] * 8) == [None] * 8
+    assert detector.ratio(1) == pytest.approx(1.0)
+
+
 def test_sustained_window_zero_turns_the_check_off_and_reset_forgets() -> None:
-    off = SustainedStragglerDetector(StragglerConfig(sustained_window=0))
-    assert all(off.observe(s, {"r": {0: 10 * MS, 1: 50 * MS}}) is None for s in range(50))
-    on = SustainedStragglerDetector(StragglerConfig(sustained_window=4))
-    for s in range(4):
-        on.observe(s, {"r": {0: 10 * MS, 1: 50 * MS, 2: 10 * MS}})
+    clock = _Clock()
+    off = SustainedStragglerDetector(StragglerConfig(sustained_window=0), clock=clock)
+    assert _observe_all(off, clock, [{"r": {0: 10 * MS, 1: 50 * MS}}] * 50) == [None] * 50
+    on = SustainedStragglerDetector(
+        StragglerConfig(sustained_window=4, sustained_span_s=0), clock=clock
+    )
+    _observe_all(on, clock, [{"r": {0: 10 * MS, 1: 50 * MS, 2: 10 * MS}}] * 4)
     assert on.ratio(1) == pytest.approx(5.0)
     on.reset()
     assert on.ratio(1) is None
@@ -589,7 +656,7 @@ def test_a_rank_named_by_the_per_round_detector_is_not_named_twice_in_one_cycle(
     class Ok:
         preconditions_ok = True
 
-    config = StragglerConfig(compute_confirmations=1, sustained_window=4)
+    config = StragglerConfig(compute_confirmations=1, sustained_window=4, sustained_span_s=0)
     detectors: dict[str, ComputeStragglerDetector] = {}
     sustained = SustainedStragglerDetector(config)
     slow = {0: 10 * MS, 1: 10 * MS, 2: 10 * MS, 3: 40 * MS}

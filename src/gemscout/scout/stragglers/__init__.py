@@ -7,8 +7,8 @@ config (:mod:`.config`):
   peer median or against its own recent past. The times fed in should be what the rank's work took, not how long it
   waited for a CPU: SCOUT subtracts the replaying thread's run-queue wait (:mod:`.runqueue`) before it compares.
 * :class:`SustainedStragglerDetector` (:mod:`.sustained`) — a rank steadily a little slower than its peers: the
-  median of its time over its peers' median across the last ``sustained_window`` replays, pooled over recipes, past
-  ``sustained_margin``. It finds the 20 % straggler that no single round's margins can tell from noise.
+  median of its time over its peers' median (one median over recipes per cycle) across a window of at least
+  ``sustained_window`` cycles and ``sustained_span_s`` seconds, past ``sustained_margin``. It finds the 20 % straggler that no single round's margins can tell from noise.
 * :class:`CommStragglerDetector` (:mod:`.comm`) — the same collective timed in several process groups; the ranks
   common to every slow group, less any rank that also sits in a fast group, are the suspects, mapped to their host.
 

@@ -43,14 +43,18 @@ class StragglerConfig:
     0 turns the noise scaling off."""
     noise_window: int = 32
     """Healthy rounds whose per-rank excess over the median the noise estimate keeps. Int >= 2."""
-    sustained_window: int = 256
-    """Replays (one per recipe replayed, pooled over recipes and rounds) of a rank's time over its peers' median that
-    the sustained check keeps (:mod:`~gemscout.scout.stragglers.sustained`). Int >= 0; 0 turns the check off. A
-    cycle replays about four recipes, so 256 is about 64 cycles. Shorter windows see a healthy rank that shares a
-    core with other load for a while as steadily slow: on a loaded 2-core host four ranks' window medians reached
-    1.28x at 64 replays and 1.10x at 256 over 1,000 cycles."""
+    sustained_window: int = 64
+    """SCOUT cycles of a rank's time over its peers' median (one median per cycle over the recipes it replayed) that
+    the sustained check keeps (:mod:`~gemscout.scout.stragglers.sustained`). Int >= 0; 0 turns the check off.
+    Shorter windows see a healthy rank that shares a core with other load for a while as steadily slow: on a loaded
+    2-core host four ranks' window medians reached 1.28x over 16 cycles and 1.10x over 64 in 1,000 cycles."""
     sustained_margin: float = 1.15
     """A rank is steadily slow when the median of that window is past sustained_margin x its peers'. > 1.0."""
+    sustained_span_s: float = 30.0
+    """...and the window covers at least this many seconds: it keeps replays until both ``sustained_window`` of them
+    and this span are covered. A host that shares a core with other work for a few seconds makes one rank steadily
+    slower for as long; with a cycle every step of a fast model, 64 cycles are a few seconds of that (a 2-rank test
+    on a busy CI machine was named so). Finite, >= 0; 0 bounds the window by count alone."""
 
     def __post_init__(self) -> None:
         for name in ("relative_margin", "baseline_margin", "sustained_margin"):
@@ -71,6 +75,11 @@ class StragglerConfig:
         if not _is_count(self.sustained_window) or self.sustained_window < 0:
             raise ConfigError(
                 f"StragglerConfig.sustained_window must be an int >= 0 (0 turns it off), got {self.sustained_window!r}"
+            )
+        if not _is_number(self.sustained_span_s) or self.sustained_span_s < 0:
+            raise ConfigError(
+                f"StragglerConfig.sustained_span_s must be a finite number of seconds >= 0 (e.g. 30), "
+                f"got {self.sustained_span_s!r}"
             )
         if not _is_number(self.noise_factor) or self.noise_factor < 0:
             raise ConfigError(

@@ -7,9 +7,10 @@ relative to its peers stays centred on 1 (within a few per cent in 1,000 loaded 
 rank whose device or host is slower stays above.
 
 This detector keeps, per rank, the log of its time over the median of the other ranks' times for the same replay,
-pooled over every recipe (a ratio is the same whatever the work: a slow GPU slows every kernel), the newest
-``sustained_window`` of them. Once the window is full, a rank whose median ratio is past ``sustained_margin`` is
-reported. The median over a full window is what makes it robust: heavy-tailed single rounds (a descheduled thread,
+pooled over the recipes of each cycle (a ratio is the same whatever the work: a slow GPU slows every kernel) into one
+median per cycle: the newest until both ``sustained_window`` cycles and ``sustained_span_s`` seconds are covered. Once the window is full, a
+rank whose median ratio is past ``sustained_margin`` is reported. The span keeps a few seconds of shared-core
+contention, which makes one rank steadily slower for just as long, from reading as a straggler when cycles are fast. The median over a full window is what makes it robust: heavy-tailed single rounds (a descheduled thread,
 a page fault) move it by one sample each. Pure computation, never blocks.
 """
 
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.stragglers._rounds import check_hosts, check_round, check_seconds
@@ -30,17 +32,35 @@ __all__ = ["SustainedStragglerDetector"]
 class SustainedStragglerDetector:
     """Names ranks whose replays are steadily slower than their peers', pooled over recipes and rounds."""
 
-    def __init__(self, config: StragglerConfig | None = None) -> None:
+    def __init__(
+        self, config: StragglerConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config if config is not None else StragglerConfig()
-        self._ratios: dict[int, deque[float]] = {}
+        self._clock = clock
+        self._ratios: dict[int, deque[tuple[float, float]]] = {}  # rank -> (when, log ratio)
         self._last_step: int | None = None
 
     def ratio(self, rank: int) -> float | None:
-        """``rank``'s median time over its peers' median in the window, or None before the window is full."""
+        """``rank``'s median time over its peers' median in the window, or None before the window is full
+        (``sustained_window`` cycles covering ``sustained_span_s`` seconds)."""
         window = self._ratios.get(rank)
-        if window is None or len(window) < self.config.sustained_window:
+        cfg = self.config
+        if window is None or len(window) < cfg.sustained_window:
             return None
-        return math.exp(statistics.median(window))
+        if window[-1][0] - window[0][0] < cfg.sustained_span_s:
+            return None
+        return math.exp(statistics.median(r for _, r in window))
+
+    def _add(self, rank: int, when: float, log_ratio: float) -> None:
+        window = self._ratios.setdefault(rank, deque())
+        window.append((when, log_ratio))
+        cfg = self.config
+        # Drop the oldest while the rest still holds sustained_window cycles over sustained_span_s seconds.
+        while (
+            len(window) > cfg.sustained_window
+            and window[-1][0] - window[1][0] >= cfg.sustained_span_s
+        ):
+            window.popleft()
 
     def reset(self) -> None:
         """Forget every window (e.g. after recovery, when timings start afresh)."""
@@ -69,14 +89,17 @@ class SustainedStragglerDetector:
         cfg = self.config
         if cfg.sustained_window == 0:
             return None
+        now = self._clock()
+        cycle: dict[int, list[float]] = {}
         for times in times_by_recipe.values():
             if len(times) < 2:
                 continue
             for rank, seconds in times.items():
                 peers = statistics.median(t for r, t in times.items() if r != rank)
                 if peers > 0 and seconds > 0:
-                    window = self._ratios.setdefault(rank, deque(maxlen=cfg.sustained_window))
-                    window.append(math.log(seconds / peers))
+                    cycle.setdefault(rank, []).append(math.log(seconds / peers))
+        for rank, ratios_of_cycle in cycle.items():  # one sample per rank and cycle: its median over recipes
+            self._add(rank, now, statistics.median(ratios_of_cycle))
         ratios = {rank: r for rank in sorted(self._ratios) if (r := self.ratio(rank)) is not None}
         slow = [rank for rank, r in ratios.items() if r > cfg.sustained_margin]
         if not slow:
@@ -89,6 +112,8 @@ class SustainedStragglerDetector:
             "median_ratio_to_peers": {str(rank): round(r, 4) for rank, r in ratios.items()},
             "sustained_margin": cfg.sustained_margin,
             "window": cfg.sustained_window,
+            "span_s": cfg.sustained_span_s,
+            "window_cycles": {str(rank): len(self._ratios[rank]) for rank in slow},
         }
         if known:
             evidence["hosts"] = {str(rank): host for rank, host in known.items()}
@@ -100,8 +125,9 @@ class SustainedStragglerDetector:
             evidence=evidence,
             confirmations=cfg.sustained_window,
             reason=(
-                f"rank(s) {slow} steadily slow: over its last {cfg.sustained_window} replays rank {worst} took "
-                f"{ratios[worst]:.2f}x its peers' median (margin {cfg.sustained_margin}x)"
+                f"rank(s) {slow} steadily slow: over its last {len(self._ratios[worst])} cycles (at least "
+                f"{cfg.sustained_span_s:g} s) rank {worst} took {ratios[worst]:.2f}x its peers' median "
+                f"(margin {cfg.sustained_margin}x)"
             ),
             host=known.get(slow[0]) if len(slow) == 1 else None,
         )
