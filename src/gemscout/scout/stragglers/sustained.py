@@ -98,7 +98,10 @@ class SustainedStragglerDetector:
                 peers = statistics.median(t for r, t in times.items() if r != rank)
                 if peers > 0 and seconds > 0:
                     cycle.setdefault(rank, []).append(math.log(seconds / peers))
-        for rank, ratios_of_cycle in cycle.items():  # one sample per rank and cycle: its median over recipes
+        for (
+            rank,
+            ratios_of_cycle,
+        ) in cycle.items():  # one sample per rank and cycle: its median over recipes
             self._add(rank, now, statistics.median(ratios_of_cycle))
         ratios = {rank: r for rank in sorted(self._ratios) if (r := self.ratio(rank)) is not None}
         slow = [rank for rank, r in ratios.items() if r > cfg.sustained_margin]
