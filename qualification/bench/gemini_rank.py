@@ -344,7 +344,7 @@ def restart_from_memory(
     frame = (newest.prefix, newest.file.data)
     ck.verify_frame(frame, owner=rank, step=None)
     t1 = time.perf_counter()
-    restore_frame(ck, frame, owned=False)
+    restore_frame(ck.sources, frame, owned=False)
     t2 = time.perf_counter()
     equal = state_digest(trainer.tensors()) == before
     agree = comm.all_agree(equal, group=group, timeout=timeout)
@@ -420,7 +420,7 @@ def recover_from_peer(
         t1 = time.perf_counter()
         ckpt.verify_frame(frame, owner=victim, step=None, verified=check.result())
         t2 = time.perf_counter()
-        restore_frame(ckpt, frame, owned=True)
+        restore_frame(ckpt.sources, frame, owned=True)
         t3 = time.perf_counter()
         out.update(
             {
