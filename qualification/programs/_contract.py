@@ -32,13 +32,23 @@ def measured(
     }
 
 
-def failed(cell: dict[str, Any], message: str, timeline: list[dict[str, Any]]) -> dict[str, Any]:
-    """A cell result for a run that could not produce its observations: status ``error`` and why, in one line."""
+def failed(
+    cell: dict[str, Any],
+    message: str,
+    timeline: list[dict[str, Any]],
+    *,
+    observed: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A cell result for a run that could not produce its observations: status ``error`` and why, in one line.
+
+    ``observed`` and ``metrics`` (empty dicts unless given) record what was known when it stopped, e.g. the ranks'
+    exit codes; a status other than ``passed`` is never judged against ``expect``, whatever they hold."""
     return {
         "cell_id": cell["id"],
         "status": "error",
-        "observed": {},
-        "metrics": {},
+        "observed": {} if observed is None else observed,
+        "metrics": {} if metrics is None else metrics,
         "timeline": timeline,
         "message": message,
     }

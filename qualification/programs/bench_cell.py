@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, failed
 
 BENCHES = ("gemini", "gemini_cuda", "goodput")
 
@@ -30,14 +30,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     p = cell.get("params", {})
     bench = str(p.get("bench", "gemini"))
     if bench not in BENCHES:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {},
-            "metrics": {},
-            "timeline": [],
-            "message": f"params.bench: {bench!r} is not one of {list(BENCHES)}",
-        }
+        return failed(cell, f"params.bench: {bench!r} is not one of {list(BENCHES)}", [])
     out = celldir / f"{bench.replace('_', '-')}-bench.json"
     argv = [sys.executable, "-m", f"qualification.bench.{bench}", "--out", str(out)]
     if bench == "gemini":
@@ -76,14 +69,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         },
     ]
     if proc.returncode != 0 or not out.exists():
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {},
-            "metrics": {},
-            "timeline": timeline,
-            "message": f"benchmark exited {proc.returncode}; see bench.log",
-        }
+        return failed(cell, f"benchmark exited {proc.returncode}; see bench.log", timeline)
     doc = json.loads(out.read_text())
     observed: dict[str, Any] = {"targets_met": 0, "targets_total": 0}
     if (

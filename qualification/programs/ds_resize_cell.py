@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured
+from qualification.programs._contract import cell_main, failed, measured
 
 
 def _launch(
@@ -119,14 +119,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             limit,
         )
     if first is None or resumed is None or reference is None:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {},
-            "metrics": {},
-            "timeline": timeline,
-            "message": "ranks failed (see logs/)",
-        }
+        return failed(cell, "ranks failed (see logs/)", timeline)
     promoted = first[0]
     after = [{s: v for s, v in r["losses"].items() if int(s) > steps} for r in resumed]
     steps_seen = {

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured
+from qualification.programs._contract import cell_main, failed, measured
 
 
 def _launch(
@@ -110,14 +110,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     baseline = _launch(common, world, celldir, "baseline", limit)
     ranks = _launch(common + scout, world, celldir, "run", limit) if baseline is not None else None
     if baseline is None or ranks is None:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {},
-            "metrics": {},
-            "timeline": timeline,
-            "message": "ranks failed (see logs/)",
-        }
+        return failed(cell, "ranks failed (see logs/)", timeline)
     sdc = [rep for rep in ranks[0]["reports"] if rep["kind"] == "sdc"]
     flagged = {(rep["step"], rep["recipe"]) for rep in sdc}
     slices_agree = all(

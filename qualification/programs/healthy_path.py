@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, failed
 
 DEFAULT_THRESHOLDS = {
     "gemini": {"throughput_pct": -5.0, "p95_pct": 10.0},
@@ -135,14 +135,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                 attempt=r * len(launches) + li,
             )
             if not res.ok:
-                return {
-                    "cell_id": cell["id"],
-                    "status": "error",
-                    "observed": {},
-                    "metrics": {},
-                    "timeline": timeline,
-                    "message": f"{name} round {r} failed: exit codes {res.returncodes}",
-                }
+                return failed(
+                    cell, f"{name} round {r} failed: exit codes {res.returncodes}", timeline
+                )
             ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(world)]
             labels = ranks[0]["modes"]
             # A step is as slow as its slowest rank: take the max over ranks per step.

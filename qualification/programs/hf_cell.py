@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured
+from qualification.programs._contract import cell_main, failed, measured
 
 
 def _rejected(case: dict[str, Any], detected: int | None) -> tuple[bool, bool]:
@@ -82,14 +82,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         log_dir=celldir / "logs",
     )
     if not res.ok:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {"rank_exit_codes": res.returncodes},
-            "metrics": {},
-            "timeline": timeline,
-            "message": f"ranks failed: {res.returncodes}",
-        }
+        return failed(
+            cell,
+            f"ranks failed: {res.returncodes}",
+            timeline,
+            observed={"rank_exit_codes": res.returncodes},
+        )
     ranks = [json.loads((out / f"rank{r}.json").read_text())[key] for r in range(world)]
     healthy = [r["healthy"] for r in ranks]
     persistent, replay = ranks[0]["persistent"], ranks[0]["replay"]

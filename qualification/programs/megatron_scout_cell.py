@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured, trust_gating
+from qualification.programs._contract import cell_main, failed, measured, trust_gating
 
 _LOOP, _GPT = "qualification.programs.megatron_loop_rank", "qualification.programs.megatron_rank"
 LAYOUTS = {
@@ -98,14 +98,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     )
     runs, codes = _launch(cell, celldir, "run", extra) if base else ([], codes)
     if not runs:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {"rank_exit_codes": codes},
-            "metrics": {},
-            "timeline": timeline,
-            "message": f"ranks failed: {codes}",
-        }
+        return failed(cell, f"ranks failed: {codes}", timeline, observed={"rank_exit_codes": codes})
     r0 = runs[0]
     sdc = [rep for rep in r0["reports"] if rep["kind"] == "sdc"]
     trust = {int(k): v for k, v in r0["trust"].items()}

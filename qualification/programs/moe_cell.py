@@ -31,7 +31,7 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs import _kills
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, failed
 from qualification.programs._recovery_times import recovery_events
 
 
@@ -184,14 +184,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         if (
             not kills
         ):  # some other death ended the run: what follows would not be this cell's recovery
-            return {
-                "cell_id": cell["id"],
-                "status": "error",
-                "observed": {"rank_exit_codes": res.returncodes},
-                "metrics": {},
-                "timeline": timeline,
-                "message": f"rank {fault['rank']} left no record of its SIGKILL (exit codes {res.returncodes})",
-            }
+            return failed(
+                cell,
+                f"rank {fault['rank']} left no record of its SIGKILL (exit codes {res.returncodes})",
+                timeline,
+                observed={"rank_exit_codes": res.returncodes},
+            )
         kill_record = {k: kills[-1].get(k) for k in ("rank", "step", "phase", "wall")}
         timeline.append(
             {
@@ -204,14 +202,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         raise ValueError(f"moe_cell: unknown fault kind {kind!r}")
     res, ranks = _launch(cell, celldir / "ranks", *extra)
     if not res.ok:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {"rank_exit_codes": res.returncodes},
-            "metrics": {},
-            "timeline": timeline,
-            "message": f"ranks failed: {res.returncodes}",
-        }
+        return failed(
+            cell,
+            f"ranks failed: {res.returncodes}",
+            timeline,
+            observed={"rank_exit_codes": res.returncodes},
+        )
     obs = _observe(ranks, fault)
     if killed_code is not None:
         obs["killed_exit_code"] = killed_code

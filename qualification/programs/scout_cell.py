@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from qualification.launch import launch
-from qualification.programs._contract import cell_main, measured, trust_gating
+from qualification.programs._contract import cell_main, failed, measured, trust_gating
 
 
 def _argv(cell: dict[str, Any], out: Path) -> list[str]:
@@ -128,14 +128,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         log_dir=celldir / "logs",
     )
     if not res.ok:
-        return {
-            "cell_id": cell["id"],
-            "status": "error",
-            "observed": {"rank_exit_codes": res.returncodes},
-            "metrics": {},
-            "timeline": timeline,
-            "message": f"ranks failed: {res.returncodes}",
-        }
+        return failed(
+            cell,
+            f"ranks failed: {res.returncodes}",
+            timeline,
+            observed={"rank_exit_codes": res.returncodes},
+        )
     ranks = [json.loads((celldir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
     r0 = ranks[0]
     kind = fault["kind"]

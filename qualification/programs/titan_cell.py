@@ -56,7 +56,7 @@ from typing import Any
 from qualification.frameworks import titan_env
 from qualification.launch import LaunchResult, launch
 from qualification.programs import _kills
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import cell_main, failed
 from qualification.programs._recovery_times import recovery_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -254,30 +254,14 @@ def _scout(run: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _error(
-    cell: dict[str, Any],
-    timeline: list[dict[str, Any]],
-    message: str,
-    observed: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "cell_id": cell["id"],
-        "status": "error",
-        "observed": observed or {},
-        "metrics": {},
-        "timeline": timeline,
-        "message": message,
-    }
-
-
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     python = titan_env.python()
     why = titan_env.unavailable(python)
     if why:
-        return _error(
+        return failed(
             cell,
-            [],
             f'cannot run TorchTitan: {why} (declare requires = ["torchtitan_cpu"] to skip)',
+            [],
         )
     fault = cell.get("fault", {"kind": "none"})
     kind = fault["kind"]
@@ -289,8 +273,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ckpt = celldir / "ckpt"
     base = job.launch("reference")
     if not base.ok:
-        return _error(
-            cell, job.timeline, f"the reference run (no gemscout) failed: {base.returncodes}"
+        return failed(
+            cell, f"the reference run (no gemscout) failed: {base.returncodes}", job.timeline
         )
     job.event("reference", f"{job.steps} steps without gemscout in {base.duration_s:.1f} s")
     extra: list[str] = []
@@ -316,21 +300,21 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         )
         observed["killed_exit_code"] = killed.returncodes[rank]
         if killed.ok or killed.first_failed != rank:
-            return _error(
+            return failed(
                 cell,
-                job.timeline,
                 f"the SIGKILL did not end the run as planned: {killed.returncodes}",
-                observed,
+                job.timeline,
+                observed=observed,
             )
         kills = [k for k in _kills.read(celldir / "run") if k.get("rank") == rank]
         if (
             not kills
         ):  # some other death ended the run: what follows would not be this cell's recovery
-            return _error(
+            return failed(
                 cell,
-                job.timeline,
                 f"rank {rank} left no record of its SIGKILL ({killed.returncodes})",
-                observed,
+                job.timeline,
+                observed=observed,
             )
         job.timeline = sorted(
             job.timeline + _kills.timeline_events(kills, job.wall0), key=lambda e: e["t"]
@@ -351,7 +335,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         first_step, attempt = int(fault["step"]) + 1, 1
     res = job.launch("run", "--ckpt", str(ckpt), *extra, attempt=attempt)
     if not res.ok:
-        return _error(cell, job.timeline, f"the gemscout run failed: {res.returncodes}", observed)
+        return failed(
+            cell, f"the gemscout run failed: {res.returncodes}", job.timeline, observed=observed
+        )
     run, ref = job.ranks("run"), job.ranks("reference")
     observed.update(_compare(run, ref, first_step))
     if kind == "sigkill":
