@@ -1,5 +1,5 @@
 """The collective promotion of sharded state commits only when every rank succeeded: real FSDP2 on 2 gloo ranks,
-calling gemscout.gemini.durable_sharded directly. First rank 1 has no checkpoint of the step: every rank raises, no
+calling gemscout.gemini.durable.promote directly. First rank 1 has no checkpoint of the step: every rank raises, no
 directory gets the step's name and no temporary one is left. Then both ranks promote; the promotion verifies, and a
 collective load into a zeroed model and optimizer gives back the captured state bit for bit."""
 
@@ -23,7 +23,7 @@ PROGRAM = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from gemscout.errors import IntegrityError
-    from gemscout.gemini import durable_sharded
+    from gemscout.gemini.durable import keys, promote
     from gemscout.gemini.durable import DurableTier
     from gemscout.state import training_state
     from gemscout.state.codec import encode
@@ -52,17 +52,17 @@ PROGRAM = textwrap.dedent("""
     ident = {"run_id": "r", "topology": "t", "owner": rank, "step": 2}
     parsed = parse_prefix(frame_prefix(build_header(layout, tensor_digests(layout, data), skeleton, ident)))
     tier = DurableTier(out / "durable", run_id="r", fsync=False, group=group, rank=rank)
-    likes = durable_sharded.live_shards(sources)
+    likes = keys.live_shards(sources)
     result = {"captured": state_digest(model, opt)}
     try:
-        durable_sharded.promote(tier, 2, None if rank == 1 else (parsed, data), likes, group=group, rank=rank,
+        promote.promote(tier, 2, None if rank == 1 else (parsed, data), likes, group=group, rank=rank,
                                 timeout=timedelta(seconds=60))
         result["half"] = "committed"
     except IntegrityError as exc:
         result["half"] = f"refused: {exc}"
     dist.barrier()
     result["after_half"] = sorted(p.name for p in (out / "durable").iterdir()) if (out / "durable").exists() else []
-    durable_sharded.promote(tier, 2, (parsed, data), likes, group=group, rank=rank, timeout=timedelta(seconds=60))
+    promote.promote(tier, 2, (parsed, data), likes, group=group, rank=rank, timeout=timedelta(seconds=60))
     result["newest"] = tier.newest_step()
     with torch.no_grad():
         for p in model.parameters():

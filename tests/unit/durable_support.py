@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemscout.gemini import durable_sharded, store
+from gemscout.gemini import store
 from gemscout.gemini.durable import DurableTier
+from gemscout.gemini.durable import promote as collective
 from gemscout.gemini.promotion import REPLICATED
 from gemscout.state import training_state
 from gemscout.state.codec import encode
@@ -61,7 +62,7 @@ def promote(
     path = work / f"step-{step:09d}.gsc"
     write_file(path, training_state.collect(src, step), step)
     tier = DurableTier(durable_dir, run_id=RUN, fsync=False, group=dist.group.WORLD, rank=0)
-    durable_sharded.promote_own_file(
+    collective.promote_own_file(
         tier,
         step,
         path,

@@ -13,8 +13,7 @@ import torch
 from durable_support import promote, sources
 
 from gemscout.errors import IntegrityError
-from gemscout.gemini import held_files
-from gemscout.gemini.durable import SIDECAR
+from gemscout.gemini.durable import SIDECAR, held_files
 
 
 def _state(src: Any) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from durable_support import promote, sources
 
 from gemscout.errors import ConfigError
 from gemscout.gemini.durable import DurableTier
-from gemscout.gemini.durable_sharded import key_component, tensor_entries
+from gemscout.gemini.durable.keys import key_component, tensor_entries
 from gemscout.state.codec import encode
 
 DATA = Path(__file__).parent / "data"

@@ -42,15 +42,7 @@ HARNESS_DEPS = ("pandas", "jinja2", "typer", "rich", "jsonschema", "cryptography
 # Lazy imports allowed to close a cycle, each with the reason it is still here. An entry that no longer matches a
 # lazy import fails the test: delete it when the cycle is fixed. The cycle rule for module-level imports has no
 # allow-list.
-ALLOWED_LAZY_CYCLE_EDGES: Mapping[tuple[str, str], str] = {
-    # durable.py and durable_sharded.py import each other lazily (issue 17): durable_sharded needs durable's SIDECAR
-    # name and _sha256 helper, durable dispatches sharded saves to durable_sharded. The fix moves the shared helpers
-    # to a module both import; gemini/ is owned by another change in flight, so the edge is allowed until it lands.
-    (
-        "gemscout.gemini.durable_sharded",
-        "gemscout.gemini.durable",
-    ): "shared sidecar helpers live in durable.py",
-}
+ALLOWED_LAZY_CYCLE_EDGES: Mapping[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True, slots=True)

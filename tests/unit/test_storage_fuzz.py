@@ -23,7 +23,7 @@ from gemscout.errors import GemscoutError
 from gemscout.faultlog import FILE_NAME, read_reports
 from gemscout.gemini import store
 from gemscout.gemini.durable import SIDECAR, DurableTier
-from gemscout.gemini.durable_sharded import tensor_entries
+from gemscout.gemini.durable.keys import tensor_entries
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.inventory import inventory
 from gemscout.reports import FaultReport

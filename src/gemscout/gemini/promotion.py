@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from gemscout import _dist as comm
 from gemscout.config import TrustState
-from gemscout.gemini import durable_sharded, store
+from gemscout.gemini import store
+from gemscout.gemini.durable import keys
+from gemscout.gemini.durable import promote as collective
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -134,17 +136,17 @@ class Promoter:
         # sharded state has a part on each rank, and even replicated (DDP) state has each rank's own RNG streams and
         # caller state, which a resumed job needs rank for rank to continue bitwise.
         # live_shards here, on the training thread (see its docstring)
-        likes = durable_sharded.live_shards(parts.sources) if parts.sharded else {}
+        likes = keys.live_shards(parts.sources) if parts.sharded else {}
         parts.queue_io(self.promote, chosen, likes)
 
     def promote(self, step: int, likes: dict[str, Any]) -> None:
         """Promote this rank's checkpoint file of ``step`` together with every rank (on the io thread; see
-        :mod:`gemscout.gemini.durable_sharded`). Failures are recorded in ``errors`` and logged, never raised."""
+        :mod:`gemscout.gemini.durable.promote`). Failures are recorded in ``errors`` and logged, never raised."""
         parts = self.parts
         assert parts.durable is not None and parts.durable.group is not None
         try:
             path = store.step_file(parts.own_dir, step)
-            durable_sharded.promote_own_file(
+            collective.promote_own_file(
                 parts.durable,
                 step,
                 path,

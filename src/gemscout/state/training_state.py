@@ -37,7 +37,7 @@ class StateSources:
     rank_local: bool = False
     """Every rank's state is its own even without DTensors (DeepSpeed ZeRO's fp32 master partition and optimizer
     state): a durable promotion is then collective, each rank writing its own entries; it loads on the same world
-    size only, unless a partition codec stores it per parameter (``durable_sharded.PARTITION_CODECS``)."""
+    size only, unless a partition codec stores it per parameter (:mod:`gemscout.gemini.durable.codecs`)."""
 
     def async_pointers(self) -> set[int]:
         """Storage addresses of tensors that change only inside ``optimizer.step()``: safe to copy in background.

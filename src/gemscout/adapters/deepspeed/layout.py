@@ -155,7 +155,7 @@ def _kinds(elementwise: list[str]) -> list[tuple[str, str | None]]:
 
 
 class ZeroPerParameter:
-    """The partition codec of :mod:`gemscout.gemini.durable_sharded` for DeepSpeed ZeRO-1/2 (see the module doc)."""
+    """The partition codec of :mod:`gemscout.gemini.durable.codecs` for DeepSpeed ZeRO-1/2 (see the module doc)."""
 
     name = CODEC
 
@@ -167,7 +167,7 @@ class ZeroPerParameter:
         self, parsed: Parsed, data: torch.Tensor, rank: int
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's DCP items for a promotion of its verified checkpoint, and its sidecar record."""
-        from gemscout.gemini.durable_sharded import tensor_entries
+        from gemscout.gemini.durable.keys import tensor_entries
 
         state = decode(parsed.skeleton, parsed.layout.views(data))
         opt = state["optimizer"]
@@ -307,6 +307,6 @@ class ZeroPerParameter:
 
 def register() -> None:
     """Make ZeRO promotions per parameter (idempotent; called when a DeepSpeed engine is attached)."""
-    from gemscout.gemini import durable_sharded
+    from gemscout.gemini.durable import codecs
 
-    durable_sharded.PARTITION_CODECS.setdefault(CODEC, ZeroPerParameter())
+    codecs.register(ZeroPerParameter())

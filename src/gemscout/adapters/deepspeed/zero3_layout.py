@@ -52,7 +52,7 @@ def _slice(numel: int, partition_numel: int, index: int) -> tuple[int, int]:
 
 
 class Zero3PerParameter:
-    """The partition codec of :mod:`gemscout.gemini.durable_sharded` for DeepSpeed ZeRO-3 (see the module doc)."""
+    """The partition codec of :mod:`gemscout.gemini.durable.codecs` for DeepSpeed ZeRO-3 (see the module doc)."""
 
     name = CODEC
 
@@ -64,7 +64,7 @@ class Zero3PerParameter:
         self, parsed: Parsed, data: torch.Tensor, rank: int
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's DCP items for a promotion of its verified checkpoint, and its sidecar record."""
-        from gemscout.gemini.durable_sharded import tensor_entries
+        from gemscout.gemini.durable.keys import tensor_entries
 
         state = decode(parsed.skeleton, parsed.layout.views(data))
         opt = state["optimizer"]
@@ -224,6 +224,6 @@ class Zero3PerParameter:
 
 def register() -> None:
     """Make ZeRO-3 promotions per parameter (idempotent; called when a stage-3 engine is attached)."""
-    from gemscout.gemini import durable_sharded
+    from gemscout.gemini.durable import codecs
 
-    durable_sharded.PARTITION_CODECS.setdefault(CODEC, Zero3PerParameter())
+    codecs.register(Zero3PerParameter())
