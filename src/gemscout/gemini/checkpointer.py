@@ -1,34 +1,36 @@
 """The GEMINI engine of one rank: capture (into shared memory) → replicate → persist (every N) → certify → recover.
 
 Threads: the training thread runs the hooks; ``gemini-copy`` copies into slots (files of the memory tier,
-:mod:`gemscout.gemini.shm`, published when sealed); ``gemini-io`` replicates, persists to disk and prunes, one
-capture at a time and in step order on every rank, so the replication collectives of all ranks line up. Collectives the training thread issues on the replication group (recovery, certification) first drain the io
-thread, so the two never interleave on that group.
+:mod:`gemscout.gemini.shm`, published when sealed); ``gemini-io`` (:mod:`gemscout.gemini.io_thread`) runs each
+sealed capture's :mod:`~gemscout.gemini.capture_pipeline` (replicate, persist to disk, prune), one capture at a time
+and in step order on every rank, so the replication collectives of all ranks line up. Collectives the training
+thread issues on the replication group (recovery, certification) first drain the io thread, so the two never
+interleave on that group.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from gemscout import _dist as comm
 from gemscout._tensors import is_dtensor
 from gemscout.config import TrustState
-from gemscout.errors import CollectiveTimeout, IntegrityError, RunMismatchError
-from gemscout.gemini import shm, store
+from gemscout.errors import CollectiveTimeout
+from gemscout.gemini import adoption, store
+from gemscout.gemini.capture_pipeline import CapturePipeline, PipelineParts
 from gemscout.gemini.coalesce import FreeSlotVote
 from gemscout.gemini.config import CheckpointConfig, default_digest_threads
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.exchange import Frame, Identity, replication_for
+from gemscout.gemini.io_thread import IoThread
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.promotion import Promoter, PromotionParts
 from gemscout.gemini.recovery import RecoveryDecision
@@ -69,7 +71,13 @@ class Checkpointer:
 
             self.placement = placement = natural_placement(placement, sources.model)
         self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
-        self.memory = self._open_memory()
+        self.memory = adoption.open_memory(
+            config,
+            run_id=run_id,
+            node=placement.node_of(rank),
+            rank=rank,
+            disk_root=self.paths.root,
+        )
         replicating = self.replicating = config.replicate and placement.enabled
         self.pool = SlotPool(
             config.slots,
@@ -95,15 +103,8 @@ class Checkpointer:
         self.replicas: dict[int, ReplicaBuffers] = {}
         self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
         self.ledger.run_id = run_id
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-io")
-        self._pending: list[Future[Any]] = []
-        self._lock = threading.Lock()
+        self._io = IoThread()
         self.captures = 0
-        self.persisted_step = -1
-        self.persisted_replica: dict[int, int] = {}
-        self.frontier = -1
-        self.retained: frozenset[int] = frozenset()  # see retain()
-        """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
         self.errors: list[str] = []
         self.stats: dict[str, float] = {
             "capture_stall_s": 0.0,
@@ -116,10 +117,28 @@ class Checkpointer:
             "acknowledge_s": 0.0,
         }
         """Timings of the last capture; ``replicate_*`` and ``natural_divergent_shards`` add up over the run."""
-        self.phase_hook: Callable[[str, int], None] | None = None
-        """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
-        "persist_replica" (on the io thread) before each happens, and at "persisted" and "replicated" after those
-        end. The harness uses it to kill at a phase."""
+        self.pipeline = CapturePipeline(
+            PipelineParts(
+                rank=rank,
+                group=group,
+                placement=placement,
+                replicating=replicating,
+                timeout=config.timeout,
+                fsync=config.fsync,
+                slots=config.slots,
+                keep_generations=config.keep_generations,
+                memory=self.memory,
+                pool=self.pool,
+                replicas=self.replicas,
+                replication=self.replication,
+                ledger=self.ledger,
+                paths=self.paths,
+                spares=self.spares,
+                stats=self.stats,
+                errors=self.errors,
+            )
+        )
+        """The io of each sealed capture, on the io thread (:mod:`gemscout.gemini.capture_pipeline`)."""
         self.sharded = sources.rank_local or any(is_dtensor(p) for p in sources.model.parameters())
         """DTensor parameters (FSDP2, HSDP, TP) or rank-local state (DeepSpeed ZeRO partitions): durable promotions
         are collective, on a group of their own."""
@@ -182,65 +201,46 @@ class Checkpointer:
         """Steps whose capture was skipped (``when_busy="skip"``) because some rank's io still held every slot."""
         self.set_when_busy(config.when_busy)
         store.clean_stale_temps(self.paths.root)
-        self._adopt_memory()
-
-    # ------------------------------------------------------------------ memory tier
-    def _open_memory(self) -> shm.MemoryTier | None:
-        base = self.config.memory_directory
-        if base is None:
-            return None
-        if (
-            base == CheckpointConfig.__dataclass_fields__["memory_directory"].default
-            and not base.parent.is_dir()
-        ):
-            log.warning("gemini: %s does not exist here; slots stay in process memory", base.parent)
-            return None
-        return shm.MemoryTier.open(
-            base,
-            run_id=self.run_id,
-            directory=self.config.directory,
-            node=self.placement.node_of(self.rank),
-            rank=self.rank,
-            disk_root=self.paths.root,
-            stale_after_s=self.config.stale_memory_after.total_seconds(),
-            fsync=self.config.fsync,
-        )
-
-    def _adopt_memory(self) -> None:
-        """Take what a killed earlier process of this rank left in the memory tier: its sealed slots and the
-        replicas it held (identity checked here, every digest when recovery loads one)."""
-        if self.memory is None:
-            return
-
-        def mine(found: list[shm.Adopted], owner: int) -> list[shm.Adopted]:
-            ok = []
-            for got in found:
-                try:
-                    if got.parsed.identity.get("owner") != owner:
-                        raise IntegrityError(
-                            f"owner {got.parsed.identity.get('owner')}, expected {owner}"
-                        )
-                    self.check_identity(got.parsed.identity, where=str(got.file.path))
-                    ok.append(got)
-                except (IntegrityError, RunMismatchError) as exc:
-                    log.warning(
-                        "gemini: memory file %s is not this run's, removed: %s", got.file.path, exc
-                    )
-                    got.file.unlink()
-            return ok
-
-        self.pool.adopt(
-            mine(self.memory.adopt(self.memory.paths.own, self.config.slots), self.rank)
-        )
-        for owner in self.memory.paths.held_owners():
-            found = mine(
-                self.memory.adopt(self.memory.paths.replicas(owner), self.config.slots), owner
+        if self.memory is not None:
+            adoption.adopt(
+                self.memory,
+                rank=rank,
+                slots=config.slots,
+                pool=self.pool,
+                held=self.pipeline.held,
+                check_identity=self.identity.check,
             )
-            if found:
-                self.replicas.setdefault(owner, self._buffers(owner)).adopt(found)
 
-    def _buffers(self, owner: int) -> ReplicaBuffers:
-        return ReplicaBuffers(keep=self.config.slots, memory=self.memory, owner=owner)
+    # ------------------------------------------------------------------ io state (the pipeline's)
+    @property
+    def phase_hook(self) -> Callable[[str, int], None] | None:
+        """Fault-injection seam: see :attr:`CapturePipeline.phase_hook
+        <gemscout.gemini.capture_pipeline.CapturePipeline.phase_hook>`. The harness sets it to kill at a phase."""
+        return self.pipeline.phase_hook
+
+    @phase_hook.setter
+    def phase_hook(self, hook: Callable[[str, int], None] | None) -> None:
+        self.pipeline.phase_hook = hook
+
+    @property
+    def persisted_step(self) -> int:
+        """Newest own step written to disk by this rank; -1 before the first."""
+        return self.pipeline.persisted_step
+
+    @property
+    def persisted_replica(self) -> dict[int, int]:
+        """Per owner, the newest of its replicas this rank wrote to disk."""
+        return self.pipeline.persisted_replica
+
+    @property
+    def frontier(self) -> int:
+        """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
+        return self.pipeline.frontier
+
+    @property
+    def retained(self) -> frozenset[int]:
+        """The steps of the last :meth:`retain`."""
+        return self.pipeline.retained
 
     # ------------------------------------------------------------------ capture
     def set_when_busy(self, mode: str) -> None:
@@ -302,9 +302,7 @@ class Checkpointer:
         )
         future.add_done_callback(self._note_copy_failure)
         self.stats["capture_stall_s"] = self.capturer.last_stall_s
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(future)
+        self._io.track(future)
         if skipping:
             assert self._vote is not None
             self._vote.post()  # after this capture took its slot: the vote is about the next capture
@@ -318,12 +316,11 @@ class Checkpointer:
 
     def _queue_io(self, slot: Slot, persist_now: bool) -> None:
         """On the copy thread, in capture order: queue the sealed slot's io (so io runs in step order too)."""
-        self.queue_io(self._pipeline, slot, persist_now)
+        self.queue_io(self.pipeline.run, slot, persist_now)
 
     def queue_io(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the io thread after everything queued before it (:meth:`drain` waits for it)."""
-        with self._lock:
-            self._pending.append(self._io.submit(fn, *args))
+        self._io.submit(fn, *args)
 
     def _note_copy_failure(self, future: Future[Slot]) -> None:
         exc = future.exception()
@@ -332,164 +329,6 @@ class Checkpointer:
         ):  # the copy failed: the slot was never sealed, and no io was queued for it
             self.errors.append(f"capture failed: {exc}")
             log.error("gemini capture failed: %s", exc)
-
-    def _pipeline(self, slot: Slot, persist_now: bool) -> None:
-        try:
-            # Serial on purpose: writing the own file on a second thread while replicating gained nothing on the
-            # 2-core CPU class, where both stages are CPU-bound (A/B, 60 MiB, serial vs concurrent: 0.55 / 0.53 s
-            # and 0.46 / 0.55 s per capture), and it slowed the replication it competed with by 40-80 %.
-            # Every capture is a candidate, written or not (persist_every > 1): certification must be able to vouch
-            # for a step that lives only in memory and in its peers' replicas.
-            # Replication and its acknowledgement first: they are what a node loss needs and what the next capture
-            # may wait for (backpressure, see SlotPool); the disk write (every persist_every-th capture) comes after,
-            # off that path.
-            self.ledger.add_candidate(slot.step)
-            if self.memory is not None and slot.file is None:
-                self._mirror_to_memory(slot)
-            received = None
-            try:
-                if self.replicating:
-                    received = self._replicate(slot)
-            finally:
-                try:
-                    self._acknowledge(slot, landed=received is not None)
-                finally:
-                    # even when the replication failed: the node's own power-loss copy
-                    if persist_now:
-                        self._persist_own(slot)
-            if persist_now:
-                if received is not None:
-                    self._persist_replica(*received)
-                self._advance_frontier(slot.step)
-        except Exception as exc:
-            self.errors.append(f"step {slot.step}: {exc}")
-            log.error("gemini io for step %d failed: %s", slot.step, exc)
-        finally:
-            self.pool.release(slot)
-
-    def _acknowledge(self, slot: Slot, *, landed: bool) -> None:
-        """Agree with every rank (MIN all-reduce, io thread, capture order) whether this capture's replicas landed
-        everywhere; the newest step that did is the memory frontier every rank keeps (see SlotPool). Runs even when
-        this rank's exchange failed, so the collectives stay lined up. A failed agreement leaves the slot unsettled:
-        kept, since the step may be what the others agreed on."""
-        if not self.replicating:
-            self.pool.settle(slot, slot.step)
-            return
-        t = torch.tensor([slot.step if landed else self.pool.frontier], dtype=torch.int64)
-        t0 = time.perf_counter()
-        comm.wait_all(
-            [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
-            self.config.timeout,
-            "replica acknowledgement",
-        )
-        frontier = int(t.item())
-        self.stats["acknowledge_s"] = time.perf_counter() - t0
-        for buffers in self.replicas.values():
-            buffers.settle(frontier)
-        self.pool.settle(slot, frontier)
-        self._phase("acknowledged", slot.step)
-
-    def _phase(self, phase: str, step: int) -> None:
-        if self.phase_hook is not None:
-            self.phase_hook(phase, step)
-
-    def _persist_own(self, slot: Slot) -> None:
-        self._phase("persist", slot.step)
-        t0 = time.perf_counter()
-        store.write_checkpoint(
-            store.step_file(self.paths.own, slot.step),
-            slot.prefix,
-            slot.data,
-            fsync=self.config.fsync,
-            spares=self.spares,
-        )
-        self.persisted_step = slot.step
-        # No save here: an unrecorded step reads as CANDIDATE anyway, every transition saves, and the frontier
-        # agreement right after this capture saves: one atomic ledger write (two fsyncs) per capture, not two.
-        self.ledger.add_candidate(slot.step)
-        self.stats["persist_s"] = time.perf_counter() - t0
-        self._phase("persisted", slot.step)
-
-    def _mirror_to_memory(self, slot: Slot) -> None:
-        """A slot in process memory (pinned, for device copies) is written to the memory tier as a file (one copy),
-        so a killed process still leaves it behind; the ``slots`` newest are kept."""
-        assert self.memory is not None
-        folder = self.memory.paths.own
-        store.write_checkpoint(
-            store.step_file(folder, slot.step), slot.prefix, slot.data, fsync=False
-        )
-        for old in store.list_steps(folder)[self.config.slots :]:
-            if old < self.pool.frontier:  # the frontier's file stays (backpressure, see SlotPool)
-                store.step_file(folder, old).unlink(missing_ok=True)
-
-    def _replicate(self, slot: Slot) -> tuple[int, int, Frame]:
-        self._phase("replicate", slot.step)
-        t0 = time.perf_counter()
-        owner = self.placement.source(self.rank)
-        buffers = self.replicas.setdefault(owner, self._buffers(owner))
-        buffers.frontier = max(buffers.frontier, self.pool.frontier)
-        step, received, sent = self.replication.exchange(
-            slot.frame(),
-            tensors=len(slot.views),
-            target=self.placement.target(self.rank),
-            source=owner,
-            buffers=buffers,
-        )
-        self.stats["replicate_sent_bytes"] += sent.bytes
-        self.stats["replicate_sent_tensors"] += sent.tensors
-        self.stats["natural_divergent_shards"] += sent.divergent_shards
-        buffers.add(step, *received)
-        self.stats["replicate_s"] = time.perf_counter() - t0
-        self._phase("replicated", slot.step)
-        return owner, step, received
-
-    def _persist_replica(self, owner: int, step: int, frame: Frame) -> None:
-        self._phase("persist_replica", step)
-        folder = self.paths.replicas(owner)
-        store.write_checkpoint(
-            store.step_file(folder, step),
-            frame[0],
-            frame[1],
-            fsync=self.config.fsync,
-            spares=self.spares,
-        )
-        self.persisted_replica[owner] = step
-
-    def _advance_frontier(self, step: int) -> None:
-        """Agree on the newest step that every rank has on disk with its replica, then prune below it.
-
-        Pruning by local progress alone is unsafe: a rank could drop the last step whose replica its peer finished
-        writing, leaving no step restorable everywhere after a node loss. The MIN all-reduce runs on the io thread,
-        in capture order on every rank, so it lines up like the replication exchange does.
-        """
-        replicated = (
-            not self.replicating
-            or self.persisted_replica.get(self.placement.source(self.rank), -1) == step
-        )
-        mine = step if self.persisted_step == step and replicated else self.frontier
-        t = torch.tensor([mine], dtype=torch.int64)
-        comm.wait_all(
-            [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
-            self.config.timeout,
-            "frontier agreement",
-        )
-        self.frontier = max(self.frontier, int(t.item()))
-        keep = self.config.keep_generations
-        trusted = [
-            s
-            for s, st in list(self.ledger.states.items())
-            if st in (TrustState.RECOVERY_VERIFIED, TrustState.DURABLE) and s > 0
-        ]
-        protect = self.retained | ({max(trusted)} if trusted else set())
-        store.prune_safe(self.paths.own, self.frontier, keep, protect, spares=self.spares)
-        for owner in self.paths.held_owners():
-            store.prune_safe(
-                self.paths.replicas(owner), self.frontier, keep, protect, spares=self.spares
-            )
-        steps = store.list_steps(self.paths.own)
-        if steps:
-            self.ledger.forget_before(steps[-1])
-            self.ledger.save()
 
     def verify_frame(
         self, frame: Frame, *, owner: int, step: int | None, verified: Parsed | None = None
@@ -522,25 +361,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ flush / drain
     def drain(self, timeout: timedelta | None = None) -> None:
         """Wait for every queued persist/replicate job. Raises CollectiveTimeout past ``timeout``."""
-        deadline = (
-            time.monotonic() + (self.config.timeout if timeout is None else timeout).total_seconds()
-        )
-        while True:  # a copy queues its io before it completes: loop until nothing new was queued
-            with self._lock:
-                pending = [f for f in self._pending if not f.done()]
-            if not pending:
-                return
-            for f in pending:
-                try:
-                    f.exception(
-                        timeout=max(0.0, deadline - time.monotonic())
-                    )  # failures are in self.errors
-                except CancelledError:
-                    continue  # close() cancelled queued io
-                except FutureTimeout:
-                    raise CollectiveTimeout(
-                        "checkpoint io did not drain within the timeout"
-                    ) from None
+        self._io.drain(self.config.timeout if timeout is None else timeout)
 
     def flush(self, timeout: timedelta | None = None) -> int:
         """Persist the newest recoverable state: drain, then write the newest capture and held replicas if not on
@@ -551,21 +372,14 @@ class Checkpointer:
             log.warning("gemini flush: %s; writing what is sealed", exc)
         if not self.config.persist:
             return self.persisted_step
-        newest = self.pool.newest_ready()
-        if newest is not None and newest.step > self.persisted_step:
-            self._persist_own(newest)
-        for owner, buffers in self.replicas.items():
-            if buffers.entries and buffers.entries[0][0] > self.persisted_replica.get(owner, -1):
-                step, prefix, data = buffers.entries[0]
-                self._persist_replica(owner, step, (prefix, data))
-        return self.persisted_step
+        return self.pipeline.persist_sealed()
 
     # ------------------------------------------------------------------ trust
     def retain(self, steps: Iterable[int]) -> None:
         """Keep the captures of ``steps`` (own files, held replicas) past ``keep_generations`` until the next call:
         SCOUT's session names those a later certification can still name (certifying ``s`` marks captures up to
         ``s``). The newest RECOVERY_VERIFIED / DURABLE step after step 0 is kept anyway. Same steps on every rank."""
-        self.retained = frozenset(int(s) for s in steps)
+        self.pipeline.retain(steps)
 
     def certify(self, step: int) -> list[int]:
         """Collectively mark every candidate <= ``step`` RECOVERY_VERIFIED (all ranks must call); queues a durable
@@ -619,7 +433,7 @@ class Checkpointer:
             self.drain(self.config.flush_timeout if timeout is None else timeout)
         except CollectiveTimeout as exc:
             log.warning("gemini close: %s", exc)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown()
         self.capturer.shutdown()
         self.spares.discard()
         if self.memory is not None:
