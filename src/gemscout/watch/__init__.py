@@ -4,7 +4,7 @@ Everything here talks through an authenticated :class:`OobChannel` over a torch 
 training process group, so it keeps working while training threads are blocked in a collective.
 """
 
-from gemscout.watch.channel import ChannelStats, OobChannel, OobStore, TamperEvent, serve_store
+from gemscout.watch.channel import OobChannel, OobStore, serve_store
 from gemscout.watch.config import OobConfig
 from gemscout.watch.findings import StallFinding
 from gemscout.watch.progress import ProgressConfig, ProgressPublisher
@@ -18,6 +18,7 @@ from gemscout.watch.store_server import (
     StoreServerError,
     StoreStatus,
 )
+from gemscout.watch.tamper import ChannelStats, TamperEvent
 from gemscout.watch.watchdog import Watchdog, WatchdogConfig
 
 __all__ = [

@@ -5,9 +5,9 @@ Every rank owns one slot per key, ``<namespace>/<rank>/<key>``, and overwrites i
 MAC in constant time, check that namespace, epoch, rank and key in the body match the slot (so a valid message cannot be moved to another rank's slot, another
 namespace, or replayed from an earlier run of the job under the same secret), and refuse a sequence number older than
 the last one they accepted from that slot (a replay within the run). A rejected message is logged, counted in
-:attr:`OobChannel.stats`, never returned, and recorded as a :class:`TamperEvent` naming the slot — as is a slot that
-held an authentic message and then vanished (someone deleted it). Nothing downstream can act on a rejected message;
-the watchdog turns tamper events into ``tamper`` findings instead of verdicts.
+:attr:`OobChannel.stats`, never returned, and recorded as a :class:`~gemscout.watch.tamper.TamperEvent` naming the
+slot — as is a slot that held an authentic message and then vanished (someone deleted it); the channel's
+:class:`~gemscout.watch.tamper.TamperLedger` keeps that bookkeeping. Nothing downstream can act on a rejected message.
 
 A ``TCPStore`` has no authentication: anyone who reaches its port can read, write and delete keys. So the server is
 bound to one address (the job's own address, loopback for a local job) instead of every interface. The ``TCPStore``
@@ -26,13 +26,11 @@ anyone can forge them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -42,6 +40,7 @@ from gemscout.watch.config import OobConfig
 from gemscout.watch.envelope import Envelope, TamperKind
 from gemscout.watch.secret import resolve_secret
 from gemscout.watch.store_server import listen_socket
+from gemscout.watch.tamper import ChannelStats, TamperEvent, TamperLedger
 from gemscout.watch.wire import BoundedReader, Oversized
 
 if TYPE_CHECKING:
@@ -71,50 +70,6 @@ class OobStore(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ChannelStats:
-    """Counters of one channel object since it was made."""
-
-    published: int
-    accepted: int
-    forged: int
-    """Distinct messages rejected for a bad MAC, a malformed envelope, or a rank/key that does not match their slot."""
-    replayed: int
-    """Distinct authentic messages rejected because their sequence number is older than one already accepted, or
-    because they belong to another epoch (an earlier run under the same secret)."""
-    deleted: int = 0
-    """Times a slot that held an authentic message was found absent."""
-    swept: int = 0
-    """Keys :meth:`OobChannel.sweep` deleted because they were not the job's slots."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class TamperEvent:
-    """Evidence that someone without the secret (or with an old message) wrote to, or deleted, a slot."""
-
-    slot: str
-    """The store key concerned (for ``foreign_keys``: a sample of the swept keys, comma-separated, truncated)."""
-    rank: int | None
-    key: str | None
-    kind: TamperKind
-    reason: str
-    count: int
-    """How many distinct bad values (or deletions) this slot has shown so far."""
-    first_seen: float
-    last_seen: float
-    """The reader's monotonic clock at the first and newest occurrence."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "rank": self.rank,
-            "key": self.key,
-            "kind": self.kind,
-            "reason": self.reason,
-            "count": self.count,
-        }
 
 
 def serve_store(
@@ -185,17 +140,9 @@ class OobChannel:
         # Wall-clock microseconds as the starting sequence number keeps it increasing across a restart of this rank,
         # so readers that remember the previous incarnation's numbers do not take the new messages for replays.
         self._next_seq = time.time_ns() // 1000
-        # Reader state, one entry per slot this channel has read: bounded by the slots its caller asks for (a
-        # watchdog: world_size x its keys), never by what a writer puts in the store. Rejected values are kept as
-        # digests, not bytes.
-        self._last_seen: dict[tuple[int, str], int] = {}
-        self._last_rejected: dict[tuple[int, str], bytes] = {}
-        self._present: set[tuple[int, str]] = set()
-        self._vanished: set[tuple[int, str]] = set()
-        self._tamper: dict[tuple[int | None, str | None], TamperEvent] = {}
-        self._published = self._accepted = self._forged = self._replayed = self._deleted = (
-            self._swept
-        ) = 0
+        self._published = 0
+        # What the reads found in each slot: accepted sequence numbers, presence, rejections, tamper events.
+        self._ledger = TamperLedger(self.slot)
 
     @classmethod
     def connect(
@@ -243,25 +190,16 @@ class OobChannel:
     @property
     def stats(self) -> ChannelStats:
         with self._lock:
-            return ChannelStats(
-                published=self._published,
-                accepted=self._accepted,
-                forged=self._forged,
-                replayed=self._replayed,
-                deleted=self._deleted,
-                swept=self._swept,
-            )
+            published = self._published
+        return self._ledger.stats(published=published)
 
     def tamper_events(self) -> list[TamperEvent]:
         """Every slot that showed tampering so far (newest state of each), in first-seen order."""
-        with self._lock:
-            return sorted(self._tamper.values(), key=lambda e: e.first_seen)
+        return self._ledger.events()
 
     def tampered_since(self, rank: int, key: str, since: float) -> TamperEvent | None:
         """The tamper event of ``rank``'s slot ``key`` if its newest occurrence is at or after ``since`` (monotonic)."""
-        with self._lock:
-            event = self._tamper.get((rank, key))
-        return event if event is not None and event.last_seen >= since else None
+        return self._ledger.tampered_since(rank, key, since)
 
     def slot(self, rank: int, key: str) -> str:
         """The store key that holds ``rank``'s newest message under ``key``."""
@@ -308,7 +246,7 @@ class OobChannel:
                 present = False
         raw = self._get_nowait(slot) if present else None
         if raw is None:
-            self._absent(rank, key)
+            self._ledger.absent(rank, key)
             return None
         return self._verify(rank, key, raw)
 
@@ -326,9 +264,7 @@ class OobChannel:
                 )
                 raw = reader.get(self.slot(rank, key), limit)
         except Oversized as big:
-            with self._lock:
-                self._present.add((rank, key))
-                self._vanished.discard((rank, key))
+            self._ledger.seen(rank, key)
             why = f"message of {big.length} bytes is above max_message_bytes={limit} (not read)"
             self._reject(rank, key, f"oversized {big.length}".encode(), why, kind="oversized")
             return None
@@ -337,7 +273,7 @@ class OobChannel:
         except OSError as exc:
             raise DistNetworkError(f"the OOB store could not be read: {exc}") from exc
         if raw is None:
-            self._absent(rank, key)
+            self._ledger.absent(rank, key)
             return None
         return self._verify(rank, key, raw)
 
@@ -423,22 +359,13 @@ class OobChannel:
         """Record that ``count`` keys that are not this job's slots were found and deleted (by :meth:`sweep`, or by
         the store process itself): a ``foreign_keys`` :class:`TamperEvent` for the store. ``detail`` adds to its
         reason."""
-        shown = ", ".join(repr(name[:64]) for name in list(sample)[:5])
-        with self._lock:
-            self._swept += count
-        reason = f"{count} key(s) not of this job deleted" + (f"; {detail}" if detail else "")
-        self._record_tamper(None, None, shown, "foreign_keys", reason)
-        logger.warning(
-            "OOB store: deleted %d key(s) that are not this job's slots (%s)", count, shown
-        )
+        self._ledger.foreign_keys(count, sample, detail=detail)
 
     def forget_presence(self) -> None:
         """Forget which slots held a message: after the store was unreadable (a restarted store process serves an
         empty store), a slot found absent is not one someone deleted. The sequence numbers accepted are kept, so an
         old message written into the fresh store is still refused as a replay."""
-        with self._lock:
-            self._present.clear()
-            self._vanished.clear()
+        self._ledger.forget_presence()
 
     def read_many(self, ranks: Iterable[int], key: str) -> dict[int, dict[str, Any]]:
         """The newest authentic payload under ``key`` of each of ``ranks`` that has one. Never blocks on absence."""
@@ -449,44 +376,16 @@ class OobChannel:
                 found[rank] = payload
         return found
 
-    def _absent(self, rank: int, key: str) -> None:
-        """Note that ``rank``'s slot ``key`` is empty; one that held a message before was deleted (tamper)."""
-        ident = (rank, key)
-        with self._lock:
-            vanished = ident in self._present
-            still_gone = ident in self._vanished
-            self._present.discard(ident)
-            if vanished:
-                self._vanished.add(ident)
-                self._deleted += 1
-                # A later bad value in this slot is new again, whatever it was before the deletion.
-                self._last_rejected.pop(ident, None)
-        if vanished or still_gone:
-            # Every read that finds it still gone refreshes the event: a deleter faster than the polls must not let
-            # the slot look quiet (and its rank dead) while it keeps deleting.
-            reason = "a slot that held an authentic message was deleted"
-            self._record_tamper(rank, key, self.slot(rank, key), "deleted", reason, new=vanished)
-        if vanished:
-            logger.warning("OOB slot %s was deleted", self.slot(rank, key))
-
     def _verify(self, rank: int, key: str, raw: bytes) -> dict[str, Any] | None:
-        with self._lock:
-            self._present.add((rank, key))
-            self._vanished.discard((rank, key))
+        self._ledger.seen(rank, key)
         opened = self._envelope.open(rank, key, raw)
         if isinstance(opened[0], str):
             kind, why = opened
             self._reject(rank, key, raw, str(why), kind=kind)  # type: ignore[arg-type]
             return None
         seq, payload = opened
-        with self._lock:
-            last = self._last_seen.get((rank, key))
-            # Equal is the same message read again (the writer has not published since); only older is a replay.
-            replayed = last is not None and seq < last
-            if not replayed:
-                self._last_seen[(rank, key)] = seq
-                self._accepted += 1
-        if replayed:
+        last = self._ledger.accept(rank, key, seq)
+        if last is not None:
             self._reject(
                 rank, key, raw, f"replayed sequence number {seq} < {last}", kind="replayed"
             )
@@ -494,57 +393,12 @@ class OobChannel:
         return payload  # type: ignore[return-value]
 
     def _reject(self, rank: int, key: str, raw: bytes, why: str, *, kind: TamperKind) -> None:
-        digest = hashlib.sha256(raw).digest()
-        with self._lock:
-            # Polling re-reads the same bad value many times: count and warn once per distinct rejected message.
-            repeated = self._last_rejected.get((rank, key)) == digest
-            self._last_rejected[(rank, key)] = digest
-            if not repeated and kind == "replayed":
-                self._replayed += 1
-            elif not repeated:
-                self._forged += 1
-        with self._lock:
-            # A message of another epoch in a slot that never held one of ours is a leftover of an earlier run in a
-            # reused store: refused, not an attack. Written over one of ours, it is a replay.
-            stale = kind == "replayed" and (rank, key) not in self._last_seen
-        if stale:
-            if not repeated:
-                logger.info("ignoring OOB slot %s: %s", self.slot(rank, key), why)
-            return
-        if not repeated:
-            logger.warning("rejected OOB message in slot %s: %s", self.slot(rank, key), why)
-        self._record_tamper(rank, key, self.slot(rank, key), kind, why, new=not repeated)
+        self._ledger.reject(rank, key, raw, why, kind=kind)
         if kind == "oversized" and hasattr(self._store, "delete_key"):
             # No genuine writer publishes one (publish refuses): free the server's memory; the owner republishes.
             slot = self.slot(rank, key)
             self._io(lambda store: store.delete_key(slot))  # type: ignore[attr-defined]
-            with self._lock:
-                self._present.discard((rank, key))
-        return None
-
-    def _record_tamper(
-        self,
-        rank: int | None,
-        key: str | None,
-        slot: str,
-        kind: TamperKind,
-        reason: str,
-        *,
-        new: bool = True,
-    ) -> None:
-        now = time.monotonic()
-        with self._lock:
-            old = self._tamper.get((rank, key))
-            self._tamper[(rank, key)] = TamperEvent(
-                slot=slot,
-                rank=rank,
-                key=key,
-                kind=kind,
-                reason=reason,
-                count=(old.count if old else 0) + (1 if new or old is None else 0),
-                first_seen=old.first_seen if old else now,
-                last_seen=now,
-            )
+            self._ledger.cleared(rank, key)
 
 
 def _bounded_reader(host: str, port: int) -> BoundedReader:

@@ -45,13 +45,14 @@ from datetime import timedelta
 from torch.distributed import DistNetworkError
 
 from gemscout.errors import CollectiveTimeout, ConfigError
-from gemscout.watch.channel import OobChannel, TamperEvent
+from gemscout.watch.channel import OobChannel
 from gemscout.watch.findings import StallFinding
 from gemscout.watch.outage import StoreOutage
 from gemscout.watch.records import PROGRESS_KEY, ProgressRecord
 from gemscout.watch.rootcause import locate_root
 from gemscout.watch.stalls import StallConfig, StallDetector
 from gemscout.watch.store_server import StoreHealth
+from gemscout.watch.tamper import TamperEvent
 
 logger = logging.getLogger(__name__)
 
