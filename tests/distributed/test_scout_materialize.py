@@ -38,7 +38,7 @@ def rank_main(out: Path) -> None:
     )
 
     from gemscout.scout.materialize import Materializer
-    from gemscout.topology import discover
+    from gemscout.topology_discovery import discover
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -214,7 +214,7 @@ def test_fsdp_sharded_stages_take_the_pipeline_dim_from_the_mesh(one_rank: None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gemscout.topology import discover
+    from gemscout.topology_discovery import discover
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
     stage = build_stage("three-block", seed=0, stage=0, n_stages=2)

@@ -22,7 +22,7 @@ def _net() -> nn.Module:
 def test_fully_shard_without_a_mesh_gives_a_dp_topology() -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from gemscout.topology import discover, mesh_dims
+    from gemscout.topology_discovery import discover, mesh_dims
 
     model = _net()
     fully_shard(model[0])
@@ -42,7 +42,7 @@ def test_an_unnamed_mesh_under_tp_is_refused_with_the_fix() -> None:
         parallelize_module,
     )
 
-    from gemscout.topology import discover
+    from gemscout.topology_discovery import discover
 
     model = _net()
     parallelize_module(
@@ -55,7 +55,7 @@ def test_an_unnamed_mesh_under_tp_is_refused_with_the_fix() -> None:
 def test_an_unnamed_two_dimensional_mesh_is_refused() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gemscout.topology import mesh_dims
+    from gemscout.topology_discovery import mesh_dims
 
     with pytest.raises(ConfigError, match="mesh_dim_names"):
         mesh_dims(init_device_mesh("cpu", (1, 1)))

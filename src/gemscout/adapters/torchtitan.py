@@ -48,7 +48,8 @@ from torch import nn
 from gemscout.adapters._optim_view import InnerOptimizers
 from gemscout.adapters.target import Request, Target
 from gemscout.errors import ConfigError
-from gemscout.topology import Topology, _fsdp_data_dims, from_mesh
+from gemscout.topology import Topology
+from gemscout.topology_discovery import from_mesh, fsdp_data_dims
 
 __all__ = [
     "OptimizersView",
@@ -224,9 +225,7 @@ def _data_and_shard_dims(
     over, among ``names`` (the parameters' mesh dims)."""
     from torch.distributed.tensor import DTensor
 
-    data = (
-        tuple(data_dims) if data_dims is not None else tuple(sorted(_fsdp_data_dims(model) or ()))
-    )
+    data = tuple(data_dims) if data_dims is not None else tuple(sorted(fsdp_data_dims(model) or ()))
     sharded = {
         n
         for p in model.parameters()

@@ -64,7 +64,8 @@ from gemscout.scout.stragglers import (
     SustainedStragglerDetector,
     compute_reports,
 )
-from gemscout.topology import Topology, discover, has_dtensor_params
+from gemscout.topology import Topology
+from gemscout.topology_discovery import discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
 
@@ -112,10 +113,10 @@ class Scout(ReplaySeams):
 
         Peers: with neither ``group`` nor ``topology``, SCOUT reads the model. Plain parameters (DDP): every rank is a
         peer, over a new gloo group. DTensor parameters (FSDP2, HSDP, TP, FSDP2 x TP): the peer groups come from
-        their DeviceMesh (:func:`~gemscout.topology.discover`; ``ScoutConfig.data_parallel_dims`` names the
+        their DeviceMesh (:func:`~gemscout.topology_discovery.discover`; ``ScoutConfig.data_parallel_dims`` names the
         data-parallel dims when there is no ``fully_shard``), and a topology without data-parallel peers (pure TP)
         leaves SCOUT attached but unable to compare: every due step is INCONCLUSIVE with the reason
-        (``disabled_reason``). ``topology``: an explicit one (:func:`~gemscout.topology.from_mesh`).
+        (``disabled_reason``). ``topology``: an explicit one (:func:`~gemscout.topology_discovery.from_mesh`).
         ``group``: a ready-made peer group of replicas (not for sharded models). Collective: every rank must call
         attach (it creates process groups). ``first_step``: the number of the next optimizer step
         (``resume_step + 1`` after a recovery). Raises ``ConfigError`` when the process group is not initialized,

@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemscout._dist import wait_all
 from gemscout._tensors import is_dtensor
-from gemscout.topology import Topology, mesh_dims
+from gemscout.topology import Topology
+from gemscout.topology_discovery import mesh_dims
 
 __all__ = [
     "CollectiveTimer",

@@ -45,7 +45,8 @@ from gemscout.scout.fsdp_comms import FsdpCollectiveTimer
 from gemscout.scout.materialize import Materializer, local_tensor, param_model_dims, uses_model_dims
 from gemscout.scout.recipes import Catalog, Recipe
 from gemscout.scout.stragglers import CommStragglerDetector, GroupTiming, StragglerConfig
-from gemscout.topology import Topology, create_groups
+from gemscout.topology import Topology
+from gemscout.topology_discovery import create_groups
 
 __all__ = ["MeshDomain"]
 
@@ -53,7 +54,7 @@ __all__ = ["MeshDomain"]
 class MeshDomain:
     """The peer domain of a DeviceMesh, for one rank. Every method that says *collective* must be called by every
     rank of the mesh, in the same order, whatever its local state. Construct on every rank of the default group
-    (it creates SCOUT's gloo groups, :func:`~gemscout.topology.create_groups`)."""
+    (it creates SCOUT's gloo groups, :func:`~gemscout.topology_discovery.create_groups`)."""
 
     stops_on_wire_error = False
     job_collectives = "FSDP2 all-gather / reduce-scatter"
