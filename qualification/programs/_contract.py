@@ -2,19 +2,27 @@
 
 ``python -m qualification.programs.NAME --cell cell.json --out celldir``: read the cell, run it, write
 ``celldir/result.json`` (status, observed, metrics, timeline, message) and print the observations to the cell log.
-The engine judges the cell from ``result.json``; the exit code is 0 whenever a result was written.
+The engine judges the cell from ``result.json``; the exit code is 0 whenever a result was written. Binary training
+state the run left in ``celldir`` (checkpoint files, DCP shards) is then deleted: a bundle seals what was observed,
+and a campaign's checkpoints would make it gigabytes (``params.keep_checkpoints`` keeps them for debugging).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 RunCell = Callable[[dict[str, Any], Path], dict[str, Any]]
+
+STATE_SUFFIXES = (".gsc", ".pt", ".pth", ".distcp", ".bin", ".safetensors", ".npy")
+"""Files of binary training state: GEMINI checkpoints and replicas, torch saves, DCP shards (what
+scripts/regenerate_evidence.sh refuses in a bundle). A DCP folder's ``.metadata`` goes with its shards."""
 
 
 def measured(
@@ -87,6 +95,23 @@ def cell_main(prog: str, run_cell: RunCell, argv: list[str] | None = None) -> in
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_cell(cell, args.out)
     (args.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    if not cell.get("params", {}).get("keep_checkpoints", False):
+        drop_state(args.out)
     print(f"{cell['id']}: {result['status']} {result['message']}".rstrip())
     print(json.dumps(result["observed"], indent=1, sort_keys=True))
     return 0
+
+
+def drop_state(celldir: Path) -> int:
+    """Delete the binary training state under ``celldir`` (see :data:`STATE_SUFFIXES`) and the folders that held only
+    it; JSON records (trust ledgers, fault and kill records, sidecars) stay. Returns the number of files deleted."""
+    dropped = 0
+    for root, dirs, files in os.walk(celldir, topdown=False):
+        for name in files:
+            if name.endswith(STATE_SUFFIXES) or name == ".metadata":
+                os.unlink(os.path.join(root, name))
+                dropped += 1
+        for name in dirs:
+            with contextlib.suppress(OSError):  # not empty: something worth keeping is in it
+                os.rmdir(os.path.join(root, name))
+    return dropped

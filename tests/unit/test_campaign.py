@@ -83,6 +83,28 @@ def test_every_shipped_campaign_validates(path: Path) -> None:
         assert "/" not in cell.safe_id
 
 
+# A claim backed by a framework's cells must name that framework: a loose glob (once "*pp3*", which also matched a
+# TorchTitan and a Megatron cell through a recipe name "pp3.hidden.0") would otherwise let a skipped TorchTitan cell
+# invalidate the torch pipelining claim, or a Megatron cell back it.
+FRAMEWORK_MARKERS = {"/titan_cell-": "TorchTitan", "megatron": "Megatron", "deepspeed": "DeepSpeed"}
+"""A substring of a cell id (its program, label or topology) -> the framework that cell runs."""
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "campaigns").glob("*.toml")), ids=lambda p: p.stem)
+def test_a_framework_cell_backs_only_claims_that_name_its_framework(path: Path) -> None:
+    loaded = campaign.load(path)
+    ids = [c.id for c in loaded.cells]
+    for claim in loaded.claims:
+        if not claim.cells:
+            continue  # backed by every cell of the campaign
+        for cell_id in claim.backing(ids):
+            for marker, framework in FRAMEWORK_MARKERS.items():
+                if marker in cell_id:
+                    assert framework in claim.text, (
+                        f"{cell_id} backs a claim that does not name {framework}: {claim.text[:80]}"
+                    )
+
+
 def test_shipped_campaigns_exist() -> None:
     assert {"quickstart", "selftest", "cpu-matrix"} <= {
         p.stem for p in (REPO / "campaigns").glob("*.toml")
