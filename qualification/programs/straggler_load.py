@@ -154,8 +154,17 @@ def rank_main(
     for _ in range(delay_cycles):
         step += 1
         train(step, "delay")
-        if mode == "sustained" and any(p["kind"] == "straggler" for p in cells[-1]["reports"]):
-            break  # named: every rank sees the same report at the same cycle, so all stop together
+        if mode == "sustained":
+            # Every rank judges the same gathered times on the job's shared clock, so all name the straggler at the
+            # same cycle; the stop is still agreed collectively, so that ranks which did not (a detector bug) end
+            # with the others and show as ranks_agree false instead of dying in the next all-reduce.
+            named = any(p["kind"] == "straggler" for p in cells[-1]["reports"])
+            stop = torch.tensor([int(named)])
+            dist.all_reduce(
+                stop, op=dist.ReduceOp.MAX
+            )  # gloo, bounded by the group's 120 s timeout
+            if stop.item():
+                break
     injector.set()
     stragglers = scout.config.stragglers
     scout.close()

@@ -49,11 +49,14 @@ def _records(seed: int = 0, **extra: object) -> dict[str, dict[str, object]]:
 @pytest.mark.timeout(30)
 def test_row_decodes_to_what_json_would_deliver() -> None:
     records = _records(gather_s=0.25, collective_s=1e-9)
-    row = encode_records(NAMES, 3, records, comm_s=0.125)
+    row = encode_records(NAMES, 3, records, comm_s=0.125, clock=12345.678)
     assert len(row) == record_row_bytes(len(NAMES))
     decoded = decode_records(NAMES, row, records)
     via_json = json.loads(
-        json.dumps({"threads": 3, "records": records, "comm_s": 0.125}, sort_keys=True)
+        json.dumps(
+            {"threads": 3, "records": records, "comm_s": 0.125, "clock": 12345.678},
+            sort_keys=True,
+        )
     )
     assert decoded == via_json
     assert not _needs_json([row, row])
@@ -97,4 +100,5 @@ def test_what_a_row_cannot_carry_takes_the_json_path() -> None:
 @pytest.mark.timeout(30)
 def test_no_comm_time_means_no_key() -> None:
     records = _records()
-    assert "comm_s" not in decode_records(NAMES, encode_records(NAMES, 2, records), records)
+    decoded = decode_records(NAMES, encode_records(NAMES, 2, records), records)
+    assert "comm_s" not in decoded and "clock" not in decoded

@@ -22,6 +22,7 @@ from gemscout.scout.stragglers import (
     StragglerConfig,
     SustainedStragglerDetector,
     compute_reports,
+    job_clock,
     run_queue_seconds,
     waited_since,
 )
@@ -639,6 +640,59 @@ def test_sustained_window_zero_turns_the_check_off_and_reset_forgets() -> None:
     on.reset()
     assert on.ratio(1) is None
     assert on.observe(0, {"r": {0: 10 * MS, 1: 50 * MS, 2: 10 * MS}}) is None  # steps start afresh
+
+
+def test_ranks_with_different_clocks_name_the_straggler_at_the_same_cycle() -> None:
+    """Every rank judges the same gathered times; with the job's shared clock passed in, each rank's detector decides
+    at the same cycle whatever its own clock says (the loaded-1000 cell once saw three ranks break out of training
+    while the fourth went on into the next all-reduce)."""
+    cycles = _shared_host_cycles(1000 + 200, seed=7, slow=2, slow_from=1000)
+    # Four ranks' detectors whose own clocks cannot be read (NaN raises): only the shared clock decides.
+    detectors = [SustainedStragglerDetector(clock=lambda: math.nan) for _ in range(4)]
+    first_named = []
+    for detector in detectors:
+        named = None
+        for step, cycle in enumerate(cycles):
+            report = detector.observe(
+                step, cycle, when=0.25 * step
+            )  # the lowest rank's gathered clock
+            if report is not None and named is None:
+                named = (step, report.ranks)
+        first_named.append(named)
+    assert first_named[0] is not None and first_named[0][1] == (2,), first_named
+    assert first_named == [first_named[0]] * 4
+    # The same cycles judged on each rank's own skewed clock (time.monotonic per process) do disagree: this test can
+    # fail when the shared clock is not used.
+    skewed = []
+    for rate in (0.25, 0.2501, 0.2497, 0.2504):
+        clock = _Clock()
+        detector = SustainedStragglerDetector(clock=clock)
+        named = None
+        for step, cycle in enumerate(cycles):
+            clock.t = rate * step + (0.01 if step % 3 == 0 else 0.0)
+            if (report := detector.observe(step, cycle)) is not None and named is None:
+                named = step
+        skewed.append(named)
+    assert len(set(skewed)) > 1, skewed
+
+
+def test_a_clock_that_goes_back_starts_the_windows_afresh() -> None:
+    detector = SustainedStragglerDetector(StragglerConfig(sustained_window=4, sustained_span_s=0))
+    for step in range(4):
+        detector.observe(step, {"r": {0: 10 * MS, 1: 50 * MS, 2: 10 * MS}}, when=100.0 + step)
+    assert detector.ratio(1) == pytest.approx(5.0)
+    detector.observe(
+        4, {"r": {0: 10 * MS, 1: 10 * MS, 2: 10 * MS}}, when=3.0
+    )  # another rank's clock now
+    assert detector.ratio(1) is None
+    with pytest.raises(ValueError, match="finite time"):
+        detector.observe(5, {"r": healthy(3)}, when=math.inf)
+
+
+def test_job_clock_is_the_lowest_ranks() -> None:
+    assert job_clock({3: {"clock": 9.0}, 1: {"clock": 4.5}, 2: {}}) == 4.5
+    assert job_clock({1: {}, 2: {"clock": 7.0}}) == 7.0
+    assert job_clock({0: {}, 1: {}}) is None
 
 
 def test_sustained_rejects_bad_rounds() -> None:

@@ -109,9 +109,14 @@ class PeerDomain(Protocol):
         ...
 
     def gather_records(
-        self, names: Sequence[str], records: Mapping[str, Any], comm_s: float | None
+        self,
+        names: Sequence[str],
+        records: Mapping[str, Any],
+        comm_s: float | None,
+        clock: float | None = None,
     ) -> dict[int, Mapping[str, Any]]:
-        """Collective: every rank's ``{"threads", "records"[, "comm_s"]}`` by global rank, equal everywhere."""
+        """Collective: every rank's ``{"threads", "records"[, "comm_s"][, "clock"]}`` by global rank, equal
+        everywhere."""
         ...
 
     def judged_names(
@@ -201,9 +206,13 @@ class FlatDomain:
         yield
 
     def gather_records(
-        self, names: Sequence[str], records: Mapping[str, Any], comm_s: float | None
+        self,
+        names: Sequence[str],
+        records: Mapping[str, Any],
+        comm_s: float | None,
+        clock: float | None = None,
     ) -> dict[int, Mapping[str, Any]]:
-        return self.exchange.gather_records(names, records, comm_s=comm_s)
+        return self.exchange.gather_records(names, records, comm_s=comm_s, clock=clock)
 
     def judged_names(
         self, due: Sequence[Recipe], by_rank: Mapping[int, Mapping[str, Any]]

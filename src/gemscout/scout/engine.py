@@ -29,6 +29,7 @@ below is the same for all of them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -63,6 +64,7 @@ from gemscout.scout.stragglers import (
     ComputeStragglerDetector,
     SustainedStragglerDetector,
     compute_reports,
+    job_clock,
 )
 from gemscout.topology import Topology
 from gemscout.topology_discovery import discover, has_dtensor_params
@@ -331,7 +333,7 @@ class Scout(ReplaySeams):
                 records[recipe.name]["gather_s"] = seconds
         names = [r.name for r in due]
         comm_s = self._job_timer.take() if self._job_timer is not None else None
-        by_rank = domain.gather_records(names, records, comm_s)
+        by_rank = domain.gather_records(names, records, comm_s, time.monotonic())
         ranks = tuple(by_rank)
         results = {}
         times: dict[str, dict[int, float]] = {}
@@ -356,6 +358,7 @@ class Scout(ReplaySeams):
             times,
             len(ranks),
             sustained=self._sustained,
+            when=job_clock(by_rank),
         )
         timer = self._job_timer
         if (

@@ -42,8 +42,8 @@ _DIGEST_FIELDS = ("input_digest", "rng_digest", "param_digest")
 # output, input, rng, param, shapes.
 _RECIPE = struct.Struct("<B7xq3d32s32s32s32s32s")
 # Per row: threads (i64), "needs the JSON path" (u8) + 7 pad, seconds waited in the job's own collectives (f64, NaN
-# when they are not timed).
-_ROW_HEAD = struct.Struct("<qB7xd")
+# when they are not timed), the peer's monotonic clock when it sent the row (f64, NaN when not given).
+_ROW_HEAD = struct.Struct("<qB7xdd")
 _HAS_DIGEST, _HAS_PRECONDITION, _HAS_REPLAY, _HAS_GATHER, _HAS_COLLECTIVE = 1, 2, 4, 8, 16
 _NO_TIME = float("nan")
 
@@ -79,9 +79,11 @@ def encode_records(
     threads: int,
     records: Mapping[str, Mapping[str, Any]],
     comm_s: float | None = None,
+    clock: float | None = None,
 ) -> bytes:
     """This peer's fixed-size row for ``records`` (recipe name → record as built by the engine), in ``names`` order,
-    with ``comm_s``, the seconds it waited in the job's own collectives since the last cycle (None: not timed).
+    with ``comm_s``, the seconds it waited in the job's own collectives since the last cycle (None: not timed), and
+    ``clock``, its monotonic time (None: not given).
 
     The row's "needs JSON" flag is set when some record cannot be carried without text: an error, a missing record,
     a digest that is not ``blake3:<hex>``, or a field other than the known ones. Pure.
@@ -121,7 +123,8 @@ def encode_records(
                     flags, times[i] = flags | bit, float(rec[key])
         parts.append(_RECIPE.pack(flags, step, *times, *digests))
     comm = _NO_TIME if comm_s is None else float(comm_s)
-    return _ROW_HEAD.pack(threads, 1 if needs_json else 0, comm) + b"".join(parts)
+    when = _NO_TIME if clock is None else float(clock)
+    return _ROW_HEAD.pack(threads, 1 if needs_json else 0, comm, when) + b"".join(parts)
 
 
 _KNOWN_KEYS = frozenset({"error", "precondition", "digest", "replay_s", "gather_s", "collective_s"})
@@ -150,7 +153,7 @@ def decode_records(
     """One peer's gathered entry ``{"threads": n, "records": {...}}`` from its row, equal to what the JSON path
     would have delivered. ``own``: this peer's records, whose input shapes stand in for the peer's (the caller has
     checked that the shape digests agree). Pure."""
-    threads, _, comm = _ROW_HEAD.unpack_from(row)
+    threads, _, comm, clock = _ROW_HEAD.unpack_from(row)
     records: dict[str, Any] = {}
     for i, name in enumerate(names):
         flags, step, replay, gather, collective, out, inp, rng, par, _ = _RECIPE.unpack_from(
@@ -184,6 +187,8 @@ def decode_records(
     entry: dict[str, Any] = {"threads": threads, "records": records}
     if comm == comm:  # not NaN
         entry["comm_s"] = comm
+    if clock == clock:
+        entry["clock"] = clock
     return entry
 
 
@@ -264,11 +269,12 @@ class PeerExchange:
         records: Mapping[str, Mapping[str, Any]],
         *,
         comm_s: float | None = None,
+        clock: float | None = None,
         group: dist.ProcessGroup | None = None,
         ranks: Sequence[int] | None = None,
     ) -> dict[int, Mapping[str, Any]]:
-        """Every peer's ``{"threads": n, "records": {...}}`` (and ``"comm_s"`` when given) by global rank, the same
-        on every peer.
+        """Every peer's ``{"threads": n, "records": {...}}`` (and ``"comm_s"``, ``"clock"`` when given) by global
+        rank, the same on every peer.
 
         One fixed-size all-gather when every record is healthy; the JSON all-gather besides when a row says it
         cannot carry a record (module docstring). ``group``/``ranks``: gather over another group (a mesh's whole
@@ -277,7 +283,7 @@ class PeerExchange:
         group = group if group is not None else self.group
         ranks = tuple(ranks) if ranks is not None else self.ranks
         threads = torch.get_num_threads()
-        row = encode_records(names, threads, records, comm_s)
+        row = encode_records(names, threads, records, comm_s, clock)
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
         out = [torch.empty(len(row), dtype=torch.uint8) for _ in ranks]
         wait_all(
@@ -289,6 +295,8 @@ class PeerExchange:
             entry: dict[str, Any] = {"threads": threads, "records": records}
             if comm_s is not None:
                 entry["comm_s"] = comm_s
+            if clock is not None:
+                entry["clock"] = clock
             gathered = gather_json(entry, group=group, timeout=self.timeout)
             return dict(zip(ranks, gathered, strict=True))
         return {r: decode_records(names, rw, records) for r, rw in zip(ranks, rows, strict=True)}

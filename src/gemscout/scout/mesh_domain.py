@@ -113,17 +113,29 @@ class MeshDomain:
         self.collective_recipes = frozenset(self._model_dims)
 
     def gather_records(
-        self, names: Sequence[str], records: Mapping[str, Any], comm_s: float | None
+        self,
+        names: Sequence[str],
+        records: Mapping[str, Any],
+        comm_s: float | None,
+        clock: float | None = None,
     ) -> dict[int, Mapping[str, Any]]:
         """Collective over the mesh: every rank's records by global rank, as fixed-size rows
         (:meth:`PeerExchange.gather_records` over the domain), or with pipeline stages as JSON (a row's layout is
         the recipe list, and stages record different recipes; the job's collectives are not timed there)."""
         if not self.topology.stage_dims:
             return self.exchange.gather_records(
-                names, records, comm_s=comm_s, group=self.domain, ranks=self.domain_ranks
+                names,
+                records,
+                comm_s=comm_s,
+                clock=clock,
+                group=self.domain,
+                ranks=self.domain_ranks,
             )
+        entry: dict[str, Any] = {"threads": torch.get_num_threads(), "records": dict(records)}
+        if clock is not None:
+            entry["clock"] = clock
         gathered = gather_json(
-            {"threads": torch.get_num_threads(), "records": dict(records)},
+            entry,
             group=self.domain,
             timeout=self.timeout,
         )

@@ -27,7 +27,7 @@ from gemscout.scout.stragglers.comm import CommStragglerDetector, GroupTiming
 from gemscout.scout.stragglers.compute import ComputeStragglerDetector, compute_reports
 from gemscout.scout.stragglers.config import StragglerConfig
 from gemscout.scout.stragglers.runqueue import run_queue_seconds, waited_since
-from gemscout.scout.stragglers.sustained import SustainedStragglerDetector
+from gemscout.scout.stragglers.sustained import SustainedStragglerDetector, job_clock
 
 __all__ = [
     "CommStragglerDetector",
@@ -36,6 +36,7 @@ __all__ = [
     "StragglerConfig",
     "SustainedStragglerDetector",
     "compute_reports",
+    "job_clock",
     "run_queue_seconds",
     "waited_since",
 ]

@@ -224,11 +224,12 @@ def compute_reports(
     ranks: int,
     *,
     sustained: SustainedStragglerDetector | None = None,
+    when: float | None = None,
 ) -> list[FaultReport]:
     """One SCOUT cycle's compute-straggler reports: each recipe whose preconditions held and that every one of the
     ``ranks`` replayed feeds its own detector (created in ``detectors`` on first use), and all of them together feed
     ``sustained`` (a rank steadily slower than its peers; its report is left out when the per-round detectors
-    already named the same ranks this cycle). ``config`` None: none."""
+    already named the same ranks this cycle) at ``when`` on the job's shared clock. ``config`` None: none."""
     if config is None:
         return []
     reports = []
@@ -243,7 +244,7 @@ def compute_reports(
             if report is not None:
                 reports.append(dataclasses.replace(report, recipe=name))
     if sustained is not None and compared:
-        report = sustained.observe(step, compared)
+        report = sustained.observe(step, compared, when=when)
         named = {rank for r in reports for rank in r.ranks}
         if report is not None and not set(report.ranks) <= named:
             reports.append(report)

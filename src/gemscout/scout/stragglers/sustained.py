@@ -10,8 +10,14 @@ This detector keeps, per rank, the log of its time over the median of the other 
 pooled over the recipes of each cycle (a ratio is the same whatever the work: a slow GPU slows every kernel) into one
 median per cycle: the newest until both ``sustained_window`` cycles and ``sustained_span_s`` seconds are covered. Once the window is full, a
 rank whose median ratio is past ``sustained_margin`` is reported. The span keeps a few seconds of shared-core
-contention, which makes one rank steadily slower for just as long, from reading as a straggler when cycles are fast. The median over a full window is what makes it robust: heavy-tailed single rounds (a descheduled thread,
-a page fault) move it by one sample each. Pure computation, never blocks.
+contention, which makes one rank steadily slower for just as long, from reading as a straggler when cycles are fast.
+The median over a full window is what makes it robust: heavy-tailed single rounds (a descheduled thread, a page
+fault) move it by one sample each. Pure computation, never blocks.
+
+Every rank runs this detector on the same gathered times and must reach the same verdict at the same cycle, or the
+ranks that named a straggler act on it while the others go on into the next collective. The span is therefore
+measured on one clock the whole job shares: the caller passes ``when``, one rank's clock as gathered with the
+records (the engine takes the lowest rank's); a rank's own clock is used only when none is given.
 """
 
 from __future__ import annotations
@@ -26,7 +32,17 @@ from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.stragglers._rounds import check_hosts, check_round, check_seconds
 from gemscout.scout.stragglers.config import StragglerConfig
 
-__all__ = ["SustainedStragglerDetector"]
+__all__ = ["SustainedStragglerDetector", "job_clock"]
+
+
+def job_clock(by_rank: Mapping[int, Mapping[str, object]]) -> float | None:
+    """The cycle's time on the job's shared clock: the ``"clock"`` the lowest rank gathered with its records, or
+    None when no rank sent one. Pure: equal on every rank that gathered the same entries."""
+    for rank in sorted(by_rank):
+        value = by_rank[rank].get("clock")
+        if isinstance(value, float):
+            return value
+    return None
 
 
 class SustainedStragglerDetector:
@@ -39,6 +55,7 @@ class SustainedStragglerDetector:
         self._clock = clock
         self._ratios: dict[int, deque[tuple[float, float]]] = {}  # rank -> (when, log ratio)
         self._last_step: int | None = None
+        self._last_when: float | None = None
 
     def ratio(self, rank: int) -> float | None:
         """``rank``'s median time over its peers' median in the window, or None before the window is full
@@ -66,6 +83,7 @@ class SustainedStragglerDetector:
         """Forget every window (e.g. after recovery, when timings start afresh)."""
         self._ratios.clear()
         self._last_step = None
+        self._last_when = None
 
     def observe(
         self,
@@ -73,11 +91,14 @@ class SustainedStragglerDetector:
         times_by_recipe: Mapping[str, Mapping[int, float]],
         *,
         rank_to_host: Mapping[int, str] | None = None,
+        when: float | None = None,
     ) -> FaultReport | None:
         """Take one cycle's replay times (seconds, per recipe, one per rank) and return a report naming every rank
-        whose window median is past ``sustained_margin``, else None. A recipe with fewer than two ranks, or whose
-        peers' median is zero, adds nothing. ``sustained_window`` 0: never reports. Raises ``ValueError`` for a
-        negative or non-increasing step, a bad rank, or a time that is negative, NaN or infinite."""
+        whose window median is past ``sustained_margin``, else None. ``when``: the cycle's time on the job's shared
+        clock (None: this detector's own clock); a time earlier than the last one means the clock changed (another
+        rank's, after a restart), and the windows start afresh. A recipe with fewer than two ranks, or whose peers'
+        median is zero, adds nothing. ``sustained_window`` 0: never reports. Raises ``ValueError`` for a negative
+        or non-increasing step, a bad rank, or a time that is negative, NaN or infinite."""
         check_round(step, self._last_step)
         hosts = check_hosts(rank_to_host)
         for name, times in times_by_recipe.items():
@@ -89,7 +110,12 @@ class SustainedStragglerDetector:
         cfg = self.config
         if cfg.sustained_window == 0:
             return None
-        now = self._clock()
+        now = self._clock() if when is None else when
+        if not math.isfinite(now):
+            raise ValueError(f"when must be a finite time, got {now!r}")
+        if self._last_when is not None and now < self._last_when:
+            self._ratios.clear()
+        self._last_when = now
         cycle: dict[int, list[float]] = {}
         for times in times_by_recipe.values():
             if len(times) < 2:
