@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -169,6 +170,8 @@ def _probe(addr: str, advert: str, left: float) -> dist.Store | None:
     """The store behind an advertisement, or None when it is an earlier attempt's (gone, or answering another nonce)."""
     port_text, _, nonce = advert.partition(" ")
     probe = timedelta(seconds=max(0.1, min(left, _PROBE.total_seconds())))
+    if not _listening(addr, int(port_text), probe.total_seconds()):
+        return None  # refused at once: TCPStore's own client would retry a dead port for its whole timeout
     try:
         store = dist.TCPStore(addr, int(port_text), is_master=False, timeout=probe)
         if not store.check([_NONCE]) or store.get(_NONCE).decode() != nonce:
@@ -176,6 +179,16 @@ def _probe(addr: str, advert: str, left: float) -> dist.Store | None:
     except (RuntimeError, ValueError):  # refused / timed out: that attempt's rank 0 is dead
         return None
     return store
+
+
+def _listening(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts a TCP connection at addr:port within ``timeout_s`` (a plain connect, closed at
+    once); False when refused or silent."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def stop_marker(directory: Path) -> Path:

@@ -236,9 +236,15 @@ class Session:
         (:mod:`gemscout.metrics`). No lock, no collective."""
         return metrics.snapshot(self)
 
-    def flush(self, timeout: timedelta | None = None) -> int:
-        """Persist the newest captured state (no collective). Returns the newest step on disk, or -1."""
-        return self.checkpointer.flush(timeout) if self.checkpointer else -1
+    def flush(self, timeout: timedelta | None = None, *, wait_for_peers: bool = True) -> int:
+        """Persist the newest captured state (no collective). Returns the newest step on disk, or -1.
+        ``wait_for_peers`` False: stop waiting for io stuck in an exchange with a gone or stalled peer (what the
+        signal handler does; see ``Checkpointer.flush``)."""
+        return (
+            self.checkpointer.flush(timeout, wait_for_peers=wait_for_peers)
+            if self.checkpointer
+            else -1
+        )
 
     def certify(self, step: int) -> list[int]:
         """Collective: mark candidates up to ``step`` RECOVERY_VERIFIED. SCOUT drives this; callers may too."""
@@ -364,11 +370,18 @@ class Session:
             except Exception as exc:
                 log.warning("gemscout: on_recovery_decision raised: %s", exc)
 
-    def close(self, timeout: timedelta | None = None, *, release_memory: bool = True) -> None:
+    def close(
+        self,
+        timeout: timedelta | None = None,
+        *,
+        release_memory: bool = True,
+        wait_for_peers: bool = True,
+    ) -> None:
         """Flush, stop threads and remove hooks. Idempotent; runs before process-group teardown.
 
         ``release_memory``: delete this rank's GEMINI memory tier (the job is done). A signal and exit cleanup pass
-        False: a job ending that way may be restarted, and the restart recovers from that memory."""
+        False: a job ending that way may be restarted, and the restart recovers from that memory.
+        ``wait_for_peers``: as for :meth:`flush`."""
         if self.closed:
             return
         self.closed = True
@@ -384,7 +397,9 @@ class Session:
             except Exception as exc:
                 log.warning("gemscout: health monitor: %s", exc)
         if self.checkpointer is not None:
-            self.checkpointer.close(timeout, release_memory=release_memory)
+            self.checkpointer.close(
+                timeout, release_memory=release_memory, wait_for_peers=wait_for_peers
+            )
         if threading.current_thread() is threading.main_thread():
             for sig, prev in self._prev_signals.items():
                 signal.signal(sig, prev)
@@ -407,8 +422,10 @@ class Session:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Flush (pending io waited for up to ``CheckpointConfig.signal_timeout``, then the newest sealed capture
-        written), close with what is left of that bound, then chain to the previous handler."""
+        """Flush (pending io waited for up to ``CheckpointConfig.signal_timeout``, and not at all once it is stuck
+        in an exchange with a peer: after a peer's death, which is why torchrun signals a survivor, it can never
+        finish; then the newest sealed capture written), close with what is left of that bound, then chain to the
+        previous handler."""
         budget = (
             self.checkpointer.config.signal_timeout
             if self.checkpointer is not None
@@ -416,12 +433,12 @@ class Session:
         )
         deadline = time.monotonic() + budget.total_seconds()
         try:
-            step = self.flush(budget)
+            step = self.flush(budget, wait_for_peers=False)
             log.warning("gemscout: signal %d: flushed step %d", signum, step)
         finally:
             prev = self._prev_signals.get(signum, signal.SIG_DFL)
             left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            self.close(left, release_memory=False)
+            self.close(left, release_memory=False, wait_for_peers=False)
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:

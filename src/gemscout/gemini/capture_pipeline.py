@@ -8,9 +8,10 @@ once by the checkpointer; it holds no reference to the checkpointer itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,10 +92,33 @@ class CapturePipeline:
         self.frontier = -1
         """Newest step that every rank has persisted together with its replica (agreed on the io thread)."""
         self.retained: frozenset[int] = frozenset()  # see retain()
+        self.peer_exchange_since: float | None = None
+        """``time.monotonic()`` when the io thread entered the exchange or agreement it is in now (None: not in
+        one). A survivor of a dead peer can sit there until the transfer timeout: see :meth:`stuck_on_peers`."""
         self.phase_hook: Callable[[str, int], None] | None = None
         """Fault-injection seam: called as ``phase_hook(phase, step)`` at "persist", "replicate" and
         "persist_replica" (on the io thread) before each happens, and at "persisted", "replicated" and
         "acknowledged" after those end. The harness uses it to kill at a phase."""
+
+    def stuck_on_peers(self) -> bool:
+        """True when the io thread has been in one peer exchange (replication or its acknowledgement) for more than
+        twice what the last capture's took, and at least 0.1 s: a peer is gone or stalled, and a signal handler's
+        flush stops waiting for it (the capture is sealed in memory and is written by ``persist_sealed``)."""
+        since = self.peer_exchange_since
+        if since is None:
+            return False
+        usual = self.parts.stats.get("replicate_s", 0.0) + self.parts.stats.get(
+            "acknowledge_s", 0.0
+        )
+        return time.monotonic() - since > max(0.1, 2 * usual)
+
+    @contextlib.contextmanager
+    def _with_peers(self) -> Iterator[None]:
+        self.peer_exchange_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.peer_exchange_since = None
 
     def retain(self, steps: Iterable[int]) -> None:
         """Keep the captures of ``steps`` past ``keep_generations`` until the next call (``Checkpointer.retain``)."""
@@ -167,11 +191,12 @@ class CapturePipeline:
             return
         t = torch.tensor([slot.step if landed else parts.pool.frontier], dtype=torch.int64)
         t0 = time.perf_counter()
-        comm.wait_all(
-            [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parts.group, async_op=True)],
-            parts.timeout,
-            "replica acknowledgement",
-        )
+        with self._with_peers():
+            comm.wait_all(
+                [dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parts.group, async_op=True)],
+                parts.timeout,
+                "replica acknowledgement",
+            )
         frontier = int(t.item())
         parts.stats["acknowledge_s"] = time.perf_counter() - t0
         for buffers in parts.replicas.values():
@@ -221,13 +246,14 @@ class CapturePipeline:
         owner = parts.placement.source(parts.rank)
         buffers = self.held(owner)
         buffers.frontier = max(buffers.frontier, parts.pool.frontier)
-        step, received, sent = parts.replication.exchange(
-            slot.frame(),
-            tensors=len(slot.views),
-            target=parts.placement.target(parts.rank),
-            source=owner,
-            buffers=buffers,
-        )
+        with self._with_peers():
+            step, received, sent = parts.replication.exchange(
+                slot.frame(),
+                tensors=len(slot.views),
+                target=parts.placement.target(parts.rank),
+                source=owner,
+                buffers=buffers,
+            )
         parts.stats["replicate_sent_bytes"] += sent.bytes
         parts.stats["replicate_sent_tensors"] += sent.tensors
         parts.stats["natural_divergent_shards"] += sent.divergent_shards

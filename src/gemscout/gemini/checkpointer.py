@@ -359,15 +359,25 @@ class Checkpointer:
         }
 
     # ------------------------------------------------------------------ flush / drain
-    def drain(self, timeout: timedelta | None = None) -> None:
-        """Wait for every queued persist/replicate job. Raises CollectiveTimeout past ``timeout``."""
-        self._io.drain(self.config.timeout if timeout is None else timeout)
+    def drain(self, timeout: timedelta | None = None, *, wait_for_peers: bool = True) -> None:
+        """Wait for every queued persist/replicate job. Raises CollectiveTimeout past ``timeout`` and, with
+        ``wait_for_peers`` False, as soon as the io is stuck in an exchange with a peer (``stuck_on_peers``)."""
+        self._io.drain(
+            self.config.timeout if timeout is None else timeout,
+            give_up=None if wait_for_peers else self.pipeline.stuck_on_peers,
+        )
 
-    def flush(self, timeout: timedelta | None = None) -> int:
+    def flush(self, timeout: timedelta | None = None, *, wait_for_peers: bool = True) -> int:
         """Persist the newest recoverable state: drain, then write the newest capture and held replicas if not on
-        disk yet. Issues no collective, so it is safe in a signal handler. Returns the newest persisted own step."""
+        disk yet. Issues no collective, so it is safe in a signal handler. ``wait_for_peers`` False (the signal
+        handler): stop waiting once the io is stuck in an exchange with a peer, which after a peer's death can
+        never finish; the capture it replicates is sealed and written from memory. Returns the newest persisted
+        own step."""
         try:
-            self.drain(self.config.flush_timeout if timeout is None else timeout)
+            self.drain(
+                self.config.flush_timeout if timeout is None else timeout,
+                wait_for_peers=wait_for_peers,
+            )
         except CollectiveTimeout as exc:
             log.warning("gemini flush: %s; writing what is sealed", exc)
         if not self.config.persist:
@@ -426,11 +436,21 @@ class Checkpointer:
             buffers.reset_frontier(frontier)
         return decision
 
-    def close(self, timeout: timedelta | None = None, *, release_memory: bool = True) -> None:
+    def close(
+        self,
+        timeout: timedelta | None = None,
+        *,
+        release_memory: bool = True,
+        wait_for_peers: bool = True,
+    ) -> None:
         """Drain pending work (bounded) and stop the threads. ``release_memory``: the job is done with this rank's
-        memory tier, delete it; False (a signal, exit cleanup) keeps it for a restart of this rank to adopt."""
+        memory tier, delete it; False (a signal, exit cleanup) keeps it for a restart of this rank to adopt.
+        ``wait_for_peers``: as for :meth:`flush`."""
         try:
-            self.drain(self.config.flush_timeout if timeout is None else timeout)
+            self.drain(
+                self.config.flush_timeout if timeout is None else timeout,
+                wait_for_peers=wait_for_peers,
+            )
         except CollectiveTimeout as exc:
             log.warning("gemini close: %s", exc)
         self._io.shutdown()

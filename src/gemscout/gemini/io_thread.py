@@ -37,9 +37,9 @@ class IoThread:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
 
-    def drain(self, timeout: timedelta) -> None:
+    def drain(self, timeout: timedelta, *, give_up: Callable[[], bool] | None = None) -> None:
         """Wait for every queued job and tracked future; their failures are the jobs' to record, not raised here.
-        Raises CollectiveTimeout past ``timeout``."""
+        Raises CollectiveTimeout past ``timeout``, or as soon as ``give_up()`` is true (polled every 10 ms)."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:  # a copy queues its io before it completes: loop until nothing new was queued
             with self._lock:
@@ -47,16 +47,25 @@ class IoThread:
             if not pending:
                 return
             for f in pending:
-                try:
-                    f.exception(
-                        timeout=max(0.0, deadline - time.monotonic())
-                    )  # failures are in the checkpointer's errors
-                except CancelledError:
-                    continue  # shutdown() cancelled queued io
-                except FutureTimeout:
-                    raise CollectiveTimeout(
-                        "checkpoint io did not drain within the timeout"
-                    ) from None
+                while True:
+                    left = deadline - time.monotonic()
+                    wait = left if give_up is None else min(left, 0.01)
+                    try:
+                        f.exception(
+                            timeout=max(0.0, wait)
+                        )  # failures are in the checkpointer's errors
+                        break
+                    except CancelledError:
+                        break  # shutdown() cancelled queued io
+                    except FutureTimeout:
+                        if left <= wait:
+                            raise CollectiveTimeout(
+                                "checkpoint io did not drain within the timeout"
+                            ) from None
+                        if give_up is not None and give_up():
+                            raise CollectiveTimeout(
+                                "checkpoint io is stuck in an exchange with a peer that is gone or stalled"
+                            ) from None
 
     def shutdown(self) -> None:
         """Stop the thread without waiting; jobs queued and not started are cancelled."""
