@@ -101,9 +101,9 @@ class CheckpointConfig:
     signal_timeout: timedelta = timedelta(seconds=2)
     """How long the SIGTERM/SIGINT handler waits for pending io before it writes what is sealed itself and stops
     the threads. The handler must end well inside the launcher's grace before SIGKILL (torchrun's is 30 s, Slurm's
-    KillWait 30 s by default). A survivor of a dead peer often sits in a replication exchange that can never finish
-    (gloo may not notice the peer is gone); waiting longer buys nothing there, and the memory tier outlives the
-    process anyway. The write of the newest sealed capture after the wait is not cut short."""
+    KillWait 30 s by default). It stops waiting sooner once the io is stuck in an exchange with a peer: a survivor
+    of a dead peer sits in one that can never finish (gloo may not notice the peer is gone), and the memory tier
+    outlives the process anyway. The write of the newest sealed capture after the wait is not cut short."""
     handle_signals: bool = True
     """Install SIGTERM/SIGINT handlers that flush and then chain to the previous handler."""
     integrity_key: bytes | str | None = field(default=None, repr=False)
