@@ -13,7 +13,8 @@ from torch import nn
 
 from gemscout.scout import ScoutConfig
 from gemscout.scout.call_args import Unreplayable, decode, encode
-from gemscout.scout.capture import CaptureHooks, pack, unpack
+from gemscout.scout.capture import CaptureHooks
+from gemscout.scout.capture_wire import pack, unpack
 from gemscout.scout.recipes import build_catalog
 from gemscout.scout.replay import ReplayContext, ReplayHooks, replay_forward
 

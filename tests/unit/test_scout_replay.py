@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from gemscout.scout import ScoutConfig
-from gemscout.scout.capture import CaptureHooks, capture_optimizer, pack, unpack
+from gemscout.scout.capture import CaptureHooks, capture_optimizer
+from gemscout.scout.capture_wire import pack, unpack
 from gemscout.scout.recipes import build_catalog, optimizer_params
 from gemscout.scout.replay import ReplayContext, ReplayHooks, replay_forward, replay_optimizer
 from qualification.workloads import build_model, lm_loss, synthetic_batch

@@ -18,7 +18,8 @@ from torch import nn
 
 from gemscout.errors import ConfigError
 from gemscout.scout import C3Result, RotationTracker, ScoutConfig, Verdict
-from gemscout.scout.capture import Captured, pack, unpack
+from gemscout.scout.capture import Captured
+from gemscout.scout.capture_wire import pack, unpack
 from gemscout.scout.digests import tensor_digest
 from gemscout.scout.recipes import RecipeKind, build_catalog
 from gemscout.scout.rotation import is_clean, is_sdc

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from gemscout._dist import gather_json, wait_all
-from gemscout.scout.capture import Captured, pack, unpack
+from gemscout.scout.capture import Captured
+from gemscout.scout.capture_wire import pack, unpack
 from gemscout.scout.digests import DIGEST_ALGORITHM
 
 __all__ = ["PeerExchange", "decode_records", "encode_records", "record_row_bytes"]

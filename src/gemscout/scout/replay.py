@@ -33,7 +33,8 @@ from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from gemscout.scout.call_args import decode
-from gemscout.scout.capture import Captured, expand_flat, from_json_value, output_tensors
+from gemscout.scout.capture import Captured, from_json_value, output_tensors
+from gemscout.scout.capture_wire import expand_flat
 
 __all__ = [
     "ReplayContext",
