@@ -24,7 +24,7 @@ _BASE = CheckpointConfig.__dataclass_fields__["memory_directory"].default
 def _sweep(under: Path) -> None:
     if _BASE is None or not Path(_BASE).is_dir():
         return
-    from gemscout.gemini import shm
+    from gemscout.gemini import shm_sweep
 
     mine = str(under.resolve())
     for owner in Path(_BASE).glob("*/node-*/rank-*/owner.json"):
@@ -33,7 +33,7 @@ def _sweep(under: Path) -> None:
         except (OSError, ValueError):
             continue
         where = str(doc.get("directory", "")) if isinstance(doc, dict) else ""
-        if (where == mine or where.startswith(mine + "/")) and not shm.owner_alive(doc):
+        if (where == mine or where.startswith(mine + "/")) and not shm_sweep.owner_alive(doc):
             shutil.rmtree(owner.parent, ignore_errors=True)
             for parent in list(owner.parent.parents)[
                 :2

@@ -123,7 +123,8 @@ def _raw_copies(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[
 
 
 def _captures(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[str, float]:
-    from gemscout.gemini.snapshot import Capturer, SlotPool
+    from gemscout.gemini.slots import SlotPool
+    from gemscout.gemini.snapshot import Capturer
 
     cap = Capturer(SlotPool(2), async_copy=True, timeout=timedelta(seconds=120))
     ptrs = {t.data_ptr() for t in state.values()}
@@ -158,7 +159,8 @@ def _captures(state: dict[str, torch.Tensor], device: str, reps: int) -> dict[st
 def _overlap(
     state: dict[str, torch.Tensor], device: str, raw_s: float, reps: int
 ) -> dict[str, float]:
-    from gemscout.gemini.snapshot import Capturer, SlotPool
+    from gemscout.gemini.slots import SlotPool
+    from gemscout.gemini.snapshot import Capturer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     n = 4096 if device == "cuda" else 256

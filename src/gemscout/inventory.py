@@ -23,7 +23,7 @@ from gemscout import faultlog
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, IntegrityError
 from gemscout.files import recorded_run_id
-from gemscout.gemini import shm, store
+from gemscout.gemini import shm_sweep, store
 from gemscout.gemini.durable import DurableTier
 from gemscout.gemini.lifecycle import TrustLedger
 from gemscout.gemini.recovery import RecoveryDecision, decide
@@ -200,7 +200,7 @@ def inventory(
         folders = [("own", rank, paths.own)] + [
             ("replica", o, paths.replicas(o)) for o in _owners(paths, entry.problems)
         ]
-        memory = shm.describe(
+        memory = shm_sweep.describe(
             directory, rank_dir
         )  # the memory tier its anchor names (a killed process's slots)
         if memory is not None:

@@ -32,7 +32,8 @@ def test_cuda_rng_round_trips_through_a_checkpoint_frame() -> None:
 
 
 def test_side_stream_capture_is_bitwise_and_does_not_block_the_host(tmp_path: Path) -> None:
-    from gemscout.gemini.snapshot import Capturer, SlotPool
+    from gemscout.gemini.slots import SlotPool
+    from gemscout.gemini.snapshot import Capturer
     from gemscout.state.codec import decode
     from gemscout.state.layout import parse_prefix
 

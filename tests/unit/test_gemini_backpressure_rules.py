@@ -10,7 +10,8 @@ import torch
 
 from gemscout.errors import CollectiveTimeout
 from gemscout.gemini.replication import ReplicaBuffers
-from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
+from gemscout.gemini.slots import Slot, SlotPool
+from gemscout.gemini.snapshot import Capturer
 from gemscout.state.layout import parse_prefix, verify_data
 
 SHORT = timedelta(seconds=0.2)

@@ -9,7 +9,7 @@ from gemscout import CheckpointConfig
 from gemscout.errors import ConfigError
 from gemscout.gemini.durable.keys import tensor_entries
 from gemscout.gemini.natural import NaturalPlacement, _diff, replicate_groups
-from gemscout.gemini.snapshot import SlotPool
+from gemscout.gemini.slots import SlotPool
 from gemscout.state.layout import Layout, build_header, frame_prefix, parse_prefix, tensor_digests
 
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from gemscout.errors import ConfigError
-from gemscout.gemini import shm, store
+from gemscout.gemini import shm, shm_sweep, store
 from gemscout.gemini.replication import ReplicaBuffers
-from gemscout.gemini.snapshot import Capturer, SlotPool
+from gemscout.gemini.slots import SlotPool
+from gemscout.gemini.snapshot import Capturer
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs a /dev/shm tmpfs")
@@ -225,9 +226,9 @@ def test_losing_the_rank_disk_folder_loses_its_memory(base: Path, tmp_path: Path
     shutil.rmtree(tmp_path / "node-0")  # how the harness loses a node: its checkpoint folder goes
     t = tier(base, tmp_path)
     assert t.adopt(t.paths.own, 2) == [] and not list(t.root.rglob("*.gsc"))
-    assert json.loads((tmp_path / "node-0" / "rank-0" / shm.ANCHOR).read_text())["path"] == str(
-        t.root
-    )
+    assert json.loads((tmp_path / "node-0" / "rank-0" / shm_sweep.ANCHOR).read_text())[
+        "path"
+    ] == str(t.root)
 
 
 @pytest.mark.timeout(60)
@@ -237,14 +238,14 @@ def test_a_start_sweeps_dead_jobs_of_other_runs_but_never_a_live_one(
     dead = tier(base, tmp_path / "dead", run_id="run-dead")
     pool = SlotPool(2, dead)
     capture(pool, 1)
-    doc = json.loads((dead.root / shm.OWNER).read_text())
+    doc = json.loads((dead.root / shm_sweep.OWNER).read_text())
     doc["pid"] = 2**22 + 17  # above any pid this kernel hands out: a process that is gone
-    (dead.root / shm.OWNER).write_text(json.dumps(doc))
+    (dead.root / shm_sweep.OWNER).write_text(json.dumps(doc))
     live = tier(base, tmp_path / "live", run_id="run-live")  # this process: alive
     mine = tier(base, tmp_path / "mine", run_id="run-mine")
     assert not dead.root.exists(), "a dead job's memory of another run is removed"
     assert live.root.exists() and mine.root.exists()
-    shm.sweep_dead(base, keep=None, stale_after_s=0.0)
+    shm_sweep.sweep_dead(base, keep=None, stale_after_s=0.0)
     assert live.root.exists(), "never a live job's"
 
 
@@ -317,9 +318,9 @@ def test_inspect_sees_the_memory_tier_and_predicts_the_restart_from_it(
 def test_a_full_tmpfs_first_sweeps_dead_jobs_within_their_grace(base: Path, tmp_path: Path) -> None:
     dead = tier(base, tmp_path / "dead", run_id="run-dead")
     capture(SlotPool(2, dead), 1)
-    doc = json.loads((dead.root / shm.OWNER).read_text())
+    doc = json.loads((dead.root / shm_sweep.OWNER).read_text())
     doc["pid"] = 2**22 + 17  # a process that is gone
-    (dead.root / shm.OWNER).write_text(json.dumps(doc))
+    (dead.root / shm_sweep.OWNER).write_text(json.dumps(doc))
     mine = shm.MemoryTier.open(
         base,
         run_id="run-mine",
@@ -371,10 +372,12 @@ def test_hostile_files_in_a_memory_folder_are_never_adopted_and_never_hang_the_s
     store.step_file(t.paths.own, 3).write_bytes(raw + b"\0" * 4096)  # longer than declared
     os.mkfifo(store.step_file(t.paths.own, 4))
     store.step_file(t.paths.own, 5).symlink_to("/dev/zero")
-    (t.root / shm.OWNER).unlink()
-    os.mkfifo(t.root / shm.OWNER)
-    assert shm._read_json(t.root / shm.OWNER) is None  # returns at once: a FIFO is not read
+    (t.root / shm_sweep.OWNER).unlink()
+    os.mkfifo(t.root / shm_sweep.OWNER)
+    assert (
+        shm_sweep.read_json(t.root / shm_sweep.OWNER) is None
+    )  # returns at once: a FIFO is not read
     found = t.adopt(t.paths.own, 5)
     assert [a.parsed.identity["step"] for a in found] == [1]
     assert store.list_steps(t.paths.own) == [1], "every unusable file is removed"
-    (t.root / shm.OWNER).unlink()
+    (t.root / shm_sweep.OWNER).unlink()

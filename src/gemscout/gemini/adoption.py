@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gemscout.gemini.replication import ReplicaBuffers
-    from gemscout.gemini.snapshot import SlotPool
+    from gemscout.gemini.slots import SlotPool
 
 log = logging.getLogger("gemscout.gemini")
 

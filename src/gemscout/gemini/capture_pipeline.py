@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from gemscout.gemini.lifecycle import TrustLedger
     from gemscout.gemini.replication import Placement
     from gemscout.gemini.shm import MemoryTier
-    from gemscout.gemini.snapshot import Slot, SlotPool
+    from gemscout.gemini.slots import Slot, SlotPool
 
 log = logging.getLogger("gemscout.gemini")
 

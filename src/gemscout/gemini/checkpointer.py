@@ -36,7 +36,8 @@ from gemscout.gemini.promotion import Promoter, PromotionParts
 from gemscout.gemini.recovery import RecoveryDecision
 from gemscout.gemini.recovery_parts import RecoveryParts
 from gemscout.gemini.replication import Placement, ReplicaBuffers
-from gemscout.gemini.snapshot import Capturer, Slot, SlotPool
+from gemscout.gemini.slots import Slot, SlotPool
+from gemscout.gemini.snapshot import Capturer
 from gemscout.state import integrity, training_state
 from gemscout.state.layout import Parsed
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gemscout import _dist as comm
-from gemscout.gemini.snapshot import SlotPool
+from gemscout.gemini.slots import SlotPool
 
 
 class FreeSlotVote:

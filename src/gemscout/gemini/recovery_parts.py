@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gemscout.gemini.lifecycle import TrustLedger
     from gemscout.gemini.recovery import RecoveryDecision
     from gemscout.gemini.replication import ReplicaBuffers
-    from gemscout.gemini.snapshot import SlotPool
+    from gemscout.gemini.slots import SlotPool
     from gemscout.gemini.store import RankPaths
     from gemscout.state.training_state import StateSources
 

@@ -70,7 +70,7 @@ class ReplicaBuffers:
     step's name, so a restarted holder still has it and no copy is made on receipt. The buffer a transfer lands in
     is never one of the entries, so the newest complete replica stays whole while the next one arrives.
 
-    Backpressure's other half (see :class:`gemscout.gemini.snapshot.SlotPool`): the replica of the agreed
+    Backpressure's other half (see :class:`gemscout.gemini.slots.SlotPool`): the replica of the agreed
     ``frontier`` step, and one received whose agreement has not run yet, are never the buffer the next transfer
     lands in nor dropped for a newer one — a lost owner comes back from them."""
 

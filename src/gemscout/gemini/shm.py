@@ -28,6 +28,9 @@ whose digests do not match is never loaded (recovery verifies what it restores).
 The header's length is not known before the data is copied (it holds the digests and the caller's state), but the
 data must start at a fixed offset in the mapping. So a slot reserves room for its header, and the header JSON is
 padded with spaces (valid JSON whitespace, covered by the header digest) to end exactly where the data starts.
+
+Who owns a folder (``owner.json``), removing the folders of dead jobs, and describing a rank's memory for
+``gemscout inspect`` are :mod:`gemscout.gemini.shm_sweep`'s.
 """
 
 from __future__ import annotations
@@ -40,24 +43,28 @@ import os
 import re
 import shutil
 import stat
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gemscout.errors import ConfigError, IntegrityError
-from gemscout.files import load_json
 from gemscout.gemini import store
+from gemscout.gemini.shm_sweep import (
+    ANCHOR,
+    OWNER,
+    owner_alive,
+    proc_start,
+    read_json,
+    remove_empty_parents,
+    sweep_dead,
+)
 from gemscout.state.layout import ALIGN, Parsed, parse_prefix
 
 log = logging.getLogger("gemscout.gemini")
 
 PAGE = mmap.PAGESIZE
-OWNER = "owner.json"
-ANCHOR = "memory.json"
 _HEAD_FIXED = 8 + 8 + 32  # magic, header length, header digest (gemscout.state.layout)
 _KEY_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -81,25 +88,6 @@ def pad_header(header: bytes, data_offset: int) -> bytes | None:
     if data_offset % ALIGN or len(header) > room:
         return None
     return header + b" " * (room - len(header))
-
-
-def _proc_start(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None if it is gone:
-    with the pid, it names one process even after the pid is reused."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return raw.rsplit(b")", 1)[1].split()[19].decode()
-
-
-def owner_alive(doc: dict[str, Any]) -> bool:
-    """True if the process recorded in an ``owner.json`` still runs (same pid and start time)."""
-    pid = doc.get("pid")
-    if not isinstance(pid, int):
-        return False
-    start = _proc_start(pid)
-    return start is not None and start == doc.get("start")
 
 
 class ShmFile:
@@ -242,7 +230,7 @@ class MemoryTier:
         sweep_dead(base, keep=run_key(run_id, directory), stale_after_s=stale_after_s)
         root = base / run_key(run_id, directory) / f"node-{node}" / f"rank-{rank}"
         anchor_path = disk_root / ANCHOR
-        prev_owner = _read_json(root / OWNER)
+        prev_owner = read_json(root / OWNER)
         if (
             prev_owner is not None
             and owner_alive(prev_owner)
@@ -252,7 +240,7 @@ class MemoryTier:
                 f"GEMINI memory folder {root} belongs to a live process (pid {prev_owner.get('pid')}) of this run and "
                 "rank; a rank runs once per job: stop the other job, or give this one another run_id or directory"
             )
-        anchor = _read_json(anchor_path)
+        anchor = read_json(anchor_path)
         keep = (
             prev_owner is not None
             and anchor is not None
@@ -273,7 +261,7 @@ class MemoryTier:
             root / OWNER,
             {
                 "pid": os.getpid(),
-                "start": _proc_start(os.getpid()),
+                "start": proc_start(os.getpid()),
                 "token": token,
                 "run_id": run_id,
                 "directory": str(directory),
@@ -358,99 +346,4 @@ class MemoryTier:
             return
         shutil.rmtree(self.root, ignore_errors=True)
         self.anchor.unlink(missing_ok=True)
-        _remove_empty_parents(self.root, stop=2)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A small owner or anchor file, read like every file another process left (regular, bounded, never a hang);
-    None when it is missing or not such a JSON object."""
-    try:
-        doc = load_json(path, max_bytes=64 << 10, max_depth=4)
-    except (OSError, IntegrityError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _remove_empty_parents(root: Path, stop: int) -> None:
-    for parent in list(root.parents)[:stop]:
-        try:
-            parent.rmdir()
-        except OSError:
-            return
-
-
-def sweep_dead(base: Path, *, keep: str | None, stale_after_s: float) -> list[Path]:
-    """Remove rank folders under ``base`` whose owner process is dead and that nothing touched for
-    ``stale_after_s`` seconds (a launcher restarting that job has had time to re-claim them), except those of run
-    key ``keep`` (this job's: a restarted rank adopts its own). A folder of a live process is never removed.
-    Returns the folders removed."""
-    removed: list[Path] = []
-    if not base.is_dir():
-        return removed
-    now = time.time()
-    for root in _rank_folders(base):
-        if root.parent.parent.name == keep:
-            continue
-        doc = _read_json(root / OWNER)
-        if doc is not None and owner_alive(doc):
-            continue
-        try:
-            touched = max((p.stat().st_mtime for p in [root, *root.rglob("*")]), default=0.0)
-        except OSError:
-            continue  # changing under us: someone is using it
-        if now - touched < stale_after_s:
-            continue
-        shutil.rmtree(root, ignore_errors=True)
-        _remove_empty_parents(root, stop=2)
-        removed.append(root)
-    return removed
-
-
-def _subdirs(path: Path, prefix: str = "") -> list[Path]:
-    """Sub-folders of ``path``; a folder removed while we look (another job's cleanup) is just not there."""
-    try:
-        with os.scandir(path) as it:
-            return [
-                Path(e.path)
-                for e in it
-                if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
-            ]
-    except OSError:
-        return []
-
-
-def _rank_folders(base: Path) -> list[Path]:
-    """Every ``<key>/node-*/rank-*`` folder under the memory directory, tolerant of concurrent removal (pathlib's
-    glob raises when a folder vanishes mid-walk: found when two jobs started and ended side by side)."""
-    return [
-        rank
-        for key in _subdirs(base)
-        for node in _subdirs(key, "node-")
-        for rank in _subdirs(node, "rank-")
-    ]
-
-
-def describe(directory: Path, rank_root: Path) -> dict[str, Any] | None:
-    """What the memory tier of one rank holds, from the anchor in its disk folder (``gemscout inspect``): the
-    folder, whether its owner process is alive, and the published steps (own, and held per owner). None when the
-    rank has no anchor or its memory folder is gone."""
-    anchor = _read_json(rank_root / ANCHOR)
-    if anchor is None or not isinstance(anchor.get("path"), str):
-        return None
-    root = Path(anchor["path"])
-    owner = _read_json(root / OWNER)
-    if owner is None or owner.get("token") != anchor.get("token"):
-        return None
-    paths = store.RankPaths(root)
-    try:
-        own = store.list_steps(paths.own)
-        held = {str(o): store.list_steps(paths.replicas(o)) for o in paths.held_owners()}
-    except OSError:  # a folder replaced by a file, no permission: the memory tier is not usable, say so as absent
-        return None
-    return {
-        "path": str(root),
-        "owner_pid": owner.get("pid"),
-        "owner_alive": owner_alive(owner),
-        "own": own,
-        "held": held,
-    }
+        remove_empty_parents(self.root, stop=2)
