@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemscout.adapters.deepspeed.scout import ALIGN, ZeroScout, _DeferredRotation, plan_slices
+from gemscout.adapters.deepspeed.scout import ZeroScout, _DeferredRotation
+from gemscout.adapters.deepspeed.zero_slices import ALIGN, plan_slices
 from gemscout.scout.config import ScoutConfig
 from gemscout.scout.consensus import C3Result, Verdict
 

@@ -4,10 +4,8 @@ Under ZeRO-1/2 the fp32 master partition and its optimizer state live on one ran
 updates the same slice of its own replica) has nothing common to replay. Here the source of a slice is its
 **partition owner**:
 
-* the catalog lists, for every rank of the data-parallel group, slices of that rank's flat fp32 partition (at most
-  ``optimizer_slice_numel`` elements, starts aligned to :data:`ALIGN` elements so the replay runs the same vector /
-  scalar split of the elementwise kernels as the live update — a slice replayed from another offset can differ in the
-  last bit where a compiler contracts the scalar tail into an FMA);
+* the catalog lists, for every rank of the data-parallel group, slices of that rank's flat fp32 partition (the
+  plan of :mod:`~gemscout.adapters.deepspeed.zero_slices`);
 * at a due step the owner is ``peers[(s // every) % n]`` (the rotation walks over owners, then over their slices);
   during ``engine.step()`` the inner torch optimizer's step pre-hook copies, on the owner, the slice's pre-update
   master values, the reduced (unscaled, clipped) gradient partition, the optimizer state and the hyper-parameters;
@@ -32,7 +30,6 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -41,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gemscout.adapters.deepspeed.zero_slices import ZeroSlice, plan_slices
 from gemscout.errors import ConfigError
 from gemscout.reports import FaultReport
 from gemscout.scout.capture import Captured, to_json_value
@@ -49,60 +47,12 @@ from gemscout.scout.cycle import CycleResult, judge_gathered, precondition_for
 from gemscout.scout.digests import digest_many
 from gemscout.scout.domain import FlatDomain
 from gemscout.scout.engine import Scout
-from gemscout.scout.recipes import Catalog, Recipe, RecipeKind
+from gemscout.scout.recipes import Catalog, RecipeKind
 from gemscout.scout.replay import ReplayContext, replay_optimizer
 from gemscout.scout.rotation import RotationTracker
 from gemscout.scout.stragglers import ComputeStragglerDetector
 
-__all__ = ["ALIGN", "ZeroScout", "ZeroSlice", "plan_slices"]
-
-ALIGN = 64
-"""Slice starts are multiples of this many elements (twice the widest float32 SIMD vector, AVX-512)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ZeroSlice:
-    """Elements ``[start, stop)`` of param group ``group``'s fp32 partition held by global rank ``owner``."""
-
-    name: str
-    owner: int
-    group: int
-    start: int
-    stop: int
-
-    @property
-    def key(self) -> str:
-        """The parameter name used on the wire and in digests (same on every rank)."""
-        return f"group{self.group}[{self.start}:{self.stop}]"
-
-    @property
-    def recipe(self) -> Recipe:
-        return Recipe(
-            name=self.name, kind=RecipeKind.OPTIMIZER, params=(self.key,), group_index=self.group
-        )
-
-
-def plan_slices(
-    peers: tuple[int, ...], partition_numel: list[int], bound: int
-) -> dict[int, list[ZeroSlice]]:
-    """Every owner's slices, by global rank. Pure: equal on every rank given the same partition sizes."""
-    step = max(ALIGN, bound // ALIGN * ALIGN)
-    plan: dict[int, list[ZeroSlice]] = {}
-    for owner in peers:
-        slices: list[ZeroSlice] = []
-        for group, numel in enumerate(partition_numel):
-            for start in range(0, numel, step):
-                slices.append(
-                    ZeroSlice(
-                        name=f"optimizer.rank{owner}.{len(slices)}",
-                        owner=owner,
-                        group=group,
-                        start=start,
-                        stop=min(numel, start + step),
-                    )
-                )
-        plan[owner] = slices
-    return plan
+__all__ = ["ZeroScout"]
 
 
 class _DeferredRotation(RotationTracker):
