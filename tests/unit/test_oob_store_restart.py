@@ -43,10 +43,10 @@ EPOCH = "run-r"
 _CHILD_NAME = "_store_child.py"
 
 
-def _start(max_restarts: int) -> StoreServer:
+def _start(max_restarts: int, backoff: timedelta = timedelta(milliseconds=100)) -> StoreServer:
     return StoreServer.start(
         "127.0.0.1", namespace="gemscout/oob", world_size=WORLD, keys=[PROGRESS_KEY],
-        config=StoreServerConfig(max_restarts=max_restarts, restart_backoff=timedelta(milliseconds=100)),
+        config=StoreServerConfig(max_restarts=max_restarts, restart_backoff=backoff),
     )  # fmt: skip
 
 
@@ -118,7 +118,9 @@ def test_a_killed_store_comes_back_on_its_port_and_watching_resumes() -> None:
     port, every rank's progress readable again, ``store_restored`` from both watchdogs, no hang although the outage
     is longer than the heartbeat timeout; a message of rank 1 captured before the outage, written into the fresh
     store, is refused as a replay."""
-    server = _start(max_restarts=2)
+    # The restart waits 1.5 s, longer than the watchdogs' 1 s heartbeat timeout: the outage must be long enough for
+    # a false hang to be possible (a fresh child's torch import alone took 0.9 s on an idle machine).
+    server = _start(max_restarts=2, backoff=timedelta(seconds=1.5))
     port, first_pid = server.port, server.pid
     pubs: list[ProgressPublisher] = []
     watchdogs: list[Watchdog] = []
@@ -140,7 +142,7 @@ def test_a_killed_store_comes_back_on_its_port_and_watching_resumes() -> None:
         cfg = WatchdogConfig(
             stall_threshold=timedelta(seconds=5),
             poll_interval=timedelta(milliseconds=50),
-            heartbeat_timeout=timedelta(seconds=1),  # far shorter than the outage (a torch import)
+            heartbeat_timeout=timedelta(seconds=1),  # shorter than the outage (the 1.5 s backoff)
             store_unreachable=timedelta(milliseconds=500),
         )
         owner_found: list[StallFinding] = []
