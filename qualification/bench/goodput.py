@@ -6,6 +6,9 @@ every ``--fail-every`` steps, killed inside the step). Measured side by side, on
 
 - ``none``: no checkpoint and no failure. Its median step time is the ideal; its wall time the ideal run.
 - ``gemscout``: ``enable_resiliency`` at its defaults.
+- ``gemscout-skip``: the same with ``CheckpointConfig(when_busy="skip")``: where the capture pipeline cannot keep
+  up with the steps, the ranks skip a capture instead of waiting for a free slot (training never waits for the io;
+  a failure loses the steps since the newest capture that completed).
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` every N steps, restart from the newest complete save. N comes
   from the Young/Daly rule, ``sqrt(2 x C x MTBF)``, with C the measured blocking cost of one save (a calibration
   launch) and MTBF the schedule's time between failures.
@@ -17,7 +20,8 @@ every ``--fail-every`` steps, killed inside the step). Measured side by side, on
 Per arm: wall time, goodput (the ideal run's useful step time over the arm's wall time), and wasted time per failure
 ((wall - ideal wall) / failures: lost steps, restarts and checkpoint cost together). Every arm's final state must
 equal the ideal run's bit for bit, or the arm counts as failed. The ratio the target is about:
-``wasted_ratio`` = gemscout's wasted time per failure / DCP's (target <= 0.2).
+``wasted_ratio`` = gemscout's wasted time per failure / DCP's (target <= 0.2); ``wasted_ratio_skip`` the same for
+``gemscout-skip`` (reported beside it, no target).
 
 Exit codes: 0 the benchmark ran (the target may be missed: the JSON says so), 1 an arm failed, 2 bad arguments.
 """
@@ -197,8 +201,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dcp_every = max(1, min(args.steps, round(interval / t_step)))
     gem = torchrun(args, "gemscout", scratch / "gemscout", fails=args.fail_steps)
     dcp = torchrun(args, "dcp", scratch / "dcp", fails=args.fail_steps, dcp_every=dcp_every)
+    skip = torchrun(args, "gemscout-skip", scratch / "gemscout-skip", fails=args.fail_steps)
     failures = len(args.fail_steps)
-    arms = [arm_summary("gemscout", gem, ideal, failures), arm_summary("dcp", dcp, ideal, failures)]
+    arms = [
+        arm_summary("gemscout", gem, ideal, failures),
+        arm_summary("dcp", dcp, ideal, failures),
+        arm_summary("gemscout-skip", skip, ideal, failures),
+    ]
     skipped = {}
     why_not = goodput_torchft.unavailable()
     if why_not is None:
@@ -209,6 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(scratch, ignore_errors=True)
     wasted = {a["arm"]: a["wasted_per_failure_s"] for a in arms}
     ratio = wasted["gemscout"] / wasted["dcp"] if wasted["dcp"] and wasted["dcp"] > 0 else None
+    skip_ratio = (
+        wasted["gemscout-skip"] / wasted["dcp"] if wasted["dcp"] and wasted["dcp"] > 0 else None
+    )
     # torchft's survivor trains on alone: its trajectory differs by design, so it is not part of this check.
     bitwise = all(a["bitwise_equal_to_ideal"] for a in arms if a["arm"] != "torchft")
     return {
@@ -233,11 +245,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "state_mib": args.state_mib,
                 "ratios": {
                     "wasted_ratio": round(ratio, 4) if ratio is not None else None,
+                    "wasted_ratio_skip": round(skip_ratio, 4) if skip_ratio is not None else None,
                     "goodput_gemscout": arms[0]["goodput"],
                     "goodput_dcp": arms[1]["goodput"],
+                    "goodput_gemscout_skip": arms[2]["goodput"],
                     **{
                         f"{a['arm']}_{k}": a[k]
-                        for a in arms[2:]
+                        for a in arms[3:]
                         for k in ("goodput", "wasted_per_failure_s")
                     },
                 },
@@ -268,27 +282,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     for arm in doc["arms"]:
         print(
-            f"{arm['arm']:9s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
+            f"{arm['arm']:13s} wall {arm['wall_s']:.1f} s  goodput {arm['goodput']:.3f}  wasted/failure "
             f"{arm['wasted_per_failure_s']} s  resumed at {arm['resume_steps']}  bitwise {arm['bitwise_equal_to_ideal']}"
         )
         if arm.get("relaunch_s"):
             print(
-                f"{'':9s} step {arm['step_s'] * 1e3:.1f} ms; last step to relaunched start {arm['relaunch_s']} s; "
+                f"{'':13s} step {arm['step_s'] * 1e3:.1f} ms; last step to relaunched start {arm['relaunch_s']} s; "
                 f"steps trained again {arm['redone_steps']}"
             )
             print(
-                f"{'':9s} of which the new process {arm['boot_s']} s, in the arm's setup {arm['setup_s']} s"
+                f"{'':13s} of which the new process {arm['boot_s']} s, in the arm's setup {arm['setup_s']} s"
             )
         if arm["arm"] == "torchft":
             print(
-                f"{'':9s} trained {arm['replica_steps_trained']} of {arm['replica_steps_wanted']} replica-steps; "
+                f"{'':13s} trained {arm['replica_steps_trained']} of {arm['replica_steps_wanted']} replica-steps; "
                 f"{len(arm['steps_one_replica_alone'])} steps by one replica alone"
             )
     for arm, why in doc["skipped"].items():
-        print(f"{arm:9s} skipped: {why}")
+        print(f"{arm:13s} skipped: {why}")
     ratio = doc["sizes"][0]["ratios"]["wasted_ratio"]
     print(
-        f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); JSON: {args.out}"
+        f"wasted time per failure, gemscout / DCP: {ratio} (target <= {TARGET_WASTED_RATIO}); "
+        f"gemscout-skip / DCP: {doc['sizes'][0]['ratios']['wasted_ratio_skip']}; JSON: {args.out}"
     )
     return 0
 

@@ -1,7 +1,8 @@
 """One rank of the goodput benchmark: DDP training under torchrun with a failure schedule, for one arm.
 
 Arms: ``none`` (no checkpoint, no failure: the ideal step time), ``gemscout`` (``enable_resiliency`` at its
-defaults), ``dcp`` (what users do today: ``torch.distributed.checkpoint.async_save`` every ``--dcp-every`` steps,
+defaults), ``gemscout-skip`` (the same with ``when_busy="skip"``: a capture that would wait for a free slot is
+skipped on every rank, so training never waits for checkpoint io), ``dcp`` (what users do today: ``torch.distributed.checkpoint.async_save`` every ``--dcp-every`` steps,
 restart from the newest complete save with ``dcp.load``), ``calibrate`` (``async_save`` every step, no failure: the
 blocking cost of one save, which the driver puts into the Young/Daly rule).
 
@@ -35,7 +36,7 @@ import gemscout
 from qualification.bench import _model
 from qualification.programs.train_rank import state_digest
 
-ARMS = ("none", "gemscout", "dcp", "calibrate")
+ARMS = ("none", "gemscout", "gemscout-skip", "dcp", "calibrate")
 
 
 class Log:
@@ -99,9 +100,12 @@ def main() -> None:
     start = 0
     session = None
     t_setup = time.time()
-    if args.arm == "gemscout":
+    if args.arm in ("gemscout", "gemscout-skip"):
+        when_busy = "skip" if args.arm == "gemscout-skip" else "wait"
         session = gemscout.enable_resiliency(
-            model, optimizer, checkpoint=gemscout.CheckpointConfig(directory=args.work / "ckpt")
+            model,
+            optimizer,
+            checkpoint=gemscout.CheckpointConfig(directory=args.work / "ckpt", when_busy=when_busy),
         )
         start = session.resume_step
     elif args.arm == "dcp":
