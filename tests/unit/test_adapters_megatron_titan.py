@@ -17,13 +17,10 @@ import torch
 from torch import nn
 
 from gemscout import ConfigError, RunMismatchError, ScoutConfig
-from gemscout.adapters.megatron.adapter import (
-    MegatronOptimizerView,
-    capture_rng_tracker,
-    restore_rng_tracker,
-)
+from gemscout.adapters.megatron.optimizer_view import MegatronOptimizerView
+from gemscout.adapters.megatron.rng_tracker import capture_rng_tracker, restore_rng_tracker
 from gemscout.adapters.registry import resolve
-from gemscout.adapters.torchtitan import OptimizersView
+from gemscout.adapters.torchtitan.optimizers import OptimizersView
 from gemscout.state.codec import decode, encode
 from gemscout.state.training_state import StateSources, collect, restore
 

@@ -1,5 +1,5 @@
 """SCOUT's topology for TorchTitan pipeline parallelism, without torchtitan: the rules of
-:mod:`gemscout.adapters.torchtitan` for ``pp`` > 1.
+:mod:`gemscout.adapters.torchtitan.topology` for ``pp`` > 1.
 
 What is real: FSDP2 (``fully_shard``) on a one-rank gloo DeviceMesh named as TorchTitan names it (``fsdp``, or
 ``dp_replicate`` x ``fsdp``), so the parameters are DTensors whose placements and FSDP state SCOUT reads. What stands
@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from gemscout.adapters.torchtitan import _scout_config, _stage_order, pipeline_topology
+from gemscout.adapters.torchtitan.adapter import _scout_config
+from gemscout.adapters.torchtitan.topology import _stage_order, pipeline_topology
 from gemscout.errors import ConfigError
 from gemscout.scout.config import ScoutConfig
 from gemscout.topology import derive

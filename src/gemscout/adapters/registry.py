@@ -46,7 +46,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         lambda model, opt: (
             is_class(model, "torchtitan", "Trainer") or defined_in(opt, "torchtitan")
         ),
-        "gemscout.adapters.torchtitan",
+        "gemscout.adapters.torchtitan.adapter",
     ),
     Adapter("megatron", _megatron, "gemscout.adapters.megatron.adapter"),
     Adapter("torch", lambda model, opt: True, "gemscout.adapters.pytorch"),

@@ -7,9 +7,8 @@ What a Megatron job hands to ``enable_resiliency``:
   used as is; several chunks (virtual pipeline stages) are held in an ``nn.ModuleList`` so their state is one dict.
 - ``optimizer``: a ``torch.optim.Optimizer`` (used as is: its own step hooks), or a ``MegatronOptimizer``
   (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``ChainedOptimizer``), which
-  is not a torch optimizer: :class:`MegatronOptimizerView` gives it step hooks around ``optimizer.step()`` and a
-  pickle-free per-rank state (see its docstring). Megatron's optimizers allocate on CUDA; on CPU that path runs in
-  tests only, under a test-only shim of those calls (tests/distributed/test_megatron_loop.py).
+  is not a torch optimizer: :class:`~gemscout.adapters.megatron.optimizer_view.MegatronOptimizerView` gives it step
+  hooks and a pickle-free per-rank state.
 
 SCOUT's peers come from ``megatron.core.parallel_state``: ranks that share this rank's tensor-, context- and
 pipeline-parallel coordinates and differ only along data parallelism (the data-parallel group). The layout is read
@@ -42,15 +41,13 @@ pipeline parallelism or other than ``virtual_pipeline_model_parallel_size``, ``S
 from parallel_state), and — as without pipelining — a custom ``order=``, ``data_parallel_dims``
 and the ``optimizer`` recipe with a MegatronOptimizer (with a torch optimizer each stage slices its own parameters).
 
-Megatron's RNG tracker (``get_cuda_rng_tracker()``: the model-parallel, data-parallel and expert RNG streams that
-dropout inside TP regions draws from) is captured with every step and restored with it; SCOUT's replays do not move
-it (it is put back after each cycle). Nothing here imports megatron at import time; ``parallel_state`` is imported
-when a Megatron object was detected, i.e. when megatron is already loaded.
+Megatron's RNG tracker is captured with every step and restored with it, and SCOUT's replays do not move it
+(:mod:`~gemscout.adapters.megatron.rng_tracker`). Nothing here imports megatron at import time; ``parallel_state`` is
+imported when a Megatron object was detected, i.e. when megatron is already loaded.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -59,158 +56,24 @@ import torch
 from torch import nn
 
 from gemscout._modules import unwrap
-from gemscout.adapters._optim_view import InnerOptimizers
-from gemscout.adapters._step_hooks import Hook, StepHooks
 from gemscout.adapters.classes import class_names
+from gemscout.adapters.megatron.optimizer_view import MegatronOptimizerView
+from gemscout.adapters.megatron.rng_tracker import (
+    TrackerGuard,
+    capture_rng_tracker,
+    restore_rng_tracker,
+)
 from gemscout.adapters.megatron.topology import megatron_topology, moe_layers
 from gemscout.adapters.target import Request, Target
-from gemscout.errors import ConfigError, RunMismatchError
+from gemscout.errors import ConfigError
 from gemscout.topology import Topology
 
 __all__ = [
-    "MegatronOptimizerView",
     "MegatronParts",
-    "capture_rng_tracker",
     "megatron_topology",
     "moe_layers",
     "resolve_megatron",
-    "restore_rng_tracker",
 ]
-
-FORMAT = "gemscout.megatron-optimizer.v1"
-_RANDOM = "megatron.core.tensor_parallel.random"
-
-
-# -- RNG tracker ------------------------------------------------------------------------------------------------------
-def _tracker() -> Any:
-    """The live Megatron RNG tracker, or None when megatron's random module is not loaded or no tracker exists."""
-    module = sys.modules.get(_RANDOM)
-    tracker = getattr(module, "_CUDA_RNG_STATE_TRACKER", None) if module is not None else None
-    return tracker if tracker is not None and hasattr(tracker, "get_states") else None
-
-
-def capture_rng_tracker() -> dict[str, torch.Tensor] | None:
-    """Fresh copies of every stream of Megatron's RNG tracker (name → generator state), or None without one."""
-    tracker = _tracker()
-    if tracker is None:
-        return None
-    states = tracker.get_states()
-    if not all(isinstance(v, torch.Tensor) for v in states.values()):
-        # TransformerEngine's graph-safe tracker keeps torch.Generator objects, which cannot be stored bitwise here.
-        raise ConfigError(
-            "Megatron's RNG tracker holds generator objects (a CUDA-graph-safe or TransformerEngine "
-            "tracker); gemscout captures the plain CudaRNGStatesTracker: initialise it with "
-            "use_cudagraphable_rng=False and te_rng_tracker=False"
-        )
-    return {name: state.detach().clone() for name, state in states.items()}
-
-
-def restore_rng_tracker(states: dict[str, torch.Tensor] | None) -> None:
-    """Put back what :func:`capture_rng_tracker` took (copies: the checkpoint's buffers are never aliased)."""
-    tracker = _tracker()
-    if states is None or tracker is None:
-        return
-    tracker.set_states({name: state.clone() for name, state in states.items()})
-
-
-class _TrackerGuard:
-    """Keeps SCOUT's replays from moving Megatron's RNG tracker: a replay of a block forks the tracker for its dropout,
-    which would advance the training streams. Its step pre-hook runs before the session's (registered first), its
-    post-hook before the session's capture, so the restored tracker is what GEMINI takes."""
-
-    def __init__(self) -> None:
-        self.saved: dict[str, Any] | None = None
-
-    def before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        tracker = _tracker()
-        self.saved = dict(tracker.get_states()) if tracker is not None else None
-
-    def after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        tracker = _tracker()
-        if tracker is not None and self.saved is not None:
-            tracker.set_states(
-                self.saved
-            )  # the tracker replaces its entries, never mutates them: no copy needed
-        self.saved = None
-
-
-# -- a MegatronOptimizer as gemscout sees it -------------------------------------------------------------------------
-class MegatronOptimizerView(InnerOptimizers):
-    """A ``MegatronOptimizer`` with the part of the ``torch.optim.Optimizer`` interface gemscout uses.
-
-    - ``register_step_pre_hook`` / ``register_step_post_hook``: run around ``optimizer.step()`` (an instance attribute
-      shadows the method for every caller, Megatron's ``train_step`` included), called as ``hook(self, args, kwargs)``;
-      the post-hooks run for skipped updates too (an fp16 overflow still ends the iteration);
-    - ``state_dict``: this rank's state, taken from the torch optimizer(s) inside — the main (fp32) parameters it
-      updates (the whole model for ``FP32Optimizer``, this rank's shard for ``DistributedOptimizer``), its state and
-      hyper-parameters, and the grad scaler — never Megatron's own ``state_dict()`` (which omits the sharded state of
-      the distributed optimizer and needs collectives to build it);
-    - ``param_groups`` / ``state`` / ``defaults`` of the torch optimizer(s).
-    """
-
-    def __init__(self, optimizer: Any) -> None:
-        self.megatron = optimizer
-        self.parts: list[Any] = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-        self.inner: list[torch.optim.Optimizer] = [p.optimizer for p in self.parts]
-        self._hooks = StepHooks(self, optimizer)
-
-    def register_step_pre_hook(self, hook: Hook) -> Any:
-        """Run ``hook(self, args, kwargs)`` at the start of every ``optimizer.step()``."""
-        return self._hooks.add_pre(hook)
-
-    def register_step_post_hook(self, hook: Hook) -> Any:
-        """Run ``hook(self, args, kwargs)`` when ``optimizer.step()`` has returned."""
-        return self._hooks.add_post(hook)
-
-    def _layout(self) -> dict[str, Any]:
-        # Shapes of the main parameters: a DistributedOptimizer shard restored on another DP rank (or another DP
-        # size) has other shapes and would load silently wrong.
-        return {
-            "kinds": [type(p).__name__ for p in self.parts],
-            "main_shapes": [
-                [list(p.shape) for g in inner.param_groups for p in g["params"]]
-                for inner in self.inner
-            ],
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state (live tensors; GEMINI copies them). Nothing needs pickle."""
-        parts = []
-        for part, inner in zip(self.parts, self.inner, strict=True):
-            scaler = getattr(part, "grad_scaler", None)
-            parts.append(
-                {
-                    "main": [p for g in inner.param_groups for p in g["params"]],
-                    "inner": inner.state_dict(),
-                    "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                }
-            )
-        return {"format": FORMAT, **self._layout(), "parts": parts}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Copy a state taken by :meth:`state_dict` into the live optimizer, bitwise. Raises RunMismatchError when it
-        was taken from another optimizer kind or partitioning."""
-        if state.get("format") != FORMAT:
-            raise RunMismatchError(
-                f"the optimizer state is not a Megatron optimizer's ({state.get('format')!r}); it "
-                "was taken from another kind of job"
-            )
-        here = self._layout()
-        there = {k: state.get(k) for k in here}
-        if there != here:
-            raise RunMismatchError(
-                f"the Megatron optimizer state was taken with {there}, this optimizer has {here}; "
-                "resume with the same optimizer and parallel layout, each rank from its own state"
-            )
-        with torch.no_grad():
-            for part, inner, saved in zip(self.parts, self.inner, state["parts"], strict=True):
-                live = [p for g in inner.param_groups for p in g["params"]]
-                for param, value in zip(live, saved["main"], strict=True):
-                    param.copy_(value)
-                inner.load_state_dict(saved["inner"])  # torch copies (and casts) every state tensor
-                scaler = getattr(part, "grad_scaler", None)
-                if scaler is not None and saved["grad_scaler"] is not None:
-                    scaler.load_state_dict(saved["grad_scaler"])
 
 
 # -- resolve ----------------------------------------------------------------------------------------------------------
@@ -375,7 +238,7 @@ def resolve_megatron(
             "megatron.core.parallel_state's data-parallel groups; leave group unset"
         )
     topology = None
-    guard: _TrackerGuard | None = None
+    guard: TrackerGuard | None = None
     if scout is not None:
         from megatron.core import parallel_state as ps
 
@@ -390,12 +253,12 @@ def resolve_megatron(
                 "them); pass recipes=('embedding', 'hidden', 'output')"
             )
         topology = megatron_topology()
-        guard = _TrackerGuard()
+        guard = TrackerGuard()
 
     def install_hooks() -> list[Any]:
         handles: list[Any] = [r.install() for r in replays]
         if guard is not None:
-            # Registered before the session's hooks, so they run first on both sides of the update (_TrackerGuard).
+            # Registered before the session's hooks, so they run first on both sides of the update (TrackerGuard).
             handles += [
                 view.register_step_pre_hook(guard.before),
                 view.register_step_post_hook(guard.after),
