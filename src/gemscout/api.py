@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import hashlib
-import json
 import logging
 import os
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemscout import _teardown, elastic, nodes
-from gemscout._modules import unwrap
-from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
-from gemscout.files import recorded_run_id
+from gemscout.errors import ConfigError, RecoveryError
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.config import CheckpointConfig
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
@@ -39,6 +32,12 @@ from gemscout.health import (
     NvmlHealthSource,
 )
 from gemscout.reports import FaultKind, FaultReport, Scope
+from gemscout.run_identity import (
+    check_recorded_run,
+    record_run,
+    resolve_run_id,
+    topology_digest,
+)
 from gemscout.scout.comm_probe import CommProbe
 from gemscout.scout.config import DEFAULT_MIN_CADENCE, ScoutConfig
 from gemscout.scout.engine import Scout
@@ -74,70 +73,6 @@ def _scout_cadence(asked: int | None, interval: int) -> int:
             "or None for the default"
         )
     return asked
-
-
-def _resolve_run_id(
-    config: CheckpointConfig, group: dist.ProcessGroup, timeout: timedelta
-) -> tuple[str, bool]:
-    """The run identity and whether it was given explicitly (explicit ids are checked strictly)."""
-    explicit = config.run_id or os.environ.get("GEMSCOUT_RUN_ID")
-    if explicit:
-        return explicit, True
-    from gemscout import _dist as comm
-
-    recorded = recorded_run_id(
-        config.directory
-    )  # never hangs or raises: a bad run.json reads as none
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    launcher = (elastic if elastic not in ("", "none") else "") or os.environ.get(
-        "SLURM_JOB_ID", ""
-    )
-    mine = recorded or launcher or uuid.uuid4().hex
-    chosen = comm.gather_json(mine, group=group, timeout=timeout)
-    run_id = next((c for c in chosen if recorded and c == recorded), chosen[0])
-    return run_id, False
-
-
-def _record_run(directory: Path, run_id: str, *, fsync: bool) -> None:
-    """Mark ``directory`` as this run's (once); a later run with another explicit id is then refused up front."""
-    marker = directory / "run.json"
-    if marker.exists():
-        return
-    from gemscout.gemini.store import write_json_atomic
-
-    try:
-        write_json_atomic(marker, {"run_id": run_id}, fsync=fsync)
-    except OSError as exc:
-        log.warning("gemscout: cannot record the run id in %s: %s", marker, exc)
-
-
-def _topology_digest(
-    model: nn.Module,
-    world_size: int,
-    placement: Placement,
-    group: dist.ProcessGroup,
-    timeout: timedelta,
-) -> str:
-    """A digest of the job's shape: world, nodes and every rank's state names and shapes. Collective over ``group``.
-
-    Every rank's, not this rank's own: pipeline stages hold different modules, and a rank checks the replicas it
-    holds for its peers against its own digest, so the digest must be the same on every rank."""
-    from gemscout import _dist as comm
-
-    # Megatron modules keep non-tensor ``_extra_state`` entries (None) in their state dicts: named, without a shape.
-    shapes = [
-        [n, list(p.shape), str(p.dtype)]
-        if isinstance(p, torch.Tensor)
-        else [n, None, type(p).__name__]
-        for n, p in unwrap(model).state_dict().items()
-    ]
-    every = comm.gather_json(shapes, group=group, timeout=timeout)
-    doc = {
-        "world_size": world_size,
-        "ranks_per_node": placement.ranks_per_node,
-        "model": shapes if all(s == shapes for s in every) else every,
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def enable_resiliency(
@@ -265,9 +200,9 @@ def enable_resiliency(
         rep_group = dist.new_group(backend="gloo", timeout=timeout)
         rpn = checkpoint.ranks_per_node or nodes.ranks_per_node(rep_group, timeout)
         placement = Placement(world, rpn, checkpoint.replication_jump)
-        run_id, explicit = _resolve_run_id(checkpoint, rep_group, timeout)
-        _check_recorded_run(checkpoint.directory, run_id, explicit)
-        _record_run(checkpoint.directory, run_id, fsync=checkpoint.fsync)
+        run_id, explicit = resolve_run_id(checkpoint, rep_group, timeout)
+        check_recorded_run(checkpoint.directory, run_id, explicit)
+        record_run(checkpoint.directory, run_id, fsync=checkpoint.fsync)
         checkpointer = Checkpointer(
             sources,
             checkpoint,
@@ -275,7 +210,7 @@ def enable_resiliency(
             rank=rank,
             placement=placement,
             run_id=run_id,
-            topology_digest=_topology_digest(model, world, placement, rep_group, timeout),
+            topology_digest=topology_digest(model, world, placement, rep_group, timeout),
             on_decision=on_recovery_decision,
         )
     if watch is not None and not isinstance(watch, WatchConfig):
@@ -423,14 +358,3 @@ def _start_health(
     return HealthMonitor(
         sources, config=config or HealthMonitorConfig(), callbacks=[deliver]
     ).start()
-
-
-def _check_recorded_run(directory: Path, run_id: str, explicit: bool) -> None:
-    if not explicit:
-        return
-    recorded = recorded_run_id(directory)
-    if recorded and recorded != run_id:
-        raise RunMismatchError(
-            f"{directory} holds checkpoints of run {recorded!r}, not {run_id!r}; resume with run_id={recorded!r} "
-            "or use a fresh directory"
-        )
