@@ -6,7 +6,8 @@ in a data-parallel job every rank runs the same rounds, so round n can be compar
 
 :class:`StallDetector` takes one round's per-rank seconds and flags a rank that is above both the absolute threshold
 and ``relative_factor`` times the median of the other ranks; the same rank flagged in ``confirmations`` consecutive
-rounds of a section yields a :class:`~gemscout.watch.findings.StallFinding`.
+rounds of a section yields a :class:`~gemscout.watch.findings.StallFinding`. :class:`SectionRounds` feeds it from the
+ranks' published :class:`~gemscout.watch.records.ProgressRecord` timings, each round once every rank has completed it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from gemscout.errors import ConfigError
 from gemscout.watch.findings import StallFinding, StallKind
+from gemscout.watch.records import ProgressRecord
 
 T = TypeVar("T")
 
@@ -219,3 +221,52 @@ class StallDetector:
             host=host,
             recommendation="observe",
         )
+
+
+class SectionRounds:
+    """Feeds a :class:`StallDetector` from the ranks' published records: each round of each section once, in order,
+    when every participating rank (every rank whose record is not closed) has completed it."""
+
+    def __init__(self, detector: StallDetector, world_size: int) -> None:
+        self._detector = detector
+        self._world_size = world_size
+        self._fed_round: dict[str, int] = {}  # per section: the newest round fed
+
+    def feed(self, records: Mapping[int, ProgressRecord]) -> list[StallFinding]:
+        """Feed the rounds completed since the last call; return the detector's findings."""
+        participants = [
+            r for r in range(self._world_size) if not (r in records and records[r].closed)
+        ]
+        by_section: dict[str, dict[int, dict[int, tuple[float, int]]]] = {}
+        for rank in participants:
+            rec = records.get(rank)
+            for section, entries in rec.timings.items() if rec else ():
+                by_section.setdefault(section, {})[rank] = {
+                    rd: (sec, st) for rd, sec, st in entries
+                }
+        found: list[StallFinding] = []
+        hosts = {r: rec.host for r, rec in records.items()}
+        for section, per_rank in sorted(by_section.items()):
+            newest = {
+                r: max(per_rank[r], default=-1) if r in per_rank else -1 for r in participants
+            }
+            last_fed = self._fed_round.get(section, -1)
+            for rd in sorted(
+                {rd for rounds in per_rank.values() for rd in rounds if rd > last_fed}
+            ):
+                have = {
+                    r: per_rank[r][rd] for r in participants if r in per_rank and rd in per_rank[r]
+                }
+                if len(have) < len(participants) and not all(newest[r] >= rd for r in participants):
+                    break  # some rank has not finished this round yet; compare it when it has
+                self._fed_round[section] = rd
+                finding = self._detector.observe(
+                    section,
+                    rd,
+                    {r: sec for r, (sec, _) in have.items()},
+                    step=min((st for _, st in have.values()), default=None),
+                    hosts=hosts,
+                )
+                if finding is not None:
+                    found.append(finding)
+        return found

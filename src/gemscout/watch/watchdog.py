@@ -3,17 +3,19 @@
 It runs on its own thread (in any rank, or outside the job) and needs nothing from the training threads: it only reads
 authenticated progress records through an :class:`~gemscout.watch.channel.OobChannel`. Staleness is measured on the
 watchdog's own monotonic clock (when it last *saw* a rank's counters change), so clock skew between hosts is harmless.
-Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.watch.stalls.StallDetector`, and
-when a rank made no progress for ``stall_threshold`` (or its heartbeat stopped) names the root with
-:func:`~gemscout.watch.rootcause.locate_root`; one verdict on ``confirmations`` consecutive polls becomes a
-:class:`~gemscout.watch.findings.StallFinding`, once per episode, delivered to callbacks (a raising callback is logged).
+Each poll feeds completed DataLoader / checkpoint-I/O rounds to a :class:`~gemscout.watch.stalls.StallDetector`
+(through :class:`~gemscout.watch.stalls.SectionRounds`), and when a rank made no progress for ``stall_threshold`` (or
+its heartbeat stopped) names the root with :func:`~gemscout.watch.rootcause.locate_root`; one verdict on
+``confirmations`` consecutive polls becomes a :class:`~gemscout.watch.findings.StallFinding`, once per episode,
+delivered to callbacks (a raising callback is logged).
 
 Only authenticated messages are evidence. A slot the channel saw forged, replayed, deleted or oversized is *tampered*
 for ``heartbeat_timeout`` after the last sign of it: its rank's staleness is unknown (the forger may be hiding its
 heartbeats), so it is never counted as dead or stuck, and a hang is called only when a rank with an untouched slot has
 stopped (a rank that was never seen, e.g. because its slot is deleted as fast as it is written, can join a hang as a
 root but never start one). Each tampered slot (and each sweep of foreign keys from a store the watchdog owns) becomes one ``tamper``
-finding naming the slot, recommendation ``observe``: an outsider can make noise, never a verdict or a restart.
+finding naming the slot, recommendation ``observe`` (:class:`~gemscout.watch.tamper_findings.TamperEpisodes`): an
+outsider can make noise, never a verdict or a restart.
 
 Given the :class:`~gemscout.watch.store_server.StoreServer` that serves the store, each poll first reads its status:
 keys the store process swept become a ``foreign_keys`` tamper event, and a store process that is gone becomes one
@@ -50,9 +52,10 @@ from gemscout.watch.findings import StallFinding
 from gemscout.watch.outage import StoreOutage
 from gemscout.watch.records import PROGRESS_KEY, ProgressRecord
 from gemscout.watch.rootcause import locate_root
-from gemscout.watch.stalls import StallConfig, StallDetector
+from gemscout.watch.stalls import SectionRounds, StallConfig, StallDetector
 from gemscout.watch.store_server import StoreHealth
 from gemscout.watch.tamper import TamperEvent
+from gemscout.watch.tamper_findings import TamperEpisodes, TamperIdent
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ class Watchdog:
         self._channel = channel
         self._world_size = world_size
         self._config = config or WatchdogConfig()
-        self._detector = StallDetector(stall_config)
+        self._rounds = SectionRounds(StallDetector(stall_config), world_size)
         self._callbacks: list[FindingCallback] = list(callbacks)
         self._clock = clock
         self._lock = threading.Lock()
@@ -126,7 +129,6 @@ class Watchdog:
         self._seen: dict[
             int, tuple[int, float, int, float]
         ] = {}  # rank -> (events, changed_at, heartbeat, beat_at)
-        self._fed_round: dict[str, int] = {}
         self._pending: tuple[str, tuple[int, ...]] | None = None
         self._agreeing = 0
         self._episode_reported = False
@@ -138,11 +140,9 @@ class Watchdog:
         self._resumed_at: float | None = None  # when reads last resumed after an outage
         self._awaiting: set[int] = set()  # ranks without a fresh heartbeat since reads resumed
         self._poll_errors = 0
-        # Per tamper event key: (count, last_seen on the channel's clock) seen at the last poll, when it last changed
-        # on this watchdog's clock, and whether the current episode of it was reported.
-        self._tamper_seen: dict[tuple[int | None, str | None], tuple[int, float]] = {}
-        self._tamper_at: dict[tuple[int | None, str | None], float] = {}
-        self._tamper_reported: set[tuple[int | None, str | None]] = set()
+        self._tamper = TamperEpisodes(
+            (self._config.heartbeat_timeout or self._config.stall_threshold).total_seconds()
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -231,9 +231,9 @@ class Watchdog:
                 rec.heartbeat,
                 beat_at if rec.heartbeat == beat else now,
             )
-        tampered = self._update_tamper(now)
-        new += self._tamper_findings(tampered, records, now)
-        new += self._check_sections(records)
+        tampered = self._tamper.update(self._channel.tamper_events(), now)
+        new += self._tamper.findings(tampered, records)
+        new += self._rounds.feed(records)
         hang = self._check_stall(records, now, tampered)
         if hang is not None:
             new.append(hang)
@@ -295,103 +295,11 @@ class Watchdog:
             records[rank] = record
         return records
 
-    def _check_sections(self, records: Mapping[int, ProgressRecord]) -> list[StallFinding]:
-        participants = [
-            r for r in range(self._world_size) if not (r in records and records[r].closed)
-        ]
-        by_section: dict[str, dict[int, dict[int, tuple[float, int]]]] = {}
-        for rank in participants:
-            rec = records.get(rank)
-            for section, entries in rec.timings.items() if rec else ():
-                by_section.setdefault(section, {})[rank] = {
-                    rd: (sec, st) for rd, sec, st in entries
-                }
-        found: list[StallFinding] = []
-        hosts = {r: rec.host for r, rec in records.items()}
-        for section, per_rank in sorted(by_section.items()):
-            newest = {
-                r: max(per_rank[r], default=-1) if r in per_rank else -1 for r in participants
-            }
-            last_fed = self._fed_round.get(section, -1)
-            for rd in sorted(
-                {rd for rounds in per_rank.values() for rd in rounds if rd > last_fed}
-            ):
-                have = {
-                    r: per_rank[r][rd] for r in participants if r in per_rank and rd in per_rank[r]
-                }
-                if len(have) < len(participants) and not all(newest[r] >= rd for r in participants):
-                    break  # some rank has not finished this round yet; compare it when it has
-                self._fed_round[section] = rd
-                finding = self._detector.observe(
-                    section,
-                    rd,
-                    {r: sec for r, (sec, _) in have.items()},
-                    step=min((st for _, st in have.values()), default=None),
-                    hosts=hosts,
-                )
-                if finding is not None:
-                    found.append(finding)
-        return found
-
-    def _tamper_window(self) -> float:
-        cfg = self._config
-        return (cfg.heartbeat_timeout or cfg.stall_threshold).total_seconds()
-
-    def _update_tamper(self, now: float) -> dict[tuple[int | None, str | None], TamperEvent]:
-        """The tamper events active now (their last sign within the window), keyed by (rank, key)."""
-        active: dict[tuple[int | None, str | None], TamperEvent] = {}
-        window = self._tamper_window()
-        for event in self._channel.tamper_events():
-            ident = (event.rank, event.key)
-            mark = (event.count, event.last_seen)
-            if self._tamper_seen.get(ident) != mark:
-                self._tamper_seen[ident] = mark
-                self._tamper_at[ident] = now
-            if now - self._tamper_at[ident] < window:
-                active[ident] = event
-            else:
-                self._tamper_reported.discard(
-                    ident
-                )  # quiet for a whole window: a new sign is a new episode
-        return active
-
-    def _tamper_findings(
-        self,
-        tampered: Mapping[tuple[int | None, str | None], TamperEvent],
-        records: Mapping[int, ProgressRecord],
-        now: float,
-    ) -> list[StallFinding]:
-        found: list[StallFinding] = []
-        for ident, event in sorted(tampered.items(), key=lambda item: item[1].first_seen):
-            if ident in self._tamper_reported:
-                continue
-            self._tamper_reported.add(ident)
-            rank = event.rank
-            rec = records.get(rank) if rank is not None else None
-            whose = f"rank {rank}'s slot" if rank is not None else "the store"
-            found.append(
-                StallFinding(
-                    kind="tamper",
-                    ranks=(rank,) if rank is not None else (),
-                    step=rec.step if rec is not None else None,
-                    evidence={"tamper": event.to_dict(), "window_s": self._tamper_window()},
-                    confirmations=1,
-                    reason=(
-                        f"out-of-band store tampered with: {whose} {event.slot} ({event.kind}: {event.reason}); "
-                        "its contents are ignored and cannot produce a verdict — someone without the job's secret "
-                        "can reach the store"
-                    ),
-                    host=rec.host if rec is not None else None,
-                    recommendation="observe",
-                )
-            )
-        return found
-
     def _check_stall(
         self,
         records: Mapping[int, ProgressRecord],
         now: float,
-        tampered: Mapping[tuple[int | None, str | None], TamperEvent],
+        tampered: Mapping[TamperIdent, TamperEvent],
     ) -> StallFinding | None:
         cfg = self._config
         threshold = cfg.stall_threshold.total_seconds()
