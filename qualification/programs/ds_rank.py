@@ -50,6 +50,7 @@ from gemscout.scout import StragglerConfig
 from qualification.programs import ds_zero3
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
+from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed-zero3": 3}
@@ -79,10 +80,6 @@ def ds_config(stage: int, *, accumulation: int = 1, bf16: bool = False) -> dict[
     }
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def state_digest(engine: Any) -> str:
     """SHA-256 over this rank's module state, fp32 master partition and the optimizer state of that partition."""
     if engine.zero_optimization_stage() == 3:
@@ -90,15 +87,15 @@ def state_digest(engine: Any) -> str:
     h = hashlib.sha256()
     for name, t in engine.module.state_dict().items():
         h.update(name.encode())
-        h.update(_bytes(t))
+        h.update(tensor_bytes(t))
     inner = engine.optimizer.optimizer
     for i, group in enumerate(inner.param_groups):
         master = group["params"][0]
         h.update(f"master.{i}".encode())
-        h.update(_bytes(master))
+        h.update(tensor_bytes(master))
         for key, value in sorted(inner.state.get(master, {}).items()):
             h.update(f"state.{i}.{key}".encode())
-            h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+            h.update(tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
         h.update(repr(group.get("lr")).encode())
     return h.hexdigest()
 
@@ -131,7 +128,7 @@ def full_state(engine: Any) -> dict[str, Any]:
             "master": safe_get_full_fp32_param(p),
             **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")},
         }
-        out[name] = {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in tensors.items()}
+        out[name] = {k: hashlib.sha256(tensor_bytes(t)).hexdigest() for k, t in tensors.items()}
     out["/groups"] = [
         [float(inner.state[g["params"][0]]["step"]), repr(g["lr"])] for g in inner.param_groups
     ]
@@ -198,7 +195,7 @@ def module_digest(engine: Any) -> str:
         return ds_zero3.module_digest(engine)
     h = hashlib.sha256()
     for t in engine.module.state_dict().values():
-        h.update(_bytes(t))
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualification.programs._tensor_bytes import tensor_bytes
+
 PERSISTENCE_THRESHOLD = 1000
 """Parameters with fewer elements stay gathered between steps (the three-block model's norms and biases)."""
 
@@ -28,10 +30,6 @@ PERSISTENCE_THRESHOLD = 1000
 def zero3_config() -> dict[str, Any]:
     """The ``zero_optimization`` section of a stage-3 run."""
     return {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD}
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _real(p: Any) -> int:
@@ -49,10 +47,10 @@ def state_digest(engine: Any) -> str:
     h = hashlib.sha256()
     for name, p in engine.module.named_parameters():
         h.update(name.encode())
-        h.update(_bytes(p.ds_tensor.narrow(0, 0, _real(p))))
+        h.update(tensor_bytes(p.ds_tensor.narrow(0, 0, _real(p))))
     for name, b in engine.module.named_buffers():
         h.update(name.encode())
-        h.update(_bytes(b))
+        h.update(tensor_bytes(b))
     zero = engine.optimizer
     inner = zero.optimizer
     for i, master in enumerate(zero.fp32_partitioned_groups_flat):
@@ -61,16 +59,16 @@ def state_digest(engine: Any) -> str:
         for p in zero.fp16_groups[i]:
             real = _real(p)
             h.update(f"master.{i}.{offset}".encode())
-            h.update(_bytes(master.narrow(0, offset, real)))
+            h.update(tensor_bytes(master.narrow(0, offset, real)))
             for key, value in state:
                 if torch.is_tensor(value) and value.shape == master.shape:
                     h.update(f"state.{i}.{key}.{offset}".encode())
-                    h.update(_bytes(value.narrow(0, offset, real)))
+                    h.update(tensor_bytes(value.narrow(0, offset, real)))
             offset += int(p.partition_numel())
         for key, value in state:
             if not (torch.is_tensor(value) and value.shape == master.shape):
                 h.update(f"state.{i}.{key}".encode())
-                h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+                h.update(tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
     for group in inner.param_groups:
         h.update(repr(group.get("lr")).encode())
     return h.hexdigest()
@@ -84,7 +82,7 @@ def module_digest(engine: Any) -> str:
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         for t in engine.module.state_dict().values():
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t))
     return h.hexdigest()
 
 
@@ -114,7 +112,7 @@ def full_state(engine: Any) -> dict[str, Any]:
     """The SHA-256 of every parameter's full master and moments, each sub-group's step count and every group's lr:
     a world-size-independent picture of the optimizer state. Collective."""
     out: dict[str, Any] = {
-        name: {k: hashlib.sha256(_bytes(t)).hexdigest() for k, t in per.items()}
+        name: {k: hashlib.sha256(tensor_bytes(t)).hexdigest() for k, t in per.items()}
         for name, per in _full(engine).items()
     }
     out["/groups"] = [

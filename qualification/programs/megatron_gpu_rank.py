@@ -20,12 +20,9 @@ import torch
 import torch.distributed as dist
 
 from qualification.programs._rank import fail_stop, finish, run
+from qualification.programs._tensor_bytes import tensor_bytes
 
 VOCAB, SEQ, BATCH = 128, 32, 4
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
@@ -35,18 +32,20 @@ def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
             h.update(name.encode())
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t))
     for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = part.optimizer
         for g in inner.param_groups:
             for p in g["params"]:
-                h.update(_bytes(p))
+                h.update(tensor_bytes(p))
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     h.update(key.encode())
-                    h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+                    h.update(
+                        tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode()
+                    )
     for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
         h.update(name.encode())
-        h.update(_bytes(state))
+        h.update(tensor_bytes(state))
     return h.hexdigest()
 
 

@@ -39,6 +39,7 @@ from qualification.programs._rank import (
     run,
     trust_states,
 )
+from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.megatron_gpu_rank import state_digest
 
 VOCAB, SEQ, BATCH, MICRO = 128, 32, 4, 2
@@ -52,15 +53,11 @@ TOPOLOGIES = {
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def _model_hash(h: Any, model: torch.nn.Module) -> None:
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
             h.update(name.encode())
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

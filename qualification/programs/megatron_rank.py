@@ -54,15 +54,12 @@ from qualification.programs._rank import (
     run,
     trust_states,
 )
+from qualification.programs._tensor_bytes import tensor_bytes
 
 VOCAB, SEQ, BATCH = 128, 32, 4
 # topology name → (tensor_model_parallel_size, expert_model_parallel_size, num_moe_experts)
 TOPOLOGIES = {"megatron-tp1": (1, 1, 0), "megatron-tp2": (2, 1, 0), "megatron-ep2": (1, 2, 4)}
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -73,14 +70,14 @@ def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
             h.update(name.encode())
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t))
     for i, state in sorted(opt.state_dict()["state"].items()):
         for key, value in sorted(state.items()):
             h.update(f"{i}.{key}".encode())
-            h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+            h.update(tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
     for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
         h.update(name.encode())
-        h.update(_bytes(state))
+        h.update(tensor_bytes(state))
     return h.hexdigest()
 
 
@@ -88,7 +85,7 @@ def module_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for t in model.state_dict().values():
         if isinstance(t, torch.Tensor):
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -39,11 +39,7 @@ from qualification.frameworks import torchtitan_cpu
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_times import Stamps
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+from qualification.programs._tensor_bytes import tensor_bytes
 
 
 def _plain(value: Any) -> Any:
@@ -52,7 +48,7 @@ def _plain(value: Any) -> Any:
         return {
             "dtype": str(value.dtype),
             "shape": list(value.shape),
-            "sha256": hashlib.sha256(_bytes(value)).hexdigest(),
+            "sha256": hashlib.sha256(tensor_bytes(value)).hexdigest(),
         }
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
@@ -73,7 +69,7 @@ def state(trainer: Any) -> dict[str, Any]:
     for i, part in enumerate(trainer.model_parts):
         for name, t in part.state_dict().items():
             params.update(f"{i}.{name}".encode())
-            params.update(_bytes(t))
+            params.update(tensor_bytes(t))
     loader = trainer.dataloader.state_dict()
     unpickled = {
         k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in loader.items()

@@ -23,11 +23,7 @@ from typing import Any
 import torch
 
 from qualification.programs._kills import sigkill_self
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.detach().float().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+from qualification.programs._tensor_bytes import tensor_bytes
 
 
 def digest(trainer: Any) -> str:
@@ -35,12 +31,16 @@ def digest(trainer: Any) -> str:
     for i, part in enumerate(trainer.model_parts):
         for name, t in part.state_dict().items():
             h.update(f"{i}.{name}".encode())
-            h.update(_bytes(t))
+            h.update(tensor_bytes(t, as_float=True))
     for opt in trainer.optimizers.optimizers:
         for idx, state in sorted(opt.state_dict()["state"].items()):
             for key, value in sorted(state.items()):
                 h.update(f"{idx}.{key}".encode())
-                h.update(_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+                h.update(
+                    tensor_bytes(value, as_float=True)
+                    if torch.is_tensor(value)
+                    else repr(value).encode()
+                )
     return h.hexdigest()
 
 

@@ -45,13 +45,8 @@ from qualification.programs._pipeline import (
 )
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_faults import armed
+from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.workloads import build_model, lm_loss, synthetic_batch
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    if hasattr(t, "to_local"):  # a DTensor: this rank's shard
-        t = t.to_local()
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -59,11 +54,11 @@ def state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
         h.update(name.encode())
-        h.update(_bytes(p))
+        h.update(tensor_bytes(p))
     for idx, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{idx}.{k}".encode())
-            h.update(_bytes(v) if torch.is_tensor(v) else repr(v).encode())
+            h.update(tensor_bytes(v) if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()
 
 
@@ -72,7 +67,7 @@ def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str
     Collective under sharding (DTensor.full_tensor): every rank calls it at the same point."""
 
     def full(t: torch.Tensor) -> bytes:
-        return _bytes(t.full_tensor() if hasattr(t, "full_tensor") else t)
+        return tensor_bytes(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
