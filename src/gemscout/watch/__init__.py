@@ -4,7 +4,8 @@ Everything here talks through an authenticated :class:`OobChannel` over a torch 
 training process group, so it keeps working while training threads are blocked in a collective.
 """
 
-from gemscout.watch.channel import OobChannel, OobStore, serve_store
+from gemscout.watch.bound_store import serve_store
+from gemscout.watch.channel import OobChannel, OobStore
 from gemscout.watch.config import OobConfig
 from gemscout.watch.findings import StallFinding
 from gemscout.watch.progress import ProgressConfig, ProgressPublisher
@@ -12,12 +13,8 @@ from gemscout.watch.records import CollectiveFingerprint, ProgressRecord
 from gemscout.watch.secret import SECRET_ENV, generate_secret
 from gemscout.watch.service import Watch, WatchConfig
 from gemscout.watch.stalls import InstrumentedLoader, StallConfig, StallDetector, checkpoint_io
-from gemscout.watch.store_server import (
-    StoreServer,
-    StoreServerConfig,
-    StoreServerError,
-    StoreStatus,
-)
+from gemscout.watch.store_health import StoreStatus
+from gemscout.watch.store_server import StoreServer, StoreServerConfig, StoreServerError
 from gemscout.watch.tamper import ChannelStats, TamperEvent
 from gemscout.watch.watchdog import Watchdog, WatchdogConfig
 

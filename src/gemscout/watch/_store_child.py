@@ -15,8 +15,8 @@ Run by :class:`gemscout.watch.store_server.StoreServer` as ``python <this file> 
 - sweeps: deletes every key that is not one of the job's slots (``<namespace>/<rank>/<key>``, rank below
   ``--world-size``), again at once while it keeps finding some, and reports the count to its parent; when it cannot
   sweep for a few seconds even with the reserve, it exits (code 75) rather than serve a store that refuses everyone;
-- talks to its parent in lines on stdout: ``ready``, ``swept <n> <json sample>``, ``pressure <held> <cap>``,
-  ``sweep-failed <reason>``, ``stuck: <reason>``.
+- talks to its parent in lines on stdout (read by :mod:`gemscout.watch.store_protocol`): ``ready``,
+  ``swept <n> <json sample>``, ``pressure <cap>``, ``sweep-failed <reason>``, ``stuck: <reason>``.
 """
 
 from __future__ import annotations

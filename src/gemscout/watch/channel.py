@@ -12,9 +12,9 @@ slot — as is a slot that held an authentic message and then vanished (someone 
 A ``TCPStore`` has no authentication: anyone who reaches its port can read, write and delete keys. So the server is
 bound to one address (the job's own address, loopback for a local job) instead of every interface. The ``TCPStore``
 server has no size or key cap: the watch serves it from a child process with a memory cap of its own
-(:mod:`gemscout.watch.store_server`), never inside training; :func:`serve_store` serves one in this process (tests,
-experiments). :meth:`OobChannel.sweep` deletes keys that are not the job's slots (leftovers; it cannot bound memory: one
-writer floods faster than a reader lists and deletes). A client connection the server dropped (it refuses a message
+(:mod:`gemscout.watch.store_server`), never inside training; :func:`~gemscout.watch.bound_store.serve_store` serves
+one in this process (tests, experiments). :meth:`OobChannel.sweep` deletes keys that are not the job's slots
+(leftovers; it cannot bound memory: one writer floods faster than a reader lists and deletes). A client connection the server dropped (it refuses a message
 past its cap by closing the connection) is replaced once per operation when the channel was made by
 :meth:`OobChannel.connect`.
 
@@ -32,19 +32,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch.distributed import DistNetworkError, DistStoreError
 
+from gemscout.watch.bound_store import serve_store
 from gemscout.watch.config import OobConfig
 from gemscout.watch.envelope import Envelope, TamperKind
 from gemscout.watch.secret import resolve_secret
-from gemscout.watch.store_server import listen_socket
 from gemscout.watch.tamper import ChannelStats, TamperEvent, TamperLedger
 from gemscout.watch.wire import BoundedReader, Oversized
-
-if TYPE_CHECKING:
-    from torch.distributed import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -70,38 +67,6 @@ class OobStore(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
-
-
-def serve_store(
-    host: str, port: int = 0, *, timeout: timedelta = timedelta(seconds=60)
-) -> TCPStore:
-    """Serve a ``TCPStore`` that listens on ``host``'s address only (port 0: the kernel picks one; read ``.port``).
-
-    ``TCPStore(host_name, ...)`` ignores ``host_name`` on the server side and listens on every interface, so the
-    socket is made, bound and put to listen here and handed over through ``master_listen_fd`` (the libuv backend
-    adopts it). ``host`` is resolved once; a name that resolves to loopback gives a loopback-only server, which is
-    what a single-node job should use. Raises ``OSError`` when the address cannot be bound (not this host's).
-    """
-    from torch.distributed import TCPStore
-
-    sock, bound_host = listen_socket(host, port)
-    bound_port = sock.getsockname()[1]
-    # The store owns the descriptor from here on; detach so Python never closes it under the server.
-    fd = sock.detach()
-    try:
-        return TCPStore(
-            bound_host,
-            bound_port,
-            None,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            use_libuv=True,
-        )
-    except BaseException:
-        socket.close(fd)
-        raise
 
 
 class OobChannel:
@@ -338,7 +303,7 @@ class OobChannel:
     def sweep(self, expected: Iterable[tuple[int, str]]) -> list[str]:
         """Delete every key of the store that is not one of the ``expected`` ``(rank, key)`` slots; return them.
 
-        For a store this job owns (served by :func:`serve_store` for the OOB channel alone): nothing else belongs in
+        For a store this job owns (served by :func:`~gemscout.watch.bound_store.serve_store` for the OOB channel alone): nothing else belongs in
         it, so anything else is a flood or leftovers (:meth:`read` itself deletes a slot whose value is over
         ``max_message_bytes``: no genuine writer publishes one, and the owner republishes). A sweep that found keys
         records a ``foreign_keys`` :class:`TamperEvent`. A store without ``list_keys`` is left alone.

@@ -3,7 +3,7 @@
 A loss is one ``tamper`` finding of kind ``store_lost`` per outage, naming the cause and whether the store is being
 restarted; when the restarts of an outage all fail, one more says it stays down; when the store serves again, a
 ``store_restored`` finding says how long it was down. The watchdog that owns the store process learns all of it from
-the process's :class:`~gemscout.watch.store_server.StoreStatus`; every other watchdog only sees reads that fail, and
+the process's :class:`~gemscout.watch.store_health.StoreStatus`; every other watchdog only sees reads that fail, and
 calls the store lost once they have failed for ``store_unreachable``. Pure bookkeeping: no I/O, never blocks.
 """
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from gemscout.watch.findings import StallFinding
-from gemscout.watch.store_server import StoreStatus
+from gemscout.watch.store_health import StoreStatus
 
 __all__ = ["StoreOutage"]
 

@@ -18,15 +18,16 @@ waiting in a backlog), after
 the store stays down and :meth:`StoreServer.status` says so (``restarting`` false). The fresh store is empty: its
 owners re-publish their slots on their next heartbeat. The port could be taken by someone else while it is down; the
 restart then fails (counted against the limit) and is reported with the cause.
+
+What the child's lines and exit mean is :mod:`gemscout.watch.store_protocol`'s; what the watchdog reads of all this
+is :class:`~gemscout.watch.store_health.StoreStatus`.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,31 +37,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
 
 from gemscout.errors import ConfigError, GemscoutError
+from gemscout.watch.bound_store import listen_socket
+from gemscout.watch.store_health import StoreStatus
+from gemscout.watch.store_protocol import death_cause, parse_line
 
 logger = logging.getLogger(__name__)
 
 _CHILD = Path(__file__).with_name("_store_child.py")
 _TAIL_LINES = 20
-
-
-def listen_socket(host: str, port: int) -> tuple[socket.socket, str]:
-    """A socket bound to ``host``'s address only and listening, and that address (``host`` is resolved once).
-
-    TCPStore's own server ignores the host name and listens on every interface, so whoever serves one makes the
-    socket here and hands it over. Raises ``OSError`` when the address cannot be bound (not this host's)."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address[:2] if family == socket.AF_INET else address)
-        sock.listen(512)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, str(address[0])
 
 
 class StoreServerError(GemscoutError):
@@ -105,36 +92,6 @@ class StoreServerConfig:
                 raise ConfigError(
                     f"StoreServerConfig.{name} must be > 0, got {getattr(self, name)}"
                 )
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class StoreStatus:
-    """What the store process has reported so far."""
-
-    swept: int
-    """Foreign keys the process deleted since it started."""
-    sample: tuple[str, ...]
-    """Some of the newest of them (each cut to 64 characters)."""
-    swept_at: float | None
-    """This process's monotonic clock when the newest sweep report arrived."""
-    pressure: bool
-    """The store reached 90 % of its memory cap at least once (a flood was refused or nearly so)."""
-    lost: str | None
-    """Why the store is gone (it exited or was killed), ``None`` while it serves (a restarted one too)."""
-    outages: int = 0
-    """Times the store was lost so far (a restart that failed belongs to the outage it was meant to end)."""
-    restarts: int = 0
-    """Times a fresh store process was started after a loss and served."""
-    restarting: bool = False
-    """While ``lost``: a restart is due or under way. False then: the restart limit is reached, it stays down."""
-    last_lost: str | None = None
-    """Why the store was last lost (kept once a restart serves)."""
-
-
-class StoreHealth(Protocol):
-    """What a watchdog needs of the process serving its store."""
-
-    def status(self) -> StoreStatus: ...
 
 
 class StoreServer:
@@ -390,21 +347,13 @@ class StoreServer:
                 )
 
     def _cause(self, proc: subprocess.Popen[str]) -> str:
-        code = proc.returncode
-        how = (
-            f"was killed by {signal.Signals(-code).name}"
-            if code is not None and code < 0
-            else f"exited with {code}"
-        )
-        cap = self.config.memory_cap_bytes >> 20
-        near = f", having reached 90 % of its {cap} MiB cap (a flood?)" if self._pressure else ""
-        if code == 75:
-            how = "exited: it was full to its memory cap and could not be swept (a flood that never paused)"
-        last = " | ".join(
-            line for line in self._tail if not line.startswith(("swept ", "pressure "))
-        )[-600:]
-        return f"store process {proc.pid} {how}{near}" + (
-            f"; its last output: {last}" if last else ""
+        """Why ``proc`` (which has exited) is gone, from its exit status and its last lines."""
+        return death_cause(
+            proc.pid,
+            proc.returncode,
+            tail=self._tail,
+            pressure=self._pressure,
+            cap_bytes=self.config.memory_cap_bytes,
         )
 
     def _read(self, proc: subprocess.Popen[str], stream: IO[str], ready: threading.Event) -> None:
@@ -415,7 +364,10 @@ class StoreServer:
             pass
 
     def _line(self, proc: subprocess.Popen[str], line: str, ready: threading.Event) -> None:
-        if line == "ready":
+        """Take in one line of ``proc`` (the current process or one being replaced): ``ready`` sets ``ready`` and
+        ends an outage; the rest is kept for the status and a death's cause."""
+        report = parse_line(line)
+        if report.kind == "ready":
             ready.set()
             with self._lock:
                 if proc is self._proc and self._lost is not None and not self._closing:
@@ -426,21 +378,15 @@ class StoreServer:
                     self._lost, self._restarting = None, False
                     self._restarts += 1
             return
-        word, _, rest = line.partition(" ")
         with self._lock:
             if proc is self._proc:
-                self._tail.append(line[:300])
-            if word == "swept":
-                count, _, sample = rest.partition(" ")
-                try:
-                    self._swept += int(count)
-                    self._sample = tuple(str(s) for s in json.loads(sample))
-                except (
-                    ValueError
-                ):  # a line cut by the child's death; its count comes again or never matters
-                    return
-                self._swept_at = time.monotonic()
-            elif word == "pressure":
+                self._tail.append(report.text)
+            if report.kind == "swept" and report.count is not None:
+                self._swept += report.count
+                if report.sample is not None:
+                    self._sample = report.sample
+                    self._swept_at = time.monotonic()
+            elif report.kind == "pressure":
                 self._pressure = True
-        if word not in ("swept", "pressure"):
+        if report.kind == "other":
             logger.debug("OOB store process: %s", line)

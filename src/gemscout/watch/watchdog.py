@@ -53,7 +53,7 @@ from gemscout.watch.outage import StoreOutage
 from gemscout.watch.records import PROGRESS_KEY, ProgressRecord
 from gemscout.watch.rootcause import locate_root
 from gemscout.watch.stalls import SectionRounds, StallConfig, StallDetector
-from gemscout.watch.store_server import StoreHealth
+from gemscout.watch.store_health import StoreHealth
 from gemscout.watch.tamper import TamperEvent
 from gemscout.watch.tamper_findings import TamperEpisodes, TamperIdent
 
