@@ -15,7 +15,7 @@ a collective alone; local failures become records that everyone sees). The colle
 2. every peer replays each due recipe on its own parameters from the source's inputs and RNG state and digests what
    it produced (output, input and parameter gradients), with its precondition record;
 3. one fixed-size all-gather of the records (:meth:`PeerExchange.gather_records`); every peer then judges each
-   recipe with the same pure function (:func:`~gemscout.scout.preconditions.judge`): the same verdicts everywhere.
+   recipe with the same pure functions (:mod:`~gemscout.scout.judging`): the same verdicts and reports everywhere.
 
 Who the peers are and what crosses them is the *peer domain*'s (:class:`~gemscout.scout.domain.PeerDomain`): one
 group of replicas (:class:`~gemscout.scout.domain.FlatDomain`, DDP), or a DeviceMesh (FSDP2, HSDP, FSDP2 x TP) with
@@ -23,15 +23,13 @@ one peer group per model-parallel coordinate or HSDP shard (:class:`~gemscout.sc
 mesh-wide step agreement, parameter gathers before replay, a readiness check before replays that run TP collectives,
 and the records gathered over the whole mesh so every rank judges every group). A framework refines one
 (``Scout(config, flat_domain=...)``; DeepSpeed ZeRO-3 gathers its partitioned blocks around the cycle). The cycle
-below is the same for all of them.
+below is the same for all of them; where the peers come from at attach is :mod:`~gemscout.scout.peers`.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,19 +40,14 @@ from torch.utils.hooks import RemovableHandle
 from gemscout._modules import unwrap
 from gemscout.errors import ConfigError
 from gemscout.scout.capture import Captured, CaptureHooks, capture_optimizer
-from gemscout.scout.comm_probe import JobCollectiveTimer, job_comm_report
+from gemscout.scout.comm_probe import JobCollectiveTimer
 from gemscout.scout.config import ScoutConfig
-from gemscout.scout.consensus import C3Result, Verdict
-from gemscout.scout.cycle import (
-    CycleResult,
-    combine_groups,
-    inconclusive,
-    judge_gathered,
-)
+from gemscout.scout.cycle import CycleResult, inconclusive
 from gemscout.scout.domain import JOB_TIMER_NEEDS, FlatDomain, PeerDomain
 from gemscout.scout.fsdp_comms import FsdpCollectiveTimer
+from gemscout.scout.judging import cycle_reports, judge_records, name_unreplayable
 from gemscout.scout.local_replay import LocalReplay
-from gemscout.scout.mesh_domain import MeshDomain
+from gemscout.scout.peers import FlatDomainFactory, find_topology, peer_domain
 from gemscout.scout.recipes import Catalog, Recipe, build_catalog, optimizer_params
 from gemscout.scout.replay import ReplayContext
 from gemscout.scout.rotation import RotationTracker
@@ -63,18 +56,10 @@ from gemscout.scout.stragglers import (
     CommStragglerDetector,
     ComputeStragglerDetector,
     SustainedStragglerDetector,
-    compute_reports,
-    job_clock,
 )
 from gemscout.topology import Topology
-from gemscout.topology_discovery import discover, has_dtensor_params
 
 __all__ = ["CycleResult", "Scout"]
-
-log = logging.getLogger("gemscout")
-
-FlatDomainFactory = Callable[[dist.ProcessGroup, int, timedelta], FlatDomain]
-"""Builds the domain of a group of replicas from (group, rank, timeout): :class:`FlatDomain` or a refinement."""
 
 
 class Scout(ReplaySeams):
@@ -133,19 +118,7 @@ class Scout(ReplaySeams):
         root = unwrap(model)
         self._optimizer = optimizer
         self.rank = dist.get_rank()
-        timeout = self.config.timeout
-        if group is not None and (topology is not None or has_dtensor_params(root)):
-            raise ConfigError(
-                "Scout.attach: group= is for replicated models; on a sharded or parallel model leave it "
-                "out (peers come from the DeviceMesh) or pass topology=from_mesh(mesh, ...)"
-            )
-        if group is None and topology is None:
-            topology = discover(
-                root,
-                data_dims=self.config.data_parallel_dims,
-                rank=self.rank,
-                mesh=self.config.mesh,
-            )
+        topology = find_topology(root, self.config, self.rank, group=group, topology=topology)
         # On a pipeline stage the catalog is the stage's own, its names qualified by the stage (pp1.hidden.0); an
         # nn.ModuleList of stage modules (several stages per rank) names each module's recipes by its own stage.
         stage = topology.stage_label if topology is not None else ""
@@ -159,27 +132,18 @@ class Scout(ReplaySeams):
         )
         self.topology: Topology | None = topology
         """The mesh as SCOUT sees it (None for a replicated model without a mesh)."""
+        self.domain: PeerDomain | None = peer_domain(
+            topology, group, self.rank, self.config.timeout, self._flat_domain
+        )
+        """Where the peers are and what crosses them (None when SCOUT cannot compare)."""
         self.disabled_reason: str | None = None
         """Why SCOUT cannot compare on this topology (no data-parallel peers), or None."""
-        self.domain: PeerDomain | None = None
-        """Where the peers are and what crosses them (None when SCOUT cannot compare)."""
         self.peers: tuple[int, ...] = (self.rank,)
         self.peer_groups: tuple[tuple[int, ...], ...] = ()
-        if topology is None:
-            flat = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
-            self.domain = self._flat_domain(flat, self.rank, timeout)
-        elif topology.comparable:
-            self.domain = MeshDomain(topology, self.rank, timeout)
-        else:
-            self.disabled_reason = topology.reason
-            self.peer_groups = topology.peer_groups
-            log.warning(
-                "gemscout: SCOUT cannot compare on this %s topology: %s",
-                topology.kind,
-                topology.reason,
-            )
         if self.domain is not None:
             self.peers, self.peer_groups = self.domain.peers, self.domain.peer_groups
+        elif topology is not None:
+            self.disabled_reason, self.peer_groups = topology.reason, topology.peer_groups
         self._modules = {
             r.name: [root.get_submodule(p) for p in r.modules] for r in self.catalog.recipes
         }
@@ -334,49 +298,23 @@ class Scout(ReplaySeams):
         names = [r.name for r in due]
         comm_s = self._job_timer.take() if self._job_timer is not None else None
         by_rank = domain.gather_records(names, records, comm_s, time.monotonic())
-        ranks = tuple(by_rank)
-        results = {}
-        times: dict[str, dict[int, float]] = {}
-        # Every rank judges the same recipes (with pipeline stages, every stage's) over the groups that replayed them.
-        for name in domain.judged_names(due, by_rank):
-            judged = []
-            times[name] = {}
-            for group in domain.holding(name, by_rank):
-                result, group_times = judge_gathered(name, step, group, [by_rank[r] for r in group])
-                judged.append((group, result))
-                times[name].update(group_times)
-            results[name] = combine_groups(name, step, judged)
-        self._name_unreplayable(step, received, results)
-        reports = [
-            report for result in results.values() if (report := result.fault_report()) is not None
-        ]
-        reports += compute_reports(
-            self._detectors,
-            self.config.stragglers,
+        results, times = judge_records(domain, step, due, by_rank)
+        name_unreplayable(
+            step, received, results, self.unreplayable, announce=self.rank == min(self.peers)
+        )
+        reports = cycle_reports(
+            domain,
             step,
+            due,
             results,
             times,
-            len(ranks),
+            by_rank,
+            config=self.config.stragglers,
+            detectors=self._detectors,
             sustained=self._sustained,
-            when=job_clock(by_rank),
+            comm_detector=self._comm_detector,
+            timer=self._job_timer,
         )
-        timer = self._job_timer
-        if (
-            timer is not None
-            and (
-                late := job_comm_report(
-                    self._comm_detector,
-                    step,
-                    by_rank,
-                    timer.rank_to_host,
-                    getattr(timer, "groups", None),
-                    domain.job_collectives,
-                )
-            )
-            is not None
-        ):
-            reports.append(late)
-        reports += domain.comm_reports(step, due, by_rank, self.config.stragglers)
         certified = self.rotation.record(step, results)
         self._last_cycle_step = step
         return CycleResult(
@@ -390,33 +328,6 @@ class Scout(ReplaySeams):
             peer_groups=self.peer_groups,
             **domain.cycle_fields(due, by_rank),
         )
-
-    def _name_unreplayable(
-        self, step: int, received: Mapping[str, Captured], results: dict[str, Any]
-    ) -> None:
-        """A recipe whose inputs SCOUT cannot reproduce (the source's capture says which and why) is INCONCLUSIVE
-        with that reason alone, not the per-rank replay errors it caused; it is logged the first time and counted
-        in :attr:`unreplayable`. Every peer received the same header, so every peer rewrites the same verdicts."""
-        for name in list(results):
-            got = received.get(name)
-            if got is None or not got.meta.get("unreplayable") or got.error is None:
-                continue
-            reason = f"SCOUT cannot replay {name!r}: {got.error}; outputs were not compared"
-            results[name] = C3Result(
-                verdict=Verdict.INCONCLUSIVE,
-                recipe=name,
-                step=step,
-                reason=reason,
-                preconditions_ok=False,
-            )
-            if name not in self.unreplayable and self.rank == min(self.peers):
-                log.warning(
-                    "gemscout: %s (step %d; the recipe stays INCONCLUSIVE and nothing is certified until "
-                    "it can be replayed: fix the input, or leave its kind out of ScoutConfig.recipes)",
-                    reason,
-                    step,
-                )
-            self.unreplayable[name] = got.error
 
     def _stopped(self, step: int, due: Sequence[Recipe], source: int, reason: str) -> CycleResult:
         # Every peer saw the same disagreement in the first gather and stops here together; nothing is recorded for
