@@ -3,7 +3,7 @@ on the frontier and prune.
 
 One capture at a time and in step order on every rank, so the replication exchange and the two MIN all-reduces of
 all ranks line up. The pipeline is handed the parts of the checkpointer it uses as a :class:`PipelineParts`, built
-once by the checkpointer; it holds no reference to the checkpointer itself.
+once by :func:`~gemscout.gemini.parts.build_parts`; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ log = logging.getLogger("gemscout.gemini")
 
 @dataclass(frozen=True, slots=True)
 class PipelineParts:
-    """What a :class:`CapturePipeline` uses of its rank's checkpointer, built once by it after all of these exist.
+    """What a :class:`CapturePipeline` uses of its rank's checkpointer, built once by :func:`~gemscout.gemini.parts.build_parts` after all
+    of these exist.
 
     The objects are the checkpointer's own, shared, not copied: the pool, the held replicas, the ledger, the spares,
     the stats and the error list are the ones it keeps, and the pipeline updates them in place; the values never

@@ -21,23 +21,16 @@ from typing import Any
 import torch.distributed as dist
 
 from gemscout import _dist as comm
-from gemscout._tensors import is_dtensor
 from gemscout.config import TrustState
 from gemscout.errors import CollectiveTimeout
 from gemscout.gemini import adoption, store
-from gemscout.gemini.capture_pipeline import CapturePipeline, PipelineParts
 from gemscout.gemini.coalesce import FreeSlotVote
-from gemscout.gemini.config import CheckpointConfig, default_digest_threads
-from gemscout.gemini.durable import DurableTier
-from gemscout.gemini.exchange import Frame, Identity, replication_for
-from gemscout.gemini.io_thread import IoThread
-from gemscout.gemini.lifecycle import TrustLedger
-from gemscout.gemini.promotion import Promoter, PromotionParts
+from gemscout.gemini.config import CheckpointConfig
+from gemscout.gemini.exchange import Frame
+from gemscout.gemini.parts import build_parts
 from gemscout.gemini.recovery import RecoveryDecision
-from gemscout.gemini.recovery_parts import RecoveryParts
-from gemscout.gemini.replication import Placement, ReplicaBuffers
-from gemscout.gemini.slots import Slot, SlotPool
-from gemscout.gemini.snapshot import Capturer
+from gemscout.gemini.replication import Placement
+from gemscout.gemini.slots import Slot
 from gemscout.state import integrity, training_state
 from gemscout.state.layout import Parsed
 
@@ -45,7 +38,8 @@ log = logging.getLogger("gemscout.gemini")
 
 
 class Checkpointer:
-    """GEMINI for one rank. Construct on every rank of ``group`` (collective)."""
+    """GEMINI for one rank. Construct on every rank of ``group`` (collective). Its parts are built by
+    :func:`gemscout.gemini.parts.build_parts` and held here as attributes; this class runs them."""
 
     def __init__(
         self,
@@ -64,143 +58,35 @@ class Checkpointer:
             integrity.use_key(
                 config.integrity_key
             )  # every frame this process writes or reads is then keyed
-        self.placement, self.run_id, self.topology_digest = placement, run_id, topology_digest
+        self.run_id, self.topology_digest = run_id, topology_digest
         self.on_decision = on_decision
-        self.identity = Identity(run_id, topology_digest)
-        if config.replication == "natural" and config.replicate and placement.enabled:
-            from gemscout.gemini.natural import natural_placement
-
-            self.placement = placement = natural_placement(placement, sources.model)
-        self.paths = store.RankPaths.of(config.directory, node=placement.node_of(rank), rank=rank)
-        self.memory = adoption.open_memory(
+        parts = build_parts(
+            sources,
             config,
-            run_id=run_id,
-            node=placement.node_of(rank),
-            rank=rank,
-            disk_root=self.paths.root,
-        )
-        replicating = self.replicating = config.replicate and placement.enabled
-        self.pool = SlotPool(
-            config.slots,
-            self.memory,
-            files_expected=config.slots * (2 if replicating else 1),
-            replicated=replicating,
-        )
-        self.spares = store.Spares()
-        """Pruned files kept for the next write in their folder to overwrite (io CPU; see store.Spares)."""
-        self.replication = replication_for(
-            config.replication,
             group=group,
-            chunk_bytes=config.chunk_bytes,
-            timeout=config.timeout,
-            identity=self.identity,
-        )
-        self.capturer = Capturer(
-            self.pool,
-            async_copy=config.async_copy,
-            timeout=config.timeout,
-            digest_threads=config.digest_threads or default_digest_threads(),
-        )
-        self.replicas: dict[int, ReplicaBuffers] = {}
-        self.ledger = TrustLedger.load(self.paths.status, fsync=config.fsync)
-        self.ledger.run_id = run_id
-        self._io = IoThread()
-        self.captures = 0
-        self.errors: list[str] = []
-        self.stats: dict[str, float] = {
-            "capture_stall_s": 0.0,
-            "replicate_s": 0.0,
-            "persist_s": 0.0,
-            "replicate_sent_bytes": 0,
-            "replicate_sent_tensors": 0,
-            "natural_divergent_shards": 0,
-            "skipped_captures": 0,
-            "acknowledge_s": 0.0,
-        }
-        """Timings of the last capture; ``replicate_*`` and ``natural_divergent_shards`` add up over the run."""
-        self.pipeline = CapturePipeline(
-            PipelineParts(
-                rank=rank,
-                group=group,
-                placement=placement,
-                replicating=replicating,
-                timeout=config.timeout,
-                fsync=config.fsync,
-                slots=config.slots,
-                keep_generations=config.keep_generations,
-                memory=self.memory,
-                pool=self.pool,
-                replicas=self.replicas,
-                replication=self.replication,
-                ledger=self.ledger,
-                paths=self.paths,
-                spares=self.spares,
-                stats=self.stats,
-                errors=self.errors,
-            )
-        )
-        """The io of each sealed capture, on the io thread (:mod:`gemscout.gemini.capture_pipeline`)."""
-        self.sharded = sources.rank_local or any(is_dtensor(p) for p in sources.model.parameters())
-        """DTensor parameters (FSDP2, HSDP, TP) or rank-local state (DeepSpeed ZeRO partitions): durable promotions
-        are collective, on a group of their own."""
-        durable_group = None
-        if config.durable_directory is not None:
-            # Collective (every rank builds the same Checkpointer). Its own group: a promotion's DCP collectives
-            # never interleave with the replication exchange, and its timeout bounds every wait.
-            durable_group = dist.new_group(backend="gloo", timeout=config.timeout)
-        self.durable = (
-            DurableTier(
-                config.durable_directory,
-                run_id=run_id,
-                fsync=config.fsync,
-                group=durable_group,
-                rank=rank,
-            )
-            if config.durable_directory is not None
-            else None
-        )
-        self.promoter = Promoter(
-            PromotionParts(
-                durable_every=config.durable_every,
-                timeout=config.timeout,
-                durable=self.durable,
-                ledger=self.ledger,
-                own_dir=self.paths.own,
-                group=group,
-                rank=rank,
-                sources=sources,
-                sharded=self.sharded,
-                check_identity=self.identity.check,
-                queue_io=self.queue_io,
-                errors=self.errors,
-            )
-        )
-        self.recovery_parts = RecoveryParts(
             rank=rank,
-            group=group,
-            timeout=config.timeout,
-            chunk_bytes=config.chunk_bytes,
-            min_trust=config.min_trust,
-            max_recovery_attempts=config.max_recovery_attempts,
+            placement=placement,
             run_id=run_id,
             topology_digest=topology_digest,
-            ledger=self.ledger,
-            durable=self.durable,
-            sources=sources,
-            pool=self.pool,
-            replicas=self.replicas,
-            paths=self.paths,
-            drain=self.drain,
-            verify_frame=self.identity.verify_frame,
-            check_identity=self.identity.check,
             on_decision=on_decision,
+            drain=self.drain,  # called by recovery only, once this checkpointer is built
         )
-        """What recovery (:func:`gemscout.gemini.restore.recover`) uses of this checkpointer."""
+        # Held one by one: callers and tests use them as attributes (see CheckpointerParts for each).
+        self.placement, self.identity, self.paths = parts.placement, parts.identity, parts.paths
+        self.memory, self.replicating = parts.memory, parts.replicating
+        self.pool, self.spares, self.replicas = parts.pool, parts.spares, parts.replicas
+        self.replication, self.capturer = parts.replication, parts.capturer
+        self.ledger = parts.ledger
+        self._io, self.stats, self.errors = parts.io, parts.stats, parts.errors
+        self.pipeline, self.sharded, self.durable = parts.pipeline, parts.sharded, parts.durable
+        self.promoter, self.recovery_parts = parts.promoter, parts.recovery
+        self.captures = 0
         self.when_busy = "wait"
         self._vote: FreeSlotVote | None = None
         self.skipped_steps: list[int] = []
         """Steps whose capture was skipped (``when_busy="skip"``) because some rank's io still held every slot."""
         self.set_when_busy(config.when_busy)
+        # Local only, after every collective of the construction (build_parts' and set_when_busy's groups).
         store.clean_stale_temps(self.paths.root)
         if self.memory is not None:
             adoption.adopt(

@@ -7,8 +7,8 @@ that was written, because a promotion reads each rank's own file. A step that is
 already durable (or older than a durable one) is never chosen. When no step qualifies yet, the count is kept and
 the next certification tries again.
 
-The promoter is handed the parts of the checkpointer it uses as a :class:`PromotionParts`, built once by the
-checkpointer; it holds no reference to the checkpointer itself.
+The promoter is handed the parts of the checkpointer it uses as a :class:`PromotionParts`, built once by
+:func:`~gemscout.gemini.parts.build_parts`; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def promotable_step(states: dict[int, TrustState], on_disk: Iterable[int]) -> in
 
 @dataclass(frozen=True, slots=True)
 class PromotionParts:
-    """What a :class:`Promoter` uses of its rank's checkpointer, built once by it after all of these exist.
+    """What a :class:`Promoter` uses of its rank's checkpointer, built once by :func:`~gemscout.gemini.parts.build_parts` after all of
+    these exist.
 
     The objects are the checkpointer's own, shared, not copied: the ledger and the error list are the ones it
     keeps, and promotion updates them in place; the values never change after construction."""

@@ -1,6 +1,6 @@
 """What recovery (:mod:`gemscout.gemini.restore` and :mod:`gemscout.gemini.proposal`) uses of its rank's
-checkpointer, as a :class:`RecoveryParts` built once by the checkpointer; recovery holds no reference to the
-checkpointer itself. Its own module so that both recovery modules import it without importing each other.
+checkpointer, as a :class:`RecoveryParts` built once by :func:`~gemscout.gemini.parts.build_parts`; recovery holds no reference to
+the checkpointer itself. Its own module so that both recovery modules import it without importing each other.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class RecoveryParts:
     """What :func:`gemscout.gemini.restore.recover` and :func:`gemscout.gemini.proposal.propose` use of their
-    rank's checkpointer, built once by it after all of these exist.
+    rank's checkpointer, built once by :func:`~gemscout.gemini.parts.build_parts` after all of these exist.
 
     The objects are the checkpointer's own, shared, not copied: the ledger, the slot pool and the held replicas are
     the ones it keeps (recovery reads them and updates the ledger in place), and the checkpointer never re-assigns

@@ -3,7 +3,7 @@ chosen frame (memory, disk or a peer), verify it, and restore it into the live o
 
 The choice itself is the pure :func:`gemscout.gemini.recovery.decide`; this module is the collective around it. It is
 handed the parts of the checkpointer it uses as a :class:`~gemscout.gemini.recovery_parts.RecoveryParts`, built once
-by the checkpointer; it holds no reference to the checkpointer itself.
+by :func:`~gemscout.gemini.parts.build_parts`; it holds no reference to the checkpointer itself.
 """
 
 from __future__ import annotations
