@@ -17,9 +17,6 @@ step whose AllToAll check came back clean.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -30,15 +27,16 @@ from gemscout import _teardown, metrics
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError
 from gemscout.faultlog import FILE_NAME, FaultLog
+from gemscout.gating import gate
 from gemscout.gemini.checkpointer import Checkpointer
 from gemscout.gemini.recovery import RecoveryDecision, RecoveryMode
 from gemscout.health import HealthMonitor
 from gemscout.reports import FaultKind, FaultReport, Scope
 from gemscout.scout.alltoall import AllToAllCheck, AllToAllConfig
 from gemscout.scout.comm_probe import CommProbe
-from gemscout.scout.consensus import Verdict
 from gemscout.scout.cycle import CycleResult
 from gemscout.scout.engine import Scout
+from gemscout.signals import SignalHandlers
 from gemscout.state.training_state import StateSources
 from gemscout.watch import Watch
 
@@ -91,7 +89,7 @@ class Session:
         self.cycles, self.cycle_s_total, self.last_cycle_s = 0, 0.0, 0.0
         """SCOUT cycles run by this session and their wall seconds on the training thread (see :meth:`metrics`)."""
         self._handles: list[Any] = []
-        self._prev_signals: dict[int, Any] = {}
+        self._signals: SignalHandlers | None = None
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -135,62 +133,35 @@ class Session:
             else None
         )
         self.last_cycle = None
-        if cycle is not None:
-            for report in cycle.reports:
-                self._report(report)
-            if cycle.sdc:
-                self.quarantine |= {name for name, r in cycle.results.items() if r.outputs_disagree}
-                self._on_sdc(cycle)
-                return  # a contaminated step is never captured
-            self.quarantine -= {
-                name for name, r in cycle.results.items() if r.verdict == Verdict.AGREE
-            }
-            if not cycle.clean and not self.capture_on_inconclusive:
-                return
-        if self._a2a_mismatch_step == self.step:
-            self._reject_and_decide(
-                "alltoall",
-                f"AllToAll replay mismatch at step {self.step}: "
-                + "; ".join(
-                    r.reason
-                    for r in self.alltoall.last_results  # type: ignore[union-attr]
-                    if r.verdict == "mismatch"
-                ),
-            )
-            return  # what crossed a faulty AllToAll at this step is never captured
-        if self.quarantine:
-            # The faulty recipe has not passed clean since it disagreed: the fault may still be there, so what this
-            # step holds must not become a candidate that a later clean rotation could certify.
-            return
-        if self.checkpointer is not None and self.step % self.interval == 0:
-            # A step SCOUT compared may be certified later, after its memory slot is reused: it goes to disk too.
-            self.checkpointer.capture(self.step, durable=cycle is not None)
-        rotation = getattr(self.scout, "rotation", None)
-        if cycle is not None and self.checkpointer is not None and rotation is not None:
-            self.checkpointer.retain(rotation.open_steps())
-        if (
-            cycle is not None
-            and cycle.clean
-            and cycle.certified_step is not None
-            and self.checkpointer is not None
-        ):
-            certified = cycle.certified_step
-            if (
-                self.alltoall is not None
-            ):  # nothing is verified past the newest clean AllToAll check
-                certified = min(certified, self._a2a_clean_step)
-            if certified >= 0:
-                self.checkpointer.certify(certified)
-
-    def _on_sdc(self, cycle: CycleResult) -> None:
-        """Reject every uncertified candidate job-wide and name the newest recovery-verified step."""
-        culprits = sorted(cycle.attributed_ranks)
-        reason = f"silent data corruption at step {cycle.step}: " + (
-            f"rank(s) {culprits} disagree with the peer majority"
-            if culprits
-            else "peers disagree and no majority names a culprit"
+        for report in cycle.reports if cycle is not None else ():
+            self._report(report)
+        mismatches = (
+            [r.reason for r in self.alltoall.last_results if r.verdict == "mismatch"]
+            if self.alltoall is not None and self._a2a_mismatch_step == self.step
+            else None
         )
-        self._reject_and_decide("sdc", reason)
+        decided = gate(
+            self.step,
+            cycle,
+            frozenset(self.quarantine),
+            due=self.step % self.interval == 0,
+            capture_on_inconclusive=self.capture_on_inconclusive,
+            alltoall_mismatches=mismatches,
+            alltoall_clean_step=self._a2a_clean_step if self.alltoall is not None else None,
+        )
+        self.quarantine = set(decided.quarantine)
+        if decided.reject is not None:
+            self._reject_and_decide(*decided.reject)
+            return  # a contaminated step is never captured
+        if self.checkpointer is None:
+            return
+        if decided.capture:
+            self.checkpointer.capture(self.step, durable=decided.durable)
+        rotation = getattr(self.scout, "rotation", None)
+        if decided.retain and rotation is not None:
+            self.checkpointer.retain(rotation.open_steps())
+        if decided.certify is not None:
+            self.checkpointer.certify(decided.certify)
 
     def _reject_and_decide(self, kind: str, reason: str) -> None:
         """Collective: reject every uncertified candidate job-wide and deliver a RecoveryDecision of ``kind`` naming
@@ -400,9 +371,8 @@ class Session:
             self.checkpointer.close(
                 timeout, release_memory=release_memory, wait_for_peers=wait_for_peers
             )
-        if threading.current_thread() is threading.main_thread():
-            for sig, prev in self._prev_signals.items():
-                signal.signal(sig, prev)
+        if self._signals is not None:
+            self._signals.restore()
         LIVE.discard(self)
         if not LIVE:
             _teardown.release()  # the last live session: torch's destroy_process_group is its own again
@@ -415,32 +385,12 @@ class Session:
 
     # -- signals --------------------------------------------------------------------------------------------
     def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._prev_signals[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """Flush (pending io waited for up to ``CheckpointConfig.signal_timeout``, and not at all once it is stuck
-        in an exchange with a peer: after a peer's death, which is why torchrun signals a survivor, it can never
-        finish; then the newest sealed capture written), close with what is left of that bound, then chain to the
-        previous handler."""
+        """Handle SIGTERM / SIGINT (:class:`~gemscout.signals.SignalHandlers`): flush without waiting on peers
+        within ``CheckpointConfig.signal_timeout``, close, then chain to the previous handler."""
         budget = (
             self.checkpointer.config.signal_timeout
             if self.checkpointer is not None
             else timedelta(seconds=2)
         )
-        deadline = time.monotonic() + budget.total_seconds()
-        try:
-            step = self.flush(budget, wait_for_peers=False)
-            log.warning("gemscout: signal %d: flushed step %d", signum, step)
-        finally:
-            prev = self._prev_signals.get(signum, signal.SIG_DFL)
-            left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            self.close(left, release_memory=False, wait_for_peers=False)
-            if callable(prev):
-                prev(signum, frame)
-            elif prev == signal.SIG_DFL:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+        self._signals = SignalHandlers(flush=self.flush, close=self.close, budget=budget)
+        self._signals.install()
