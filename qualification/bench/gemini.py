@@ -25,6 +25,8 @@ from typing import Any
 from qualification.bench import _report
 from qualification.errors import QualificationError, UsageError
 from qualification.launch import launch
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.bench import GeminiBenchSpec
 
 WORLD = 2
 VICTIM = WORLD - 1  # the rank whose node is lost in the recovery measurement
@@ -156,48 +158,38 @@ def run_size(args: argparse.Namespace, mib: float, raw: Path, scratch: Path) -> 
     out = raw / label
     if out.exists():
         shutil.rmtree(out)
-    common = [
-        "-m",
-        "qualification.bench.gemini_rank",
-        "--out",
-        str(out),
-        "--state-mib",
-        str(mib),
-        "--steps",
-        str(args.steps),
-        "--batch",
-        str(args.batch),
-        "--reps",
-        str(args.reps),
-        "--chunk-bytes",
-        str(args.chunk_bytes),
-        "--ckpt",
-        str(scratch / label / "gemini"),
-        "--overlap-factor",
-        str(args.overlap_factor),
-        "--persist-every",
-        str(args.persist_every),
-        *(["--no-fsync"] if args.no_fsync else []),
-    ]
+    common: dict[str, Any] = {
+        "out": out,
+        "state_mib": mib,
+        "steps": args.steps,
+        "batch": args.batch,
+        "reps": args.reps,
+        "chunk_bytes": args.chunk_bytes,
+        "ckpt": scratch / label / "gemini",
+        "overlap_factor": args.overlap_factor,
+        "persist_every": args.persist_every,
+        "no_fsync": args.no_fsync,
+    }
     # Generous: a 256 MiB size takes ~2-3 minutes on 2 idle cores; a rank that hangs still ends the run.
     timeout_s = 240 + 1.5 * mib * max(1.0, args.steps / 8)
-    on_argv = [
-        *common,
-        "--role",
-        "on",
-        "--dcp",
-        str(scratch / label / "dcp"),
-        "--quiet-captures",
-        str(args.quiet_captures),
-        "--timeout-s",
-        str(timeout_s),
-    ]
     micro, on = 2, []
     # On first: the baseline trains the same steps, with the overlap loop's micro-batches the on run calibrated.
     for role in ("on", "off"):
-        argv = (
-            on_argv if role == "on" else [*common, "--role", "off", "--overlap-micro", str(micro)]
-        )
+        if role == "on":
+            spec = GeminiBenchSpec(
+                **common,
+                role="on",
+                dcp=scratch / label / "dcp",
+                quiet_captures=args.quiet_captures,
+                timeout_s=timeout_s,
+            )
+        else:
+            spec = GeminiBenchSpec(**common, role="off", overlap_micro=micro)
+        argv = [
+            "-m",
+            "qualification.bench.gemini_rank",
+            *spec_argv(spec, out / f"spec-{role}.json"),
+        ]
         result = launch(
             argv,
             world_size=WORLD,

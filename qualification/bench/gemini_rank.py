@@ -30,14 +30,12 @@ of our own (see :class:`~qualification.bench._training.HookClock`). Writes ``<ou
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import shutil
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,46 +43,12 @@ import torch.distributed as dist
 
 from qualification.bench._model import shape_for
 from qualification.bench._training import HookClock, Trainer, peak_rss_bytes, run_loop, state_digest
+from qualification.programs.specs import parse
+from qualification.programs.specs.bench import GeminiBenchSpec
 
 if TYPE_CHECKING:
     # Imported where used: _references imports gemscout, whose memory the off role's baseline must not hold.
     from qualification.bench import _references
-
-
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=("off", "on"), required=True)
-    ap.add_argument("--out", type=Path, required=True, help="folder for <role>.rank<r>.json")
-    ap.add_argument("--state-mib", type=float, required=True)
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per loop")
-    ap.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
-    ap.add_argument("--overlap-factor", type=float, default=2.5)
-    ap.add_argument(
-        "--overlap-micro", type=int, default=2, help="role off: the on run's overlap micro-batches"
-    )
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each DCP operation")
-    ap.add_argument(
-        "--quiet-captures", type=int, default=5, help="rounds of the side-by-side window"
-    )
-    ap.add_argument(
-        "--ckpt",
-        type=Path,
-        required=True,
-        help="GEMINI checkpoint folder; references write beside it",
-    )
-    ap.add_argument(
-        "--dcp", type=Path, default=None, help="DCP checkpoint folder shared by the ranks (role on)"
-    )
-    ap.add_argument("--chunk-bytes", type=int, default=16 * 1024 * 1024)
-    ap.add_argument("--no-fsync", action="store_true")
-    ap.add_argument(
-        "--persist-every",
-        type=int,
-        default=5,
-        help="write every N-th capture to disk (fsync); every capture lives in the memory tier",
-    )
-    ap.add_argument("--timeout-s", type=float, default=300.0)
-    return ap.parse_args()
 
 
 class IoRecorder:
@@ -114,7 +78,7 @@ class IoRecorder:
 
 
 def calibrate(
-    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup
+    args: GeminiBenchSpec, trainer: Trainer, group: dist.ProcessGroup
 ) -> tuple[dict[str, float], int]:
     """Estimate one capture's pipeline (copy, digest, persist, exchange, verify, persist the replica) from the
     references, and size the overlap loop to outlast it ``--overlap-factor`` times: the factor covers the CPU that
@@ -139,7 +103,7 @@ def calibrate(
 
 
 def references(
-    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup, recv_nbytes: int = 0
+    args: GeminiBenchSpec, trainer: Trainer, group: dist.ProcessGroup, recv_nbytes: int = 0
 ) -> _references.References:
     from qualification.bench import _references
 
@@ -156,7 +120,7 @@ def references(
 
 
 def loops_without_gemini(
-    args: argparse.Namespace, trainer: Trainer, micro: int, overlap_steps: int
+    args: GeminiBenchSpec, trainer: Trainer, micro: int, overlap_steps: int
 ) -> dict[str, Any]:
     return {
         "tight_off": run_loop(trainer, 1, args.steps),
@@ -165,7 +129,7 @@ def loops_without_gemini(
 
 
 def gemini_phases(
-    args: argparse.Namespace, trainer: Trainer, group: dist.ProcessGroup
+    args: GeminiBenchSpec, trainer: Trainer, group: dist.ProcessGroup
 ) -> dict[str, Any]:
     import gemscout
     from gemscout.gemini.store import list_steps, read_header, read_verified, step_file
@@ -237,7 +201,7 @@ def gemini_phases(
 
 
 def side_by_side(
-    args: argparse.Namespace,
+    args: GeminiBenchSpec,
     trainer: Trainer,
     group: dist.ProcessGroup,
     session: Any,
@@ -357,7 +321,7 @@ def restart_from_memory(
 
 
 def recover_from_peer(
-    args: argparse.Namespace,
+    args: GeminiBenchSpec,
     trainer: Trainer,
     session: Any,
     group: dist.ProcessGroup,
@@ -452,7 +416,7 @@ def recover_from_peer(
 
 
 def main() -> None:
-    args = parse()
+    args = parse(GeminiBenchSpec)
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     timeout = timedelta(seconds=args.timeout_s)

@@ -46,6 +46,8 @@ from typing import Any
 from qualification.bench import goodput_torchft
 from qualification.errors import QualificationError, UsageError
 from qualification.launch import free_port
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.bench import GoodputSpec
 
 WORLD = 2
 TARGET_WASTED_RATIO = 0.2
@@ -80,6 +82,16 @@ def torchrun(
     """One arm's job; its wall time and rank 0's event log."""
     work.mkdir(parents=True, exist_ok=True)
     log = work / "events.jsonl"
+    spec = GoodputSpec(
+        arm=arm,
+        work=work,
+        events=log,
+        steps=args.steps,
+        fail_steps=",".join(map(str, fails)),
+        dcp_every=dcp_every,
+        state_mib=args.state_mib,
+        batch=args.batch,
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -91,22 +103,7 @@ def torchrun(
         f"--max-restarts={len(fails)}",
         "-m",
         "qualification.bench.goodput_rank",
-        "--arm",
-        arm,
-        "--work",
-        str(work),
-        "--events",
-        str(log),
-        "--steps",
-        str(args.steps),
-        "--fail-steps",
-        ",".join(map(str, fails)),
-        "--dcp-every",
-        str(dcp_every),
-        "--state-mib",
-        str(args.state_mib),
-        "--batch",
-        str(args.batch),
+        *spec_argv(spec, work / f"spec-{arm}.json"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()

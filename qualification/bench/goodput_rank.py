@@ -20,7 +20,6 @@ process began and in the arm's own setup), ``step`` (step, wall time),
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -34,9 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gemscout
 from qualification.bench import _model
+from qualification.programs.specs import parse
+from qualification.programs.specs.bench import GOODPUT_ARMS, GoodputSpec
 from qualification.programs.train_rank import state_digest
 
-ARMS = ("none", "gemscout", "gemscout-skip", "dcp", "calibrate")
+ARMS = GOODPUT_ARMS
 
 
 class Log:
@@ -75,20 +76,7 @@ def process_age_s() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arm", choices=ARMS, required=True)
-    ap.add_argument(
-        "--work", type=Path, required=True, help="this arm's folder: checkpoints, markers"
-    )
-    ap.add_argument("--events", type=Path, required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument(
-        "--fail-steps", default="", help="comma-separated steps during which a rank is killed"
-    )
-    ap.add_argument("--dcp-every", type=int, default=1)
-    ap.add_argument("--state-mib", type=float, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    args = ap.parse_args()
+    args = parse(GoodputSpec)
     torch.set_num_threads(1)
     gemscout.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -24,6 +24,8 @@ from typing import Any
 
 from qualification.errors import QualificationError
 from qualification.launch import free_port
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.bench import GoodputTorchftSpec
 
 REPLICAS = 2
 
@@ -67,6 +69,14 @@ def run_arm(args: argparse.Namespace, work: Path, *, fails: list[int]) -> dict[s
     t0 = time.monotonic()
     try:
         for g in range(REPLICAS):
+            spec = GoodputTorchftSpec(
+                work=work,
+                events=work / f"events-{g}.jsonl",
+                steps=args.steps,
+                fail_steps=",".join(map(str, fails)),
+                state_mib=args.state_mib,
+                batch=args.batch,
+            )
             cmd = [
                 sys.executable,
                 "-m",
@@ -78,18 +88,7 @@ def run_arm(args: argparse.Namespace, work: Path, *, fails: list[int]) -> dict[s
                 f"--max-restarts={len(fails)}",
                 "-m",
                 "qualification.bench.goodput_torchft_rank",
-                "--work",
-                str(work),
-                "--events",
-                str(work / f"events-{g}.jsonl"),
-                "--steps",
-                str(args.steps),
-                "--fail-steps",
-                ",".join(map(str, fails)),
-                "--state-mib",
-                str(args.state_mib),
-                "--batch",
-                str(args.batch),
+                *spec_argv(spec, work / f"spec-replica{g}.json"),
             ]
             env = {
                 **os.environ,

@@ -20,7 +20,6 @@ it resumed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -32,6 +31,8 @@ import torch
 
 from qualification.bench import _model
 from qualification.bench.goodput_rank import fire
+from qualification.programs.specs import parse
+from qualification.programs.specs.bench import GoodputTorchftSpec
 from qualification.programs.train_rank import state_digest
 
 REPLICAS = 2
@@ -63,15 +64,7 @@ def main() -> None:
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--events", type=Path, required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--fail-steps", default="")
-    ap.add_argument("--state-mib", type=float, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--timeout-s", type=float, default=30, help="torchft's collective timeout")
-    args = ap.parse_args()
+    args = parse(GoodputTorchftSpec)
     torch.set_num_threads(1)
     gid = int(os.environ["REPLICA_GROUP_ID"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -17,14 +17,33 @@ import torch.distributed as dist
 from qualification.programs._kills import sigkill_self
 
 
+def write_result(out: Path, rank: int, result: dict[str, Any], name: str | None = None) -> Path:
+    """Write ``out/<name or rank<r>>.json`` after checking it against ``rank-result.schema.json``: the keys that
+    schema names (rank, losses, state_digest, decision, ...) mean the same in every program. A result that does not
+    match is the harness's own bug: it raises ``ValueError`` naming the key, and nothing is written."""
+    from jsonschema import Draft202012Validator
+
+    from qualification.campaign import load_schema
+
+    errors = list(Draft202012Validator(load_schema("rank-result.schema.json")).iter_errors(result))
+    if errors:
+        where = ".".join(str(p) for p in errors[0].absolute_path) or "top level"
+        raise ValueError(
+            f"rank {rank}'s result breaks rank-result.schema.json at {where}: {errors[0].message}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name or f'rank{rank}'}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
+
+
 def finish(out: Path, rank: int, result: dict[str, Any]) -> None:
-    """Write ``out/rank<r>.json``, wait for every rank, and exit the process.
+    """Write ``out/rank<r>.json`` (:func:`write_result`), wait for every rank, and exit the process.
 
     Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
     destructor holds it): every rank has written its result and passed the barrier, so leave without it.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    write_result(out, rank, result)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
@@ -66,17 +85,3 @@ def trust_states(session: Any) -> dict[str, str]:
         return {}
     session.checkpointer.drain()
     return {str(s): st.value for s, st in sorted(session.checkpointer.ledger.states.items())}
-
-
-def megatron_run_arguments(ap: Any) -> None:
-    """The run arguments the Megatron rank programs share with the lifecycle driver (an ``argparse`` parser)."""
-    ap.add_argument(
-        "--workload",
-        default="gpt-megatron",
-        help="accepted for the lifecycle driver; always GPTModel",
-    )
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--persist-every", type=int, default=1)
-    ap.add_argument("--ranks-per-node", type=int, default=1)

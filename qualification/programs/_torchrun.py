@@ -18,6 +18,8 @@ from typing import Any
 import psutil
 
 from qualification.programs import _kills
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.torchrun import TorchrunSpec
 
 RANK_PROGRAM = "qualification.programs.torchrun_rank"
 
@@ -93,26 +95,23 @@ def env(share_store: bool = True) -> dict[str, str]:
     return env
 
 
-def torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str]) -> list[str]:
+def torchrun(
+    launch: list[str], out: Path, cell: dict[str, Any], label: str, **fields: Any
+) -> list[str]:
+    """torchrun's command line: the launch flags, the rank program and the spec file every attempt of every rank
+    reads (``out/spec-<label>.json``, kept with the run). ``fields``: further :class:`TorchrunSpec` fields."""
     p = cell.get("params", {})
-    rank_args = [
-        "--out",
-        str(out),
-        "--workload",
-        cell["workload"],
-        "--steps",
-        str(p.get("steps", 8)),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--timeout-s",
-        str(p.get("rank_timeout_s", 60)),
-    ]
-    if p.get("find_unused_parameters", False):
-        rank_args.append("--find-unused-parameters")
-    if p.get("step_sleep"):
-        rank_args += ["--step-sleep", str(p["step_sleep"])]
-    if p.get("baseline", "process") == "inline":
-        rank_args.append("--inline-baseline")
+    spec = TorchrunSpec(
+        out=out,
+        workload=cell["workload"],
+        steps=int(p.get("steps", 8)),
+        seed=int(cell.get("seed", 0)),
+        timeout_s=float(p.get("rank_timeout_s", 60)),
+        find_unused_parameters=bool(p.get("find_unused_parameters", False)),
+        step_sleep=float(p["step_sleep"]) if p.get("step_sleep") else 0.0,
+        inline_baseline=p.get("baseline", "process") == "inline",
+        **fields,
+    )
     return [
         sys.executable,
         "-m",
@@ -120,8 +119,7 @@ def torchrun(launch: list[str], out: Path, cell: dict[str, Any], extra: list[str
         *launch,
         "-m",
         RANK_PROGRAM,
-        *rank_args,
-        *extra,
+        *spec_argv(spec, out / f"spec-{label}.json"),
     ]
 
 

@@ -32,7 +32,6 @@ DeepSpeed runs with ``DS_ACCELERATOR=cpu``; the C++ ``shm_comm`` op that ``deeps
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import os
@@ -51,9 +50,10 @@ from qualification.programs import ds_zero3
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.deepspeed import STAGES, DeepSpeedSpec
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
-STAGES = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed-zero3": 3}
 MICRO_BATCH = 4  # synthetic_batch's default batch
 
 
@@ -199,99 +199,8 @@ def module_digest(engine: Any) -> str:
     return h.hexdigest()
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workload", default="three-block")
-    ap.add_argument("--topology", default="deepspeed-zero1", choices=sorted(STAGES))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument(
-        "--bf16", action="store_true", help="bf16 module weights, fp32 master partition"
-    )
-    ap.add_argument(
-        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
-    )
-    ap.add_argument("--run-id", default="qualify")
-    ap.add_argument("--ranks-per-node", type=int, default=1)
-    ap.add_argument("--persist-every", type=int, default=1)
-    ap.add_argument("--keep-generations", type=int, default=2)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--kill-phase", default="after-step")
-    ap.add_argument("--kill-seed", type=int, default=0)
-    ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument(
-        "--scout", action="store_true", help="SCOUT forward recipes on the engine's module"
-    )
-    ap.add_argument("--fault-rank", type=int, default=-1)
-    ap.add_argument("--fault-step", type=int, default=-1)
-    ap.add_argument("--heal-step", type=int, default=1 << 30)
-    ap.add_argument("--fault-block", type=int, default=1)
-    ap.add_argument(
-        "--scout-recipes",
-        default="embedding,hidden,output",
-        help="SCOUT recipe kinds (comma-separated); 'optimizer' replays the ZeRO partition owner's update",
-    )
-    ap.add_argument("--optimizer-slice-numel", type=int, default=1 << 16)
-    ap.add_argument(
-        "--optimizer-slices-per-cycle", type=int, default=1, help="0: every slice of the owner"
-    )
-    ap.add_argument(
-        "--replay-fault-rank",
-        type=int,
-        default=-1,
-        help="corrupt this rank's optimizer-slice replay",
-    )
-    ap.add_argument(
-        "--replay-fault-steps", default="", help="comma-separated steps of the replay fault"
-    )
-    ap.add_argument(
-        "--update-fault-rank",
-        type=int,
-        default=-1,
-        help="flip a bit of this rank's fp32 master partition right after its real update",
-    )
-    ap.add_argument("--update-fault-step", type=int, default=-1)
-    ap.add_argument("--param-groups", type=int, default=1, choices=(1, 2))
-    ap.add_argument(
-        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
-    )
-    ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument(
-        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
-    )
-    ap.add_argument(
-        "--straggler-margin-s",
-        type=float,
-        default=0.0,
-        help="> 0: compute-straggler detection with this absolute margin (0: off)",
-    )
-    ap.add_argument(
-        "--replay-delay-rank", type=int, default=-1, help="sleep inside this rank's slice replays"
-    )
-    ap.add_argument("--replay-delay-s", type=float, default=0.25)
-    ap.add_argument(
-        "--full-state",
-        action="store_true",
-        help="record the gathered full fp32 state's digests at resume and at the end",
-    )
-    ap.add_argument(
-        "--dump-full", type=Path, default=None, help="write the full state here at the end"
-    )
-    ap.add_argument(
-        "--load-full",
-        type=Path,
-        default=None,
-        help="start from a --dump-full file with DeepSpeed's own setters (no gemscout)",
-    )
-    return ap.parse_args()
-
-
 def main() -> None:
-    args = parse()
+    args = parse(DeepSpeedSpec)
     torch.set_num_threads(1)
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60), verbose=False)

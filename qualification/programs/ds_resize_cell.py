@@ -28,14 +28,19 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed, measured
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.deepspeed import DeepSpeedSpec
 
 
 def _launch(
-    argv: list[str], world: int, celldir: Path, name: str, timeout_s: float
+    fields: dict[str, Any], world: int, celldir: Path, name: str, timeout_s: float
 ) -> list[dict[str, Any]] | None:
+    """Run ds_rank on ``world`` ranks with the :class:`DeepSpeedSpec` ``fields`` and ``full_state``, its spec in
+    ``<name>/spec-<name>.json``."""
     out = celldir / name
+    spec = DeepSpeedSpec(out=out, full_state=True, **fields)
     res = launch(
-        ["-m", "qualification.programs.ds_rank", "--out", str(out), "--full-state", *argv],
+        ["-m", "qualification.programs.ds_rank", *spec_argv(spec, out / f"spec-{name}.json")],
         world_size=world,
         timeout_s=timeout_s,
         log_dir=celldir / "logs" / name,
@@ -55,21 +60,17 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     params = cell.get("params", {})
     steps, more = int(params.get("steps", 4)), int(params.get("more_steps", 2))
     every, old_world = int(params.get("durable_every", 2)), int(fault["from_world"])
-    common = [
-        "--topology",
-        str(cell["topology"]),
-        "--workload",
-        str(cell["workload"]),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--param-groups",
-        str(params.get("param_groups", 1)),
-    ]
-    common += ["--bf16"] if params.get("bf16") else []
+    common: dict[str, Any] = {
+        "topology": str(cell["topology"]),
+        "workload": str(cell["workload"]),
+        "seed": int(cell.get("seed", 0)),
+        "param_groups": int(params.get("param_groups", 1)),
+        "bf16": bool(params.get("bf16")),
+    }
     durable, dump = celldir / "durable", celldir / f"full-step{steps}.pt"
 
-    def tiers(name: str) -> list[str]:
-        return ["--ckpt", str(celldir / f"local-{name}"), "--durable", str(durable)]
+    def tiers(name: str) -> dict[str, Any]:
+        return {"ckpt": celldir / f"local-{name}", "durable": durable}
 
     timeline: list[dict[str, Any]] = [
         {"t": 0.0, "event": "start", "detail": f"{old_world} -> {world} ranks"}
@@ -77,16 +78,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     limit = float(cell.get("timeout_s", 300))
     first = _launch(
         common
-        + tiers("first")
-        + [
-            "--steps",
-            str(steps),
-            "--durable-every",
-            str(every),
-            "--certify",
-            "--dump-full",
-            str(dump),
-        ],
+        | tiers("first")
+        | {"steps": steps, "durable_every": every, "certify": True, "dump_full": dump},
         old_world,
         celldir,
         "first",
@@ -105,14 +98,14 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             }
         )
         resumed = _launch(
-            common + tiers("resumed") + ["--steps", str(steps + more)],
+            common | tiers("resumed") | {"steps": steps + more},
             world,
             celldir,
             "resumed",
             limit,
         )
         reference = _launch(
-            common + ["--steps", str(steps + more), "--load-full", str(dump)],
+            common | {"steps": steps + more, "load_full": dump},
             world,
             celldir,
             "reference",

@@ -29,14 +29,19 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed, measured
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.deepspeed import DeepSpeedSpec
 
 
 def _launch(
-    argv: list[str], world: int, celldir: Path, name: str, timeout_s: float
+    fields: dict[str, Any], world: int, celldir: Path, name: str, timeout_s: float
 ) -> list[dict[str, Any]] | None:
+    """Run ds_rank on ``world`` ranks with the :class:`DeepSpeedSpec` ``fields``, its spec in
+    ``<name>/spec-<name>.json``."""
     out = celldir / name
+    spec = DeepSpeedSpec(out=out, **fields)
     res = launch(
-        ["-m", "qualification.programs.ds_rank", "--out", str(out), *argv],
+        ["-m", "qualification.programs.ds_rank", *spec_argv(spec, out / f"spec-{name}.json")],
         world_size=world,
         timeout_s=timeout_s,
         log_dir=celldir / "logs" / name,
@@ -51,54 +56,39 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     world, fault = int(cell["world_size"]), cell.get("fault", {"kind": "none"})
     params = cell.get("params", {})
     steps = int(params.get("steps", 13))
-    common = [
-        "--topology",
-        str(cell["topology"]),
-        "--workload",
-        str(cell["workload"]),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--steps",
-        str(steps),
-    ]
-    scout = [
-        "--ckpt",
-        str(celldir / "ckpt"),
-        "--keep-generations",
-        str(steps + 2),
-        "--scout",
-        "--scout-recipes",
-        str(params.get("recipes", "hidden,optimizer")),
-        "--optimizer-slice-numel",
-        str(params.get("slice_numel", 20000)),
-        "--optimizer-slices-per-cycle",
-        "0",
-    ]
+    common: dict[str, Any] = {
+        "topology": str(cell["topology"]),
+        "workload": str(cell["workload"]),
+        "seed": int(cell.get("seed", 0)),
+        "steps": steps,
+    }
+    scout: dict[str, Any] = {
+        "ckpt": celldir / "ckpt",
+        "keep_generations": steps + 2,
+        "scout": True,
+        "scout_recipes": str(params.get("recipes", "hidden,optimizer")),
+        "optimizer_slice_numel": int(params.get("slice_numel", 20000)),
+        "optimizer_slices_per_cycle": 0,
+    }
     kind = fault["kind"]
     faulted: list[int] = []
     if kind == "replay":
         faulted = [int(s) for s in fault["steps"]]
-        scout += [
-            "--replay-fault-rank",
-            str(fault["rank"]),
-            "--replay-fault-steps",
-            ",".join(map(str, faulted)),
-        ]
+        scout |= {
+            "replay_fault_rank": int(fault["rank"]),
+            "replay_fault_steps": ",".join(map(str, faulted)),
+        }
     elif kind == "update":
         faulted = [int(fault["step"])]
-        scout += ["--update-fault-rank", str(fault["rank"]), "--update-fault-step", str(faulted[0])]
+        scout |= {"update_fault_rank": int(fault["rank"]), "update_fault_step": faulted[0]}
     elif kind == "module":  # training itself is faulty: the baseline runs the same fault
         faulted = [int(fault["step"])]
-        common += [
-            "--fault-rank",
-            str(fault["rank"]),
-            "--fault-step",
-            str(faulted[0]),
-            "--heal-step",
-            str(fault["heal"]),
-            "--fault-block",
-            str(fault.get("block", 1)),
-        ]
+        common |= {
+            "fault_rank": int(fault["rank"]),
+            "fault_step": faulted[0],
+            "heal_step": int(fault["heal"]),
+            "fault_block": int(fault.get("block", 1)),
+        }
     elif kind != "none":
         raise ValueError(
             f"ds_scout_cell: unknown fault kind {kind!r}; use none, replay, update or module"
@@ -108,7 +98,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ]
     limit = float(cell.get("timeout_s", 240))
     baseline = _launch(common, world, celldir, "baseline", limit)
-    ranks = _launch(common + scout, world, celldir, "run", limit) if baseline is not None else None
+    ranks = _launch(common | scout, world, celldir, "run", limit) if baseline is not None else None
     if baseline is None or ranks is None:
         return failed(cell, "ranks failed (see logs/)", timeline)
     sdc = [rep for rep in ranks[0]["reports"] if rep["kind"] == "sdc"]

@@ -10,9 +10,7 @@ losses of the last pass over every step, the recovery decision and the engine's 
 
 from __future__ import annotations
 
-import argparse
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,17 +19,13 @@ import torch.distributed as dist
 from qualification.programs import ds_zero3
 from qualification.programs._rank import finish, run
 from qualification.programs.ds_rank import ds_config, import_deepspeed
+from qualification.programs.specs import parse
+from qualification.programs.specs.deepspeed import ZeRO3RollbackSpec
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--ckpt", type=Path, default=None)
-    ap.add_argument("--certify-until", type=int, default=3)
-    ap.add_argument("--rollback-after", type=int, default=5)
-    args = ap.parse_args()
+    args = parse(ZeRO3RollbackSpec)
     torch.set_num_threads(1)
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60), verbose=False)
@@ -56,6 +50,7 @@ def main() -> None:
             directory=args.ckpt,
             run_id="rollback",
             keep_generations=args.steps + 2,
+            persist_every=1,  # every capture on disk: the certified step 3 outlives the two memory slots
             timeout=timedelta(seconds=60),
             fsync=False,
         )

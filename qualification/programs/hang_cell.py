@@ -21,10 +21,29 @@ from typing import Any
 from gemscout.watch import generate_secret
 from qualification.launch import free_port
 from qualification.programs._contract import cell_main, measured
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.watch import WatchSpec
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rank_argv(cell: dict[str, Any], out: Path) -> list[str]:
+    """Every rank's arguments: watch_rank and the spec file it reads (``out/spec-run.json``)."""
+    f = cell.get("fault", {})
+    spec = WatchSpec(
+        out=out,
+        steps=int(cell.get("params", {}).get("steps", 12)),
+        threshold_s=float(f.get("threshold_s", 2.0)),
+        data_delay_rank=int(f.get("data_rank", -1)),
+        data_delay_s=float(f.get("data_delay_s", 0.15)),
+        io_delay_rank=int(f.get("io_rank", -1)),
+        io_delay_s=float(f.get("io_delay_s", 0.5)),
+        hang_rank=int(f.get("hang_rank", -1)),
+        hang_step=int(f.get("hang_step", -1)),
+    )
+    return ["-m", "qualification.programs.watch_rank", *spec_argv(spec, out / "spec-run.json")]
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -33,28 +52,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     out = celldir / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     port, secret = free_port(), generate_secret()
-    argv = [
-        "-m",
-        "qualification.programs.watch_rank",
-        "--out",
-        str(out),
-        "--steps",
-        str(cell.get("params", {}).get("steps", 12)),
-        "--threshold-s",
-        str(f.get("threshold_s", 2.0)),
-        "--data-delay-rank",
-        str(f.get("data_rank", -1)),
-        "--data-delay-s",
-        str(f.get("data_delay_s", 0.15)),
-        "--io-delay-rank",
-        str(f.get("io_rank", -1)),
-        "--io-delay-s",
-        str(f.get("io_delay_s", 0.5)),
-        "--hang-rank",
-        str(f.get("hang_rank", -1)),
-        "--hang-step",
-        str(f.get("hang_step", -1)),
-    ]
+    argv = _rank_argv(cell, out)
     procs = []
     for r in range(world):
         env = {

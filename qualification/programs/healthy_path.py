@@ -36,6 +36,8 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.perf import PerfSpec
 
 DEFAULT_THRESHOLDS = {
     "gemini": {"throughput_pct": -5.0, "p95_pct": 10.0},
@@ -66,6 +68,38 @@ def _split(
     return out
 
 
+def _rank_argv(
+    cell: dict[str, Any],
+    celldir: Path,
+    out: Path,
+    name: str,
+    r: int,
+    run_modes: list[str],
+    interleave: int,
+) -> list[str]:
+    """One launch's arguments: perf_rank and the spec file every rank reads (``out/spec-<name>.json``); ``name`` is
+    the mode, or ``interleaved`` for ``run_modes`` in segments, and ``r`` the round."""
+    p = cell.get("params", {})
+    which: dict[str, Any] = (
+        {"mode": name, "steps": int(p.get("steps", 40))}
+        if not interleave
+        else {"segments": ",".join(run_modes), "segment_steps": int(p.get("segment_steps", 20))}
+    )
+    spec = PerfSpec(
+        out=out,
+        **which,
+        workload=cell["workload"],
+        seed=int(cell.get("seed", 0)),
+        warmup=int(p.get("warmup", 5)),
+        interval=int(p.get("interval", 1)),
+        ckpt=celldir / "ckpt" / f"{name}-{r}",
+        device=str(p.get("device", "cpu")),
+        rotate_kinds=bool(p.get("rotate_kinds")),
+        scout_interval=int(p["scout_interval"]) if p.get("scout_interval") else None,
+    )
+    return ["-m", "qualification.programs.perf_rank", *spec_argv(spec, out / f"spec-{name}.json")]
+
+
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     p = cell.get("params", {})
@@ -89,44 +123,12 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     # ``params.interleave``: each round is one launch in which the modes alternate in segments (ABBA order) instead
     # of one launch per mode.
     interleave = int(p.get("interleave", 0))
-    segment_steps = int(p.get("segment_steps", 20))
     launches = [[m] for m in modes] if not interleave else [[*modes, *reversed(modes)] * interleave]
     for r in range(rounds):
         for li, run_modes in enumerate(launches):
             name = run_modes[0] if not interleave else "interleaved"
             out = celldir / "modes" / f"{name}-{r}"
-            which = (
-                ["--mode", name, "--steps", str(p.get("steps", 40))]
-                if not interleave
-                else ["--segments", ",".join(run_modes), "--segment-steps", str(segment_steps)]
-            )
-            argv = (
-                [
-                    "-m",
-                    "qualification.programs.perf_rank",
-                    "--out",
-                    str(out),
-                    *which,
-                    "--workload",
-                    cell["workload"],
-                    "--seed",
-                    str(cell.get("seed", 0)),
-                    "--warmup",
-                    str(p.get("warmup", 5)),
-                    "--interval",
-                    str(p.get("interval", 1)),
-                    "--ckpt",
-                    str(celldir / "ckpt" / f"{name}-{r}"),
-                    "--device",
-                    str(p.get("device", "cpu")),
-                ]
-                + (["--rotate-kinds"] if p.get("rotate_kinds") else [])
-                + (
-                    ["--scout-interval", str(p["scout_interval"])]
-                    if p.get("scout_interval")
-                    else []
-                )
-            )
+            argv = _rank_argv(cell, celldir, out, name, r, run_modes, interleave)
             res = launch(
                 argv,
                 world_size=world,

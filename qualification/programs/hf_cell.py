@@ -24,6 +24,8 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed, measured
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.hf import HfSpec
 
 
 def _rejected(case: dict[str, Any], detected: int | None) -> tuple[bool, bool]:
@@ -58,25 +60,18 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     timeline: list[dict[str, Any]] = [
         {"t": 0.0, "event": "start", "detail": f"{cell['workload']} under {how}, {world} ranks"}
     ]
+    spec = HfSpec(
+        out=out,
+        family=(str(cell["workload"]),) if how == "ddp" else (),
+        fsdp2=(str(cell["workload"]),) if how == "fsdp2" else (),
+        steps=steps,
+        interval=interval,
+        fault_rank=rank,
+        fault_step=step,
+        fault_block=block,
+    )
     res = launch(
-        [
-            "-m",
-            "qualification.programs.hf_rank",
-            "--out",
-            str(out),
-            "--family" if how == "ddp" else f"--{how}",
-            str(cell["workload"]),
-            "--steps",
-            str(steps),
-            "--interval",
-            str(interval),
-            "--fault-rank",
-            str(rank),
-            "--fault-step",
-            str(step),
-            "--fault-block",
-            str(block),
-        ],
+        ["-m", "qualification.programs.hf_rank", *spec_argv(spec, out / "spec-run.json")],
         world_size=world,
         timeout_s=float(cell.get("timeout_s", 240)),
         log_dir=celldir / "logs",

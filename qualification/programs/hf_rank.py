@@ -22,11 +22,9 @@ catalog}}}``, the key being the family, or ``<family>+fsdp2``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +35,9 @@ from torch.nn.parallel import DistributedDataParallel
 import gemscout
 from gemscout.scout.recipes import unwrap
 from qualification.faults import Injector, ReplayFault
+from qualification.programs.specs import parse
+from qualification.programs.specs.hf import CASES, FAMILIES, HfSpec
 
-FAMILIES = ("llama", "gpt2", "qwen2")
-CASES = ("healthy", "persistent", "replay")
 EXTRA_CASES = ("unreplayable",)
 VOCAB, SEQ, BATCH = 96, 16, 2
 
@@ -118,9 +116,7 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
     return model
 
 
-def run_case(
-    family: str, case: str, args: argparse.Namespace, rank: int, how: str = "ddp"
-) -> dict[str, Any]:
+def run_case(family: str, case: str, args: HfSpec, rank: int, how: str = "ddp") -> dict[str, Any]:
     model = build_model(family)
     ddp = wrap(model, how)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -220,31 +216,13 @@ def run_case(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--family", action="append", choices=FAMILIES, help="repeat; default: all")
-    ap.add_argument("--case", action="append", choices=CASES, help="repeat; default: all")
-    ap.add_argument(
-        "--unreplayable", choices=FAMILIES, help="also run the unreplayable case for this family"
-    )
-    ap.add_argument(
-        "--fsdp2",
-        action="append",
-        choices=FAMILIES,
-        default=[],
-        help="repeat: also run the cases under FSDP2",
-    )
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--interval", type=int, default=2, help="ScoutConfig.interval")
-    ap.add_argument("--fault-rank", type=int, default=2)
-    ap.add_argument("--fault-step", type=int, default=3)
-    ap.add_argument("--fault-block", type=int, default=1)
-    args = ap.parse_args()
+    args = parse(HfSpec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    families = args.family if args.family is not None else ([] if args.fsdp2 else list(FAMILIES))
+    # No --family: every family, or none when --fsdp2 names the ones to run.
+    families = list(args.family) if args.family else ([] if args.fsdp2 else list(FAMILIES))
     runs = [(family, case, "ddp") for family in families for case in args.case or CASES]
     if args.unreplayable:
         runs.append((args.unreplayable, "unreplayable", "ddp"))

@@ -49,6 +49,8 @@ from qualification.corruption import (
 )
 from qualification.launch import LaunchResult, launch
 from qualification.programs._contract import cell_main
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.train import TrainSpec
 
 
 class _Timeline:
@@ -63,37 +65,23 @@ class _Timeline:
 
 
 def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, steps: int) -> list[str]:
+    """train_rank and the spec it reads (``out/spec.json``: each launch here has its own ``out``)."""
     p = cell.get("params", {})
-    argv = [
-        "-m",
-        "qualification.programs.train_rank",
-        "--out",
-        str(out),
-        "--workload",
-        cell["workload"],
-        "--steps",
-        str(steps),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--interval",
-        str(p.get("interval", 1)),
-        "--ranks-per-node",
-        str(p.get("ranks_per_node", 1)),
-    ]
-    if ckpt is None:
-        return argv
-    argv += ["--ckpt", str(ckpt)]
-    if (
-        int(p.get("durable_every", 0)) > 0
-    ):  # promotions need verified steps: every capture is certified
-        argv += [
-            "--durable",
-            str(_durable_dir(ckpt)),
-            "--durable-every",
-            str(p["durable_every"]),
-            "--certify",
-        ]
-    return argv
+    # promotions need verified steps: every capture is certified
+    durable = ckpt is not None and int(p.get("durable_every", 0)) > 0
+    spec = TrainSpec(
+        out=out,
+        workload=cell["workload"],
+        steps=steps,
+        seed=int(cell.get("seed", 0)),
+        interval=int(p.get("interval", 1)),
+        ranks_per_node=int(p.get("ranks_per_node", 1)),
+        ckpt=ckpt,
+        durable=_durable_dir(ckpt) if durable and ckpt is not None else None,
+        durable_every=int(p["durable_every"]) if durable else 0,
+        certify=durable,
+    )
+    return ["-m", "qualification.programs.train_rank", *spec_argv(spec, out / "spec.json")]
 
 
 def _durable_dir(ckpt: Path) -> Path:

@@ -49,6 +49,8 @@ from typing import Any
 from qualification.launch import LaunchResult, launch
 from qualification.programs import _kills
 from qualification.programs._contract import cell_main
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.common import LifecycleSpec
 
 
 def _rank_program(cell: dict[str, Any]) -> str:
@@ -70,49 +72,35 @@ def _rank_program(cell: dict[str, Any]) -> str:
     return "qualification.programs.train_rank"
 
 
-def _rank_argv(out: Path, cell: dict[str, Any], ckpt: Path | None, extra: list[str]) -> list[str]:
+def _rank_argv(
+    out: Path, cell: dict[str, Any], ckpt: Path | None, label: str, **faults: Any
+) -> list[str]:
+    """The launch's arguments: the rank program and the spec file it reads (``out/spec-<label>.json``, kept in the
+    bundle: what every rank of that launch was told). ``faults`` are :class:`LifecycleSpec` fault fields."""
     p = cell.get("params", {})
-    argv = [
-        "-m",
-        _rank_program(cell),
-        "--out",
-        str(out),
-        "--workload",
-        cell["workload"],
-        "--topology",
-        str(cell.get("topology", "ddp")),
-        "--steps",
-        str(p.get("steps", 6)),
-        "--seed",
-        str(cell.get("seed", 0)),
-        "--interval",
-        str(p.get("interval", 1)),
-        "--persist-every",
-        str(p.get("persist_every", 1)),
-        "--ranks-per-node",
-        str(p.get("ranks_per_node", 1)),
-    ]
-    if (
-        "replication" in p
-    ):  # GEMINI replica placement: ring (default) or natural (HSDP replicate-group peers)
-        argv += ["--replication", str(p["replication"])]
-    if "schedule" in p:  # pipeline topologies (pp, pp-dp, pp-dp3): gpipe or 1f1b
-        argv += ["--schedule", str(p["schedule"])]
-    if "io_delay_ms" in p:  # a slow network: every rank's replication starts this late
-        argv += ["--io-delay-ms", str(int(p["io_delay_ms"]))]
-    if ckpt is not None:
-        argv += ["--ckpt", str(ckpt)]
-        if (
-            int(p.get("durable_every", 0)) > 0
-        ):  # promotions need verified steps: every capture is certified
-            argv += [
-                "--durable",
-                str(ckpt.parent / "durable"),
-                "--durable-every",
-                str(p["durable_every"]),
-                "--certify",
-            ]
-    return argv + extra
+    durable = ckpt is not None and int(p.get("durable_every", 0)) > 0
+    spec = LifecycleSpec(
+        out=out,
+        workload=cell["workload"],
+        topology=str(cell.get("topology", "ddp")),
+        steps=int(p.get("steps", 6)),
+        seed=int(cell.get("seed", 0)),
+        interval=int(p.get("interval", 1)),
+        persist_every=int(p.get("persist_every", 1)),
+        ranks_per_node=int(p.get("ranks_per_node", 1)),
+        replication=str(p.get("replication", "ring")),  # natural: HSDP replicate-group peers
+        schedule=str(p.get("schedule", "gpipe")),  # pipeline topologies
+        io_delay_ms=int(
+            p.get("io_delay_ms", 0)
+        ),  # a slow network: every replication starts this late
+        ckpt=ckpt,
+        # promotions need verified steps: every capture is certified
+        durable=ckpt.parent / "durable" if durable and ckpt is not None else None,
+        durable_every=int(p["durable_every"]) if durable else 0,
+        certify=durable,
+        **faults,
+    )
+    return ["-m", _rank_program(cell), *spec_argv(spec, out / f"spec-{label}.json")]
 
 
 def _read(out: Path, world: int) -> list[dict[str, Any]]:
@@ -152,7 +140,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     ckpt = celldir / "ckpt"
     event("start", f"baseline run, {world} ranks")
     base = launch(
-        _rank_argv(celldir / "baseline", cell, None, []),
+        _rank_argv(celldir / "baseline", cell, None, "baseline"),
         world_size=world,
         timeout_s=timeout,
         log_dir=logs / "baseline",
@@ -167,7 +155,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     if kind == "none":
         event("start", "GEMINI run")
         run = launch(
-            _rank_argv(celldir / "run", cell, ckpt, []),
+            _rank_argv(celldir / "run", cell, ckpt, "run"),
             world_size=world,
             timeout_s=timeout,
             log_dir=logs,
@@ -178,20 +166,16 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             )
         observed["recovered_step"] = None
     else:
-        extra = []
+        extra: dict[str, Any] = {}
         if kind == "sigkill":
-            extra = [
-                "--kill-rank",
-                str(fault["rank"]),
-                "--kill-step",
-                str(fault["step"]),
-                "--kill-phase",
-                str(fault.get("phase", "after-step")),
-                "--kill-seed",
-                str(cell.get("seed", 0)),
-            ]
+            extra = {
+                "kill_rank": int(fault["rank"]),
+                "kill_step": int(fault["step"]),
+                "kill_phase": str(fault.get("phase", "after-step")),
+                "kill_seed": int(cell.get("seed", 0)),
+            }
         elif kind == "sigterm":
-            extra = ["--sigterm-step", str(fault["step"])]
+            extra = {"sigterm_step": int(fault["step"])}
         else:
             return _result(cell, "error", {}, timeline, f"lifecycle: unknown fault kind {kind!r}")
         # Not "fault": the fault fires inside this launch, at a moment only the killed rank knows; it records that
@@ -202,7 +186,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             f"faulted run launched; {kind} {json.dumps(fault, sort_keys=True)} fires inside it",
         )
         first = launch(
-            _rank_argv(celldir / "run", cell, ckpt, extra),
+            _rank_argv(celldir / "run", cell, ckpt, "faulted", **extra),
             world_size=world,
             timeout_s=timeout,
             log_dir=logs,
@@ -253,12 +237,9 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                     celldir / "run",
                     cell,
                     ckpt,
-                    [
-                        "--kill-rank",
-                        str(second["rank"]),
-                        "--recovery-kill-phase",
-                        str(second["phase"]),
-                    ],
+                    "recovery-kill",
+                    kill_rank=int(second["rank"]),
+                    recovery_kill_phase=str(second["phase"]),
                 ),
                 world_size=world,
                 timeout_s=timeout,
@@ -288,7 +269,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             )
         event("relaunch", f"{world} ranks relaunched (attempt {attempt})")
         run = launch(
-            _rank_argv(celldir / "run", cell, ckpt, []),
+            _rank_argv(celldir / "run", cell, ckpt, "relaunch"),
             world_size=world,
             timeout_s=timeout,
             log_dir=logs,

@@ -8,12 +8,10 @@ Same ``<out>/rank<r>.json`` as :mod:`qualification.programs.megatron_rank` (loss
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +19,8 @@ import torch.distributed as dist
 
 from qualification.programs._rank import fail_stop, finish, run
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.megatron import MegatronGpuSpec
 
 VOCAB, SEQ, BATCH = 128, 32, 4
 
@@ -50,13 +50,7 @@ def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--ckpt", type=Path, default=None)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    args = ap.parse_args()
+    args = parse(MegatronGpuSpec)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=timedelta(seconds=120))
     from megatron.core import parallel_state as ps

@@ -21,35 +21,23 @@ Faults: ``--kill-rank R --kill-step S`` SIGKILLs rank R after step S (its checkp
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import (
-    fail_stop,
-    finish,
-    megatron_run_arguments,
-    run,
-    trust_states,
-)
+from qualification.programs._rank import fail_stop, finish, run, trust_states
 from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.megatron_gpu_rank import state_digest
+from qualification.programs.specs import parse
+from qualification.programs.specs.megatron import LOOP_TOPOLOGIES as TOPOLOGIES
+from qualification.programs.specs.megatron import MegatronLoopSpec
 
 VOCAB, SEQ, BATCH, MICRO = 128, 32, 4, 2
-# The lifecycle driver's names for the layouts (campaign cells): flags each one sets.
-TOPOLOGIES = {
-    "megatron-ddp": ["--overlap"],
-    "megatron-distopt": ["--distopt", "--overlap"],
-    "megatron-pp2": ["--pp", "2", "--distopt"],
-    "megatron-pp2-vpp2": ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"],
-}
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
 
 
@@ -60,54 +48,7 @@ def _model_hash(h: Any, model: torch.nn.Module) -> None:
             h.update(tensor_bytes(t))
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument(
-        "--topology",
-        default=None,
-        choices=sorted(TOPOLOGIES),
-        help="the lifecycle driver's name for the layout (sets --pp / --distopt / --overlap)",
-    )
-    megatron_run_arguments(ap)
-    ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
-    ap.add_argument(
-        "--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused"
-    )
-    ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule when > 1)")
-    ap.add_argument(
-        "--vpp",
-        type=int,
-        default=1,
-        help="virtual stages per pipeline rank (interleaved 1F1B when > 1)",
-    )
-    ap.add_argument(
-        "--layers", type=int, default=0, help="transformer layers (0: max(2, pp * vpp))"
-    )
-    ap.add_argument("--distopt", action="store_true", help="use_distributed_optimizer=True")
-    ap.add_argument("--overlap", action="store_true", help="overlap_grad_reduce=True")
-    ap.add_argument(
-        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
-    )
-    ap.add_argument("--keep-generations", type=int, default=2)
-    ap.add_argument(
-        "--scout", action="store_true", help="SCOUT's forward recipes on the data-parallel peers"
-    )
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--fault-rank", type=int, default=-1)
-    ap.add_argument("--fault-step", type=int, default=-1)
-    ap.add_argument("--fault-recipe", default="hidden.1")
-    args = ap.parse_args(argv)
-    if args.topology is not None:
-        args = ap.parse_args(
-            [*(argv if argv is not None else sys.argv[1:]), *TOPOLOGIES[args.topology]]
-        )
-    return args
-
-
-def build(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], Any]:
+def build(args: MegatronLoopSpec) -> tuple[Any, list[Any], list[Any], Any]:
     """Parallel state, a seeded GPTModel (this rank's stage chunks of it), Megatron's DDP around each chunk and the
     optimizer over all of them."""
     from megatron.core import parallel_state as ps
@@ -184,7 +125,9 @@ def build(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], Any]:
 
 
 def main() -> None:
-    args = parse()
+    args = parse(MegatronLoopSpec)
+    if args.topology is not None:  # the lifecycle driver's names for the layouts (campaign cells)
+        args = dataclasses.replace(args, **TOPOLOGIES[args.topology])
     torch.set_num_threads(1)
     from qualification.frameworks import megatron_cpu
 

@@ -37,28 +37,22 @@ the seconds each rank spent in its replays' collectives.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import (
-    fail_stop,
-    finish,
-    megatron_run_arguments,
-    run,
-    trust_states,
-)
+from qualification.programs._rank import fail_stop, finish, run, trust_states
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.megatron import GPT_TOPOLOGIES as TOPOLOGIES
+from qualification.programs.specs.megatron import MegatronSpec
 
 VOCAB, SEQ, BATCH = 128, 32, 4
-# topology name → (tensor_model_parallel_size, expert_model_parallel_size, num_moe_experts)
-TOPOLOGIES = {"megatron-tp1": (1, 1, 0), "megatron-tp2": (2, 1, 0), "megatron-ep2": (1, 2, 4)}
 CAUSAL = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
 
 
@@ -139,9 +133,7 @@ def build(
     return ps, model
 
 
-def _corrupt(
-    case: str, step: int, buffer: torch.Tensor, args: argparse.Namespace
-) -> torch.Tensor | None:
+def _corrupt(case: str, step: int, buffer: torch.Tensor, args: MegatronSpec) -> torch.Tensor | None:
     """One byte of the ``balanced`` replay's send buffer flipped at ``--a2a-corrupt-step`` (after it was digested)."""
     if case != "balanced" or step != args.a2a_corrupt_step:
         return None
@@ -161,59 +153,13 @@ def batch(seed: int, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size")
-    ap.add_argument("--experts", type=int, default=0, help="MoE experts per layer (0: dense MLPs)")
-    ap.add_argument(
-        "--etp", type=int, default=None, help="expert_tensor_parallel_size (default: the TP size)"
-    )
-    ap.add_argument(
-        "--topology",
-        default=None,
-        choices=sorted(TOPOLOGIES),
-        help="the lifecycle driver's name for the layout (sets --tp)",
-    )
-    megatron_run_arguments(ap)
-    ap.add_argument(
-        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
-    )
-    ap.add_argument("--run-id", default="qualify")
-    ap.add_argument("--keep-generations", type=int, default=2)
-    ap.add_argument("--kill-phase", default="after-step", choices=["after-step"])
-    ap.add_argument(
-        "--kill-seed", type=int, default=0, help="accepted for the lifecycle driver; unused"
-    )
-    ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument(
-        "--scout", action="store_true", help="SCOUT forward recipes on the data-parallel peers"
-    )
-    ap.add_argument(
-        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
-    )
-    ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument(
-        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
-    )
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--fault-rank", type=int, default=-1)
-    ap.add_argument("--fault-step", type=int, default=-1)
-    ap.add_argument("--fault-recipe", default="hidden.0")
-    ap.add_argument("--fault-kind", default="bitflip")
-    ap.add_argument("--drop-capture-rank", type=int, default=-1)
-    ap.add_argument("--drop-capture-step", type=int, default=-1)
-    ap.add_argument("--a2a-corrupt-rank", type=int, default=-1)
-    ap.add_argument("--a2a-corrupt-step", type=int, default=-1)
-    return ap.parse_args()
-
-
 def main() -> None:
-    args = parse()
-    if args.topology is not None:
-        args.tp, args.ep, args.experts = TOPOLOGIES[args.topology]
+    args = parse(MegatronSpec)
+    if (
+        args.topology is not None
+    ):  # topology name → (tensor, expert model parallel size, MoE experts)
+        tp, ep, experts = TOPOLOGIES[args.topology]
+        args = dataclasses.replace(args, tp=tp, ep=ep, experts=experts)
     torch.set_num_threads(1)
     from qualification.programs import _megatron_cpu_shims
 

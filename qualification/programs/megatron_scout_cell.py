@@ -29,17 +29,28 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed, measured, trust_gating
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.megatron import MegatronLoopSpec, MegatronSpec
 
 _LOOP, _GPT = "qualification.programs.megatron_loop_rank", "qualification.programs.megatron_rank"
-LAYOUTS = {
-    "megatron-pp2": (_LOOP, ["--pp", "2", "--layers", "4", "--distopt", "--overlap"]),
-    "megatron-pp2-vpp2": (_LOOP, ["--pp", "2", "--vpp", "2", "--distopt", "--overlap"]),
-    "megatron-ep2": (_GPT, ["--topology", "megatron-ep2"]),
+# topology -> (rank program, its spec class, the layout's spec fields)
+LAYOUTS: dict[str, tuple[str, type[MegatronLoopSpec] | type[MegatronSpec], dict[str, Any]]] = {
+    "megatron-pp2": (
+        _LOOP,
+        MegatronLoopSpec,
+        {"pp": 2, "layers": 4, "distopt": True, "overlap": True},
+    ),
+    "megatron-pp2-vpp2": (
+        _LOOP,
+        MegatronLoopSpec,
+        {"pp": 2, "vpp": 2, "distopt": True, "overlap": True},
+    ),
+    "megatron-ep2": (_GPT, MegatronSpec, {"topology": "megatron-ep2"}),
 }
 
 
 def _launch(
-    cell: dict[str, Any], celldir: Path, name: str, extra: list[str]
+    cell: dict[str, Any], celldir: Path, name: str, extra: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """Every rank's result, or ``([], exit codes)`` when a rank failed."""
     steps = int(cell.get("params", {}).get("steps", 8))
@@ -49,20 +60,11 @@ def _launch(
             f"megatron_scout_cell: unknown topology {topology!r}; use one of {sorted(LAYOUTS)}"
         )
     world = int(cell["world_size"])
-    program, layout = LAYOUTS[topology]
+    program, spec_class, layout = LAYOUTS[topology]
+    out = celldir / name
+    spec = spec_class(out=out, steps=steps, seed=int(cell.get("seed", 0)), **layout, **extra)
     res = launch(
-        [
-            "-m",
-            program,
-            "--out",
-            str(celldir / name),
-            "--steps",
-            str(steps),
-            "--seed",
-            str(cell.get("seed", 0)),
-            *layout,
-            *extra,
-        ],
+        ["-m", program, *spec_argv(spec, out / f"spec-{name}.json")],
         world_size=world,
         timeout_s=float(cell.get("timeout_s", 240)),
         log_dir=celldir / "logs" / name,
@@ -78,21 +80,18 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     timeline: list[dict[str, Any]] = [
         {"t": 0.0, "event": "start", "detail": f"{cell['world_size']} ranks, {fault}"}
     ]
-    extra = ["--ckpt", str(celldir / "ckpt"), "--scout", "--keep-generations", "16"]
+    extra: dict[str, Any] = {"ckpt": celldir / "ckpt", "scout": True, "keep_generations": 16}
     if fault["kind"] == "replay":
-        extra += [
-            "--fault-rank",
-            str(fault["rank"]),
-            "--fault-step",
-            str(fault["step"]),
-            "--fault-recipe",
-            str(fault["recipe"]),
-        ]
+        extra |= {
+            "fault_rank": int(fault["rank"]),
+            "fault_step": int(fault["step"]),
+            "fault_recipe": str(fault["recipe"]),
+        }
     elif fault["kind"] != "none":
         raise ValueError(
             f"megatron_scout_cell: unknown fault kind {fault['kind']!r}; use 'none' or 'replay'"
         )
-    base, codes = _launch(cell, celldir, "baseline", [])
+    base, codes = _launch(cell, celldir, "baseline", {})
     timeline.append(
         {"t": round(time.monotonic() - t0, 3), "event": "baseline", "detail": "without gemscout"}
     )

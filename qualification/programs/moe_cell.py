@@ -33,26 +33,30 @@ from qualification.launch import launch
 from qualification.programs import _kills
 from qualification.programs._contract import cell_main, failed
 from qualification.programs._recovery_times import recovery_events
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.scout import MoeSpec
 
 
-def _launch(cell: dict[str, Any], out: Path, *extra: str) -> tuple[Any, list[dict[str, Any]]]:
-    steps = int(cell.get("params", {}).get("steps", 8))
+def _spec(cell: dict[str, Any], out: Path, **fields: Any) -> MoeSpec:
+    """What every rank of one launch is told; ``fields`` are that launch's own :class:`MoeSpec` fields."""
+    p = cell.get("params", {})
+    return MoeSpec(
+        out=out,
+        workload=str(cell["workload"]),
+        steps=int(p.get("steps", 8)),
+        etp=int(p.get("etp", 1)),  # expert TP: a (world/4) x 2 x 2 mesh
+        **fields,
+    )
+
+
+def _launch(
+    cell: dict[str, Any], out: Path, label: str, **fields: Any
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Launch moe_rank with the spec ``out/spec-<label>.json``; the ranks' records when every rank exited 0."""
     world = int(cell.get("world_size", 4))  # a (world/2) x 2 mesh: 4 ranks for dp=2, 6 for dp=3
-    etp = int(cell.get("params", {}).get("etp", 1))  # expert TP: a (world/4) x 2 x 2 mesh
+    spec = _spec(cell, out, **fields)
     res = launch(
-        [
-            "-m",
-            "qualification.programs.moe_rank",
-            "--out",
-            str(out),
-            "--workload",
-            str(cell["workload"]),
-            "--steps",
-            str(steps),
-            "--etp",
-            str(etp),
-            *extra,
-        ],
+        ["-m", "qualification.programs.moe_rank", *spec_argv(spec, out / f"spec-{label}.json")],
         world_size=world,
         timeout_s=float(cell.get("timeout_s", 200)),
         log_dir=out / "logs",
@@ -138,36 +142,29 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         {"t": 0.0, "event": "start", "detail": f"{cell['workload']}, fault {fault}"}
     ]
     ckpt = celldir / "ckpt"
-    extra = ["--ckpt", str(ckpt), "--baseline"]
+    extra: dict[str, Any] = {"ckpt": ckpt, "baseline": True}
     killed_code = None
     kill_record: dict[str, Any] = {}
     res_killed_detected: float | None = None
     if kind == "replay":
-        extra += [
-            "--replay-fault-rank",
-            str(fault["rank"]),
-            "--replay-fault-step",
-            str(fault["step"]),
-            "--replay-fault-recipe",
-            str(fault.get("recipe", "hidden.1")),
-        ]
+        extra |= {
+            "replay_fault_rank": int(fault["rank"]),
+            "replay_fault_step": int(fault["step"]),
+            "replay_fault_recipe": str(fault.get("recipe", "hidden.1")),
+        }
     elif kind == "alltoall":
-        extra += [
-            "--a2a-corrupt-rank",
-            str(fault["rank"]),
-            "--a2a-corrupt-step",
-            str(fault["step"]),
-        ]
+        extra |= {
+            "a2a_corrupt_rank": int(fault["rank"]),
+            "a2a_corrupt_step": int(fault["step"]),
+        }
     elif kind == "sigkill":
         res, _ = _launch(
             cell,
             celldir / "killed",
-            "--ckpt",
-            str(ckpt),
-            "--kill-rank",
-            str(fault["rank"]),
-            "--kill-step",
-            str(fault["step"]),
+            "faulted",
+            ckpt=ckpt,
+            kill_rank=int(fault["rank"]),
+            kill_step=int(fault["step"]),
         )
         killed_code = res.returncodes[int(fault["rank"])]
         res_killed_detected = res.detected_wall
@@ -200,7 +197,8 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         )
     elif kind != "none":
         raise ValueError(f"moe_cell: unknown fault kind {kind!r}")
-    res, ranks = _launch(cell, celldir / "ranks", *extra)
+    label = "relaunch" if kind == "sigkill" else "run"
+    res, ranks = _launch(cell, celldir / "ranks", label, **extra)
     if not res.ok:
         return failed(
             cell,

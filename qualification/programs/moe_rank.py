@@ -19,9 +19,7 @@ and optimizer state); ``--baseline`` adds ``baseline_digest`` from the same step
 
 from __future__ import annotations
 
-import argparse
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +28,8 @@ import torch.distributed as dist
 from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_times import Stamps
+from qualification.programs.specs import parse
+from qualification.programs.specs.scout import MoeSpec
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import lm_loss, synthetic_batch
 from qualification.workloads.cp import build_cp, seq_chunk
@@ -115,27 +115,6 @@ class Job:
         opt.step()
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workload", choices=("moe", "cp"), default="moe")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--etp", type=int, default=1, choices=(1, 2), help="expert tensor parallelism (MoE only)"
-    )
-    ap.add_argument("--ckpt", type=Path, default=None)
-    ap.add_argument("--baseline", action="store_true")
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--replay-fault-rank", type=int, default=-1)
-    ap.add_argument("--replay-fault-step", type=int, default=-1)
-    ap.add_argument("--replay-fault-recipe", default="hidden.1")
-    ap.add_argument("--a2a-corrupt-rank", type=int, default=-1)
-    ap.add_argument("--a2a-corrupt-step", type=int, default=-1)
-    return ap.parse_args()
-
-
 def main() -> None:
     import gemscout
     from gemscout.scout.alltoall import AllToAllConfig
@@ -143,7 +122,7 @@ def main() -> None:
     from qualification.faults import Injector, ReplayFault
     from qualification.programs.scout_rank import summary
 
-    args = parse()
+    args = parse(MoeSpec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     job = Job(args.workload, args.seed, args.etp)

@@ -11,62 +11,28 @@ threads included, so a busy shared machine, which stretches wall time, barely mo
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qualification.programs._rank import write_result
+from qualification.programs.specs import parse
+from qualification.programs.specs.perf import PerfSpec
 from qualification.workloads import BATCH_SHAPES, build_model, lm_loss, synthetic_batch
-
-MODES = ("baseline", "gemini", "scout", "combined")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mode", choices=MODES, default=None)
-    ap.add_argument(
-        "--segments",
-        default="",
-        help="comma-separated modes run in turn in this one process "
-        "(after --warmup steps without gemscout), --segment-steps each; replaces --mode/--steps",
-    )
-    ap.add_argument("--segment-steps", type=int, default=20)
-    ap.add_argument("--workload", default="three-block")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cuda: the model and batches on GPU 0 (every rank shares it; gloo stages CUDA tensors)",
-    )
-    ap.add_argument(
-        "--rotate-kinds",
-        action="store_true",
-        help="ScoutConfig(rotate_kinds=True): one kind per due step",
-    )
-    ap.add_argument(
-        "--scout-interval",
-        type=int,
-        default=None,
-        help="ScoutConfig.interval (a multiple of --interval); default: SCOUT's own default cadence",
-    )
-    args = ap.parse_args()
+    args = parse(PerfSpec)
     if not args.segments and args.mode is None:
-        ap.error("give --mode or --segments")
+        print("perf_rank: error: give --mode or --segments", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
@@ -144,17 +110,17 @@ def main() -> None:
     if session is not None:
         session.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "rank": rank,
-                "mode": args.mode or "interleaved",
-                **rec,
-                "due_every": due_every,
-                "replay_s": replay,
-                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            }
-        )
+    write_result(
+        args.out,
+        rank,
+        {
+            "rank": rank,
+            "mode": args.mode or "interleaved",
+            **rec,
+            "due_every": due_every,
+            "replay_s": replay,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        },
     )
     dist.barrier()
     # Process-group teardown can deadlock in gloo (its worker frees tensors and needs the GIL while the group's
@@ -164,7 +130,7 @@ def main() -> None:
 
 
 def _attach(
-    mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: argparse.Namespace, *, segment: int
+    mode: str, ddp: DDP, opt: torch.optim.Optimizer, args: PerfSpec, *, segment: int
 ) -> Any:
     """gemscout in ``mode`` on the live model and optimizer (None for the baseline)."""
     if mode == "baseline":

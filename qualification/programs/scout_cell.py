@@ -31,88 +31,70 @@ from typing import Any
 
 from qualification.launch import launch
 from qualification.programs._contract import cell_main, failed, measured, trust_gating
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.scout import ScoutSpec
 
 
-def _argv(cell: dict[str, Any], out: Path) -> list[str]:
+def _spec(cell: dict[str, Any], out: Path) -> ScoutSpec:
+    """What every rank of the cell's one launch is told."""
     f = cell["fault"]
-    steps = int(cell.get("params", {}).get("steps", 16))
-    argv = [
-        "-m",
-        "qualification.programs.scout_rank",
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--fault-rank",
-        "-1",
-    ]
+    p = cell.get("params", {})
+    steps = int(p.get("steps", 16))
+    fields: dict[str, Any] = {"fault_rank": -1}
     kind = f["kind"]
     if kind == "persistent":
-        argv = argv[:-2] + [
-            "--fault-rank",
-            str(f["rank"]),
-            "--fault-step",
-            str(f["step"]),
-            "--heal-step",
-            str(f.get("heal_step", steps + 1)),
-            "--fault-block",
-            str(f.get("block", 1)),
-            "--fault",
-            str(f.get("corruption", "bitflip")),
-        ]
+        fields = {
+            "fault_rank": int(f["rank"]),
+            "fault_step": int(f["step"]),
+            "heal_step": int(f.get("heal_step", steps + 1)),
+            "fault_block": int(f.get("block", 1)),
+            "fault": str(f.get("corruption", "bitflip")),
+        }
     elif kind == "replay":
-        argv += [
-            "--replay-fault-rank",
-            str(f["rank"]),
-            "--replay-fault-step",
-            str(f["step"]),
-            "--replay-fault-recipe",
-            str(f.get("recipe", "embedding")),
-        ]
+        fields |= {
+            "replay_fault_rank": int(f["rank"]),
+            "replay_fault_step": int(f["step"]),
+            "replay_fault_recipe": str(f.get("recipe", "embedding")),
+        }
     elif kind == "replay-delay":
-        argv += [
-            "--replay-delay-rank",
-            str(f["rank"]),
-            "--replay-delay-s",
-            str(f.get("seconds", 0.6)),
-        ]
+        fields |= {
+            "replay_delay_rank": int(f["rank"]),
+            "replay_delay_s": float(f.get("seconds", 0.6)),
+        }
     elif kind == "comm-delay":
-        argv += [
-            "--comm-delay-rank",
-            str(f["rank"]),
-            "--comm-delay-s",
-            str(f.get("seconds", 0.4)),
-            "--comm-probe-interval",
-            str(f.get("interval", 2)),
-        ]
+        fields |= {
+            "comm_delay_rank": int(f["rank"]),
+            "comm_delay_s": float(f.get("seconds", 0.4)),
+            "comm_probe_interval": int(f.get("interval", 2)),
+        }
     elif kind == "collective-delay":
-        argv += [
-            "--collective-delay-rank",
-            str(f["rank"]),
-            "--collective-delay-s",
-            str(f.get("seconds", 0.3)),
-            "--collective-delay-step",
-            str(f.get("step", 1)),
-        ]
+        fields |= {
+            "collective_delay_rank": int(f["rank"]),
+            "collective_delay_s": float(f.get("seconds", 0.3)),
+            "collective_delay_step": int(f.get("step", 1)),
+        }
     elif kind == "job-delay":
-        argv += [
-            "--job-delay-rank",
-            str(f["rank"]),
-            "--job-delay-s",
-            str(f.get("seconds", 0.4)),
-            "--job-delay-step",
-            str(f.get("step", 1)),
-        ]
+        fields |= {
+            "job_delay_rank": int(f["rank"]),
+            "job_delay_s": float(f.get("seconds", 0.4)),
+            "job_delay_step": int(f.get("step", 1)),
+        }
     elif kind != "none":
         raise ValueError(f"scout_cell: unknown fault kind {kind!r}")
     topology = str(cell.get("topology", "ddp"))
     if topology != "ddp":
-        argv += ["--topology", topology, "--baseline"]
-    if "schedule" in cell.get("params", {}):  # pipeline topologies (_pipeline.PIPELINE_TOPOLOGIES)
-        argv += ["--schedule", str(cell["params"]["schedule"])]
-    if "optimizer_slice_numel" in cell.get("params", {}):  # a longer certification rotation
-        argv += ["--optimizer-slice-numel", str(cell["params"]["optimizer_slice_numel"])]
-    return argv
+        fields |= {"topology": topology, "baseline": True}
+    if "schedule" in p:  # pipeline topologies (_pipeline.PIPELINE_TOPOLOGIES)
+        fields["schedule"] = str(p["schedule"])
+    if "optimizer_slice_numel" in p:  # a longer certification rotation
+        fields["optimizer_slice_numel"] = int(p["optimizer_slice_numel"])
+    return ScoutSpec(out=out, steps=steps, **fields)
+
+
+def _argv(cell: dict[str, Any], out: Path) -> list[str]:
+    """The launch's arguments: scout_rank and the spec file it reads (``out/spec-run.json``)."""
+    spec = _spec(cell, out)
+    return ["-m", "qualification.programs.scout_rank", *spec_argv(spec, out / "spec-run.json")]
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:

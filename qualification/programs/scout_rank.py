@@ -20,13 +20,10 @@ stage's own blocks (one stage per rank, no DDP wrapper).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,11 +43,14 @@ from qualification.faults import (
 )
 from qualification.programs._pipeline import (
     PIPELINE_TOPOLOGIES,
-    SCHEDULES,
     Pipeline,
     build_pipeline,
 )
-from qualification.programs.train_rank import TOPOLOGIES, data_rank, state_digest, wrap
+from qualification.programs._rank import write_result
+from qualification.programs.specs import parse
+from qualification.programs.specs.scout import ScoutSpec
+from qualification.programs.specs.train import TOPOLOGIES  # noqa: F401  (kept: the names scout_rank offers)
+from qualification.programs.train_rank import data_rank, state_digest, wrap
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -118,80 +118,7 @@ def train(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--fault-rank", type=int, default=2)
-    ap.add_argument("--fault-step", type=int, default=6)
-    ap.add_argument("--heal-step", type=int, default=10)
-    ap.add_argument("--fault-block", type=int, default=1)
-    ap.add_argument("--fault", default="bitflip")
-    ap.add_argument(
-        "--replay-delay-rank", type=int, default=-1, help="compute straggler: sleep in every replay"
-    )
-    ap.add_argument("--replay-delay-s", type=float, default=0.5)
-    ap.add_argument(
-        "--comm-delay-rank",
-        type=int,
-        default=-1,
-        help="slow link: sleep before every probe collective",
-    )
-    ap.add_argument("--comm-delay-s", type=float, default=0.4)
-    ap.add_argument("--comm-probe-interval", type=int, default=0)
-    ap.add_argument(
-        "--replay-fault-rank", type=int, default=-1, help="transient fault in one replay only"
-    )
-    ap.add_argument("--replay-fault-step", type=int, default=-1)
-    ap.add_argument("--replay-fault-recipe", default="hidden.0")
-    ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
-    ap.add_argument(
-        "--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)"
-    )
-    ap.add_argument(
-        "--keep-ckpt",
-        action="store_true",
-        help="leave <out>/ckpt (checkpoints, trust, fault log) behind",
-    )
-    ap.add_argument(
-        "--baseline", action="store_true", help="train again without gemscout; record both digests"
-    )
-    ap.add_argument(
-        "--collective-delay-rank", type=int, default=-1, help="sleep before each replay collective"
-    )
-    ap.add_argument("--collective-delay-s", type=float, default=0.4)
-    ap.add_argument("--collective-delay-step", type=int, default=0)
-    ap.add_argument(
-        "--job-delay-rank",
-        type=int,
-        default=-1,
-        help="time the job's own collectives (ScoutConfig.job_collectives) and enter the first one of "
-        "each step late on this rank: DDP's first gradient bucket, FSDP2's first all-gather",
-    )
-    ap.add_argument("--job-delay-s", type=float, default=0.4)
-    ap.add_argument("--job-delay-step", type=int, default=1)
-    ap.add_argument("--straggler-margin-s", type=float, default=0.25)
-    ap.add_argument(
-        "--diverge-rank",
-        type=int,
-        default=-1,
-        help="corrupt this rank's own copy (its shard) of a weight",
-    )
-    ap.add_argument(
-        "--diverge-step", type=int, default=0, help="... right before this step's forward"
-    )
-    ap.add_argument(
-        "--recover-on-sdc",
-        action="store_true",
-        help="after a step whose SDC decision says restore, session.recover() to the newest verified "
-        "step and train on from there (the fault is injected once)",
-    )
-    ap.add_argument(
-        "--optimizer-slice-numel",
-        type=int,
-        default=1 << 16,
-        help="ScoutConfig.optimizer_slice_numel (smaller: more slices, a longer certification rotation)",
-    )
-    args = ap.parse_args()
+    args = parse(ScoutSpec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -340,7 +267,7 @@ def main() -> None:
             train(plain_wrapped, plain_opt, step, args.topology, rank, plain_pipe)
         doc["baseline_digest"] = state_digest(plain, plain_opt)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))
+    write_result(args.out, rank, doc)
     dist.barrier()
     if rank == 0 and not args.keep_ckpt:
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -11,11 +11,8 @@ parameters and optimizer state.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,16 +21,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gemscout
+from qualification.programs._rank import write_result
+from qualification.programs.specs import parse
+from qualification.programs.specs.slurm import SlurmSpec
 from qualification.programs.train_rank import state_digest
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    args = ap.parse_args()
+    args = parse(SlurmSpec)
     torch.set_num_threads(1)
     gemscout.init_process_group("gloo")
     rank = dist.get_rank()
@@ -74,7 +69,7 @@ def main() -> None:
         "replica_holder": placement.target(rank),
         "digest": state_digest(net, optimizer),
     }
-    (args.out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1))
+    write_result(args.out, rank, doc)
     session.close()
     dist.destroy_process_group()
 

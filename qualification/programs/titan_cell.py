@@ -58,19 +58,21 @@ from qualification.launch import LaunchResult, launch
 from qualification.programs import _kills
 from qualification.programs._contract import cell_main, failed
 from qualification.programs._recovery_times import recovery_events
+from qualification.programs.specs import spec_argv
+from qualification.programs.specs.titan import TitanSpec
 
 REPO = Path(__file__).resolve().parents[2]
-TOPOLOGIES = {
-    "fsdp2": ("--dp-replicate", "1"),
-    "hsdp": ("--dp-replicate", "2"),
-    "pp": ("--pp", "2"),
-    "pp-fsdp": ("--pp", "2"),  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
-    "pp-ddp": ("--pp", "2", "--dp-replicate", "2"),
-}  # 4 ranks: each stage replicated, one shard
+TOPOLOGIES: dict[str, dict[str, int]] = {  # the TitanSpec fields of each topology
+    "fsdp2": {"dp_replicate": 1},
+    "hsdp": {"dp_replicate": 2},
+    "pp": {"pp": 2},
+    "pp-fsdp": {"pp": 2},  # pp-fsdp: the ranks beyond the 2 stages shard each stage (FSDP2)
+    "pp-ddp": {"pp": 2, "dp_replicate": 2},  # 4 ranks: each stage replicated, one shard
+}
 
 
 class _Job:
-    """Launches of titan_rank for one cell: the interpreter, the assets, the common arguments, the clock."""
+    """Launches of titan_rank for one cell: the interpreter, the assets, the common spec fields, the clock."""
 
     def __init__(self, cell: dict[str, Any], celldir: Path, python: str) -> None:
         params = cell.get("params", {})
@@ -84,19 +86,14 @@ class _Job:
         self.timeout = float(cell.get("timeout_s", 900))
         self.t0, self.wall0 = time.monotonic(), time.time()
         self.timeline: list[dict[str, Any]] = []
-        self.common = [
-            "--assets",
-            str(celldir / "assets"),
-            "--steps",
-            str(self.steps),
-            "--seq-len",
-            str(params.get("seq_len", 128)),
-            "--batch",
-            str(params.get("batch", 2)),
-            *TOPOLOGIES[topology],
-            "--pp-schedule",
-            str(params.get("schedule", "1F1B")),
-        ]
+        self.common: dict[str, Any] = {
+            "assets": celldir / "assets",
+            "steps": self.steps,
+            "seq_len": int(params.get("seq_len", 128)),
+            "batch": int(params.get("batch", 2)),
+            **TOPOLOGIES[topology],
+            "pp_schedule": str(params.get("schedule", "1F1B")),
+        }
 
     def event(
         self, event: str, detail: str, rank: int | None = None, at_wall: float | None = None
@@ -125,16 +122,17 @@ class _Job:
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
 
-    def launch(self, name: str, *extra: str, attempt: int = 0) -> LaunchResult:
+    def launch(self, name: str, label: str, *, attempt: int = 0, **fields: Any) -> LaunchResult:
+        """Launch every rank into ``celldir/name``, told the common fields and ``fields`` by the spec file
+        ``celldir/name/spec-<label>.json``."""
         left = max(30.0, self.timeout - (time.monotonic() - self.t0) - 20.0)
+        out = self.celldir / name
+        spec = TitanSpec(out=out, **self.common, **fields)
         return launch(
             [
                 "-m",
                 "qualification.programs.titan_rank",
-                "--out",
-                str(self.celldir / name),
-                *self.common,
-                *extra,
+                *spec_argv(spec, out / f"spec-{label}.json"),
             ],
             world_size=self.world,
             timeout_s=left,
@@ -271,32 +269,29 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
     job.event("start", f"{job.world} ranks, {cell['topology']}, fault {fault}, {python}")
     job.assets()
     ckpt = celldir / "ckpt"
-    base = job.launch("reference")
+    base = job.launch("reference", "reference")
     if not base.ok:
         return failed(
             cell, f"the reference run (no gemscout) failed: {base.returncodes}", job.timeline
         )
     job.event("reference", f"{job.steps} steps without gemscout in {base.duration_s:.1f} s")
-    extra: list[str] = []
+    extra: dict[str, Any] = {}
     observed: dict[str, Any] = {}
     first_step, attempt = 1, 0
     params = cell.get("params", {})
     scout = kind == "replay" or (kind == "none" and bool(params.get("scout", False)))
     if scout:
-        extra = ["--scout", "--scout-per-cycle", str(int(params.get("scout_per_cycle", -1)))]
+        extra = {"scout": True, "scout_per_cycle": int(params.get("scout_per_cycle", -1))}
     if kind == "replay":
-        extra += [
-            "--replay-fault-rank",
-            str(fault["rank"]),
-            "--replay-fault-step",
-            str(fault["step"]),
-            "--replay-fault-recipe",
-            str(fault.get("recipe", "embedding")),
-        ]
+        extra |= {
+            "replay_fault_rank": int(fault["rank"]),
+            "replay_fault_step": int(fault["step"]),
+            "replay_fault_recipe": str(fault.get("recipe", "embedding")),
+        }
     elif kind == "sigkill":
         rank = int(fault["rank"])
         killed = job.launch(
-            "run", "--ckpt", str(ckpt), "--kill-rank", str(rank), "--kill-step", str(fault["step"])
+            "run", "faulted", ckpt=ckpt, kill_rank=rank, kill_step=int(fault["step"])
         )
         observed["killed_exit_code"] = killed.returncodes[rank]
         if killed.ok or killed.first_failed != rank:
@@ -333,7 +328,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
             job.event("node-loss", f"node {rank} lost: its checkpoint folder deleted", rank)
         job.event("relaunch", f"{job.world} ranks relaunched")
         first_step, attempt = int(fault["step"]) + 1, 1
-    res = job.launch("run", "--ckpt", str(ckpt), *extra, attempt=attempt)
+    res = job.launch("run", "relaunch" if attempt else "run", attempt=attempt, ckpt=ckpt, **extra)
     if not res.ok:
         return failed(
             cell, f"the gemscout run failed: {res.returncodes}", job.timeline, observed=observed

@@ -23,14 +23,12 @@ step (0: all of them, so a clean cycle certifies its capture at once).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import pickle
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +38,8 @@ from qualification.programs._kills import sigkill_self
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_times import Stamps
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.titan import TitanSpec
 
 
 def _plain(value: Any) -> Any:
@@ -98,51 +98,8 @@ def scout_topology(session: Any) -> dict[str, Any] | None:
     }
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument(
-        "--assets", type=Path, required=True, help="folder written by torchtitan_cpu.make_assets"
-    )
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=2, help="local batch size")
-    ap.add_argument(
-        "--dp-replicate", type=int, default=1, help="HSDP replicate degree (1: FSDP over all ranks)"
-    )
-    ap.add_argument(
-        "--pp", type=int, default=1, help="pipeline-parallel degree (TorchTitan's own split)"
-    )
-    ap.add_argument("--pp-schedule", default="1F1B", help="TorchTitan's pipeline_parallel_schedule")
-    ap.add_argument(
-        "--ckpt",
-        type=Path,
-        default=None,
-        help="gemscout checkpoint directory; omit for the baseline",
-    )
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument(
-        "--scout", action="store_true", help="attach SCOUT (replay on data-parallel peers)"
-    )
-    ap.add_argument(
-        "--replay-fault-rank", type=int, default=-1, help="with --scout: corrupt this rank's replay"
-    )
-    ap.add_argument("--replay-fault-step", type=int, default=-1)
-    ap.add_argument("--replay-fault-recipe", default="embedding")
-    ap.add_argument(
-        "--scout-per-cycle",
-        type=int,
-        default=-1,
-        help="with --scout: blocks and optimizer slices replayed per due step (0: all, so each clean "
-        "cycle certifies its step at once; -1: ScoutConfig's defaults)",
-    )
-    return ap.parse_args()
-
-
 def main() -> None:
-    args = parse()
+    args = parse(TitanSpec)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     # The datasets library caches the json it parses; one folder per rank, never the user's home.

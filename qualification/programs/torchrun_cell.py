@@ -178,7 +178,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         ):
             event("start", f"baseline: torchrun --standalone, {world} ranks, no gemscout")
             base = Agent(
-                tr.torchrun(tr.single_node(world, 0), celldir / "baseline", cell, []),
+                tr.torchrun(tr.single_node(world, 0), celldir / "baseline", cell, "baseline"),
                 celldir / "logs" / "baseline.log",
                 tr.env(),
             )
@@ -216,6 +216,23 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def _kill_fields(
+    celldir: Path, rank: int, step: int, phase: str, lose: list[int]
+) -> dict[str, Any]:
+    """The single-node run's :class:`TorchrunSpec` fields: each rank its own node, ``rank`` SIGKILLed at ``step`` /
+    ``phase`` in attempt 0, and the folders of ``lose`` deleted before attempt 1."""
+    fields: dict[str, Any] = {
+        "ckpt": celldir / "ckpt",
+        "ranks_per_node": 1,
+        "kill_rank": rank,
+        "kill_step": step,
+        "kill_phase": phase,
+    }
+    if lose:
+        fields.update(lose_nodes=",".join(map(str, lose)), lose_attempt=1)
+    return fields
+
+
 def _single_node(
     cell: dict[str, Any],
     celldir: Path,
@@ -234,20 +251,7 @@ def _single_node(
     step, phase = _draw(fault, steps, int(cell.get("seed", 0)))
     rank = int(fault["rank"])
     lose = [rank] if fault.get("node_loss") else [int(n) for n in fault.get("lose_nodes", [])]
-    extra = [
-        "--ckpt",
-        str(celldir / "ckpt"),
-        "--ranks-per-node",
-        "1",
-        "--kill-rank",
-        str(rank),
-        "--kill-step",
-        str(step),
-        "--kill-phase",
-        phase,
-    ]
-    if lose:
-        extra += ["--lose-nodes", ",".join(map(str, lose)), "--lose-attempt", "1"]
+    faults = _kill_fields(celldir, rank, step, phase, lose)
     observed: dict[str, Any] = {"kill_step": step, "kill_phase": phase, "lost_nodes": lose}
     # Not "fault": the kill fires inside this run; the rank records its own SIGKILL and the fault event is read from it.
     event(
@@ -256,7 +260,7 @@ def _single_node(
         + (f"; node folders {lose} deleted before attempt 1" if lose else ""),
     )
     run = Agent(
-        tr.torchrun(tr.single_node(world, restarts), celldir / "run", cell, extra),
+        tr.torchrun(tr.single_node(world, restarts), celldir / "run", cell, "run", **faults),
         celldir / "logs" / "torchrun.log",
         tr.env(),
     )
@@ -395,8 +399,9 @@ def _two_nodes(
             else read_timeout
         )
         conf = [f"--rdzv-conf=read_timeout={timeout}"]
+        # Both agents' ranks write to run/: one spec file per agent (node, tag).
         argv = tr.torchrun(
-            launch + conf, celldir / "run", cell, ["--ckpt", str(celldir / f"disk{node}")]
+            launch + conf, celldir / "run", cell, f"node{node}-{tag}", ckpt=celldir / f"disk{node}"
         )
         a = Agent(argv, celldir / "logs" / f"node{node}-{tag}.log", agent_env)
         agents.append(a)

@@ -1,6 +1,7 @@
 """One rank of the DDP training run of :mod:`qualification.programs.train_rank`, written as a user writes it for torchrun.
 
-``python -m torch.distributed.run ... -m qualification.programs.torchrun_rank --out DIR [--ckpt DIR] ...``. The rank
+``python -m torch.distributed.run ... -m qualification.programs.torchrun_rank --spec FILE`` (a
+:class:`~qualification.programs.specs.torchrun.TorchrunSpec`; or its flags, ``--out DIR [--ckpt DIR] ...``). The rank
 reads everything from torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT), starts
 its group with ``gemscout.init_process_group`` and wraps the model in plain ``DistributedDataParallel``
 (``--find-unused-parameters`` is the one DDP argument a cell may set). torchrun relaunches with the same arguments, so a
@@ -27,7 +28,6 @@ error (the one line, the exit code); ``<out>/rank<r>.json`` as train_rank does w
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -35,7 +35,6 @@ import shutil
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,43 +44,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from qualification.programs._kills import sigkill_self, sigkill_self_later
 from qualification.programs._rank import finish
 from qualification.programs._recovery_times import Stamps
+from qualification.programs.specs import parse
+from qualification.programs.specs.torchrun import TorchrunSpec
 from qualification.programs.train_rank import state_digest
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workload", default="tiny-causal-lm")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
-    )
-    ap.add_argument("--run-id", default="torchrun-cell")
-    ap.add_argument(
-        "--ranks-per-node", type=int, default=0, help="0: gemscout reads LOCAL_WORLD_SIZE"
-    )
-    ap.add_argument("--find-unused-parameters", action="store_true")
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--kill-phase", default="after-step")
-    ap.add_argument("--kill-attempt", type=int, default=0)
-    ap.add_argument(
-        "--lose-nodes", default="", help="comma-separated node indices whose folders are deleted"
-    )
-    ap.add_argument("--lose-attempt", type=int, default=1)
-    ap.add_argument(
-        "--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a kill window)"
-    )
-    ap.add_argument("--timeout-s", type=float, default=60.0)
-    ap.add_argument(
-        "--inline-baseline", action="store_true", help="also train uninterrupted after the run"
-    )
-    return ap.parse_args()
-
-
-def _record(args: argparse.Namespace, rank: int, attempt: int, doc: dict[str, Any]) -> None:
+def _record(args: TorchrunSpec, rank: int, attempt: int, doc: dict[str, Any]) -> None:
     folder = args.out / "attempts"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{rank}-attempt{attempt}.json"
@@ -89,7 +58,7 @@ def _record(args: argparse.Namespace, rank: int, attempt: int, doc: dict[str, An
     path.write_text(json.dumps({**old, **doc}, indent=1))
 
 
-def _lose_nodes(args: argparse.Namespace, rank: int, attempt: int) -> None:
+def _lose_nodes(args: TorchrunSpec, rank: int, attempt: int) -> None:
     """The node's disk is gone before its replacement process starts: one rank per lost node deletes the folder."""
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.ckpt is None or attempt != args.lose_attempt or not args.lose_nodes:
@@ -99,7 +68,7 @@ def _lose_nodes(args: argparse.Namespace, rank: int, attempt: int) -> None:
             shutil.rmtree(args.ckpt / f"node-{node}", ignore_errors=True)
 
 
-def _held(args: argparse.Namespace, world: int) -> dict[str, dict[str, dict[str, list[int]]]]:
+def _held(args: TorchrunSpec, world: int) -> dict[str, dict[str, dict[str, list[int]]]]:
     """What every rank with a folder in this node's checkpoint directory holds now (see the module docstring); empty
     when the directory holds no checkpoint yet. Collective: every rank calls it, local rank 0 reads."""
     from gemscout.errors import ConfigError
@@ -125,7 +94,7 @@ def _held(args: argparse.Namespace, world: int) -> dict[str, dict[str, dict[str,
     return held
 
 
-def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer, Any]:
+def _build(args: TorchrunSpec) -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer, Any]:
     torch.manual_seed(args.seed + 17)  # dropout stream; identical on every rank, captured by GEMINI
     model = build_model(args.workload, seed=args.seed)
     ddp = DDP(model, find_unused_parameters=args.find_unused_parameters)
@@ -134,7 +103,7 @@ def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, DDP, torch.optim.
     return model, ddp, opt, sched
 
 
-def _uninterrupted(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def _uninterrupted(args: TorchrunSpec, rank: int) -> dict[str, Any]:
     """The same job trained from scratch, without gemscout, in this process after the run (a fresh model, DDP,
     optimizer and RNG stream): the reference for ``--inline-baseline``, one torchrun launch cheaper than a separate
     uninterrupted run."""
@@ -151,7 +120,7 @@ def _uninterrupted(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     return {"state_digest": state_digest(model, opt), "losses": losses}
 
 
-def main(args: argparse.Namespace, rank: int, attempt: int) -> None:
+def main(args: TorchrunSpec, rank: int, attempt: int) -> None:
     import gemscout
 
     timeout = timedelta(seconds=args.timeout_s)
@@ -280,7 +249,7 @@ def entry() -> None:
     and the attempt's record says so; os._exit for the reason given in qualification.programs._rank.run."""
     from gemscout.errors import GemscoutError
 
-    args = parse()
+    args = parse(TorchrunSpec)
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _record(
         args,

@@ -12,18 +12,18 @@ step S (its checkpoint drained first).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import runpy
 import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from qualification.programs._kills import sigkill_self
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.titan import TorchTitanSpec
 
 
 def digest(trainer: Any) -> str:
@@ -53,13 +53,8 @@ def trainer_class() -> Any:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ckpt", type=Path, default=None)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
     ours, _, titan_args = " ".join(sys.argv[1:]).partition(" -- ")
-    args = ap.parse_args(ours.split())
+    args = parse(TorchTitanSpec, ours.split())
     trainer_cls = trainer_class()
     original = trainer_cls.train
 

@@ -21,7 +21,6 @@ the DDP-wrapped or ``fully_shard``ed stage) and its optimizer to gemscout unchan
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import random
@@ -29,7 +28,6 @@ import signal
 import time
 from contextlib import nullcontext
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from qualification.programs._kills import sigkill_self, sigkill_self_later
 from qualification.programs._pipeline import (
     PIPELINE_TOPOLOGIES,
-    SCHEDULES,
     Pipeline,
     build_pipeline,
     replica_of,
@@ -46,6 +43,8 @@ from qualification.programs._pipeline import (
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_faults import armed
 from qualification.programs._tensor_bytes import tensor_bytes
+from qualification.programs.specs import parse
+from qualification.programs.specs.train import TrainSpec
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -78,9 +77,6 @@ def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str
             h.update(f"{idx}.{k}".encode())
             h.update(full(v) if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()
-
-
-TOPOLOGIES = ("ddp", "ddp-default", "fsdp2", "hsdp", "tp", "fsdp2-tp", *PIPELINE_TOPOLOGIES)
 
 
 def data_rank(topology: str, rank: int) -> int:
@@ -146,71 +142,8 @@ def _buckets(model: torch.nn.Module) -> dict | None:
     }
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workload", default="tiny-causal-lm")
-    ap.add_argument("--topology", default="ddp", choices=TOPOLOGIES)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument(
-        "--ckpt", type=Path, default=None, help="checkpoint directory; omit for the baseline"
-    )
-    ap.add_argument("--run-id", default="qualify")
-    ap.add_argument("--ranks-per-node", type=int, default=1)
-    ap.add_argument("--persist-every", type=int, default=1)
-    ap.add_argument("--no-async", action="store_true")
-    ap.add_argument("--chunk-bytes", type=int, default=256 * 1024)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--kill-phase", default="after-step")
-    ap.add_argument("--sigterm-step", type=int, default=-1)
-    ap.add_argument(
-        "--recovery-kill-phase",
-        default="",
-        help="SIGKILL --kill-rank during the recovery at attach: recover-send | recover-receive | "
-        "recover-restore (qualification/programs/_recovery_faults.py)",
-    )
-    ap.add_argument("--kill-seed", type=int, default=0)
-    ap.add_argument(
-        "--durable", type=Path, default=None, help="durable (DCP) directory shared by all ranks"
-    )
-    ap.add_argument("--durable-every", type=int, default=0)
-    ap.add_argument(
-        "--certify", action="store_true", help="certify every capture (stands in for SCOUT)"
-    )
-    ap.add_argument(
-        "--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (pp topologies)"
-    )
-    ap.add_argument(
-        "--replication",
-        default="ring",
-        choices=("ring", "natural"),
-        help="GEMINI replica placement (natural: HSDP replicate-group peers)",
-    )
-    ap.add_argument(
-        "--when-busy",
-        default="wait",
-        choices=("wait", "skip"),
-        help="GEMINI when every slot is busy",
-    )
-    ap.add_argument(
-        "--io-delay-ms",
-        type=int,
-        default=0,
-        help="sleep this long on GEMINI's io thread before each replication (a slow network)",
-    )
-    ap.add_argument(
-        "--full-digest",
-        action="store_true",
-        help="also record mesh-independent digests of the whole state at resume and at the end",
-    )
-    return ap.parse_args()
-
-
 def main() -> None:
-    args = parse()
+    args = parse(TrainSpec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -9,12 +9,10 @@ to ``<out>/rank<r>.reports.jsonl`` as it arrives, so a driver can read them whil
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 import gemscout
+from qualification.programs.specs import parse
+from qualification.programs.specs.watch import WatchSpec
 from qualification.workloads import build_model, lm_loss, synthetic_batch
 
 
@@ -40,24 +40,7 @@ class Tokens(Dataset):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--threshold-s", type=float, default=1.5)
-    ap.add_argument("--data-delay-rank", type=int, default=-1)
-    ap.add_argument("--data-delay-s", type=float, default=0.0)
-    ap.add_argument("--io-delay-rank", type=int, default=-1)
-    ap.add_argument("--io-delay-s", type=float, default=0.0)
-    ap.add_argument("--delay-from", type=int, default=3)
-    ap.add_argument("--hang-rank", type=int, default=-1)
-    ap.add_argument("--hang-step", type=int, default=-1)
-    ap.add_argument(
-        "--ckpt",
-        type=Path,
-        default=None,
-        help="also run GEMINI with this checkpoint directory (the session then keeps faults.jsonl there)",
-    )
-    args = ap.parse_args()
+    args = parse(WatchSpec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
