@@ -1,20 +1,16 @@
-"""What every rank program does at its two ends — leave with the documented exit code, leave without teardown — and
-the lifecycle driver's fail-stop faults between steps."""
+"""What every rank program does at its two ends: leave with the documented exit code, and write its result (checked
+against ``rank-result.schema.json``) and leave without teardown. Fail-stop faults: :mod:`._failstop`."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-
-from qualification.programs._kills import sigkill_self
 
 
 def write_result(out: Path, rank: int, result: dict[str, Any], name: str | None = None) -> Path:
@@ -64,19 +60,6 @@ def run(main: Callable[[], None]) -> None:
         print(f"gemscout: {type(exc).__name__}: {exc}", flush=True)
         sys.stderr.flush()
         os._exit(exc.exit_code)
-
-
-def fail_stop(session: Any, rank: int, step: int, args: Any) -> None:
-    """After ``step``: ``--kill-rank R --kill-step S`` SIGKILLs rank R once its checkpoint of S is out (drained, so the
-    process dies before the next step; the kill is recorded under ``args.out`` first); ``--sigterm-step S`` sends SIGTERM to rank 0 (GEMINI's handler flushes the
-    newest recoverable state and re-raises; the sleep is never reached)."""
-    if rank == args.kill_rank and step == args.kill_step:
-        if session is not None and session.checkpointer is not None:
-            session.checkpointer.drain()
-        sigkill_self(args.out, rank=rank, step=step, phase="after-step")
-    if rank == 0 and step == getattr(args, "sigterm_step", None):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)
 
 
 def trust_states(session: Any) -> dict[str, str]:

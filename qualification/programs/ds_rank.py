@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -47,7 +46,7 @@ import torch.distributed as dist
 
 from gemscout.scout import StragglerConfig
 from qualification.programs import ds_zero3
-from qualification.programs._kills import sigkill_self
+from qualification.programs._failstop import FailStop
 from qualification.programs._rank import finish, run
 from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.specs import parse
@@ -228,7 +227,7 @@ def main() -> None:
     losses: dict[int, float] = {}
     reports: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
-    killer = args.kill_rank == rank
+    faults = FailStop.of(args, rank)
     session = None
     decision = None
     resume_digest = resume_full = resume_module = None
@@ -237,13 +236,7 @@ def main() -> None:
         import gemscout
 
         def extra() -> dict[str, Any]:
-            if (
-                killer
-                and args.kill_phase == "capture"
-                and session is not None
-                and session.step == args.kill_step
-            ):
-                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
+            faults.in_capture(session)
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict[str, Any]) -> None:
@@ -296,17 +289,7 @@ def main() -> None:
         resume_full = full_state(engine) if args.full_state and session.resume_step > 0 else None
         resume_module = module_digest(engine)
         times = {"attach_wall": t_attach, "restored_wall": time.time()}
-        if (
-            killer
-            and args.kill_phase in ("persist", "replicate", "persist_replica")
-            and session.checkpointer
-        ):
-
-            def hook(phase: str, step: int) -> None:
-                if phase == args.kill_phase and step == args.kill_step:
-                    sigkill_self(args.out, rank=rank, step=step, phase=phase)
-
-            session.checkpointer.phase_hook = hook
+        faults.arm_io(session)
     if session is not None and session.scout is not None and args.replay_fault_steps:
         from qualification.faults import Injector, fail_at
 
@@ -359,8 +342,7 @@ def main() -> None:
             x, y = synthetic_batch(seed=args.seed, step=step * args.accumulation + micro, rank=rank)
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
-            if killer and step == args.kill_step and args.kill_phase == "in-step":
-                sigkill_self(args.out, rank=rank, step=step, phase="in-step")
+            faults.in_step(step)
             losses[step] = (
                 loss.item()
             )  # before engine.step(): GEMINI takes caller state at the end of the step
@@ -381,13 +363,7 @@ def main() -> None:
                     n: {str(k): v for k, v in t.items()} for n, t in cycle.replay_s.items()
                 },
             }
-        if killer and step == args.kill_step and args.kill_phase == "after-step":
-            if session is not None and session.checkpointer is not None:
-                session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-            sigkill_self(args.out, rank=rank, step=step, phase="after-step")
-        if rank == 0 and step == args.sigterm_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # the handler flushes and re-raises; we never get here
+        faults.after_step(session, step)
     digest = state_digest(engine)
     final_full = full_state(engine) if args.full_state else None
     if args.dump_full is not None:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import fail_stop, finish, run
+from qualification.programs._failstop import FailStop
+from qualification.programs._rank import finish, run
 from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.specs import parse
 from qualification.programs.specs.megatron import MegatronGpuSpec
@@ -142,7 +143,7 @@ def main() -> None:
         )
         losses[step] = float(out[0]["lm loss"])
         optimizer.step()  # the session's hooks run around this call
-        fail_stop(session, rank, step, args)
+        FailStop.of(args, rank).after_step(session, step)
     if session is not None and session.checkpointer is not None:
         session.checkpointer.drain()
     result = {

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import fail_stop, finish, run, trust_states
+from qualification.programs._failstop import FailStop
+from qualification.programs._rank import finish, run, trust_states
 from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.megatron_gpu_rank import state_digest
 from qualification.programs.specs import parse
@@ -254,7 +255,7 @@ def main() -> None:
             due[str(step)] = [r.name for r in session.scout.catalog.due(step)]
         if session is not None:  # the first step trained after the restore (recovery wall time)
             times.setdefault("first_step_wall", time.time())
-        fail_stop(session, rank, step, args)
+        FailStop.of(args, rank).after_step(session, step)
     trust = trust_states(session)
     h = hashlib.sha256()
     _model_hash(h, model)

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._rank import fail_stop, finish, run, trust_states
+from qualification.programs._failstop import FailStop
+from qualification.programs._rank import finish, run, trust_states
 from qualification.programs._tensor_bytes import tensor_bytes
 from qualification.programs.specs import parse
 from qualification.programs.specs.megatron import GPT_TOPOLOGIES as TOPOLOGIES
@@ -301,7 +302,7 @@ def main() -> None:
             }
         if session is not None:  # the first step trained after the restore (recovery wall time)
             times.setdefault("first_step_wall", time.time())
-        fail_stop(session, rank, step, args)
+        FailStop.of(args, rank).after_step(session, step)
     trust = trust_states(session)
     # Replicas: ranks with the same TP and EP coordinates hold the same shard (test-side comparison; gemscout never
     # pickles).

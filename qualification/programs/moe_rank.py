@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualification.programs._kills import sigkill_self
+from qualification.programs._failstop import FailStop
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_times import Stamps
 from qualification.programs.specs import parse
@@ -127,6 +127,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     job = Job(args.workload, args.seed, args.etp)
     rank = job.rank
+    faults = FailStop.of(args, rank)
     torch.manual_seed(17)
     model, opt = job.build()
     reports: list[dict[str, Any]] = []
@@ -192,9 +193,7 @@ def main() -> None:
         result = session.scout.last_result
         if result is not None and result.step == step:
             cycles[step] = summary(result)
-        if rank == args.kill_rank and step == args.kill_step:
-            session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next step
-            sigkill_self(args.out, rank=rank, step=step, phase="after-step")
+        faults.after_step(session, step)
     session.checkpointer.drain()
     doc: dict[str, Any] = {
         "rank": rank,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from qualification.frameworks import torchtitan_cpu
-from qualification.programs._kills import sigkill_self
+from qualification.programs._failstop import FailStop
 from qualification.programs._rank import finish, run
 from qualification.programs._recovery_times import Stamps
 from qualification.programs._tensor_bytes import tensor_bytes
@@ -102,6 +102,7 @@ def main() -> None:
     args = parse(TitanSpec)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    faults = FailStop.of(args, rank)
     # The datasets library caches the json it parses; one folder per rank, never the user's home.
     os.environ.setdefault("HF_DATASETS_CACHE", str(args.out / "hf-cache" / f"rank{rank}"))
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -182,13 +183,11 @@ def main() -> None:
             trainer.optimizers.register_step_post_hook(
                 record_cycle
             )  # after the session's post-hook
-        if args.kill_rank == rank:
+        if faults.killer:
 
             def kill(opt: Any, a: Any, k: Any) -> None:
-                if session is not None and session.step == args.kill_step:
-                    if session.checkpointer is not None:
-                        session.checkpointer.drain()  # step S is out (own disk, peer); the process dies now
-                    sigkill_self(args.out, rank=rank, step=session.step, phase="after-step")
+                if session is not None:  # step S is out (own disk, peer): the process dies now
+                    faults.after_step(session, session.step)
 
             trainer.optimizers.register_step_post_hook(kill)  # after the session's post-hook
     stamps = Stamps()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
 import time
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qualification.programs._kills import sigkill_self, sigkill_self_later
+from qualification.programs._failstop import FailStop
 from qualification.programs._rank import finish
 from qualification.programs._recovery_times import Stamps
 from qualification.programs.specs import parse
@@ -134,22 +133,17 @@ def main(args: TorchrunSpec, rank: int, attempt: int) -> None:
         )  # before attaching: a STOP attempt keeps it too
     model, ddp, opt, sched = _build(args)
     losses: dict[int, float] = {}
-    killer = rank == args.kill_rank and attempt == args.kill_attempt
+    # torchrun's kill_attempt names the attempt that kills; a random kill's delay is seeded by the run's seed
+    faults = FailStop.of(
+        args, rank, seed=args.seed, attempt=attempt, armed=attempt == args.kill_attempt
+    )
     stamps = Stamps()
     session = None
     decision = None
     if args.ckpt is not None:
 
         def extra() -> dict[str, Any]:
-            if (
-                killer
-                and args.kill_phase == "capture"
-                and session is not None
-                and session.step == args.kill_step
-            ):
-                sigkill_self(
-                    args.out, rank=rank, step=args.kill_step, phase="capture", attempt=attempt
-                )
+            faults.in_capture(session)
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict[str, Any]) -> None:
@@ -179,40 +173,18 @@ def main(args: TorchrunSpec, rank: int, attempt: int) -> None:
             attempt,
             {"decision": decision, "resume_step": session.resume_step},
         )
-        if (
-            killer
-            and args.kill_phase in ("persist", "replicate", "persist_replica")
-            and session.checkpointer
-        ):
-
-            def hook(phase: str, step: int) -> None:
-                if phase == args.kill_phase and step == args.kill_step:
-                    sigkill_self(args.out, rank=rank, step=step, phase=phase, attempt=attempt)
-
-            session.checkpointer.phase_hook = hook
+        faults.arm_io(session)
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
         x, y = synthetic_batch(seed=args.seed, step=step, rank=rank)
         loss = lm_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if killer and step == args.kill_step and args.kill_phase == "in-step":
-            sigkill_self(args.out, rank=rank, step=step, phase="in-step", attempt=attempt)
+        faults.in_step(step)
         losses[step] = loss.item()
         opt.step()
         sched.step()
-        if killer and step == args.kill_step:
-            if args.kill_phase == "after-step":
-                if session is not None and session.checkpointer is not None:
-                    session.checkpointer.drain()
-                sigkill_self(args.out, rank=rank, step=step, phase="after-step", attempt=attempt)
-            elif args.kill_phase.startswith("random:"):
-                delay = random.Random(args.seed).uniform(
-                    0, float(args.kill_phase.split(":")[1]) / 1000
-                )
-                sigkill_self_later(
-                    args.out, delay, rank=rank, step=step, phase=args.kill_phase, attempt=attempt
-                )
+        faults.after_step(session, step)
         stamps.stepped()
         (args.out / "progress").mkdir(parents=True, exist_ok=True)
         (args.out / "progress" / f"rank{rank}").write_text(

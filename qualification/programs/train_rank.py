@@ -22,9 +22,6 @@ the DDP-wrapped or ``fully_shard``ed stage) and its optimizer to gemscout unchan
 from __future__ import annotations
 
 import hashlib
-import os
-import random
-import signal
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -33,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qualification.programs._kills import sigkill_self, sigkill_self_later
+from qualification.programs._failstop import FailStop
 from qualification.programs._pipeline import (
     PIPELINE_TOPOLOGIES,
     Pipeline,
@@ -158,7 +155,8 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     losses: dict[int, float] = {}
-    killer = args.kill_rank == rank
+    faults = FailStop.of(args, rank)
+    killer = faults.killer
     session = None
     decision = None
     resume_digest = None
@@ -168,13 +166,7 @@ def main() -> None:
         import gemscout
 
         def extra() -> dict:
-            if (
-                killer
-                and args.kill_phase == "capture"
-                and session is not None
-                and session.step == args.kill_step
-            ):
-                sigkill_self(args.out, rank=rank, step=args.kill_step, phase="capture")
+            faults.in_capture(session)
             return {"losses": {str(k): v for k, v in losses.items()}}
 
         def load_extra(state: dict) -> None:
@@ -224,17 +216,7 @@ def main() -> None:
                     time.sleep(args.io_delay_ms / 1000)
 
             session.checkpointer.phase_hook = slow
-        if (
-            killer
-            and args.kill_phase in ("persist", "replicate", "persist_replica")
-            and session.checkpointer
-        ):
-
-            def hook(phase: str, step: int) -> None:
-                if phase == args.kill_phase and step == args.kill_step:
-                    sigkill_self(args.out, rank=rank, step=step, phase=phase)
-
-            session.checkpointer.phase_hook = hook
+        faults.arm_io(session)  # after the slow hook: a kill phase replaces it
     start = session.resume_step + 1 if session else 1
     for step in range(start, args.steps + 1):
         x, y = synthetic_batch(seed=args.seed, step=step, rank=data_rank(args.topology, rank))
@@ -247,8 +229,7 @@ def main() -> None:
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-        if killer and step == args.kill_step and args.kill_phase == "in-step":
-            sigkill_self(args.out, rank=rank, step=step, phase="in-step")
+        faults.in_step(step)
         losses[step] = loss.item()  # before opt.step(): GEMINI takes caller state inside the step
         opt.step()
         sched.step()
@@ -258,19 +239,7 @@ def main() -> None:
             times["first_step_wall"] = time.time()
         if session is not None and args.certify and session.step % args.interval == 0:
             session.certify(session.step)
-        if killer and step == args.kill_step:
-            if args.kill_phase == "after-step":
-                if session is not None and session.checkpointer is not None:
-                    session.checkpointer.drain()  # the step's checkpoint is out; the process dies before the next
-                sigkill_self(args.out, rank=rank, step=step, phase="after-step")
-            elif args.kill_phase.startswith("random:"):
-                delay = random.Random(args.kill_seed).uniform(
-                    0, float(args.kill_phase.split(":")[1]) / 1000
-                )
-                sigkill_self_later(args.out, delay, rank=rank, step=step, phase=args.kill_phase)
-        if rank == 0 and step == args.sigterm_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # the handler flushes and re-raises; we never get here
+        faults.after_step(session, step)
     digest = state_digest(model, opt)
     full_digest = full_state_digest(model, opt) if args.full_digest else None
     digests = [None] * world
