@@ -6,7 +6,7 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
 
 - ``fault.kind = "worker-kill"``: one node, ``torchrun --standalone``. ``rank`` SIGKILLs itself in the first attempt
   at ``step`` / ``phase`` (``"random"``: drawn from the cell's seed, the step from 2..steps-2 and the phase from
-  :data:`PHASES`); ``node_loss = true`` deletes its node folder before the relaunch (each rank is a node:
+  :data:`~qualification.programs._torchrun_held.PHASES`); ``node_loss = true`` deletes its node folder before the relaunch (each rank is a node:
   ``ranks_per_node`` 1), so it must come back from its peer's replica.
 - ``fault.kind = "stop"``: as ``worker-kill`` at ``step`` after the step, then ``lose_nodes`` are deleted before the
   relaunch: a rank whose own folder and replica holder are both gone cannot be restored, and recovery STOPs.
@@ -27,7 +27,7 @@ Cell fields: ``world_size``, ``workload``, ``seed``, ``timeout_s``, ``fault`` an
 Observed: ``torchrun_exit`` (each agent's), ``attempts``, ``recovered_step``, ``recovered_step_expected``, ``mode``,
 ``sources`` (per rank: memory / local / peer:N), ``held`` (what each rank held when the recovering attempt began,
 read from the checkpoint directories before any rank attached), ``held_step`` and ``held_sources`` (from ``held``:
-the newest step every rank held and where each rank's copy was; see :func:`held_restore` — a cell expects
+the newest step every rank held and where each rank's copy was; see :func:`~qualification.programs._torchrun_held.held_restore` — a cell expects
 ``recovered_step`` and ``sources`` to equal them), ``bitwise_equal``, ``losses_equal``, ``replicas_equal``, ``final_step``; STOP
 cells: ``stop_exit_codes``, ``stop_lines`` (distinct lines printed), ``stop_line``, ``stop_record``, ``stop_attempt_s``,
 ``held_step_exists`` (some step was held by every rank when the first relaunch began: then a STOP would be wrong).
@@ -41,7 +41,6 @@ restored on every rank), ``first-step`` (every rank trained the first step after
 
 from __future__ import annotations
 
-import random
 import shutil
 import time
 from pathlib import Path
@@ -52,105 +51,7 @@ from qualification.programs import _torchrun as tr
 from qualification.programs._contract import cell_main
 from qualification.programs._recovery_times import recovery_events
 from qualification.programs._torchrun import Agent
-
-PHASES = (
-    "after-step",
-    "in-step",
-    "capture",
-    "persist",
-    "replicate",
-    "persist_replica",
-    "random:40",
-)
-
-
-def _draw(fault: dict[str, Any], steps: int, seed: int) -> tuple[int, str]:
-    rng = random.Random(f"torchrun-cell:{seed}")
-    step = fault.get("step", "random")
-    phase = fault.get("phase", "random")
-    step = rng.randint(2, steps - 2) if step == "random" else int(step)
-    phase = rng.choice(PHASES) if phase == "random" else str(phase)
-    return step, phase
-
-
-def _expected_steps(step: int, phase: str) -> list[int]:
-    """Steps a kill at (step, phase) may leave as the newest one every rank can restore. ``after-step`` drains the
-    step's io first: exactly that step. Otherwise the killed rank's copy is its replica on a peer, which is written in
-    the background while the next step runs (measured under load: a kill inside step 3 found step 2's replica exchange
-    still in flight and recovered step 1): inside step S (``in-step``, ``capture``) S-2 or S-1; on S's io thread S-2
-    to S; ``random:<ms>`` fires up to that long after step S, so possibly inside S+1: S-2 to S+1."""
-    if phase == "after-step":
-        return [step]
-    newest = {"in-step": step - 1, "capture": step - 1}.get(
-        phase, step + 1 if phase.startswith("random:") else step
-    )
-    return list(range(max(0, step - 2), newest + 1))
-
-
-_OWN_TIERS = (("memory", "memory"), ("own", "local"))
-_PEER_TIERS = ("memory_replica", "replica")
-
-
-def held_restore(
-    held: dict[str, dict[str, dict[str, list[int]]]], world: int
-) -> tuple[int | None, list[str | None]]:
-    """From what each rank held when recovery began (``held``, see :mod:`qualification.programs.torchrun_rank`):
-    the newest step every rank held a copy of, and for each rank where that copy was — its own memory slot
-    (``memory``), else its own file (``local``), else a peer's replica (``peer:N``, a replica in memory before one on
-    disk, the lowest such rank first). ``(None, [None, ...])`` when no step was held by every rank: then the only
-    correct outcome is no restore, and a recovered step must not match."""
-
-    def copy_of(rank: int, step: int) -> str | None:
-        mine = held.get(str(rank), {})
-        for kind, name in _OWN_TIERS:
-            if step in mine.get(kind, {}).get(str(rank), []):
-                return name
-        for kind in _PEER_TIERS:
-            for peer in range(world):
-                if step in held.get(str(peer), {}).get(kind, {}).get(str(rank), []):
-                    return f"peer:{peer}"
-        return None
-
-    steps = {
-        s
-        for tiers in held.values()
-        for owners in tiers.values()
-        for v in owners.values()
-        for s in v
-    }
-    for step in sorted(steps, reverse=True):
-        where = [copy_of(r, step) for r in range(world)]
-        if all(where):
-            return step, where
-    return None, [None] * world
-
-
-def _compare(
-    observed: dict[str, Any], ranks: list[dict[str, Any]], reference: list[dict[str, Any]] | None
-) -> None:
-    if reference is None:
-        reference = [r["baseline"] for r in ranks]
-    decision = ranks[0].get("decision") or {}
-    observed["mode"] = decision.get("mode")
-    observed["recovered_step"] = decision.get("step")
-    by_rank = decision.get("sources", {})
-    observed["sources"] = [
-        by_rank.get(str(r)) for r in range(len(ranks))
-    ]  # a list: expect tables are operators
-    observed["bitwise_equal"] = all(
-        r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
-    )
-    observed["losses_equal"] = all(
-        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
-    )
-    observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
-    observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
-    held: dict[str, dict[str, dict[str, list[int]]]] = {}
-    for r in ranks:  # each node's local rank 0 reported its node's ranks
-        held.update(r.get("held") or {})
-    observed["held"] = held
-    observed["held_step"], observed["held_sources"] = held_restore(held, len(ranks))
-    observed["local_world_size"] = sorted({r.get("local_world_size", 0) for r in ranks})
+from qualification.programs._torchrun_held import compare, draw, expected_steps, held_restore
 
 
 def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
@@ -248,7 +149,7 @@ def _single_node(
     p = cell.get("params", {})
     steps = int(p.get("steps", 8))
     restarts = int(p.get("max_restarts", 1))
-    step, phase = _draw(fault, steps, int(cell.get("seed", 0)))
+    step, phase = draw(fault, steps, int(cell.get("seed", 0)))
     rank = int(fault["rank"])
     lose = [rank] if fault.get("node_loss") else [int(n) for n in fault.get("lose_nodes", [])]
     faults = _kill_fields(celldir, rank, step, phase, lose)
@@ -315,7 +216,7 @@ def _single_node(
         return _result(
             cell, "failed", observed, timeline, f"torchrun exited {code}; see logs/torchrun.log"
         )
-    _compare(observed, ranks, reference)
+    compare(observed, ranks, reference)
     starts = [r["started"] for a, recs in by_attempt.items() if a >= 1 for r in recs.values()]
     if starts:
         timeline.append(
@@ -326,7 +227,7 @@ def _single_node(
             }
         )
     _recovered(observed, ranks, timeline, kills[-1]["wall"], wall0)
-    observed["recovered_step_expected"] = observed["recovered_step"] in _expected_steps(step, phase)
+    observed["recovered_step_expected"] = observed["recovered_step"] in expected_steps(step, phase)
     observed["killed_source"] = observed["sources"][rank]
     observed["other_sources"] = sorted({v for r, v in enumerate(observed["sources"]) if r != rank})
     return _result(
@@ -463,7 +364,7 @@ def _two_nodes(
                 cell, "passed", observed, timeline, f"agents exited {codes}, as torch 2.13 does"
             )
         return _result(cell, "failed", observed, timeline, f"agents exited {codes}; see logs/")
-    _compare(observed, ranks, reference)
+    compare(observed, ranks, reference)
     observed["node1_sources"] = observed["sources"][per:]
     _recovered(observed, ranks, timeline, kill["wall"], wall0)
     return _result(

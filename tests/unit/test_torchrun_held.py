@@ -12,7 +12,7 @@ import pytest
 
 from qualification import expect
 from qualification.programs._recovery_times import recovery_events
-from qualification.programs.torchrun_cell import held_restore
+from qualification.programs._torchrun_held import held_restore
 
 ROOT = Path(__file__).resolve().parents[2]
 
