@@ -62,6 +62,22 @@ def failed(
     }
 
 
+def against_reference(
+    ranks: list[dict[str, Any]], reference: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """How the ranks' ``rank<r>.json`` compare with the uninterrupted run's, rank by rank (under sharding each rank
+    holds its own shard): ``bitwise_equal`` (every state digest), ``losses_equal`` (every rank's whole loss
+    trajectory), ``replicas_equal`` (every rank saw its data-parallel replicas agree) and ``final_step``."""
+    return {
+        "bitwise_equal": all(
+            r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
+        ),
+        "losses_equal": all(r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)),
+        "replicas_equal": all(r["replicas_equal"] for r in ranks),
+        "final_step": max((int(s) for s in ranks[0]["losses"]), default=0),
+    }
+
+
 def trust_gating(
     trust: dict[int, str], decisions: list[dict[str, Any]], fault_step: int, end: int | None = None
 ) -> dict[str, bool]:

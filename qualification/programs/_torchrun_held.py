@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from qualification.programs._contract import against_reference
+
 PHASES = (
     "after-step",
     "in-step",
@@ -91,14 +93,7 @@ def compare(
     observed["sources"] = [
         by_rank.get(str(r)) for r in range(len(ranks))
     ]  # a list: expect tables are operators
-    observed["bitwise_equal"] = all(
-        r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
-    )
-    observed["losses_equal"] = all(
-        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
-    )
-    observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
-    observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
+    observed.update(against_reference(ranks, reference))
     held: dict[str, dict[str, dict[str, list[int]]]] = {}
     for r in ranks:  # each node's local rank 0 reported its node's ranks
         held.update(r.get("held") or {})

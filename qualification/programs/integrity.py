@@ -22,7 +22,7 @@ Cell fields used: ``world_size``, ``workload``, ``seed``, ``fault``, ``params``.
   ``reason_contains`` (text the decision's reason must contain, e.g. the file it refused).
 
 Observed: ``recovered_step``, ``source_rank<R>`` (where rank R restored from, e.g. ``peer:2``), ``bitwise_equal``,
-``losses_equal``, ``decision_mode``, ``decision_reason``, ``reason_names_fault``, ``relaunch_exit_code`` (0, or the
+``losses_equal``, ``replicas_equal``, ``final_step``, ``decision_mode``, ``decision_reason``, ``reason_names_fault``, ``relaunch_exit_code`` (0, or the
 exit code of the first rank that failed), ``relaunch_exit_codes``, ``traceback_free`` (no rank log has a traceback),
 ``inspect_predicted`` (what ``gemscout inspect --verify`` said a restart would do, read before the relaunch) and
 ``inspect_agrees`` (it said what the restart then did: mode, and for a restore the step and every rank's source).
@@ -48,7 +48,7 @@ from qualification.corruption import (
     replica_slot,
 )
 from qualification.launch import LaunchResult, launch
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import against_reference, cell_main
 from qualification.programs.specs import spec_argv
 from qualification.programs.specs.train import TrainSpec
 
@@ -283,13 +283,7 @@ def _recovered(
         f"{decision.get('mode')} step {decision.get('step')} from {decision.get('sources')}",
     )
     event("recovery", f"resumed at step {ranks[0]['resume_step']} on {world} ranks")
-    observed["bitwise_equal"] = all(
-        r["state_digest"] == reference[0]["state_digest"] for r in ranks
-    )
-    observed["losses_equal"] = all(
-        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
-    )
-    observed["final_step"] = max((int(s) for s in ranks[0]["losses"]), default=0)
+    observed.update(against_reference(ranks, reference))
     event(
         "finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}"
     )

@@ -48,7 +48,7 @@ from typing import Any
 
 from qualification.launch import LaunchResult, launch
 from qualification.programs import _kills
-from qualification.programs._contract import cell_main
+from qualification.programs._contract import against_reference, cell_main
 from qualification.programs.specs import spec_argv
 from qualification.programs.specs.common import LifecycleSpec
 
@@ -329,14 +329,7 @@ def run_cell(cell: dict[str, Any], celldir: Path) -> dict[str, Any]:
         timeline = _with_kills(timeline, celldir, wall0)
     observed["decision"] = decision
     # Rank by rank: with sharded topologies each rank holds its own shard of the uninterrupted run's state.
-    observed["bitwise_equal"] = all(
-        r["state_digest"] == reference[i]["state_digest"] for i, r in enumerate(ranks)
-    )
-    observed["losses_equal"] = all(
-        r["losses"] == reference[i]["losses"] for i, r in enumerate(ranks)
-    )
-    observed["replicas_equal"] = all(r["replicas_equal"] for r in ranks)
-    observed["final_step"] = max(int(s) for s in ranks[0]["losses"]) if ranks[0]["losses"] else 0
+    observed.update(against_reference(ranks, reference))
     observed["errors"] = sorted({e for r in ranks for e in r.get("errors", [])})
     event(
         "finish", f"bitwise_equal={observed['bitwise_equal']} final_step={observed['final_step']}"
