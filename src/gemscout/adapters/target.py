@@ -53,3 +53,25 @@ class Target:
     rank_local: bool = False
     """Every rank's model and optimizer state is its own partition (DeepSpeed ZeRO), so the durable tier promotes
     every rank's, not one copy of replicated state."""
+
+
+def with_framework_state(
+    key: str,
+    save: Callable[[], Any],
+    load: Callable[[Any], None],
+    extra_state_fn: Callable[[], Any] | None,
+    load_extra_state_fn: Callable[[Any], None] | None,
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """The caller's extra state wrapped with a framework's own: a capture holds ``{key: save(), "caller": <the
+    caller's, or None>}``, and the inverse loads the framework's part (``load``) before it hands the caller's back
+    to ``load_extra_state_fn``. The pair an adapter puts in its :class:`Target`."""
+
+    def extra() -> dict[str, Any]:
+        return {key: save(), "caller": extra_state_fn() if extra_state_fn else None}
+
+    def load_extra(state: dict[str, Any]) -> None:
+        load(state[key])
+        if load_extra_state_fn is not None and state["caller"] is not None:
+            load_extra_state_fn(state["caller"])
+
+    return extra, load_extra

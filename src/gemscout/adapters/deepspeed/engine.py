@@ -39,7 +39,7 @@ from torch import nn
 from gemscout.adapters._step_hooks import EngineStepView
 from gemscout.adapters.classes import class_names
 from gemscout.adapters.deepspeed import layout as deepspeed_layout
-from gemscout.adapters.target import Request, Target
+from gemscout.adapters.target import Request, Target, with_framework_state
 from gemscout.errors import ConfigError, RunMismatchError
 from gemscout.scout.config import ScoutConfig
 from gemscout.state.codec import encode
@@ -230,19 +230,13 @@ def _extra_fns(
     load_extra_state_fn: Callable[[Any], None] | None,
 ) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     """The engine's counters and lr scheduler plus the caller's own state, and the inverse."""
-
-    def extra() -> dict[str, Any]:
-        return {
-            "engine": capture_engine(engine),
-            "caller": extra_state_fn() if extra_state_fn else None,
-        }
-
-    def load_extra(state: dict[str, Any]) -> None:
-        restore_engine(engine, state["engine"])
-        if load_extra_state_fn is not None and state["caller"] is not None:
-            load_extra_state_fn(state["caller"])
-
-    return extra, load_extra
+    return with_framework_state(
+        "engine",
+        lambda: capture_engine(engine),
+        lambda saved: restore_engine(engine, saved),
+        extra_state_fn,
+        load_extra_state_fn,
+    )
 
 
 def _resolve_zero3(

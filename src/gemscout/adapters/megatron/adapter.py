@@ -64,7 +64,7 @@ from gemscout.adapters.megatron.rng_tracker import (
     restore_rng_tracker,
 )
 from gemscout.adapters.megatron.topology import megatron_topology, moe_layers
-from gemscout.adapters.target import Request, Target
+from gemscout.adapters.target import Request, Target, with_framework_state
 from gemscout.errors import ConfigError
 from gemscout.topology import Topology
 
@@ -265,16 +265,13 @@ def resolve_megatron(
             ]
         return handles
 
-    def extra() -> dict[str, Any]:
-        return {
-            "megatron": {"rng_tracker": capture_rng_tracker()},
-            "caller": extra_state_fn() if extra_state_fn else None,
-        }
-
-    def load_extra(state: dict[str, Any]) -> None:
-        restore_rng_tracker(state["megatron"]["rng_tracker"])
-        if load_extra_state_fn is not None and state["caller"] is not None:
-            load_extra_state_fn(state["caller"])
+    extra, load_extra = with_framework_state(
+        "megatron",
+        lambda: {"rng_tracker": capture_rng_tracker()},
+        lambda saved: restore_rng_tracker(saved["rng_tracker"]),
+        extra_state_fn,
+        load_extra_state_fn,
+    )
 
     return MegatronParts(
         model=module,

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gemscout.adapters.target import Request, Target
+from gemscout.adapters.target import Request, Target, with_framework_state
 from gemscout.adapters.torchtitan.optimizers import OptimizersView, _from_storable, _to_storable
 from gemscout.adapters.torchtitan.topology import (
     _stage_order,
@@ -170,25 +170,23 @@ def resolve_trainer(
         )
     loader = trainer.dataloader
 
-    def extra() -> dict[str, Any]:
+    def save() -> dict[str, Any]:
         # ntokens_seen exists from torchtitan 0.3.0 on; earlier trainers count only steps.
         return {
-            "titan": {
-                "step": int(trainer.step),
-                "ntokens_seen": getattr(trainer, "ntokens_seen", None),
-                "dataloader": _to_storable(loader.state_dict()),
-            },
-            "caller": extra_state_fn() if extra_state_fn else None,
+            "step": int(trainer.step),
+            "ntokens_seen": getattr(trainer, "ntokens_seen", None),
+            "dataloader": _to_storable(loader.state_dict()),
         }
 
-    def load_extra(state: dict[str, Any]) -> None:
-        titan = state["titan"]
+    def load(titan: dict[str, Any]) -> None:
         trainer.step = int(titan["step"])
         if titan["ntokens_seen"] is not None:
             trainer.ntokens_seen = int(titan["ntokens_seen"])
         loader.load_state_dict(_from_storable(titan["dataloader"]))
-        if load_extra_state_fn is not None and state["caller"] is not None:
-            load_extra_state_fn(state["caller"])
+
+    extra, load_extra = with_framework_state(
+        "titan", save, load, extra_state_fn, load_extra_state_fn
+    )
 
     return TrainerParts(
         model=model,
