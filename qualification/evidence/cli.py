@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from qualification.errors import EXIT_FAILED, EXIT_OK, BundleInvalid, QualificationError, UsageError
-from qualification.evidence.facts import load_facts
+from qualification.evidence.facts_file import load_facts
 from qualification.evidence.seal import seal_bundle, sign_bundle
 from qualification.evidence.sign import (
     GITHUB_OIDC_ISSUER,

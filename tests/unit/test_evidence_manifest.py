@@ -15,7 +15,7 @@ from jsonschema import Draft202012Validator
 
 from qualification.errors import BundleInvalid, UsageError
 from qualification.evidence import CommandRecord, Summary, seal_bundle
-from qualification.evidence.facts import load_facts
+from qualification.evidence.facts_file import load_facts
 from qualification.evidence.manifest import (
     MANIFEST_NAME,
     PREDICATE_TYPE,
