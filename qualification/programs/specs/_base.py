@@ -193,7 +193,7 @@ def parse(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = No
     missing = [f.name for f, *_ in _fields(cls) if _required(f) and getattr(ns, f.name) is None]
     if missing:
         _refuse(prog, "missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
+    values = {f.name: getattr(ns, f.name) for f, *_ in _fields(cls)}
     for f, _base, _optional, repeated in _fields(cls):
         if repeated:
             values[f.name] = tuple(values[f.name]) if values[f.name] else f.default
