@@ -8,7 +8,8 @@ updates the same slice of its own replica) has nothing common to replay. Here th
   plan of :mod:`~gemscout.adapters.deepspeed.zero_slices`);
 * at a due step the owner is ``peers[(s // every) % n]`` (the rotation walks over owners, then over their slices);
   during ``engine.step()`` the inner torch optimizer's step pre-hook copies, on the owner, the slice's pre-update
-  master values, the reduced (unscaled, clipped) gradient partition, the optimizer state and the hyper-parameters;
+  master values, the reduced (unscaled, clipped) gradient partition, the optimizer state and the hyper-parameters
+  (:mod:`~gemscout.adapters.deepspeed.zero_capture`);
 * after ``engine.step()`` (an ``EngineOptimizer`` post-hook that runs before the session's) the owner broadcasts
   that capture, every rank replays the update on private copies, and each rank's vote is gathered: a non-owner votes
   with its replay, the owner with its **actual** post-update slice (master values and state) — or, when its own
@@ -32,16 +33,21 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import blake3
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gemscout.adapters.deepspeed.zero_capture import (
+    blake3_digest,
+    capture_slice,
+    hyper_digest,
+    live_slice,
+)
 from gemscout.adapters.deepspeed.zero_slices import ZeroSlice, plan_slices
 from gemscout.errors import ConfigError
 from gemscout.reports import FaultReport
-from gemscout.scout.capture import Captured, to_json_value
+from gemscout.scout.capture import Captured
 from gemscout.scout.consensus import C3Result
 from gemscout.scout.cycle import CycleResult, judge_gathered, precondition_for
 from gemscout.scout.digests import digest_many
@@ -75,27 +81,6 @@ class _DeferredRotation(RotationTracker):
     def reset(self) -> None:
         super().reset()
         self.held = None
-
-
-def _blake3(*parts: str) -> str:
-    """A ``blake3:<hex>`` digest over length-prefixed texts (the form SCOUT's record rows carry compactly)."""
-    hasher = blake3.blake3(b"gemscout.deepspeed_scout.v1\0")
-    for part in parts:
-        data = part.encode()
-        hasher.update(len(data).to_bytes(8, "little") + data)
-    return f"blake3:{hasher.hexdigest()}"
-
-
-def _hyper(group: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    plain, tensors = {}, {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor):
-            tensors[key] = value.detach().clone()
-        else:
-            plain[key] = to_json_value(value, f"hyper-parameter {key!r}")
-    return plain, tensors
 
 
 class ZeroScout(Scout):
@@ -199,7 +184,7 @@ class ZeroScout(Scout):
         self._pending = (step, due) if due else None
         self._captured = {}
         # Every rank digests its own hyper-parameters now: after engine.step() its lr scheduler has moved on.
-        self._own_hyper = {s.group: self._hyper_digest(s.group) for s in due}
+        self._own_hyper = {s.group: hyper_digest(self._inner, s.group) for s in due}
         result = super().before_step(step)
         self._settle_step = step
         if due and result is None:
@@ -216,13 +201,6 @@ class ZeroScout(Scout):
             self._last_cycle_step = step
         return result
 
-    def _hyper_digest(self, group: int) -> str:
-        plain, tensors = _hyper(self._inner.param_groups[group])
-        described = json.dumps(
-            {"class": type(self._inner).__qualname__, "hyper": plain}, sort_keys=True
-        )
-        return _blake3(digest_many({f"hyper.{k}": t for k, t in tensors.items()}), described)
-
     def _capture_partition(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Inner optimizer step pre-hook (DeepSpeed steps it once per param group, that group alone): on the owner,
         copy the due slices of this group before the update. No collective: only the owner runs this part."""
@@ -236,54 +214,11 @@ class ZeroScout(Scout):
                 continue
             for piece in (s for s in due if s.group == g and s.owner == self.rank):
                 try:
-                    self._captured[piece.name] = self._take(
-                        piece, optimizer.param_groups[0], master, step
+                    self._captured[piece.name] = capture_slice(
+                        self._inner, piece, optimizer.param_groups[0], master, step
                     )
                 except Exception as exc:  # the owner still sends: a capture that carries the error
                     self._captured[piece.name] = Captured(step=step, error=f"capture failed: {exc}")
-
-    def _take(
-        self, piece: ZeroSlice, group: Mapping[str, Any], master: torch.Tensor, step: int
-    ) -> Captured:
-        captured = Captured(step=step)
-        plain, tensors = _hyper(group)
-        captured.tensors.update({f"hyper.{k}": t for k, t in tensors.items()})
-        key = piece.key
-        captured.tensors[f"param.{key}"] = master.detach()[piece.start : piece.stop].clone()
-        if master.grad is not None:
-            captured.tensors[f"grad.{key}"] = master.grad.detach()[piece.start : piece.stop].clone()
-        values: dict[str, Any] = {}
-        for name, value in self._inner.state.get(master, {}).items():
-            if isinstance(value, torch.Tensor):
-                captured.tensors[f"state.{key}#{name}"] = self._part(value, master, piece).clone()
-            else:
-                values[name] = to_json_value(value, f"optimizer state {name!r}")
-        captured.meta.update(
-            optimizer=type(self._inner).__qualname__,
-            hyper=plain,
-            state_values={key: values} if values else {},
-            params=[key],
-            on_device=[],
-        )
-        return captured
-
-    @staticmethod
-    def _part(value: torch.Tensor, master: torch.Tensor, piece: ZeroSlice) -> torch.Tensor:
-        # Per-element state (exp_avg, exp_avg_sq) is sliced with the partition; a scalar (AdamW's step) is whole.
-        return (
-            value.detach()[piece.start : piece.stop]
-            if value.shape == master.shape
-            else value.detach()
-        )
-
-    def _actual(self, piece: ZeroSlice) -> dict[str, torch.Tensor]:
-        """The owner's live slice after the update, keyed as a replay's outputs are."""
-        master = self._masters[piece.group]
-        out = {f"param.{piece.key}": master.detach()[piece.start : piece.stop]}
-        for name, value in self._inner.state.get(master, {}).items():
-            if isinstance(value, torch.Tensor):
-                out[f"state.{piece.key}#{name}"] = self._part(value, master, piece)
-        return out
 
     def _settle_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step, self._settle_step = self._settle_step, None
@@ -408,11 +343,13 @@ class ZeroScout(Scout):
             if self.rank != piece.owner:
                 record["digest"] = replayed
             else:
-                actual = digest_many(self._actual(piece))
+                actual = digest_many(live_slice(self._inner, self._masters[piece.group], piece))
                 # The owner's replay disagreeing with its own update means the owner computed one of them wrongly:
                 # a vote that matches no peer names it.
                 record["digest"] = (
-                    actual if replayed == actual else _blake3("self-inconsistent", actual, replayed)
+                    actual
+                    if replayed == actual
+                    else blake3_digest("self-inconsistent", actual, replayed)
                 )
         except Exception as exc:  # recorded and agreed on, never raised mid-sequence
             record["error"] = f"{type(exc).__name__}: {exc}"
