@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gemscout
-from qualification.programs._rank import write_result
+from qualification.programs._rank import finish
 from qualification.programs.specs import parse
 from qualification.programs.specs.slurm import SlurmSpec
 from qualification.programs.train_rank import state_digest
@@ -69,9 +69,10 @@ def main() -> None:
         "replica_holder": placement.target(rank),
         "digest": state_digest(net, optimizer),
     }
-    write_result(args.out, rank, doc)
     session.close()
-    dist.destroy_process_group()
+    # finish: write the result, pass a barrier, leave without the process group's teardown (a normal exit after
+    # destroy_process_group aborted one task in CI: "terminate called without an active exception", exit -6).
+    finish(args.out, rank, doc)
 
 
 if __name__ == "__main__":
