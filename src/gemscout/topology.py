@@ -27,6 +27,11 @@ coordinate, and :attr:`Topology.stage_label` (``pp1``) qualifies recipe names so
 compared with, or combined with, another stage's. A rank that holds several stages (interleaved schedules) names each
 by its own stage, in the looped order (:meth:`Topology.chunk_labels`: ``pp0`` and ``pp2`` on a pp=2 mesh).
 
+**Plain tensors a framework places on a model dim.** A DTensor names the mesh dims it lives on; a framework that
+shards with plain tensors marks them with attributes instead. Its adapter says which in
+:attr:`Topology.placement_flags` (a :class:`PlacementFlag` per attribute), so SCOUT knows which replays run the
+framework's collectives without knowing the framework.
+
 This module is pure (no process group, no model): :func:`derive` is the whole rule, unit-tested as such. Reading
 the mesh off a live model and creating SCOUT's gloo groups is :mod:`gemscout.topology_discovery`.
 """
@@ -41,7 +46,17 @@ from typing import Any
 
 from gemscout.errors import ConfigError
 
-__all__ = ["Topology", "derive"]
+__all__ = ["PlacementFlag", "Topology", "derive"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementFlag:
+    """A plain parameter whose attribute ``attribute`` is ``value`` (by identity: ``True`` is not ``1``) lies on the
+    model dim ``dim``: its module runs collectives along that dim. A flag whose dim the mesh lacks places nothing."""
+
+    attribute: str
+    value: bool
+    dim: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +84,9 @@ class Topology:
     stage_dims: tuple[str, ...] = ()
     """Model dims along which ranks hold different modules (pipeline stages); empty unless the mesh came from
     ``ScoutConfig.mesh`` for a model with plain parameters."""
+    placement_flags: tuple[PlacementFlag, ...] = ()
+    """How the framework marks plain tensors that lie on a model dim (its adapter's rule; empty: every plain tensor
+    is replicated along the model dims)."""
 
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.shape) or len(set(self.dims)) != len(self.dims):
@@ -234,6 +252,7 @@ class Topology:
             "reason": self.reason,
             "stage_dims": list(self.stage_dims),
             "stage_label": self.stage_label,
+            "placement_flags": [[f.attribute, f.value, f.dim] for f in self.placement_flags],
         }
 
 
@@ -246,9 +265,11 @@ def derive(
     shard_dims: Sequence[str],
     rank: int,
     stage_dims: Sequence[str] = (),
+    placement_flags: Sequence[PlacementFlag] = (),
 ) -> Topology:
     """The topology of a mesh for ``rank``, from its dim names, shape, row-major ranks, the data-parallel dims, the
-    data dims some parameter is sharded over and the pipeline stage dims (model dims along which modules differ).
+    data dims some parameter is sharded over, the pipeline stage dims (model dims along which modules differ) and the
+    framework's :class:`PlacementFlag` rule for plain tensors.
     Pure; raises ``ValueError`` for inconsistent inputs (a stage dim that is also data-parallel)."""
     if any(d in data_dims for d in stage_dims):
         raise ValueError(
@@ -271,4 +292,5 @@ def derive(
         peer_dims=peer_dims,
         rank=rank,
         stage_dims=tuple(d for d in dims if d in stage_dims),
+        placement_flags=tuple(placement_flags),
     )

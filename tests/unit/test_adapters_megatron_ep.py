@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from gemscout import ConfigError
+from gemscout.adapters.megatron.topology import MEGATRON_PLACEMENT_FLAGS
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
 from gemscout.topology import derive
 
@@ -39,13 +40,21 @@ def _param(**flags: Any) -> torch.Tensor:
     return p
 
 
+def _mesh(model_dim: str) -> Any:
+    """A (dp, <model_dim>) mesh of 2 x 2 with Megatron's placement flags, as megatron_topology builds it."""
+    return derive(
+        dims=("dp", model_dim),
+        shape=(2, 2),
+        ranks=range(4),
+        data_dims=("dp",),
+        shard_dims=(),
+        rank=0,
+        placement_flags=MEGATRON_PLACEMENT_FLAGS,
+    )
+
+
 def test_expert_weights_lie_on_the_ep_dim() -> None:
-    ep = derive(
-        dims=("dp", "ep"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0
-    )
-    dense = derive(
-        dims=("dp", "tp"), shape=(2, 2), ranks=range(4), data_dims=("dp",), shard_dims=(), rank=0
-    )
+    ep, dense = _mesh("ep"), _mesh("tp")
     expert = _param(
         allreduce=False, tensor_model_parallel=True
     )  # SequentialMLP's fc1 at expert TP 1

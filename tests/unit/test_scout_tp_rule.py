@@ -10,25 +10,36 @@ inside the replay's all-reduce. DTensor parameters are covered for real by tests
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
+from gemscout.adapters.megatron.topology import MEGATRON_PLACEMENT_FLAGS
 from gemscout.scout.materialize import param_model_dims, uses_model_dims
-from gemscout.topology import Topology, derive
+from gemscout.topology import PlacementFlag, Topology, derive
 
 
-def megatron_mesh(tp: int, cp: int = 1) -> Topology:
-    """What gemscout.adapters.megatron.megatron_topology builds: (dp, [cp,] [tp]), dims of size 1 dropped but dp."""
+def megatron_mesh(tp: int, cp: int = 1, flags: bool = True) -> Topology:
+    """What gemscout.adapters.megatron.megatron_topology builds: (dp, [cp,] [tp]), dims of size 1 dropped but dp,
+    with Megatron's placement flags (``flags=False``: the same mesh as any other framework's)."""
     sizes = {"dp": 2, "cp": cp, "tp": tp}
     dims = tuple(d for d in ("dp", "cp", "tp") if d == "dp" or sizes[d] > 1)
     shape = [sizes[d] for d in dims]
     n = 1
     for size in shape:
         n *= size
-    return derive(dims=dims, shape=shape, ranks=range(n), data_dims=("dp",), shard_dims=(), rank=0)
+    return derive(
+        dims=dims,
+        shape=shape,
+        ranks=range(n),
+        data_dims=("dp",),
+        shard_dims=(),
+        rank=0,
+        placement_flags=MEGATRON_PLACEMENT_FLAGS if flags else (),
+    )
 
 
 def flagged(value: object = True) -> nn.Parameter:
@@ -56,6 +67,24 @@ def test_megatron_tp_shards_run_collectives_along_tp() -> None:
     assert uses_model_dims([plain, flagged(False), flagged()], topology)
     assert not uses_model_dims([plain, flagged(False)], topology)
     assert not uses_model_dims([], topology)
+
+
+@pytest.mark.timeout(30)
+def test_the_core_knows_no_framework_flag() -> None:
+    # The same (dp, tp) mesh without Megatron's rule: a tensor carrying Megatron's attribute is an ordinary tensor.
+    topology = megatron_mesh(tp=2, flags=False)
+    assert topology.model_dims == ("tp",)
+    assert param_model_dims(flagged(), topology) == set() and not uses_model_dims(
+        [flagged()], topology
+    )
+    # Any framework's own attribute works the same way once its adapter names it.
+    other = dataclasses.replace(
+        topology, placement_flags=(PlacementFlag("sharded_by_me", True, "tp"),)
+    )
+    mine = nn.Parameter(torch.zeros(2))
+    mine.sharded_by_me = True  # type: ignore[attr-defined]
+    assert param_model_dims(mine, other) == {"tp"} and param_model_dims(flagged(), other) == set()
+    assert other.to_dict()["placement_flags"] == [["sharded_by_me", True, "tp"]]
 
 
 @pytest.mark.timeout(30)

@@ -59,18 +59,19 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def param_model_dims(param: torch.Tensor, topology: Topology) -> set[str]:
     """The topology's model-parallel dims ``param`` is placed on: those its replay runs collectives along.
 
-    A DTensor says so through its mesh's dim names. A plain tensor flagged ``tensor_model_parallel`` is Megatron
-    Core's TP shard (ColumnParallel / RowParallel linears, the vocab-parallel embedding): its module all-reduces over
-    Megatron's TP group, the topology's ``tp`` dim (how :func:`~gemscout.adapters.megatron.topology.megatron_topology` names
-    it). A plain tensor flagged ``allreduce=False`` is Megatron's expert weight under expert parallelism: its layer
-    dispatches tokens with AllToAlls over the ``ep`` dim. Anything else is replicated along every model dim. Pure;
-    no framework is imported."""
+    A DTensor says so through its mesh's dim names. A plain tensor lies on the dims its framework's flags name
+    (:attr:`~gemscout.topology.Topology.placement_flags`, set by the adapter: Megatron Core's TP shards and expert
+    weights, :data:`~gemscout.adapters.megatron.topology.MEGATRON_PLACEMENT_FLAGS`). Anything else is replicated
+    along every model dim. Pure; no framework is imported."""
     model = set(topology.model_dims)
     if is_dtensor(param):
         return model & set(mesh_dims(param.device_mesh))  # type: ignore[attr-defined]
-    dims = {"tp"} if getattr(param, "tensor_model_parallel", False) is True else set()
-    if getattr(param, "allreduce", True) is False:
-        dims.add("ep")
+    missing = object()
+    dims = {
+        flag.dim
+        for flag in topology.placement_flags
+        if getattr(param, flag.attribute, missing) is flag.value
+    }
     return model & dims
 
 

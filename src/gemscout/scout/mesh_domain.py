@@ -70,8 +70,8 @@ class MeshDomain:
         self.materializer = Materializer(topology, timeout)
         self.timeout = timeout
         self.collective_recipes: frozenset[str] = frozenset()
-        """Recipes whose replay runs collectives (parameters placed on a model-parallel dim: DTensors, or Megatron's
-        ``tensor_model_parallel`` tensors, :func:`~gemscout.scout.materialize.param_model_dims`)."""
+        """Recipes whose replay runs collectives (parameters placed on a model-parallel dim: DTensors, or plain
+        tensors the topology's placement flags place, :func:`~gemscout.scout.materialize.param_model_dims`)."""
         self._model_dims: dict[str, tuple[str, ...]] = {}
         self._detectors: dict[str, CommStragglerDetector] = {}
         self.job_names: tuple[str, ...] = ()

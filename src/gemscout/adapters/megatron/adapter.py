@@ -15,7 +15,7 @@ pipeline-parallel coordinates and differ only along data parallelism (the data-p
 as a mesh ``(pp, dp, cp, tp)`` — Megatron's default order ``tp-cp-ep-dp-pp`` — and checked against the live
 data-parallel group, so a custom order is refused instead of pairing the wrong ranks. Megatron's TP shards (plain
 tensors flagged ``tensor_model_parallel``) lie on that mesh's ``tp`` dim
-(:func:`~gemscout.scout.materialize.param_model_dims`), so a block whose replay all-reduces with its TP partners
+(:data:`~gemscout.adapters.megatron.topology.MEGATRON_PLACEMENT_FLAGS`, the topology's placement rule), so a block whose replay all-reduces with its TP partners
 replays on every rank or on none.
 
 Expert parallelism (MoE layers with ``expert_model_parallel_size > 1``; tp = cp = 1) reads the layout as

@@ -13,9 +13,18 @@ from torch import nn
 
 from gemscout.adapters.classes import class_names
 from gemscout.errors import ConfigError
-from gemscout.topology import Topology, derive
+from gemscout.topology import PlacementFlag, Topology, derive
 
-__all__ = ["megatron_topology", "moe_layers"]
+__all__ = ["MEGATRON_PLACEMENT_FLAGS", "megatron_topology", "moe_layers"]
+
+MEGATRON_PLACEMENT_FLAGS = (
+    PlacementFlag("tensor_model_parallel", True, "tp"),
+    PlacementFlag("allreduce", False, "ep"),
+)
+"""How Megatron Core marks its plain-tensor shards: ``tensor_model_parallel=True`` on a TP shard (ColumnParallel /
+RowParallel linears, the vocab-parallel embedding; its module all-reduces over the TP group, the topology's ``tp``
+dim) and ``allreduce=False`` on an expert weight under expert parallelism (its layer dispatches tokens with AllToAlls
+over ``ep``). Megatron sets ``tensor_model_parallel=False`` on replicated tensors, and only the bool counts."""
 
 
 def megatron_topology(rank: int | None = None) -> Topology:
@@ -25,7 +34,7 @@ def megatron_topology(rank: int | None = None) -> Topology:
     Expert parallelism (``expert_model_parallel_size > 1``, tp = cp = 1): mesh ``(pp, dp, ep)`` with ``dp`` the
     expert-data-parallel size, so peers are Megatron's expert-data-parallel group (the ranks holding the same experts;
     dense weights are replicated over them too) and ``ep`` is a model dim along which a MoE layer's replay runs its
-    AllToAlls (expert weights are flagged ``allreduce=False``, :func:`~gemscout.scout.materialize.param_model_dims`).
+    AllToAlls (expert weights are flagged ``allreduce=False``: :data:`MEGATRON_PLACEMENT_FLAGS`).
 
     Raises ConfigError when model parallelism is not initialised, for expert parallelism combined with tensor or
     context parallelism or with an expert TP size of its own, and when the live data-parallel (or expert) groups are
@@ -76,6 +85,7 @@ def megatron_topology(rank: int | None = None) -> Topology:
         shard_dims=(),
         rank=rank,
         stage_dims=("pp",) if "pp" in dims else (),
+        placement_flags=MEGATRON_PLACEMENT_FLAGS,
     )
     live = {
         "data-parallel": ps.get_expert_data_parallel_group()
