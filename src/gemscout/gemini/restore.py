@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gemscout import _dist as comm
+from gemscout._modules import unwrap as _unwrap
 from gemscout.config import TrustState
 from gemscout.errors import ConfigError, RecoveryError, RunMismatchError
 from gemscout.gemini import seams, store
@@ -276,9 +277,14 @@ def restore_frame(
     state = decode(parsed.skeleton, views)
     if not owned:
         # A slot or held replica is reused by GEMINI: restored state must never alias it. Optimizer state goes
-        # straight into the optimizer's live tensors (one copy, no new buffer); the rest is cloned, the model too
-        # (a module's load hook may keep the tensor it is given).
+        # straight into the optimizer's live tensors (one copy, no new buffer); a model whose every module loads
+        # by copying (torch's own load path, no hooks) gets the views too; the rest is cloned.
         # Only a torch optimizer's own state_dict format (an adapter's optimizer, e.g. DeepSpeed's, is cloned).
+        model_state = state.get("model")
+        if _copies_on_load(_unwrap(sources.model)):
+            state = {**state, "model": {}}
+        else:
+            model_state = None
         saved = state.get("optimizer")
         if not (
             isinstance(sources.optimizer, torch.optim.Optimizer)
@@ -296,7 +302,28 @@ def restore_frame(
                 }
                 for idx, per_param in optimizer_state.items()
             }
+        if model_state is not None:
+            state["model"] = model_state
     training_state.restore(sources, state)
+
+
+def _copies_on_load(model: torch.nn.Module) -> bool:
+    """Whether ``model.load_state_dict`` copies every tensor it is given into the live one and keeps none: every
+    module uses torch's own load path (``load_state_dict`` / ``_load_from_state_dict`` not overridden) and has no
+    load hook (a hook may keep the tensor it sees), and torch is not set to swap tensors on load
+    (``torch.__future__.set_swap_module_params_on_conversion``)."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    base_load = torch.nn.Module.load_state_dict
+    base_from = torch.nn.Module._load_from_state_dict
+    if type(model).load_state_dict is not base_load:
+        return False
+    for module in model.modules():
+        if type(module)._load_from_state_dict is not base_from:
+            return False
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return False
+    return True
 
 
 def _copy_into_live_optimizer_state(
