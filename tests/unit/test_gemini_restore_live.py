@@ -85,6 +85,15 @@ def test_only_a_model_that_loads_by_copying_skips_the_clone() -> None:
         lambda *args: None
     )  # a hook sees (and may keep) the tensors
     assert not _copies_on_load(hooked)
+
+    class WithExtra(nn.Linear):  # its extra state goes to set_extra_state, which may keep it
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.zeros(1)
+
+        def set_extra_state(self, state: torch.Tensor) -> None:
+            self.kept = state
+
+    assert not _copies_on_load(nn.Sequential(nn.Linear(2, 2), WithExtra(2, 2)))
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         assert not _copies_on_load(

@@ -309,17 +309,19 @@ def restore_frame(
 
 def _copies_on_load(model: torch.nn.Module) -> bool:
     """Whether ``model.load_state_dict`` copies every tensor it is given into the live one and keeps none: every
-    module uses torch's own load path (``load_state_dict`` / ``_load_from_state_dict`` not overridden) and has no
-    load hook (a hook may keep the tensor it sees), and torch is not set to swap tensors on load
+    module uses torch's own load path (``load_state_dict`` / ``_load_from_state_dict`` not overridden, no extra state
+    of its own) and has no load hook (a hook, or ``set_extra_state``, may keep what it is given), and torch is not set to swap tensors on load
     (``torch.__future__.set_swap_module_params_on_conversion``)."""
     if torch.__future__.get_swap_module_params_on_conversion():
         return False
     base_load = torch.nn.Module.load_state_dict
     base_from = torch.nn.Module._load_from_state_dict
+    base_extra = torch.nn.Module.set_extra_state
     if type(model).load_state_dict is not base_load:
         return False
     for module in model.modules():
-        if type(module)._load_from_state_dict is not base_from:
+        kind = type(module)
+        if kind._load_from_state_dict is not base_from or kind.set_extra_state is not base_extra:
             return False
         if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
             return False
